@@ -1,0 +1,55 @@
+"""Splitting a stage input into micro-batches along dim 0, and joining micro-batch outputs back."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+from torch import Tensor
+
+# What flows between stages: one tensor, or a tuple of tensors (an nn.Sequential passes either from layer to layer).
+Activation = Union[Tensor, tuple[Tensor, ...]]
+
+
+def as_tensors(value: object, where: str) -> tuple[Tensor, ...]:
+    """The tensors of an activation, or a ``TypeError`` saying what else was found ``where``."""
+    tensors = value if isinstance(value, tuple) else (value,)
+    for index, tensor in enumerate(tensors):
+        if not isinstance(tensor, Tensor):
+            raise TypeError(
+                f"{where} is a {type(tensor).__name__} (item {index}); only a tensor or a tuple of tensors can flow"
+                " between pipeline stages. Return tensors from the pipelined layers and keep other values outside"
+                " the nn.Sequential."
+            )
+    return tensors
+
+
+def batch_size(value: Activation, where: str) -> int:
+    """The common size of dim 0 of every tensor in ``value``."""
+    sizes = {tensor.shape[0] if tensor.dim() else None for tensor in as_tensors(value, where)}
+    if None in sizes or len(sizes) != 1:
+        raise ValueError(
+            f"{where} must hold tensors with one common batch dimension (dim 0) to be split into micro-batches;"
+            f" found sizes {sorted(sizes, key=str)}."
+        )
+    return sizes.pop()  # type: ignore[return-value]
+
+
+def split(value: Activation, num_micro_batches: int) -> list[Activation]:
+    """Split along dim 0 into ``min(num_micro_batches, batch size)`` non-empty chunks whose sizes differ by at most 1.
+
+    The chunks are views: no data is copied.
+    """
+    size = batch_size(value, "the input of the pipelined module")
+    chunks = max(1, min(num_micro_batches, size))
+    if isinstance(value, Tensor):
+        return list(torch.tensor_split(value, chunks))
+    per_tensor = [torch.tensor_split(tensor, chunks) for tensor in value]
+    return [tuple(parts) for parts in zip(*per_tensor)]
+
+
+def join(outputs: list[Activation]) -> Activation:
+    """Concatenate micro-batch outputs along dim 0: the output one device would have computed on the whole batch."""
+    if isinstance(outputs[0], Tensor):
+        return torch.cat(outputs)  # type: ignore[arg-type]
+    return tuple(torch.cat(parts) for parts in zip(*outputs))

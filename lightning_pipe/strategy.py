@@ -1,0 +1,524 @@
+"""``GPipeStrategy``: Lightning's bridge to the pipeline, from launch to optimizer step.
+
+Sections follow the order in which Lightning calls them: construction, launch, process groups, model setup,
+the steps, backward and the optimizer step, collectives, teardown.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.optim import Optimizer
+from torchmetrics import Metric
+
+from lightning_pipe.config import CheckpointMode, PipelineParallelConfig, validate_checkpoint_mode
+from lightning_pipe.engine import HandedOff, PipelineEngine
+from lightning_pipe.mirror import StepOutcome, recording_logs, replay_logs
+from lightning_pipe.p2p import Link
+from lightning_pipe.partition import find_pipelined_module, stage_ranges
+from lightning_pipe.stage import PipelineStage
+from lightning_pipe.summary import format_stage_summary
+from lightning_pipe.topology import PipelineLayout
+
+log = logging.getLogger(__name__)
+
+# LightningModule hooks whose user code consumes step results, so they run where those results are: on the last
+# stage. Whatever they log is replayed on the other stages.
+_EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
+
+
+class GPipeStrategy(ParallelStrategy):
+    """GPipe pipeline parallelism: the model's layers split into stages, one per process and device.
+
+    Args:
+        num_stages: pipeline stages; defaults to the number of processes (``devices * num_nodes``).
+        num_micro_batches: micro-batches per mini-batch; defaults to ``4 * num_stages``, where GPipe's idle bubble
+            becomes negligible.
+        checkpoint: activation re-computation: ``"always"``, ``"except_last"`` (every micro-batch but the last,
+            whose backward follows soonest) or ``"never"``.
+        balance: layers per stage, e.g. ``[3, 5]``; defaults to an even split.
+        module_name: dotted path of the ``nn.Sequential`` to pipeline (``"net.model"``); by default the outermost
+            ``nn.Sequential`` with the most parameters.
+        start_method: ``"popen"`` (re-run the script per process), ``"spawn"`` or ``"fork"``, as for DDP.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; defaults to what the device needs.
+        timeout: how long a collective or point-to-point receive may wait before failing.
+    """
+
+    strategy_name = "gpipe"
+
+    def __init__(
+        self,
+        num_stages: int | None = None,
+        num_micro_batches: int | None = None,
+        checkpoint: CheckpointMode = "except_last",
+        balance: Sequence[int] | None = None,
+        module_name: str | None = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        # Validate what can be validated before any process starts.
+        if num_stages is not None or num_micro_batches is not None:
+            PipelineParallelConfig(num_stages or 1, num_micro_batches or 1)
+        self._num_stages = num_stages
+        self._num_micro_batches = num_micro_batches
+        self._checkpoint = validate_checkpoint_mode(checkpoint)
+        self._balance = list(balance) if balance is not None else None
+        if self._balance is not None and num_stages is not None and len(self._balance) != num_stages:
+            raise ValueError(
+                f"balance={self._balance} has {len(self._balance)} entries but num_stages={num_stages};"
+                " give one layer count per stage."
+            )
+        self._module_name = module_name
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._num_nodes = 1
+        self._layout: PipelineLayout | None = None
+        self._mesh: DeviceMesh | None = None
+        self._meta_group: dist.ProcessGroup | None = None
+        self._engine: PipelineEngine | None = None
+        self._replicated: list[nn.Parameter] = []
+        self._wrapped_hooks: list[str] = []
+
+    # ---- configuration -------------------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> PipelineParallelConfig:
+        """The resolved stage and micro-batch counts (known once the device count is)."""
+        num_stages = self._num_stages or self.num_processes * self.num_nodes
+        return PipelineParallelConfig(num_stages, self._num_micro_batches or 4 * num_stages)
+
+    @property
+    def layout(self) -> PipelineLayout:
+        if self._layout is None:
+            self._layout = PipelineLayout(self.config.num_stages)
+        return self._layout
+
+    @property
+    def stage_index(self) -> int:
+        return self.layout.stage(self.global_rank)
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every stage of a pipeline must see the same batch: shard across replicas only.
+        return {"num_replicas": self.layout.num_replicas, "rank": self.layout.replica(self.global_rank)}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    # ---- launch --------------------------------------------------------------------------------------------------
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        world_size = self.num_processes * self.num_nodes
+        if self._num_stages is not None and world_size != self._num_stages:
+            raise ValueError(
+                f"GPipeStrategy(num_stages={self._num_stages}) needs one process per stage, but the Trainer starts"
+                f" {world_size} (devices={self.num_processes}, num_nodes={self.num_nodes}); set"
+                f" Trainer(devices={self._num_stages}) or num_stages={world_size}."
+            )
+        if self._balance is not None and len(self._balance) != world_size:
+            raise ValueError(
+                f"balance={self._balance} has {len(self._balance)} entries but there are {world_size} stages"
+                f" (one per process); give one layer count per stage."
+            )
+        self.config  # noqa: B018  (validates the resolved counts before any process starts)
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._setup_distributed()
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ---- process groups ------------------------------------------------------------------------------------------
+
+    def _setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+        layout = self.layout
+        self._mesh = init_device_mesh(
+            self.root_device.type, (layout.num_stages, layout.num_replicas), mesh_dim_names=("pp", "dp")
+        )
+        # Headers and step outcomes travel on a CPU group, so that reading them never waits on a GPU stream.
+        if self._process_group_backend == "gloo":
+            self._meta_group = self._mesh.get_group("pp")
+        else:
+            pipelines = [layout.pipeline_ranks(replica) for replica in range(layout.num_replicas)]
+            self._meta_group, _ = dist.new_subgroups_by_enumeration(pipelines, backend="gloo", timeout=self._timeout)
+
+    @property
+    def _replica_group(self) -> dist.ProcessGroup:
+        assert self._mesh is not None
+        return self._mesh.get_group("dp")
+
+    @property
+    def _pipeline_group(self) -> dist.ProcessGroup:
+        assert self._mesh is not None
+        return self._mesh.get_group("pp")
+
+    def _rank_of_stage(self, stage: int) -> int:
+        return self.layout.rank(stage, self.layout.replica(self.global_rank))
+
+    # ---- model setup ---------------------------------------------------------------------------------------------
+
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
+            raise RuntimeError(
+                "GPipeStrategy supports automatic optimization only: the pipeline drives backward itself, so"
+                " `self.manual_backward` cannot reach the other stages. Set `self.automatic_optimization = True`."
+            )
+        self._partition(module)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._broadcast_replicated_state()
+        self._sync_metrics_within_replicas(module)
+        self._wrap_epoch_end_hooks(module)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        # Clipping by norm must see the norm over all stages, not this stage's share of it.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+
+    def _partition(self, module: LightningModule) -> None:
+        """Replace the pipelined ``nn.Sequential`` by this rank's :class:`PipelineStage` and build its engine."""
+        config, layout = self.config, self.layout
+        name, stage = self._existing_stage(module)
+        if stage is None:
+            name, sequential = find_pipelined_module(module, self._module_name)
+            ranges = stage_ranges(config, len(sequential), self._balance)
+            rank_zero_info(self._summary(module, name, sequential, ranges))
+            stage = PipelineStage(sequential, ranges[self.stage_index], self.stage_index, config.num_stages)
+            parent_name, _, attribute = name.rpartition(".")
+            setattr(module.get_submodule(parent_name) if parent_name else module, attribute, stage)
+        stage_parameters = {id(p) for p in stage.parameters()}
+        self._replicated = [p for p in module.parameters() if id(p) not in stage_parameters]
+        index = self.stage_index
+        previous = self._link(index - 1) if index > 0 else None
+        next_link = self._link(index + 1) if index < config.num_stages - 1 else None
+        self._engine = PipelineEngine(stage, config.num_micro_batches, self._checkpoint, previous, next_link)
+
+    def _existing_stage(self, module: LightningModule) -> tuple[str, PipelineStage | None]:
+        """A stage from an earlier ``fit``/``validate`` call with this model, if any."""
+        for name, child in module.named_modules():
+            if isinstance(child, PipelineStage):
+                return name, child
+        return "", None
+
+    def _link(self, stage: int) -> Link:
+        assert self._meta_group is not None
+        return Link(self._rank_of_stage(stage), self._pipeline_group, self._meta_group, self.root_device)
+
+    def _summary(self, module: LightningModule, name: str, sequential: nn.Sequential, ranges: list[range]) -> str:
+        layers = list(sequential)
+        parameters = [sum(p.numel() for i in r for p in layers[i].parameters()) for r in ranges]
+        stage_ids = {id(p) for p in sequential.parameters()}
+        replicated = sum(p.numel() for p in module.parameters() if id(p) not in stage_ids)
+        ranks = [self.layout.pipeline_ranks(0)[stage] for stage in range(len(ranges))]
+        return format_stage_summary(
+            name, ranges, parameters, ranks, replicated, self.config.num_micro_batches, self._checkpoint
+        )
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _broadcast_replicated_state(self) -> None:
+        """Parameters outside the pipelined module live on every stage: start them identical (from rank 0)."""
+        with torch.no_grad():
+            for tensor in self._replicated:
+                dist.broadcast(tensor.data, src=0)
+
+    def _sync_metrics_within_replicas(self, module: LightningModule) -> None:
+        """torchmetrics syncs over the whole world by default; only a stage's replicas hold the same metric."""
+        for metric in module.modules():
+            if isinstance(metric, Metric):
+                metric.process_group = self._replica_group
+
+    def _wrap_epoch_end_hooks(self, module: LightningModule) -> None:
+        """Run the user's epoch-end hooks on the last stage only, replaying what they log on the other stages."""
+        for hook in _EPOCH_END_HOOKS:
+            if hook in module.__dict__:
+                continue  # already wrapped by an earlier call with this model
+            user_hook = getattr(module, hook)
+
+            def wrapped(user_hook: Callable[[], None] = user_hook) -> None:
+                self._run_on_last_stage(user_hook)
+
+            setattr(module, hook, wrapped)
+            self._wrapped_hooks.append(hook)
+
+    # ---- steps ---------------------------------------------------------------------------------------------------
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            outcome, output = self._pipelined_step("training_step", args, kwargs)
+        if self._engine_is_last:
+            return output
+        if outcome.skipped:
+            return None
+        # Lightning calls backward on this; the pipeline's own backward runs instead (see `backward`).
+        return torch.tensor(outcome.loss, device=self.root_device)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            _, output = self._pipelined_step("validation_step", args, kwargs)
+        return output if self._engine_is_last else None
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            _, output = self._pipelined_step("test_step", args, kwargs)
+        return output if self._engine_is_last else None
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            _, output = self._pipelined_step("predict_step", args, kwargs)
+        return output if self._engine_is_last else None
+
+    @property
+    def _engine_is_last(self) -> bool:
+        assert self._engine is not None
+        return self._engine.is_last
+
+    def _pipelined_step(self, hook: str, args: tuple, kwargs: dict) -> tuple[StepOutcome, Any]:
+        """Run one step of the user's ``hook`` through the pipeline; every stage learns the outcome."""
+        engine, module = self._engine, self.lightning_module
+        assert engine is not None and module is not None
+        engine.begin_step()
+        user_step = getattr(module, hook)
+        output, outcome = None, StepOutcome()
+        if engine.is_last:
+            with recording_logs(module) as records:
+                output = user_step(*args, **kwargs)
+            if not engine.called and not engine.is_first:
+                engine.drain()
+            loss = output.get("loss") if isinstance(output, dict) else output
+            outcome = StepOutcome(output is None, float(loss.detach()) if isinstance(loss, Tensor) else None, records)
+        elif engine.is_first:
+            try:
+                user_step(*args, **kwargs)
+            except HandedOff:
+                pass
+            else:
+                engine.send_skip()  # the step returned before the pipelined call: nothing flows this step
+        else:
+            engine.relay()
+        outcome = self._share_outcome(outcome)
+        if outcome.skipped:
+            engine.begin_step()  # no backward will come: drop the stored micro-batches
+        return outcome, output
+
+    def _run_on_last_stage(self, user_hook: Callable[[], None]) -> None:
+        module = self.lightning_module
+        assert module is not None
+        outcome = StepOutcome()
+        if self._engine_is_last:
+            with recording_logs(module) as records:
+                user_hook()
+            outcome.logs = records
+        self._share_outcome(outcome)
+
+    def _share_outcome(self, outcome: StepOutcome) -> StepOutcome:
+        """Broadcast the last stage's outcome to its pipeline; the other stages replay its logs."""
+        if self.layout.num_stages == 1:
+            return outcome
+        holder = [outcome]
+        dist.broadcast_object_list(holder, src=self._rank_of_stage(self.layout.num_stages - 1), group=self._meta_group)
+        outcome = holder[0]
+        if not self._engine_is_last:
+            assert self.lightning_module is not None
+            replay_logs(self.lightning_module, outcome.logs)
+        return outcome
+
+    # ---- backward and optimizer step -----------------------------------------------------------------------------
+
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        engine, module = self._engine, self.lightning_module
+        assert engine is not None and module is not None
+        if engine.is_last:
+            closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+            if not engine.is_first:
+                engine.finish_last_backward()
+            return closure_loss
+        # The loss lives on the last stage; here the gradients arrive from the next stage instead.
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        engine.backward()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: LightningModule | nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        def closure_then_sum_replicated_gradients() -> Any:
+            result = closure()
+            if result is not None:  # None: the step was skipped on every stage
+                self._sum_replicated_gradients()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_sum_replicated_gradients, model, **kwargs)
+
+    def _sum_replicated_gradients(self) -> None:
+        """Parameters used on several stages (an embedding before the pipeline, a head after it) get each stage's
+        contribution: sum the gradients over the pipeline. A parameter no stage used keeps ``grad=None``."""
+        if not self._replicated or self.layout.num_stages == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._replicated]
+        used = torch.tensor([float(p.grad is not None) for p in self._replicated], device=self.root_device)
+        flat = torch.cat([g.reshape(-1) for g in grads] + [used])
+        dist.all_reduce(flat, group=self._pipeline_group)
+        offset = 0
+        for p, g in zip(self._replicated, grads):
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        for p, g, was_used in zip(self._replicated, grads, flat[offset:].tolist()):
+            p.grad = g if was_used else None
+
+    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """``clip_grad_norm_`` over the whole model: stage norms combined across the pipeline, replicated
+        parameters (identical on every stage after the gradient sum) counted once."""
+        replicated_ids = {id(p) for p in self._replicated}
+        params = [p for p in self.precision_plugin.main_params(optimizer) if p.grad is not None]
+        own = [p.grad for p in params if id(p) not in replicated_ids]
+        shared = [p.grad for p in params if id(p) in replicated_ids]
+        zero = torch.zeros((), device=self.root_device)
+        own_sq = torch.nn.utils.get_total_norm(own).square() if own else zero
+        if self.layout.num_stages > 1:
+            dist.all_reduce(own_sq, group=self._pipeline_group)
+        shared_sq = torch.nn.utils.get_total_norm(shared).square() if shared else zero
+        total_norm = (own_sq + shared_sq).sqrt()
+        torch.nn.utils.clip_grads_with_norm_([p for p in params], clip_val, total_norm)
+
+    # ---- collectives ---------------------------------------------------------------------------------------------
+
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        """Reduce across data-parallel replicas of this stage (logged values are already the same on every stage)."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        group = group if group is not None else self._replica_group
+        if dist.get_world_size(group) == 1:
+            return tensor
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return super().all_gather(tensor, group if group is not None else self._replica_group, sync_grads)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        flag = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(flag)
+        return bool(flag == self.world_size) if all else bool(flag)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src)
+        return holder[0]
+
+    # ---- teardown ------------------------------------------------------------------------------------------------
+
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if module is not None:
+            for hook in self._wrapped_hooks:
+                module.__dict__.pop(hook, None)
+        self._wrapped_hooks = []
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name, start_method in (("gpipe", "popen"), ("gpipe_spawn", "spawn"), ("gpipe_fork", "fork")):
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"GPipe pipeline parallelism with start_method={start_method!r}",
+                start_method=start_method,
+            )

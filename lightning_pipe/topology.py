@@ -1,0 +1,42 @@
+"""Where each stage runs: the layout of global ranks over pipeline stages and data-parallel replicas.
+
+Ranks form a ``(pipeline, replica)`` grid, pipeline outermost (as in torchtitan and Megatron), so that a replica's
+gradient all-reduce stays among neighbouring ranks (one node) while activations cross nodes. Along the pipeline
+dimension the stages run backwards: grid row 0, and so global rank 0, holds the *last* stage, where the loss,
+the metrics and the step outputs live, which is where Lightning's loggers, progress bar and rank-zero callbacks
+look for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """``num_stages * num_replicas`` ranks, each holding one stage of one replica of the pipeline."""
+
+    num_stages: int
+    num_replicas: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.num_stages * self.num_replicas
+
+    def rank(self, stage: int, replica: int = 0) -> int:
+        """Global rank holding ``stage`` of ``replica``."""
+        return (self.num_stages - 1 - stage) * self.num_replicas + replica
+
+    def stage(self, rank: int) -> int:
+        return self.num_stages - 1 - rank // self.num_replicas
+
+    def replica(self, rank: int) -> int:
+        return rank % self.num_replicas
+
+    def pipeline_ranks(self, replica: int) -> list[int]:
+        """The ranks of one pipeline, ordered by stage (first stage first)."""
+        return [self.rank(stage, replica) for stage in range(self.num_stages)]
+
+    def replica_ranks(self, stage: int) -> list[int]:
+        """The ranks holding ``stage``, one per replica: they average their gradients."""
+        return [self.rank(stage, replica) for replica in range(self.num_replicas)]

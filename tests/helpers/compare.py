@@ -1,0 +1,76 @@
+"""Run worker scripts in fresh processes and compare their results with single-device training."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Trainer, seed_everything
+
+from helpers.models import PipeClassifier, loaders
+from helpers.recording import MetricRecorder
+
+WORKERS = Path(__file__).resolve().parents[1] / "workers"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def launch(worker: str, spec: dict, tmp_path: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``workers/WORKER`` on ``spec`` in a fresh Python (Lightning's launcher re-runs the script per rank)."""
+    spec_path = tmp_path / f"{Path(worker).stem}_spec.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for variable in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(variable, None)
+    result = subprocess.run(
+        [sys.executable, str(WORKERS / worker), str(spec_path)],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path,
+    )
+    if result.returncode != 0:
+        raise AssertionError(f"worker {worker} failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
+    return result
+
+
+def merged_state_dict(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The whole model from the per-rank state dicts (each rank holds its stage plus the replicated parameters).
+
+    A tensor held by several ranks (a replicated parameter) must be identical on all of them.
+    """
+    merged: dict[str, torch.Tensor] = {}
+    for path in sorted(run_dir.glob("rank*.pt")):
+        for key, value in torch.load(path).items():
+            if key in merged:
+                assert torch.equal(merged[key], value), f"replicated tensor {key} differs between ranks"
+            merged[key] = value
+    return merged
+
+
+def rank_results(run_dir: Path) -> list[dict]:
+    return [json.loads(path.read_text()) for path in sorted(run_dir.glob("rank*.json"))]
+
+
+def single_device_run(run: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """Initial weights, final weights and recorded metrics of the same training on one device."""
+    seed_everything(0)
+    model = PipeClassifier(lr=run.get("lr", 0.5))
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    train, val = loaders(run.get("train_samples", 80), run.get("val_samples", 40), run.get("batch_size", 16))
+    recorder = MetricRecorder()
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_epochs=run.get("max_epochs", 1), logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
+    )
+    trainer.fit(model, train, val)
+    return initial, model.state_dict(), recorder.summary()
+
+
+def relative_weight_error(initial: dict, expected: dict, actual: dict) -> float:
+    """|actual - expected| / |expected - initial| over all weights: the error relative to what training changed."""
+    assert actual.keys() == expected.keys(), f"keys differ: {set(actual) ^ set(expected)}"
+    error = torch.sqrt(sum(((actual[k] - expected[k]) ** 2).sum() for k in expected))
+    change = torch.sqrt(sum(((expected[k] - initial[k]) ** 2).sum() for k in expected))
+    assert change > 1e-2, "the reference training barely changed the weights: raise the learning rate"
+    return float(error / change)

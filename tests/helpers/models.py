@@ -1,0 +1,65 @@
+"""Small LightningModules shaped like real projects, shared by the tests and their worker scripts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Component(nn.Module):
+    """A model component holding the layers to pipeline in ``self.model``, with a reshape before the call."""
+
+    def __init__(self, in_features: int = 12, hidden: int = 16, depth: int = 8) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(depth // 2):
+            layers += [nn.Linear(in_features if i == 0 else hidden, hidden), nn.Tanh()]
+        self.model = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch = x.shape[0]
+        return self.model(x.view(batch, -1))
+
+
+class PipeClassifier(LightningModule):
+    """Nested pipelined Sequential (``net.model``), a replicated parameter before it and a replicated head after."""
+
+    def __init__(self, lr: float = 0.5, depth: int = 8, classes: int = 3) -> None:
+        super().__init__()
+        self.lr = lr
+        self.input_scale = nn.Parameter(torch.ones(3, 4))
+        self.net = Component(depth=depth)
+        self.head = nn.Linear(16, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.net(x * self.input_scale))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def classification_data(samples: int, seed: int = 0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, 3, 4, generator=generator)
+    y = (x.sum(dim=(1, 2)) > 0).long() + (x[:, 0, 0] > 1).long()
+    return TensorDataset(x, y)
+
+
+def loaders(train_samples: int, val_samples: int, batch_size: int) -> tuple[DataLoader, DataLoader]:
+    return (
+        DataLoader(classification_data(train_samples, seed=0), batch_size=batch_size),
+        DataLoader(classification_data(val_samples, seed=1), batch_size=batch_size),
+    )

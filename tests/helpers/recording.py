@@ -1,0 +1,18 @@
+"""A callback that records what Lightning shows a user: per-step training loss and the final metrics."""
+
+from lightning.pytorch import Callback
+
+
+class MetricRecorder(Callback):
+    def __init__(self) -> None:
+        self.train_losses: list[float] = []
+        self.final_metrics: dict[str, float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.train_losses.append(float(trainer.callback_metrics["train_loss"]))
+
+    def on_fit_end(self, trainer, pl_module):
+        self.final_metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
+
+    def summary(self) -> dict:
+        return {"train_losses": self.train_losses, "final_metrics": self.final_metrics}

@@ -1,0 +1,73 @@
+"""Pipelined training ends with the weights, losses and metrics of the same training on one device."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.compare import launch, merged_state_dict, rank_results, relative_weight_error, single_device_run
+
+TOLERANCE = 1e-5  # of the total weight change during training
+MICRO_BATCHES = (1, 3, 4, 8)
+MODES = ("always", "except_last", "never")
+
+
+def runs_for(devices: int) -> list[dict]:
+    runs = [
+        {"name": f"m{m}_{mode}", "num_micro_batches": m, "checkpoint": mode}
+        for m in MICRO_BATCHES
+        for mode in MODES
+    ]
+    # 50 samples in batches of 16: the last batch has 2 samples, fewer than M = 4.
+    runs.append({"name": "uneven", "num_micro_batches": 4, "train_samples": 50, "max_epochs": 2})
+    # Negative control: one micro-batch's gradient dropped; the comparison must see it.
+    runs.append({"name": "dropped", "num_micro_batches": 4, "drop_gradient_of": 1})
+    return runs
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}procs")
+def pipelined(request, tmp_path_factory):
+    devices = request.param
+    tmp = tmp_path_factory.mktemp(f"equivalence{devices}")
+    runs = runs_for(devices)
+    launch("fit_runs.py", {"devices": devices, "out": str(tmp), "runs": runs}, tmp)
+    return devices, tmp, {run["name"]: run for run in runs}
+
+
+_references: dict[tuple, tuple] = {}
+
+
+def reference(run: dict):
+    key = (run.get("train_samples", 80), run.get("max_epochs", 1), run.get("lr", 0.5))
+    if key not in _references:
+        _references[key] = single_device_run(run)
+    return _references[key]
+
+
+def assert_matches_single_device(tmp, run):
+    initial, expected, expected_metrics = reference(run)
+    error = relative_weight_error(initial, expected, merged_state_dict(tmp / run["name"]))
+    assert error < TOLERANCE, f"weights differ from one device by {error:.2e} of their change"
+    for result in rank_results(tmp / run["name"]):  # every rank sees what one device logs
+        assert result["train_losses"] == pytest.approx(expected_metrics["train_losses"], rel=1e-5)
+        for key in ("train_loss", "val_loss"):
+            assert result["final_metrics"][key] == pytest.approx(expected_metrics["final_metrics"][key], rel=1e-5)
+
+
+@pytest.mark.parametrize("m", MICRO_BATCHES)
+@pytest.mark.parametrize("mode", MODES)
+def test_weights_and_losses_match_single_device(pipelined, m, mode):
+    _, tmp, runs = pipelined
+    assert_matches_single_device(tmp, runs[f"m{m}_{mode}"])
+
+
+def test_last_smaller_batch_matches_single_device(pipelined):
+    _, tmp, runs = pipelined
+    assert_matches_single_device(tmp, runs["uneven"])
+
+
+def test_comparison_detects_a_dropped_micro_batch_gradient(pipelined):
+    _, tmp, runs = pipelined
+    run = runs["dropped"]
+    initial, expected, _ = reference(run)
+    error = relative_weight_error(initial, expected, merged_state_dict(tmp / run["name"]))
+    assert error > 100 * TOLERANCE, f"dropping a micro-batch's gradient changed the weights by only {error:.2e}"

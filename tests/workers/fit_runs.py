@@ -1,0 +1,67 @@
+"""Worker: several `Trainer.fit` runs with the gpipe strategy in one launch, results written per rank.
+
+Usage: python fit_runs.py SPEC.json   (SPEC: {"devices": N, "out": DIR, "runs": [{"name": ..., ...}, ...]})
+Each run writes DIR/NAME/rank{R}.pt (the rank's state dict) and DIR/NAME/rank{R}.json (losses, metrics).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from lightning.pytorch import Trainer, seed_everything  # noqa: E402
+
+import lightning_pipe  # noqa: E402
+from helpers.models import PipeClassifier, loaders  # noqa: E402
+from helpers.recording import MetricRecorder  # noqa: E402
+from lightning_pipe import engine  # noqa: E402
+
+
+def drop_gradient_of(micro_batch):
+    """Negative control: the last stage sends zeros instead of one micro-batch's input gradient."""
+    original = engine._OrderedGradientSender._ready
+
+    def ready(self, m, grads):
+        if m == micro_batch:
+            grads = tuple(torch.zeros_like(g) if g is not None else None for g in grads)
+        original(self, m, grads)
+
+    engine._OrderedGradientSender._ready = ready
+    return lambda: setattr(engine._OrderedGradientSender, "_ready", original)
+
+
+def main(spec_path):
+    spec = json.loads(Path(spec_path).read_text())
+    for run in spec["runs"]:
+        seed_everything(0)
+        model = PipeClassifier(lr=run.get("lr", 0.5))
+        train, val = loaders(run.get("train_samples", 80), run.get("val_samples", 40), run.get("batch_size", 16))
+        restore = drop_gradient_of(run["drop_gradient_of"]) if run.get("drop_gradient_of") is not None else None
+        recorder = MetricRecorder()
+        trainer = Trainer(
+            strategy=lightning_pipe.GPipeStrategy(
+                num_micro_batches=run["num_micro_batches"], checkpoint=run.get("checkpoint", "except_last")
+            ),
+            accelerator="cpu",
+            devices=spec["devices"],
+            max_epochs=run.get("max_epochs", 1),
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[recorder],
+        )
+        trainer.fit(model, train, val)
+        if restore:
+            restore()
+        out = Path(spec["out"]) / run["name"]
+        out.mkdir(parents=True, exist_ok=True)
+        rank = trainer.global_rank
+        torch.save(model.state_dict(), out / f"rank{rank}.pt")
+        (out / f"rank{rank}.json").write_text(json.dumps(recorder.summary()))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
