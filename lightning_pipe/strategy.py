@@ -7,7 +7,7 @@ the steps, backward and the optimizer step, collectives, teardown.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -57,7 +57,9 @@ class GPipeStrategy(ParallelStrategy):
     """GPipe pipeline parallelism: the model's layers split into stages, one per process and device.
 
     Args:
-        num_stages: pipeline stages; defaults to the number of processes (``devices * num_nodes``).
+        num_stages: pipeline stages; defaults to the number of processes (``devices * num_nodes``). A
+            :class:`PipelineParallelConfig`, or a mapping such as a Hydra/OmegaConf node with ``num_stages`` and
+            ``num_micro_batches``, may be passed here instead of both counts.
         num_micro_batches: micro-batches per mini-batch; defaults to ``4 * num_stages``, where GPipe's idle bubble
             becomes negligible.
         checkpoint: activation re-computation: ``"always"``, ``"except_last"`` (every micro-batch but the last,
@@ -74,7 +76,7 @@ class GPipeStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        num_stages: int | None = None,
+        num_stages: int | PipelineParallelConfig | Mapping[str, Any] | None = None,
         num_micro_batches: int | None = None,
         checkpoint: CheckpointMode = "except_last",
         balance: Sequence[int] | None = None,
@@ -95,6 +97,8 @@ class GPipeStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        if isinstance(num_stages, (PipelineParallelConfig, Mapping)):
+            num_stages, num_micro_batches = _counts_from_config(num_stages, num_micro_batches)
         # Validate what can be validated before any process starts.
         if num_stages is not None or num_micro_batches is not None:
             PipelineParallelConfig(num_stages or 1, num_micro_batches or 1)
@@ -522,3 +526,19 @@ class GPipeStrategy(ParallelStrategy):
                 description=f"GPipe pipeline parallelism with start_method={start_method!r}",
                 start_method=start_method,
             )
+
+
+def _counts_from_config(
+    config: PipelineParallelConfig | Mapping[str, Any], num_micro_batches: int | None
+) -> tuple[int | None, int | None]:
+    """``(num_stages, num_micro_batches)`` from a config object or mapping (a Hydra/OmegaConf node)."""
+    if num_micro_batches is not None:
+        raise ValueError("pass num_micro_batches inside the config, or pass both counts as plain integers, not both.")
+    if isinstance(config, PipelineParallelConfig):
+        return config.num_stages, config.num_micro_batches
+    unknown = set(config) - {"num_stages", "num_micro_batches"}
+    if unknown:
+        raise ValueError(
+            f"unknown pipeline config keys {sorted(unknown)}; a pipeline config holds num_stages and num_micro_batches."
+        )
+    return config.get("num_stages"), config.get("num_micro_batches")
