@@ -100,8 +100,9 @@ class GPipeStrategy(ParallelStrategy):
         if isinstance(num_stages, (PipelineParallelConfig, Mapping)):
             num_stages, num_micro_batches = _counts_from_config(num_stages, num_micro_batches)
         # Validate what can be validated before any process starts.
-        if num_stages is not None or num_micro_batches is not None:
-            PipelineParallelConfig(num_stages or 1, num_micro_batches or 1)
+        PipelineParallelConfig(
+            num_stages if num_stages is not None else 1, num_micro_batches if num_micro_batches is not None else 1
+        )
         self._num_stages = num_stages
         self._num_micro_batches = num_micro_batches
         self._checkpoint = validate_checkpoint_mode(checkpoint)
@@ -185,9 +186,19 @@ class GPipeStrategy(ParallelStrategy):
             )
         self.config  # noqa: B018  (validates the resolved counts before any process starts)
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _CheckedSubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _CheckedMultiProcessingLauncher(self, start_method=self._start_method)
+        self._launcher.check_model = self._check_partition
+
+    def _check_partition(self, model: LightningModule) -> None:
+        """Raise the partition's errors (no Sequential, too many stages, a bad balance) before processes start."""
+        if self._existing_stage(model)[1] is not None:
+            return
+        _, sequential = find_pipelined_module(model, self._module_name)
+        stage_ranges(self.config, len(sequential), self._balance)
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -526,6 +537,25 @@ class GPipeStrategy(ParallelStrategy):
                 description=f"GPipe pipeline parallelism with start_method={start_method!r}",
                 start_method=start_method,
             )
+
+
+class _ModelCheck:
+    """A launcher mixin: check the model before launching, so that bad input fails in the launching process."""
+
+    check_model: Callable[[LightningModule], None] | None = None
+
+    def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        if self.check_model is not None and args and isinstance(args[0], LightningModule):
+            self.check_model(args[0])
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
+
+
+class _CheckedSubprocessScriptLauncher(_ModelCheck, _SubprocessScriptLauncher):
+    pass
+
+
+class _CheckedMultiProcessingLauncher(_ModelCheck, _MultiProcessingLauncher):
+    pass
 
 
 def _counts_from_config(
