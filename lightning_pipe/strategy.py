@@ -123,6 +123,7 @@ class GPipeStrategy(ParallelStrategy):
         self._engine: PipelineEngine | None = None
         self._replicated: list[nn.Parameter] = []
         self._wrapped_hooks: list[str] = []
+        self._step_skipped = False
 
     # ---- configuration -------------------------------------------------------------------------------------------
 
@@ -345,10 +346,13 @@ class GPipeStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context():
             outcome, output = self._pipelined_step("training_step", args, kwargs)
+        self._step_skipped = outcome.skipped
+        if outcome.skipped:
+            # Lightning refuses `None` from a distributed training_step. A placeholder loss that `backward` ignores,
+            # and that the optimizer-step closure reports as None, gives one device's behaviour: no update.
+            return torch.zeros((), device=self.root_device)
         if self._engine_is_last:
             return output
-        if outcome.skipped:
-            return None
         # Lightning calls backward on this; the pipeline's own backward runs instead (see `backward`).
         return torch.tensor(outcome.loss, device=self.root_device)
 
@@ -427,6 +431,8 @@ class GPipeStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         engine, module = self._engine, self.lightning_module
         assert engine is not None and module is not None
+        if self._step_skipped:
+            return closure_loss
         if engine.is_last:
             closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
             if not engine.is_first:
@@ -449,8 +455,9 @@ class GPipeStrategy(ParallelStrategy):
     ) -> Any:
         def closure_then_sum_replicated_gradients() -> Any:
             result = closure()
-            if result is not None:  # None: the step was skipped on every stage
-                self._sum_replicated_gradients()
+            if self._step_skipped:  # training_step returned None: tell the precision plugin, as one device would
+                return None
+            self._sum_replicated_gradients()
             return result
 
         return super().optimizer_step(optimizer, closure_then_sum_replicated_gradients, model, **kwargs)

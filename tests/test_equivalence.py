@@ -19,6 +19,14 @@ def runs_for(devices: int) -> list[dict]:
     ]
     # 50 samples in batches of 16: the last batch has 2 samples, fewer than M = 4.
     runs.append({"name": "uneven", "num_micro_batches": 4, "train_samples": 50, "max_epochs": 2})
+    runs += [
+        {"name": "tuple", "model": "tuple", "num_micro_batches": 3},
+        {"name": "skips", "model": "skips", "num_micro_batches": 4},
+        {"name": "clip_norm", "num_micro_batches": 4, "trainer": {"gradient_clip_val": 0.05}},
+        {"name": "clip_value", "num_micro_batches": 4,
+         "trainer": {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}},
+        {"name": "accumulate", "num_micro_batches": 2, "trainer": {"accumulate_grad_batches": 2}},
+    ]
     # Negative control: one micro-batch's gradient dropped; the comparison must see it.
     runs.append({"name": "dropped", "num_micro_batches": 4, "drop_gradient_of": 1})
     return runs
@@ -37,7 +45,8 @@ _references: dict[tuple, tuple] = {}
 
 
 def reference(run: dict):
-    key = (run.get("train_samples", 80), run.get("max_epochs", 1), run.get("lr", 0.5))
+    keys = ("model", "train_samples", "max_epochs", "lr")
+    key = (*(run.get(k) for k in keys), tuple(sorted(run.get("trainer", {}).items())))
     if key not in _references:
         _references[key] = single_device_run(run)
     return _references[key]
@@ -63,6 +72,13 @@ def test_weights_and_losses_match_single_device(pipelined, m, mode):
 def test_last_smaller_batch_matches_single_device(pipelined):
     _, tmp, runs = pipelined
     assert_matches_single_device(tmp, runs["uneven"])
+
+
+@pytest.mark.parametrize("name", ["tuple", "skips", "clip_norm", "clip_value", "accumulate"])
+def test_model_and_trainer_variants_match_single_device(pipelined, name):
+    """Tuple activations with a mask, skipped steps, clipping by global norm and by value, accumulation."""
+    _, tmp, runs = pipelined
+    assert_matches_single_device(tmp, runs[name])
 
 
 def test_comparison_detects_a_dropped_micro_batch_gradient(pipelined):

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Trainer, seed_everything
 
-from helpers.models import PipeClassifier, loaders
+from helpers.models import MODELS, loaders
 from helpers.recording import MetricRecorder
 
 WORKERS = Path(__file__).resolve().parents[1] / "workers"
@@ -55,13 +55,14 @@ def rank_results(run_dir: Path) -> list[dict]:
 def single_device_run(run: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
     """Initial weights, final weights and recorded metrics of the same training on one device."""
     seed_everything(0)
-    model = PipeClassifier(lr=run.get("lr", 0.5))
+    model = MODELS[run.get("model", "classifier")](lr=run.get("lr", 0.5))
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     train, val = loaders(run.get("train_samples", 80), run.get("val_samples", 40), run.get("batch_size", 16))
     recorder = MetricRecorder()
     trainer = Trainer(
         accelerator="cpu", devices=1, max_epochs=run.get("max_epochs", 1), logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
+        **run.get("trainer", {}),
     )
     trainer.fit(model, train, val)
     return initial, model.state_dict(), recorder.summary()

@@ -63,3 +63,43 @@ def loaders(train_samples: int, val_samples: int, batch_size: int) -> tuple[Data
         DataLoader(classification_data(train_samples, seed=0), batch_size=batch_size),
         DataLoader(classification_data(val_samples, seed=1), batch_size=batch_size),
     )
+
+
+class PairBlock(nn.Module):
+    """A layer that takes and returns a tuple (features, mask), as stages passing several tensors do."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(features, features)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, mask = pair
+        return torch.tanh(self.linear(x)) * mask, mask
+
+
+class AddMask(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, (x[:, :1] > -0.5).float()
+
+
+class TupleClassifier(PipeClassifier):
+    """Stages exchange a tuple of a float tensor and a mask that needs no gradient."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        self.net.model = nn.Sequential(nn.Linear(12, 16), AddMask(), *[PairBlock(16) for _ in range(6)])
+
+    def forward(self, x):
+        features, _ = self.net(x * self.input_scale)
+        return self.head(features)
+
+
+class SkipsSomeSteps(PipeClassifier):
+    """``training_step`` returns None on batch 2: no backward and no update, as on one device."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx == 2 else {"loss": loss}
+
+
+MODELS = {"classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps}

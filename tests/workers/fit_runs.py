@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 
 import lightning_pipe  # noqa: E402
-from helpers.models import PipeClassifier, loaders  # noqa: E402
+from helpers.models import MODELS, loaders  # noqa: E402
 from helpers.recording import MetricRecorder  # noqa: E402
 from lightning_pipe import engine  # noqa: E402
 
@@ -36,7 +36,7 @@ def main(spec_path):
     spec = json.loads(Path(spec_path).read_text())
     for run in spec["runs"]:
         seed_everything(0)
-        model = PipeClassifier(lr=run.get("lr", 0.5))
+        model = MODELS[run.get("model", "classifier")](lr=run.get("lr", 0.5))
         train, val = loaders(run.get("train_samples", 80), run.get("val_samples", 40), run.get("batch_size", 16))
         restore = drop_gradient_of(run["drop_gradient_of"]) if run.get("drop_gradient_of") is not None else None
         recorder = MetricRecorder()
@@ -52,6 +52,7 @@ def main(spec_path):
             enable_progress_bar=False,
             enable_model_summary=False,
             callbacks=[recorder],
+            **run.get("trainer", {}),
         )
         trainer.fit(model, train, val)
         if restore:
