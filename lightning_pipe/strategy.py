@@ -7,6 +7,7 @@ the steps, backward and the optimizer step, collectives, teardown.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -31,6 +32,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -124,6 +126,8 @@ class GPipeStrategy(ParallelStrategy):
         self._replicated: list[nn.Parameter] = []
         self._wrapped_hooks: list[str] = []
         self._step_skipped = False
+        self._pipelined: _Pipelined | None = None
+        self._failed = False
 
     # ---- configuration -------------------------------------------------------------------------------------------
 
@@ -196,8 +200,6 @@ class GPipeStrategy(ParallelStrategy):
 
     def _check_partition(self, model: LightningModule) -> None:
         """Raise the partition's errors (no Sequential, too many stages, a bad balance) before processes start."""
-        if self._existing_stage(model)[1] is not None:
-            return
         _, sequential = find_pipelined_module(model, self._module_name)
         stage_ranges(self.config, len(sequential), self._balance)
 
@@ -275,28 +277,21 @@ class GPipeStrategy(ParallelStrategy):
 
     def _partition(self, module: LightningModule) -> None:
         """Replace the pipelined ``nn.Sequential`` by this rank's :class:`PipelineStage` and build its engine."""
-        config, layout = self.config, self.layout
-        name, stage = self._existing_stage(module)
-        if stage is None:
-            name, sequential = find_pipelined_module(module, self._module_name)
-            ranges = stage_ranges(config, len(sequential), self._balance)
-            rank_zero_info(self._summary(module, name, sequential, ranges))
-            stage = PipelineStage(sequential, ranges[self.stage_index], self.stage_index, config.num_stages)
-            parent_name, _, attribute = name.rpartition(".")
-            setattr(module.get_submodule(parent_name) if parent_name else module, attribute, stage)
+        config = self.config
+        name, sequential = find_pipelined_module(module, self._module_name)
+        ranges = stage_ranges(config, len(sequential), self._balance)
+        rank_zero_info(self._summary(module, name, sequential, ranges))
+        stage = PipelineStage(sequential, ranges[self.stage_index], self.stage_index, config.num_stages)
+        _replace_submodule(module, name, stage)
+        self._pipelined = _Pipelined(name, sequential, ranges)
         stage_parameters = {id(p) for p in stage.parameters()}
         self._replicated = [p for p in module.parameters() if id(p) not in stage_parameters]
         index = self.stage_index
         previous = self._link(index - 1) if index > 0 else None
         next_link = self._link(index + 1) if index < config.num_stages - 1 else None
-        self._engine = PipelineEngine(stage, config.num_micro_batches, self._checkpoint, previous, next_link)
-
-    def _existing_stage(self, module: LightningModule) -> tuple[str, PipelineStage | None]:
-        """A stage from an earlier ``fit``/``validate`` call with this model, if any."""
-        for name, child in module.named_modules():
-            if isinstance(child, PipelineStage):
-                return name, child
-        return "", None
+        self._engine = PipelineEngine(
+            stage, config.num_micro_batches, self._checkpoint, previous, next_link, self._share_last_output
+        )
 
     def _link(self, stage: int) -> Link:
         assert self._meta_group is not None
@@ -380,25 +375,26 @@ class GPipeStrategy(ParallelStrategy):
         """Run one step of the user's ``hook`` through the pipeline; every stage learns the outcome."""
         engine, module = self._engine, self.lightning_module
         assert engine is not None and module is not None
-        engine.begin_step()
         user_step = getattr(module, hook)
         output, outcome = None, StepOutcome()
-        if engine.is_last:
-            with recording_logs(module) as records:
-                output = user_step(*args, **kwargs)
-            if not engine.called and not engine.is_first:
-                engine.drain()
-            loss = output.get("loss") if isinstance(output, dict) else output
-            outcome = StepOutcome(output is None, float(loss.detach()) if isinstance(loss, Tensor) else None, records)
-        elif engine.is_first:
-            try:
-                user_step(*args, **kwargs)
-            except HandedOff:
-                pass
+        with engine.user_step():
+            if engine.is_last:
+                with recording_logs(module) as records:
+                    output = user_step(*args, **kwargs)
+                if not engine.called and not engine.is_first:
+                    engine.drain()
+                loss = output.get("loss") if isinstance(output, dict) else output
+                loss_value = float(loss.detach()) if isinstance(loss, Tensor) else None
+                outcome = StepOutcome(output is None, loss_value, records)
+            elif engine.is_first:
+                try:
+                    user_step(*args, **kwargs)
+                except HandedOff:
+                    pass
+                else:
+                    engine.send_skip()  # the step returned before the pipelined call: nothing flows this step
             else:
-                engine.send_skip()  # the step returned before the pipelined call: nothing flows this step
-        else:
-            engine.relay()
+                engine.relay()
         outcome = self._share_outcome(outcome)
         if outcome.skipped:
             engine.begin_step()  # no backward will come: drop the stored micro-batches
@@ -413,6 +409,12 @@ class GPipeStrategy(ParallelStrategy):
                 user_hook()
             outcome.logs = records
         self._share_outcome(outcome)
+
+    def _share_last_output(self, output: Any) -> Any:
+        """Broadcast the last stage's output of a call made outside a step to every stage of its pipeline."""
+        holder = [apply_to_collection(output, Tensor, lambda t: t.to("cpu"))]
+        dist.broadcast_object_list(holder, src=self._rank_of_stage(self.layout.num_stages - 1), group=self._meta_group)
+        return apply_to_collection(holder[0], Tensor, lambda t: t.to(self.root_device))
 
     def _share_outcome(self, outcome: StepOutcome) -> StepOutcome:
         """Broadcast the last stage's outcome to its pipeline; the other stages replay its logs."""
@@ -527,13 +529,39 @@ class GPipeStrategy(ParallelStrategy):
 
     # ---- teardown ------------------------------------------------------------------------------------------------
 
+    def on_exception(self, exception: BaseException) -> None:
+        # Another stage may be gone: teardown must not wait on it to gather the model.
+        self._failed = True
+
     def teardown(self) -> None:
         module = self.lightning_module
         if module is not None:
             for hook in self._wrapped_hooks:
                 module.__dict__.pop(hook, None)
+            if self._pipelined is not None and not self._failed:
+                self._restore_whole_model(module)
         self._wrapped_hooks = []
+        self._pipelined = None
         super().teardown()
+
+    def _restore_whole_model(self, module: LightningModule) -> None:
+        """Put the whole ``nn.Sequential`` back, every layer holding its stage's trained weights, on every rank.
+
+        The user's model object then holds the whole trained model after ``fit``, as on one device: for
+        ``trainer.test(model)``, ``torch.save(model.state_dict())`` and the spawn launcher, which copies rank 0's
+        weights into the launching process.
+        """
+        assert self._pipelined is not None
+        layers = list(self._pipelined.sequential)
+        with torch.no_grad():
+            for stage, layer_range in enumerate(self._pipelined.ranges):
+                owner = self._rank_of_stage(stage)
+                for index in layer_range:
+                    for tensor in layers[index].state_dict().values():
+                        buffer = tensor.to(self.root_device)
+                        dist.broadcast(buffer, src=owner, group=self._pipeline_group)
+                        tensor.copy_(buffer)
+        _replace_submodule(module, self._pipelined.name, self._pipelined.sequential)
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -544,6 +572,20 @@ class GPipeStrategy(ParallelStrategy):
                 description=f"GPipe pipeline parallelism with start_method={start_method!r}",
                 start_method=start_method,
             )
+
+
+@dataclass
+class _Pipelined:
+    """The user's pipelined module as it was, kept to put it back after the run."""
+
+    name: str
+    sequential: nn.Sequential
+    ranges: list[range]
+
+
+def _replace_submodule(module: nn.Module, name: str, replacement: nn.Module) -> None:
+    parent_name, _, attribute = name.rpartition(".")
+    setattr(module.get_submodule(parent_name) if parent_name else module, attribute, replacement)
 
 
 class _ModelCheck:
