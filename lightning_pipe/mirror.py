@@ -16,17 +16,23 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torchmetrics import Metric
 
 
 @dataclass
 class LogRecord:
-    """One ``self.log`` call: its name, its value (on the CPU, detached) and its other arguments."""
+    """One ``self.log`` call: its name, its value (on the CPU, detached) and its other arguments.
+
+    A logged torchmetrics ``Metric`` travels as its value for this batch plus the name of its attribute: the
+    replay logs the receiving stage's own metric object, whose state the epoch end makes equal to the last stage's.
+    """
 
     name: str
     value: Any
     kwargs: dict[str, Any]
+    metric_attribute: str | None = None
 
 
 @dataclass
@@ -36,6 +42,7 @@ class StepOutcome:
     skipped: bool = False  # the step returned None: no backward, as on one device
     loss: float | None = None
     logs: list[LogRecord] = field(default_factory=list)
+    metric_states: dict[str, MetricState] | None = None  # at epoch ends: every metric's accumulated state
 
 
 @contextlib.contextmanager
@@ -47,9 +54,10 @@ def recording_logs(module: LightningModule) -> Iterator[list[LogRecord]]:
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         original_log(name, value, *args, **kwargs)
         kwargs.pop("sync_dist_group", None)  # a process group cannot travel; replays use the strategy's group
+        attribute = None
         if isinstance(value, Metric):
-            kwargs.pop("metric_attribute", None)  # replayed as a tensor, not as the metric object
-        records.append(LogRecord(name, _portable(value), _named_arguments(args, kwargs)))
+            attribute = kwargs.pop("metric_attribute", None) or _attribute_of(module, value)
+        records.append(LogRecord(name, _portable(value), _named_arguments(args, kwargs), attribute))
 
     module.log = log  # type: ignore[method-assign]
     try:
@@ -61,10 +69,50 @@ def recording_logs(module: LightningModule) -> Iterator[list[LogRecord]]:
 def replay_logs(module: LightningModule, records: list[LogRecord]) -> None:
     """Log the recorded values on this rank, in the current hook, with the original arguments."""
     for record in records:
-        value = record.value
-        if isinstance(value, Tensor):
-            value = value.to(module.device)
-        module.log(record.name, value, **record.kwargs)
+        value = apply_to_collection(record.value, Tensor, lambda t: t.to(module.device))
+        if record.metric_attribute is not None:
+            metric = module.get_submodule(record.metric_attribute)
+            metric._forward_cache = value
+            module.log(record.name, metric, metric_attribute=record.metric_attribute, **record.kwargs)
+        else:
+            module.log(record.name, value, **record.kwargs)
+
+
+# A metric's accumulated state: its state tensors (or lists of tensors, on the CPU) and its update count.
+MetricState = tuple[dict[str, Any], int]
+
+
+def metric_states(module: LightningModule) -> dict[str, MetricState]:
+    """The accumulated state of every torchmetrics ``Metric`` in ``module``, by attribute name."""
+    return {
+        name: ({key: _to(getattr(metric, key), "cpu") for key in metric._defaults}, metric._update_count)
+        for name, metric in module.named_modules()
+        if isinstance(metric, Metric)
+    }
+
+
+def load_metric_states(module: LightningModule, states: dict[str, MetricState]) -> None:
+    """Give this stage's metrics the last stage's state, so that ``compute()`` returns the same value here."""
+    for name, (state, update_count) in states.items():
+        metric = module.get_submodule(name)
+        for key, value in state.items():
+            setattr(metric, key, _to(value, module.device))
+        metric._update_count = update_count
+        metric._computed = None
+
+
+def _to(value: Any, device: torch.device | str) -> Any:
+    return apply_to_collection(value, Tensor, lambda t: t.detach().to(device))
+
+
+def _attribute_of(module: LightningModule, metric: Metric) -> str:
+    for name, candidate in module.named_modules():
+        if candidate is metric:
+            return name
+    raise ValueError(
+        f"the logged metric {type(metric).__name__} is not an attribute of {type(module).__name__}; assign it to"
+        " an attribute (e.g. `self.train_acc = Accuracy(...)`) so that every pipeline stage has its own copy."
+    )
 
 
 _LOG_POSITIONAL = ("prog_bar", "logger", "on_step", "on_epoch", "reduce_fx")
@@ -78,6 +126,8 @@ def _portable(value: Any) -> Any:
     """A picklable copy of a logged value; a torchmetrics ``Metric`` travels as its value for this batch."""
     if isinstance(value, Metric):
         value = value._forward_cache
+    if value is None:
+        return None
     if isinstance(value, Tensor):
         return value.detach().to("cpu")
     if isinstance(value, numbers.Number):

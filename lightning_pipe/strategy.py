@@ -40,8 +40,15 @@ from torch.optim import Optimizer
 from torchmetrics import Metric
 
 from lightning_pipe.config import CheckpointMode, PipelineParallelConfig, validate_checkpoint_mode
+from lightning_pipe.consolidate import (
+    global_group_names,
+    merge_optimizer_states,
+    name_optimizer_state,
+    parameter_names,
+    split_optimizer_state,
+)
 from lightning_pipe.engine import HandedOff, PipelineEngine
-from lightning_pipe.mirror import StepOutcome, recording_logs, replay_logs
+from lightning_pipe.mirror import StepOutcome, load_metric_states, metric_states, recording_logs, replay_logs
 from lightning_pipe.p2p import Link
 from lightning_pipe.partition import find_pipelined_module, stage_ranges
 from lightning_pipe.stage import PipelineStage
@@ -282,8 +289,10 @@ class GPipeStrategy(ParallelStrategy):
         ranges = stage_ranges(config, len(sequential), self._balance)
         rank_zero_info(self._summary(module, name, sequential, ranges))
         stage = PipelineStage(sequential, ranges[self.stage_index], self.stage_index, config.num_stages)
+        whole_model_state = list(module.state_dict().keys())
+        whole_model_parameters = [parameter_name for parameter_name, _ in module.named_parameters()]
         _replace_submodule(module, name, stage)
-        self._pipelined = _Pipelined(name, sequential, ranges)
+        self._pipelined = _Pipelined(name, sequential, ranges, whole_model_state, whole_model_parameters)
         stage_parameters = {id(p) for p in stage.parameters()}
         self._replicated = [p for p in module.parameters() if id(p) not in stage_parameters]
         index = self.stage_index
@@ -408,6 +417,8 @@ class GPipeStrategy(ParallelStrategy):
             with recording_logs(module) as records:
                 user_hook()
             outcome.logs = records
+            # Lightning computes the epoch value of each logged metric next, on every rank: from equal states.
+            outcome.metric_states = metric_states(module)
         self._share_outcome(outcome)
 
     def _share_last_output(self, output: Any) -> Any:
@@ -425,6 +436,8 @@ class GPipeStrategy(ParallelStrategy):
         outcome = holder[0]
         if not self._engine_is_last:
             assert self.lightning_module is not None
+            if outcome.metric_states:
+                load_metric_states(self.lightning_module, outcome.metric_states)
             replay_logs(self.lightning_module, outcome.logs)
         return outcome
 
@@ -494,6 +507,61 @@ class GPipeStrategy(ParallelStrategy):
         shared_sq = torch.nn.utils.get_total_norm(shared).square() if shared else zero
         total_norm = (own_sq + shared_sq).sqrt()
         torch.nn.utils.clip_grads_with_norm_([p for p in params], clip_val, total_norm)
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------------
+    # A checkpoint holds the whole model, numbered as on one device, so it loads anywhere. The model's weights are
+    # loaded before `setup` splits the model (Lightning's default order), so only optimizer states need splitting.
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole model's state dict on the rank that writes checkpoints (global rank 0); a share elsewhere."""
+        module = self.lightning_module
+        assert module is not None
+        local = module.state_dict()
+        if self._pipelined is None or self.layout.num_stages == 1:
+            return local
+        stages = self._gather_to_last_stage(_to_cpu(local))
+        if stages is None:
+            return local
+        merged = {key: value for stage in stages for key, value in stage.items()}
+        return {key: merged[key] for key in self._pipelined.state_keys if key in merged}
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The whole model's optimizer state on the checkpoint writer, numbered as a single-device optimizer's."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
+        local = optimizer.state_dict()
+        if self._pipelined is None or self.layout.num_stages == 1:
+            return local
+        named = name_optimizer_state(_to_cpu(local), self._group_names(optimizer))
+        stages = self._gather_to_last_stage(named)
+        if stages is None:
+            return local
+        return merge_optimizer_states(stages, self._pipelined.parameter_order)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._pipelined is None or self.layout.num_stages == 1:
+            return super().load_optimizer_state_dict(checkpoint)
+        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
+            local_names = self._group_names(optimizer)
+            every_stage: list[Any] = [None] * self.layout.num_stages
+            dist.all_gather_object(every_stage, local_names, group=self._meta_group)
+            groups = global_group_names(every_stage, self._pipelined.parameter_order)
+            optimizer.load_state_dict(split_optimizer_state(saved, groups, local_names))
+            _optimizers_to_device([optimizer], self.root_device)
+
+    def _group_names(self, optimizer: Optimizer) -> list[list[str]]:
+        assert self.lightning_module is not None
+        names = parameter_names(self.lightning_module)
+        return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+    def _gather_to_last_stage(self, obj: Any) -> list[Any] | None:
+        """Every stage's ``obj`` on the last stage of this pipeline (in stage order); None elsewhere."""
+        last = self._rank_of_stage(self.layout.num_stages - 1)
+        gathered: list[Any] | None = [None] * self.layout.num_stages if self.global_rank == last else None
+        dist.gather_object(obj, gathered, dst=last, group=self._meta_group)
+        if gathered is None:
+            return None
+        # gather_object orders by rank within the group; the last stage holds the lowest rank.
+        return list(reversed(gathered))
 
     # ---- collectives ---------------------------------------------------------------------------------------------
 
@@ -581,6 +649,12 @@ class _Pipelined:
     name: str
     sequential: nn.Sequential
     ranges: list[range]
+    state_keys: list[str]  # the whole model's state-dict keys, in order
+    parameter_order: list[str]  # the whole model's parameter names, in order
+
+
+def _to_cpu(value: Any) -> Any:
+    return apply_to_collection(value, Tensor, lambda t: t.detach().to("cpu"))
 
 
 def _replace_submodule(module: nn.Module, name: str, replacement: nn.Module) -> None:

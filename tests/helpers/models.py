@@ -103,3 +103,66 @@ class SkipsSomeSteps(PipeClassifier):
 
 
 MODELS = {"classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps}
+
+
+class ProjectModule(LightningModule):
+    """Shaped like a real project: torchmetrics for each split, dict outputs, schedulers, an example input."""
+
+    def __init__(self, lr: float = 0.3, scheduler: str | None = None) -> None:
+        super().__init__()
+        from torchmetrics import MaxMetric, MeanMetric
+        from torchmetrics.classification import MulticlassAccuracy
+
+        self.lr, self.scheduler = lr, scheduler
+        self.net = Component()
+        self.head = nn.Linear(16, 3)
+        self.criterion = nn.CrossEntropyLoss()
+        self.train_acc, self.val_acc, self.test_acc = (MulticlassAccuracy(num_classes=3) for _ in range(3))
+        self.train_loss = MeanMetric()
+        self.val_loss_max = MaxMetric()
+        self.example_input_array = torch.zeros(4, 3, 4)
+
+    def forward(self, x):
+        return self.head(self.net(x))
+
+    def _shared(self, batch):
+        x, y = batch
+        logits = self(x)
+        return self.criterion(logits, y), logits.argmax(dim=1), y
+
+    def training_step(self, batch, batch_idx):
+        loss, preds, targets = self._shared(batch)
+        self.train_acc(preds, targets)
+        self.train_loss(loss)
+        self.log("train/loss", self.train_loss, on_step=True, on_epoch=True, prog_bar=True)
+        self.log("train/acc", self.train_acc, on_step=True, on_epoch=True, prog_bar=True)
+        return {"loss": loss, "preds": preds, "targets": targets}
+
+    def validation_step(self, batch, batch_idx):
+        loss, preds, targets = self._shared(batch)
+        self.val_acc(preds, targets)
+        self.val_loss_max(loss)
+        self.log("val_loss", loss, on_epoch=True, prog_bar=True)
+        self.log("val/acc", self.val_acc, on_epoch=True)
+        self.log("val/loss_max", self.val_loss_max, on_epoch=True)
+
+    def test_step(self, batch, batch_idx):
+        loss, preds, targets = self._shared(batch)
+        self.test_acc(preds, targets)
+        self.log("test/loss", loss)
+        self.log("test/acc", self.test_acc)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).softmax(dim=-1)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        if self.scheduler == "step":
+            return {"optimizer": optimizer,
+                    "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5), "interval": "step"}}
+        if self.scheduler == "epoch":
+            return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)}
+        if self.scheduler == "plateau":
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss"}}
+        return optimizer
