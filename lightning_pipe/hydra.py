@@ -1,0 +1,157 @@
+"""Hydra support: the schema of the ``strategy`` config group, its validation, and sweep-safe process launching.
+
+``import lightning_pipe.hydra`` (before Hydra composes) registers two things:
+
+* ``strategy/gpipe_schema`` in Hydra's ConfigStore, the structured config that ``conf/strategy/gpipe.yaml``
+  extends. OmegaConf then rejects unknown keys and wrongly typed values, naming the key; values it cannot judge
+  (a stage count of 0, an unknown checkpoint mode, ``balance`` as a list or null) are checked by
+  :func:`validate_config` with the rules of :class:`~lightning_pipe.PipelineParallelConfig`.
+* the ``${lightning_pipe.start_method:}`` resolver, which chooses how the Trainer starts its processes: Lightning's
+  default launcher re-runs ``sys.argv`` for every rank, and inside ``python train.py -m ...`` that is the whole
+  sweep again. Inside a multirun job the resolver answers ``"spawn"``, so each job starts its own processes and
+  ends with them; everywhere else it answers ``"popen"``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from lightning.fabric.plugins.environments import (
+    LSFEnvironment,
+    MPIEnvironment,
+    SLURMEnvironment,
+    TorchElasticEnvironment,
+)
+from omegaconf import OmegaConf
+
+from lightning_pipe.config import PipelineParallelConfig, validate_checkpoint_mode
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+START_METHOD_RESOLVER = "lightning_pipe.start_method"
+
+
+@dataclass
+class GPipeStrategyConfig:
+    """The ``strategy`` group: the arguments of :class:`lightning_pipe.GPipeStrategy`, instantiated by ``_target_``."""
+
+    _target_: str = "lightning_pipe.GPipeStrategy"
+    num_stages: int = 2
+    """Pipeline stages, one process each; ``trainer.devices * trainer.num_nodes`` must equal it."""
+    num_micro_batches: Optional[int] = None
+    """Micro-batches per batch; null means ``4 * num_stages``, where GPipe's idle bubble becomes small."""
+    checkpoint: str = "except_last"
+    """Activation re-computation: ``always`` (least memory), ``except_last`` or ``never`` (fastest)."""
+    balance: Any = None
+    """Layers per stage as a list (``[3, 5]``), or null for an even split. (``Any``: OmegaConf cannot type a
+    list-or-null-or-name field; :func:`validate_config` checks it.)"""
+    module_name: Optional[str] = None
+    """Dotted path of the ``nn.Sequential`` to pipeline; null picks the one with the most parameters."""
+    start_method: str = "${" + START_METHOD_RESOLVER + ":}"
+    """How the Trainer starts its processes; by default ``spawn`` inside a Hydra multirun, else ``popen``."""
+
+
+def register_configs() -> None:
+    """Store the schema as ``strategy/gpipe_schema`` and register the start-method resolver (idempotent)."""
+    ConfigStore.instance().store(group="strategy", name="gpipe_schema", node=GPipeStrategyConfig)
+    if not OmegaConf.has_resolver(START_METHOD_RESOLVER):
+        OmegaConf.register_new_resolver(START_METHOD_RESOLVER, start_method_for_this_run)
+
+
+def start_method_for_this_run() -> str:
+    """``"spawn"`` inside a Hydra multirun job whose processes Lightning starts itself, else ``"popen"``.
+
+    Why not ``popen`` in a sweep: it re-runs ``sys.argv`` (``-m`` and the whole sweep) for every other rank,
+    leaves ``LOCAL_RANK`` set in the sweeping process (so the next job starts no processes) and keeps that
+    process's process group alive into the next job. ``spawn`` runs every rank in a child process that ends with
+    its job. Where a cluster launcher (torchrun, SLURM's srun, LSF, MPI) has already started one process per rank,
+    Lightning must not start any, and only ``popen`` does that.
+    """
+    if _processes_started_externally():
+        return "popen"
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return "spawn"
+    return "popen"
+
+
+def validate_config(config: Mapping[str, Any]) -> PipelineParallelConfig:
+    """Check a composed config's ``strategy`` group (and ``trainer``'s process count, when there is a ``trainer``)
+    before anything starts; return the resolved stage and micro-batch counts.
+
+    Raises a ``ValueError`` whose message starts with the offending key and value, e.g.
+    ``strategy.num_stages=0 is invalid; it must be a positive integer (1 or more).``
+    """
+    if "strategy" not in config:
+        raise ValueError("the config has no 'strategy' group; add '- strategy: gpipe' to its defaults list.")
+    pipeline = validate_strategy_config(config["strategy"], key="strategy")
+    if "trainer" in config:
+        _check_process_count(config["trainer"], pipeline.num_stages)
+    return pipeline
+
+
+def validate_strategy_config(strategy: Mapping[str, Any], key: str = "strategy") -> PipelineParallelConfig:
+    """Check one ``GPipeStrategy`` config node; errors name ``key.field`` (see :func:`validate_config`)."""
+    num_stages = strategy.get("num_stages")
+    num_micro_batches = strategy.get("num_micro_batches")
+    try:
+        PipelineParallelConfig(num_stages, 1)  # the stage count first: the default micro-batch count needs it
+        pipeline = PipelineParallelConfig(
+            num_stages, 4 * num_stages if num_micro_batches is None else num_micro_batches
+        )
+        validate_checkpoint_mode(strategy.get("checkpoint", "except_last"))
+    except (TypeError, ValueError) as error:
+        # The core messages start with "field=value", so the key path completes them.
+        raise ValueError(f"{key}.{error}") from None
+    _check_balance(strategy.get("balance"), pipeline.num_stages, key)
+    start_method = strategy.get("start_method", "popen")
+    if start_method not in START_METHODS:
+        raise ValueError(
+            f"{key}.start_method={start_method!r} is not a start method; use one of"
+            f" {', '.join(map(repr, START_METHODS))}, or leave it out to get 'spawn' in sweeps and 'popen' elsewhere."
+        )
+    return pipeline
+
+
+def _check_balance(balance: Any, num_stages: int, key: str) -> None:
+    if balance is None:
+        return
+    if isinstance(balance, (str, bytes, Mapping)) or not hasattr(balance, "__len__"):
+        raise ValueError(
+            f"{key}.balance={balance!r} is invalid; give one layer count per stage as a list"
+            f" (e.g. {key}.balance=[{', '.join(['4'] * num_stages)}]), or null for an even split."
+        )
+    sizes = list(balance)
+    if any(isinstance(size, bool) or not isinstance(size, int) or size < 1 for size in sizes):
+        raise ValueError(f"{key}.balance={sizes} is invalid; every entry must be a positive layer count.")
+    if len(sizes) != num_stages:
+        raise ValueError(
+            f"{key}.balance={sizes} has {len(sizes)} entries but {key}.num_stages={num_stages};"
+            " give one layer count per stage."
+        )
+
+
+def _check_process_count(trainer: Mapping[str, Any], num_stages: int) -> None:
+    devices, num_nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
+    if isinstance(devices, bool) or not isinstance(devices, int) or not isinstance(num_nodes, int):
+        return  # "auto", a device list or a string: Lightning resolves it, and the strategy checks the result
+    if devices * num_nodes != num_stages:
+        raise ValueError(
+            f"trainer.devices={devices} on trainer.num_nodes={num_nodes} starts {devices * num_nodes} processes"
+            f" but strategy.num_stages={num_stages} needs one per stage; leave trainer.devices at"
+            " ${strategy.num_stages} (one node) or make devices * num_nodes equal num_stages."
+        )
+
+
+def _processes_started_externally() -> bool:
+    """Whether a cluster launcher started the ranks (Lightning's own detection order); ``LOCAL_RANK`` marks a rank
+    that some launcher, maybe Lightning's own ``popen``, already started."""
+    environments = (TorchElasticEnvironment, SLURMEnvironment, LSFEnvironment, MPIEnvironment)
+    return "LOCAL_RANK" in os.environ or any(environment.detect() for environment in environments)
+
+
+register_configs()
