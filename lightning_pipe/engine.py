@@ -272,11 +272,12 @@ class PipelineEngine:
     ) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """The forward runs normally; its re-computation in backward must not update BatchNorm statistics again,
         and is recorded on the timeline."""
-        recomputation = contextlib.ExitStack()
-        recomputation.enter_context(self.timeline.recomputing(m))
-        if self._batch_norms:
-            recomputation.enter_context(_unchanged_running_stats(self._batch_norms))
-        return contextlib.nullcontext(), recomputation
+        return contextlib.nullcontext(), self._recomputing(m)
+
+    @contextlib.contextmanager
+    def _recomputing(self, m: int) -> Iterator[None]:
+        with self.timeline.recomputing(m), _unchanged_running_stats(self._batch_norms):
+            yield
 
     def _run_and_send(self, inputs: tuple[Tensor, ...], is_tuple: bool, m: int, num: int) -> None:
         """First and middle stages: run micro-batch ``m``, keep what its backward needs, send the output on."""

@@ -7,10 +7,11 @@ the steps, backward and the optimizer step, collectives, teardown.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from dataclasses import dataclass
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -48,12 +49,32 @@ from lightning_pipe.consolidate import (
     split_optimizer_state,
 )
 from lightning_pipe.engine import HandedOff, PipelineEngine
-from lightning_pipe.mirror import StepOutcome, load_metric_states, metric_states, recording_logs, replay_logs
+from lightning_pipe.mirror import (
+    StepOutcome,
+    load_metric_states,
+    logged_metric_states,
+    metric_states,
+    recording_logs,
+    replay_logs,
+)
 from lightning_pipe.p2p import Link
 from lightning_pipe.partition import find_pipelined_module, stage_ranges
 from lightning_pipe.stage import PipelineStage
-from lightning_pipe.summary import format_stage_summary
+from lightning_pipe.balance import (
+    Balance,
+    PartitionPlan,
+    missing_sample_message,
+    needs_sample,
+    plan_partition,
+    recompute_fraction,
+    validate_balance,
+)
+from lightning_pipe.summary import StageSummary, build_stage_summary
+from lightning_pipe.timeline import StepTimeline
 from lightning_pipe.topology import PipelineLayout
+
+if TYPE_CHECKING:  # imported when tracing starts, so that `python -m lightning_pipe.trace` finds it unimported
+    from lightning_pipe.trace import PipelineTracer, StepObservation
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +94,23 @@ class GPipeStrategy(ParallelStrategy):
             becomes negligible.
         checkpoint: activation re-computation: ``"always"``, ``"except_last"`` (every micro-batch but the last,
             whose backward follows soonest) or ``"never"``.
-        balance: layers per stage, e.g. ``[3, 5]``; defaults to an even split.
+        balance: layers per stage, e.g. ``[3, 5]``, or how to choose them: ``"uniform"`` (the default: equal layer
+            counts), ``"parameters"`` (equal parameter counts), ``"time"`` (equal forward + backward time, profiled
+            per layer on the device) or ``"memory"`` (equal parameter + activation bytes, profiled). The profiled
+            modes need a sample input; every rank applies the split that global rank 0 decided.
         module_name: dotted path of the ``nn.Sequential`` to pipeline (``"net.model"``); by default the outermost
             ``nn.Sequential`` with the most parameters.
         start_method: ``"popen"`` (re-run the script per process), ``"spawn"`` or ``"fork"``, as for DDP.
         process_group_backend: ``"gloo"`` or ``"nccl"``; defaults to what the device needs.
         timeout: how long a collective or point-to-point receive may wait before failing.
+        sample: an input of the LightningModule's ``forward`` (as ``example_input_array``, which is used when this
+            is ``None``) to profile the layers with for ``balance="time"`` or ``"memory"``.
+        trace_steps: training steps (``trainer.global_step`` values) whose timeline of every stage is written as a
+            Chrome trace to ``trace_dir/gpipe_trace.json`` (see :mod:`lightning_pipe.trace`).
+        trace_dir: where the trace goes; defaults to the Trainer's ``default_root_dir``.
+        log_bubble_fraction: send ``pipeline/bubble_fraction`` (the measured idle share of a step's compute window)
+            and ``pipeline/ideal_bubble_fraction`` (``(S-1)/(M+S-1)``) to the loggers every ``log_every_n_steps``.
+            Costs a few clock readings per micro-batch and one small gather over the pipeline per logged step.
     """
 
     strategy_name = "gpipe"
@@ -88,7 +120,7 @@ class GPipeStrategy(ParallelStrategy):
         num_stages: int | PipelineParallelConfig | Mapping[str, Any] | None = None,
         num_micro_batches: int | None = None,
         checkpoint: CheckpointMode = "except_last",
-        balance: Sequence[int] | None = None,
+        balance: Balance = None,
         module_name: str | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -98,6 +130,10 @@ class GPipeStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        sample: Any = None,
+        trace_steps: Sequence[int] = (),
+        trace_dir: str | Path | None = None,
+        log_bubble_fraction: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -115,8 +151,8 @@ class GPipeStrategy(ParallelStrategy):
         self._num_stages = num_stages
         self._num_micro_batches = num_micro_batches
         self._checkpoint = validate_checkpoint_mode(checkpoint)
-        self._balance = list(balance) if balance is not None else None
-        if self._balance is not None and num_stages is not None and len(self._balance) != num_stages:
+        self._balance = validate_balance(balance)
+        if isinstance(self._balance, list) and num_stages is not None and len(self._balance) != num_stages:
             raise ValueError(
                 f"balance={self._balance} has {len(self._balance)} entries but num_stages={num_stages};"
                 " give one layer count per stage."
@@ -133,6 +169,14 @@ class GPipeStrategy(ParallelStrategy):
         self._replicated: list[nn.Parameter] = []
         self._wrapped_hooks: list[str] = []
         self._step_skipped = False
+        self._sample = sample
+        self._trace_steps = list(trace_steps)
+        self._trace_dir = Path(trace_dir) if trace_dir is not None else None
+        self._log_bubble_fraction = log_bubble_fraction
+        self._plan: PartitionPlan | None = None
+        self._plan_module_name = ""
+        self._tracer: PipelineTracer | None = None
+        self._last_observation: StepObservation | None = None
         self._pipelined: _Pipelined | None = None
         self._failed = False
 
@@ -191,7 +235,7 @@ class GPipeStrategy(ParallelStrategy):
                 f" {world_size} (devices={self.num_processes}, num_nodes={self.num_nodes}); set"
                 f" Trainer(devices={self._num_stages}) or num_stages={world_size}."
             )
-        if self._balance is not None and len(self._balance) != world_size:
+        if isinstance(self._balance, list) and len(self._balance) != world_size:
             raise ValueError(
                 f"balance={self._balance} has {len(self._balance)} entries but there are {world_size} stages"
                 f" (one per process); give one layer count per stage."
@@ -208,7 +252,9 @@ class GPipeStrategy(ParallelStrategy):
     def _check_partition(self, model: LightningModule) -> None:
         """Raise the partition's errors (no Sequential, too many stages, a bad balance) before processes start."""
         _, sequential = find_pipelined_module(model, self._module_name)
-        stage_ranges(self.config, len(sequential), self._balance)
+        stage_ranges(self.config, len(sequential), self._balance if isinstance(self._balance, list) else None)
+        if needs_sample(self._balance) and self._sample is None and getattr(model, "example_input_array", None) is None:
+            raise ValueError(missing_sample_message(str(self._balance)))
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -286,8 +332,8 @@ class GPipeStrategy(ParallelStrategy):
         """Replace the pipelined ``nn.Sequential`` by this rank's :class:`PipelineStage` and build its engine."""
         config = self.config
         name, sequential = find_pipelined_module(module, self._module_name)
-        ranges = stage_ranges(config, len(sequential), self._balance)
-        rank_zero_info(self._summary(module, name, sequential, ranges))
+        self._plan, self._plan_module_name = self._decide_partition(module, sequential), name
+        ranges = self._plan.ranges
         stage = PipelineStage(sequential, ranges[self.stage_index], self.stage_index, config.num_stages)
         whole_model_state = list(module.state_dict().keys())
         whole_model_parameters = [parameter_name for parameter_name, _ in module.named_parameters()]
@@ -295,26 +341,123 @@ class GPipeStrategy(ParallelStrategy):
         self._pipelined = _Pipelined(name, sequential, ranges, whole_model_state, whole_model_parameters)
         stage_parameters = {id(p) for p in stage.parameters()}
         self._replicated = [p for p in module.parameters() if id(p) not in stage_parameters]
+        rank_zero_info(f"GPipe stages:\n{self.stage_summary()}")
         index = self.stage_index
         previous = self._link(index - 1) if index > 0 else None
         next_link = self._link(index + 1) if index < config.num_stages - 1 else None
+        timeline = StepTimeline(self.root_device, enabled=self._log_bubble_fraction or bool(self._trace_steps))
         self._engine = PipelineEngine(
-            stage, config.num_micro_batches, self._checkpoint, previous, next_link, self._share_last_output
+            stage, config.num_micro_batches, self._checkpoint, previous, next_link, self._share_last_output,
+            timeline=timeline,
         )
+        self._tracer = self._make_tracer(timeline) if timeline.enabled and config.num_stages > 1 else None
 
     def _link(self, stage: int) -> Link:
         assert self._meta_group is not None
         return Link(self._rank_of_stage(stage), self._pipeline_group, self._meta_group, self.root_device)
 
-    def _summary(self, module: LightningModule, name: str, sequential: nn.Sequential, ranges: list[range]) -> str:
-        layers = list(sequential)
-        parameters = [sum(p.numel() for i in r for p in layers[i].parameters()) for r in ranges]
-        stage_ids = {id(p) for p in sequential.parameters()}
-        replicated = sum(p.numel() for p in module.parameters() if id(p) not in stage_ids)
-        ranks = [self.layout.pipeline_ranks(0)[stage] for stage in range(len(ranges))]
-        return format_stage_summary(
-            name, ranges, parameters, ranks, replicated, self.config.num_micro_batches, self._checkpoint
+    def _decide_partition(self, module: LightningModule, sequential: nn.Sequential) -> PartitionPlan:
+        """The split, decided on global rank 0 (profiling there when ``balance`` asks) and broadcast, so that every
+        rank applies the same split even where measurements differ between ranks."""
+        sample = self._sample if self._sample is not None else getattr(module, "example_input_array", None)
+        if sample is None and needs_sample(self._balance):
+            raise ValueError(missing_sample_message(str(self._balance)))
+        decided: PartitionPlan | str | None = None
+        error: Exception | None = None
+        if self.global_rank == 0:
+            fraction = recompute_fraction(self._checkpoint, self.config.num_micro_batches)
+            try:
+                decided = plan_partition(
+                    module, sequential, self.config, self._balance, sample, self.root_device, fraction
+                )
+            except Exception as exception:  # the other ranks wait in the broadcast: tell them, then raise
+                error, decided = exception, f"{type(exception).__name__}: {exception}"
+        decided = self.broadcast(decided, src=0)
+        if error is not None:
+            raise error
+        if isinstance(decided, str):
+            raise RuntimeError(f"global rank 0 failed to partition the model: {decided}")
+        assert decided is not None
+        return decided
+
+    def stage_summary(self) -> StageSummary:
+        """The stage table printed at start-up: where each stage runs, its layers, parameters, profiled cost and,
+        once a training step has run, its measured busy time; with the imbalance (slowest stage over the mean).
+
+        The same on every rank. Available once the Trainer has set the strategy up (from ``on_fit_start`` on).
+        """
+        if self._plan is None:
+            raise RuntimeError(
+                "the stage summary exists once the strategy has partitioned the model; call stage_summary() after"
+                " the Trainer has set up (e.g. in a callback's on_fit_start or after trainer.fit)."
+            )
+        ranks = self.layout.pipeline_ranks(0)
+        assert self.parallel_devices is not None
+        num_processes = len(self.parallel_devices)
+        devices = [
+            str(self.parallel_devices[rank % num_processes])
+            if self.num_nodes == 1
+            else f"node {rank // num_processes} {self.parallel_devices[rank % num_processes]}"
+            for rank in ranks
+        ]
+        busy = self._last_observation.busy_seconds if self._last_observation is not None else None
+        return build_stage_summary(
+            self._plan,
+            self._plan_module_name,
+            ranks,
+            devices,
+            sum(p.numel() for p in self._replicated),
+            self.config.num_micro_batches,
+            self._checkpoint,
+            recompute_fraction(self._checkpoint, self.config.num_micro_batches),
+            busy,
         )
+
+    def _make_tracer(self, timeline: StepTimeline) -> PipelineTracer:
+        from lightning_pipe.trace import TRACE_FILE_NAME, PipelineTracer
+
+        assert self.lightning_module is not None
+        trace_dir = self._trace_dir or Path(self.lightning_module.trainer.default_root_dir)
+        return PipelineTracer(
+            timeline,
+            self._meta_group,
+            self.stage_index,
+            self.config.num_stages,
+            self.global_rank,
+            self._trace_steps,
+            trace_dir / TRACE_FILE_NAME,
+            writes=self.global_rank == 0,
+        )
+
+    def _observe_step(self) -> None:
+        """After a training step's backward: gather the stages' timelines when this step is logged (every
+        ``log_every_n_steps``, as Lightning's own monitors do) or traced; log the bubble, write the trace."""
+        module = self.lightning_module
+        if self._tracer is None or module is None:
+            return
+        trainer = module.trainer
+        step = trainer.global_step
+        logging = self._log_bubble_fraction and bool(trainer.loggers) and trainer._logger_connector.should_update_logs
+        if not (logging or step in self._tracer.trace_steps):
+            return
+        observation = self._tracer.observe(step)
+        if observation is None:
+            return
+        self._last_observation = observation
+        if logging:
+            # Straight to the loggers, like LearningRateMonitor: a diagnostic, not a metric that callbacks or the
+            # progress bar compare with single-device training.
+            metrics = {
+                "pipeline/bubble_fraction": observation.bubble_fraction,
+                "pipeline/ideal_bubble_fraction": observation.ideal_bubble_fraction,
+            }
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+    @property
+    def last_observed_step(self) -> StepObservation | None:
+        """The bubble and the per-stage busy time of the last logged or traced training step, on every rank."""
+        return self._last_observation
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -392,9 +535,8 @@ class GPipeStrategy(ParallelStrategy):
                     output = user_step(*args, **kwargs)
                 if not engine.called and not engine.is_first:
                     engine.drain()
-                loss = output.get("loss") if isinstance(output, dict) else output
-                loss_value = float(loss.detach()) if isinstance(loss, Tensor) else None
-                outcome = StepOutcome(output is None, loss_value, records)
+                loss = _loss_value(output) if hook == "training_step" else None
+                outcome = StepOutcome(output is None, loss, records, logged_metric_states(module, records))
             elif engine.is_first:
                 try:
                     user_step(*args, **kwargs)
@@ -452,6 +594,7 @@ class GPipeStrategy(ParallelStrategy):
             closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
             if not engine.is_first:
                 engine.finish_last_backward()
+            self._observe_step()
             return closure_loss
         # The loss lives on the last stage; here the gradients arrive from the next stage instead.
         self.pre_backward(closure_loss)
@@ -459,6 +602,7 @@ class GPipeStrategy(ParallelStrategy):
         engine.backward()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
+        self._observe_step()
         return closure_loss
 
     def optimizer_step(
@@ -651,6 +795,11 @@ class _Pipelined:
     ranges: list[range]
     state_keys: list[str]  # the whole model's state-dict keys, in order
     parameter_order: list[str]  # the whole model's parameter names, in order
+
+
+def _loss_value(output: Any) -> float | None:
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    return float(loss.detach()) if isinstance(loss, Tensor) else None
 
 
 def _to_cpu(value: Any) -> Any:

@@ -1,28 +1,150 @@
-"""The start-up summary: which module is pipelined and what each stage holds."""
+"""The stage summary: what each stage holds, where it runs, what it costs, and how even the split is.
+
+Printed once at start-up (like Lightning's ``ModelSummary``) and returned by ``GPipeStrategy.stage_summary()``::
+
+    Stage | Rank | Device | Layers | Types            | Params | Time/mb  | Memory | Busy/step
+    ------------------------------------------------------------------------------------------
+    0     | 1    | cpu    | 0-3    | 2 Linear, 2 Tanh | 480    | 0.373 ms | 2.8 KB | -
+    1     | 0    | cpu    | 4-7    | 2 Linear, 2 Tanh | 544    | 0.438 ms | 3.1 KB | -
+
+``Time/mb`` and ``Memory`` are profiled on one micro-batch when ``balance`` is ``"time"`` or ``"memory"`` (memory is
+otherwise the parameters' bytes); ``Busy/step`` (forwards plus backwards) is measured in the last training step
+that was logged or traced (see ``GPipeStrategy(log_bubble_fraction=..., trace_steps=...)``).
+"""
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-def format_stage_summary(
+from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
+
+from lightning_pipe.balance import PartitionPlan, imbalance
+
+
+@dataclass(frozen=True)
+class StageRow:
+    """One stage of the pipeline (of replica 0)."""
+
+    stage: int
+    rank: int
+    device: str
+    layers: range
+    layer_types: str
+    parameters: int
+    time_seconds: float | None  # profiled forward + backward (+ re-computation) of one micro-batch
+    memory_bytes: int  # parameters, plus activations when profiled
+    memory_profiled: bool
+    busy_seconds: float | None  # measured forwards + backwards in the last logged or traced training step
+
+
+@dataclass(frozen=True)
+class StageSummary:
+    """The summary table's data; ``str()`` renders it."""
+
+    module_name: str
+    balance: str
+    num_micro_batches: int
+    checkpoint: str
+    rows: list[StageRow]
+    replicated_parameters: int
+    imbalance: float  # slowest stage over the mean stage
+    imbalance_basis: str  # what was compared: measured busy time, profiled time, memory or parameters
+
+    def __str__(self) -> str:
+        columns: list[tuple[str, list[str]]] = [
+            ("Stage", [str(row.stage) for row in self.rows]),
+            ("Rank", [str(row.rank) for row in self.rows]),
+            ("Device", [row.device for row in self.rows]),
+            ("Layers", [f"{row.layers.start}-{row.layers.stop - 1}" for row in self.rows]),
+            ("Types", [row.layer_types for row in self.rows]),
+            ("Params", [get_human_readable_count(row.parameters) for row in self.rows]),
+            ("Time/mb", [_milliseconds(row.time_seconds) for row in self.rows]),
+            ("Memory", [_bytes(row.memory_bytes) + ("" if row.memory_profiled else " (params)") for row in self.rows]),
+            ("Busy/step", [_milliseconds(row.busy_seconds) for row in self.rows]),
+        ]
+        widths = [max(len(name), *(len(cell) for cell in cells)) for name, cells in columns]
+        header = " | ".join(name.ljust(width) for (name, _), width in zip(columns, widths))
+        lines = [header, "-" * len(header)]
+        for i in range(len(self.rows)):
+            lines.append(" | ".join(cells[i].ljust(width) for (_, cells), width in zip(columns, widths)))
+        lines.append("-" * len(header))
+        num_layers = sum(len(row.layers) for row in self.rows)
+        lines += [
+            f"'{self.module_name}': {num_layers} layers over {len(self.rows)} stages (balance={self.balance!r}),"
+            f" {self.num_micro_batches} micro-batches per batch, checkpoint={self.checkpoint!r}",
+            f"{get_human_readable_count(sum(r.parameters for r in self.rows)).strip()} pipelined params;"
+            f" {get_human_readable_count(self.replicated_parameters).strip()} replicated on every stage",
+            f"Imbalance (slowest stage / mean): {self.imbalance:.2f} by {self.imbalance_basis}",
+        ]
+        return "\n".join(line.rstrip() for line in lines)
+
+
+def build_stage_summary(
+    plan: PartitionPlan,
     module_name: str,
-    ranges: list[range],
-    parameters: list[int],
-    ranks: list[int],
+    ranks: Sequence[int],
+    devices: Sequence[str],
     replicated_parameters: int,
     num_micro_batches: int,
     checkpoint: str,
-) -> str:
-    """A small table, one row per stage, for ``rank_zero_info`` at start-up."""
-    rows = [("stage", "rank", "layers", "parameters")]
-    for stage, (layer_range, count, rank) in enumerate(zip(ranges, parameters, ranks)):
-        rows.append((str(stage), str(rank), f"{layer_range.start}-{layer_range.stop - 1}", f"{count:,}"))
-    widths = [max(len(row[col]) for row in rows) for col in range(4)]
-    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
-    return "\n".join(
-        [
-            f"GPipe: pipelining '{module_name}' ({sum(len(r) for r in ranges)} layers) over {len(ranges)} stages,"
-            f" {num_micro_batches} micro-batches per batch, checkpoint={checkpoint!r}",
-            *lines,
-            f"replicated on every stage (outside '{module_name}'): {replicated_parameters:,} parameters",
-        ]
+    recompute_fraction: float,
+    busy_seconds: Sequence[float] | None = None,
+) -> StageSummary:
+    """The summary of ``plan``; ``ranks[s]`` and ``devices[s]`` say where stage ``s`` runs."""
+    rows = []
+    for stage, layer_range in enumerate(plan.ranges):
+        layers = [plan.layers[i] for i in layer_range]
+        profiles = [plan.profiles[i] for i in layer_range] if plan.profiles is not None else None
+        time_seconds = (
+            sum(p.forward_seconds * (1 + recompute_fraction) + p.backward_seconds for p in profiles)
+            if profiles is not None
+            else None
+        )
+        memory = sum(p.memory_bytes for p in profiles) if profiles is not None else sum(l.parameter_bytes for l in layers)
+        rows.append(
+            StageRow(
+                stage,
+                ranks[stage],
+                devices[stage],
+                layer_range,
+                _layer_types([layer.type_name for layer in layers]),
+                sum(layer.parameters for layer in layers),
+                time_seconds,
+                memory,
+                profiles is not None,
+                busy_seconds[stage] if busy_seconds is not None else None,
+            )
+        )
+    if busy_seconds is not None:
+        totals, basis = list(busy_seconds), "measured busy time in the last step"
+    elif plan.profiles is not None and plan.method == "memory":
+        totals, basis = [float(row.memory_bytes) for row in rows], "profiled memory"
+    elif plan.profiles is not None:
+        totals, basis = [row.time_seconds or 0.0 for row in rows], "profiled time"
+    else:
+        totals, basis = [float(row.parameters) for row in rows], "parameters"
+    return StageSummary(
+        module_name, plan.method, num_micro_batches, checkpoint, rows, replicated_parameters, imbalance(totals), basis
     )
+
+
+def _layer_types(names: Sequence[str], limit: int = 40) -> str:
+    """``"3 Linear, 3 Tanh"``: each layer type with its count, in order of first appearance."""
+    text = ", ".join(f"{count} {name}" for name, count in Counter(names).items())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _milliseconds(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def _bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if count < 1024 or unit == "GB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GB"

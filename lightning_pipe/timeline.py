@@ -89,8 +89,10 @@ class StepTimeline:
     def recomputing(self, micro_batch: int) -> Iterator[None]:
         """Records the re-computation of ``micro_batch`` (entered by ``torch.utils.checkpoint`` in backward)."""
         start = self.now()
-        yield
-        self.add(RECOMPUTE, micro_batch, start)
+        try:
+            yield
+        finally:  # checkpoint stops the re-computation early by raising once every saved tensor exists again
+            self.add(RECOMPUTE, micro_batch, start)
 
     def intervals(self) -> list[Interval]:
         """The current step's intervals on the aligned clock, in the order they were recorded."""
