@@ -82,13 +82,23 @@ def replay_logs(module: LightningModule, records: list[LogRecord]) -> None:
 MetricState = tuple[dict[str, Any], int]
 
 
-def metric_states(module: LightningModule) -> dict[str, MetricState]:
-    """The accumulated state of every torchmetrics ``Metric`` in ``module``, by attribute name."""
+def metric_states(module: LightningModule, names: set[str] | None = None) -> dict[str, MetricState]:
+    """The accumulated state of the torchmetrics ``Metric`` objects in ``module`` (those in ``names``, or all)."""
     return {
         name: ({key: _to(getattr(metric, key), "cpu") for key in metric._defaults}, metric._update_count)
         for name, metric in module.named_modules()
-        if isinstance(metric, Metric)
+        if isinstance(metric, Metric) and (names is None or name in names)
     }
+
+
+def logged_metric_states(module: LightningModule, records: list[LogRecord]) -> dict[str, MetricState] | None:
+    """The states of the metric objects logged in ``records``.
+
+    Lightning may compute a metric's epoch value right after the last step of a loop (before any epoch-end hook),
+    so the other stages' copies must already hold the last stage's state by then.
+    """
+    names = {record.metric_attribute for record in records if record.metric_attribute is not None}
+    return metric_states(module, names) if names else None
 
 
 def load_metric_states(module: LightningModule, states: dict[str, MetricState]) -> None:

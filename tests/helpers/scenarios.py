@@ -55,6 +55,6 @@ def fit_test_predict(out: Path, scheduler: str | None, **trainer_kwargs) -> dict
         "best_score": float(checkpoint.best_model_score),
         "tested": tested,
         "tested_best": tested_best,
-        "predictions": torch.cat(predictions) if predictions else None,
+        "predictions": torch.cat(predictions) if trainer.is_global_zero else None,  # computed on the last stage
         "global_rank": trainer.global_rank,
     }
