@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def launch(worker: str, spec: dict, tmp_path: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``workers/WORKER`` on ``spec`` in a fresh Python (Lightning's launcher re-runs the script per rank)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     spec_path = tmp_path / f"{Path(worker).stem}_spec.json"
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

@@ -58,3 +58,14 @@ def fit_test_predict(out: Path, scheduler: str | None, **trainer_kwargs) -> dict
         "predictions": torch.cat(predictions) if trainer.is_global_zero else None,  # computed on the last stage
         "global_rank": trainer.global_rank,
     }
+
+
+def fit_epochs(out: Path, epochs: int, ckpt_path: str | None = None, **trainer_kwargs) -> dict:
+    """Fit ProjectModule (SGD with momentum: the optimizer has state) for ``epochs``, saving the last checkpoint."""
+    seed_everything(0 if ckpt_path is None else 1)  # a resumed run must take its weights from the checkpoint
+    model = ProjectModule(scheduler="epoch")
+    checkpoint = ModelCheckpoint(dirpath=out / "ckpt", save_last=True)
+    trainer = Trainer(accelerator="cpu", max_epochs=epochs, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[checkpoint], **trainer_kwargs)
+    trainer.fit(model, data(64, 0), data(32, 1), ckpt_path=ckpt_path)
+    return {"state_dict": {k: v.clone() for k, v in model.state_dict().items()}, "global_rank": trainer.global_rank}

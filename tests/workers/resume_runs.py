@@ -1,0 +1,27 @@
+"""Worker: train, or resume from a checkpoint, under the gpipe strategy; each rank saves its final weights.
+
+Usage: python resume_runs.py SPEC.json   (SPEC: {"devices": N, "out": DIR, "epochs": E, "ckpt_path": PATH or null})
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import lightning_pipe  # noqa: E402
+from helpers.scenarios import fit_epochs  # noqa: E402
+
+
+def main(spec_path):
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["out"])
+    strategy = lightning_pipe.GPipeStrategy(num_micro_batches=3)
+    result = fit_epochs(out, spec["epochs"], spec.get("ckpt_path"), strategy=strategy, devices=spec["devices"])
+    torch.save(result, out / f"rank{result['global_rank']}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
