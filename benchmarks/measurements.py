@@ -1,0 +1,33 @@
+"""The measurements behind the pipeline, peer, overhead and memory sections: one launch, shared by all four.
+
+One pair of processes measures everything in turn (speed, memory, then Lightning's overhead), which keeps the ratios
+honest on a shared machine and pays the processes' start-up (importing Lightning takes seconds) once. The runner
+imports every section in one Python, so they all read this one measurement. A part that fails is reported by its
+own section; the others still get their numbers.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from launch import launch
+from workload import workload
+
+NUM_STAGES = 2
+PARTS = ("speed", "memory", "overhead")
+
+
+@cache
+def _all_ranks(quick: bool) -> list[dict[str, Any]]:
+    return launch("suite_worker", "measure", NUM_STAGES, {"workload": workload(quick).to_spec(), "parts": PARTS})
+
+
+def measured(part: str, quick: bool) -> list[dict[str, Any]]:
+    """Every rank's answer for ``part`` (one of :data:`PARTS`), ordered by rank; raises if that part failed."""
+    skipped = {"error": f"not measured: a part before {part!r} failed (see its section)"}
+    answers = [answer.get(part, skipped) for answer in _all_ranks(quick)]
+    errors = [answer["error"] for answer in answers if "error" in answer]
+    if errors:
+        raise RuntimeError(f"the {part} measurement failed:\n{errors[0]}")
+    return answers

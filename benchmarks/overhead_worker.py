@@ -1,0 +1,118 @@
+"""Worker for the Lightning overhead benchmark: ``Trainer(strategy="gpipe")`` against a plain loop over the engine.
+
+Both train the same model on the same batches with the same optimizer; the plain loop is what the strategy does per
+batch without Lightning (the engine's step, ``optimizer.step()``, ``zero_grad``). The two take turns: a plain loop,
+then a ``Trainer.fit``, ``fits`` times after one unmeasured pair. A step's time is the interval between the ends of
+consecutive steps on the last stage (global rank 0), so it covers everything a loop iteration does; the first
+interval of each run is dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from engine_step import EngineStep
+from lightning_pipe import GPipeStrategy
+from stack import make_batch, make_stack
+from timing import median
+from workload import Workload
+
+LEARNING_RATE = 1e-4  # small: the weights should stay in a normal range over many steps
+
+
+class StackModule(LightningModule):
+    """The benchmark model as a user would write it: the stack in ``self.model``, an MSE loss, the loss logged."""
+
+    def __init__(self, work: Workload) -> None:
+        super().__init__()
+        self.model = make_stack(work)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, target = batch
+        loss = F.mse_loss(self.model(x), target)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LEARNING_RATE)
+
+
+class RepeatedBatch(Dataset):
+    """The same whole batch ``length`` times: no collation cost in either loop (``DataLoader(batch_size=None)``)."""
+
+    def __init__(self, batch: tuple[Tensor, Tensor], length: int) -> None:
+        self.batch, self.length = batch, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        return self.batch
+
+
+class StepEnds(Callback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        self.times.append(time.perf_counter())
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    work = Workload.from_spec(spec)
+    m = work.reference_micro_batches
+    loader = DataLoader(RepeatedBatch(make_batch(work), work.steps_per_fit), batch_size=None)
+    plain, lightning = [], []
+    for round_index in range(1 + work.fits):
+        engine_times = _plain_loop(work, m, loader)
+        lightning_times = _lightning_fit(work, m, loader)
+        if round_index > 0:
+            plain += _intervals(engine_times)
+            lightning += _intervals(lightning_times)
+    return {"micro_batches": m, "plain_s": median(plain), "lightning_s": median(lightning), "steps": len(plain)}
+
+
+def _plain_loop(work: Workload, m: int, loader: DataLoader) -> list[float]:
+    step = EngineStep(make_stack(work), m, "never", dist.group.WORLD)
+    optimizer = torch.optim.SGD(step.stage.parameters(), lr=LEARNING_RATE)
+    ends = []
+    dist.barrier()
+    for x, target in loader:
+        step.backward(step.forward(x, target))
+        optimizer.step()
+        optimizer.zero_grad()
+        ends.append(time.perf_counter())
+    return ends
+
+
+def _lightning_fit(work: Workload, m: int, loader: DataLoader) -> list[float]:
+    clock = StepEnds()
+    trainer = Trainer(
+        strategy=GPipeStrategy(num_micro_batches=m, checkpoint="never"),
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        max_steps=work.steps_per_fit,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[clock],
+    )
+    dist.barrier()
+    trainer.fit(StackModule(work), loader)
+    return clock.times
+
+
+def _intervals(ends: list[float]) -> list[float]:
+    """Times between consecutive step ends, without the first (the first step of a run is a warm-up)."""
+    return [later - earlier for earlier, later in zip(ends[1:], ends[2:])]

@@ -1,0 +1,50 @@
+"""Worker for the speed benchmarks: one process, lightning_pipe's engine and the peer, measured in one launch.
+
+Every configuration takes one step per round, in turn, so that drift on a shared machine hits them all alike; the
+first ``warmup`` rounds are discarded and the median of the rest is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from engine_step import EngineStep
+from peer_step import PeerStep
+from stack import make_batch, make_stack
+from timing import median, timed, timed_on
+from workload import Workload
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """Median step times (seconds), identical on every rank (each step's time is its slowest rank's)."""
+    work = Workload.from_spec(spec)
+    world = dist.group.WORLD
+    x, target = make_batch(work)
+    whole = make_stack(work)
+
+    def one_process(size: int) -> Callable[[], None]:
+        return lambda: F.mse_loss(whole(x[:size]), target[:size]).backward()
+
+    ours = {m: EngineStep(make_stack(work), m, "never", world) for m in work.micro_batches}
+    theirs = {m: PeerStep(make_stack(work), m, world) for m in work.micro_batches}
+    # Each entry: a name, how to time one step, and the list its measurements go to.
+    runs: list[tuple[str, Callable[[], float], list[float]]] = [
+        ("one_process", lambda: timed_on(0, one_process(work.batch)), [])
+    ]
+    for m in work.micro_batches:
+        micro_batch = -(-work.batch // m)  # the largest micro-batch, as the split makes it
+        runs += [
+            (f"micro_batch/{m}", lambda size=micro_batch: timed_on(0, one_process(size)), []),
+            (f"ours/{m}", lambda step=ours[m].step: timed(lambda: step(x, target), world), []),
+            (f"peer/{m}", lambda step=theirs[m].step: timed(lambda: step(x, target), world), []),
+        ]
+    for round_index in range(work.warmup + work.rounds):
+        for _, time_one, samples in runs:
+            elapsed = time_one()
+            if round_index >= work.warmup:
+                samples.append(elapsed)
+    return {name: median(samples) for name, _, samples in runs}
