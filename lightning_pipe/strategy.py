@@ -327,6 +327,27 @@ class GPipeStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         # Clipping by norm must see the norm over all stages, not this stage's share of it.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        self._agree_on_gradient_overflow()
+
+    def _agree_on_gradient_overflow(self) -> None:
+        """With a gradient scaler (``16-mixed``), an inf on one stage must skip the step on every stage, and every
+        stage's scale must change alike: share the overflow flag right after each stage unscales its gradients."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is None or self.layout.num_stages == 1 or "unscale_" in scaler.__dict__:
+            return
+        unscale = scaler.unscale_
+
+        def unscale_and_agree(optimizer: Optimizer) -> None:
+            unscale(optimizer)
+            found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+            flag = torch.zeros((), device=self.root_device)
+            for value in found.values():
+                flag = torch.maximum(flag, value.to(flag.device))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pipeline_group)
+            for value in found.values():
+                value.copy_(flag)
+
+        scaler.unscale_ = unscale_and_agree
 
     def _partition(self, module: LightningModule) -> None:
         """Replace the pipelined ``nn.Sequential`` by this rank's :class:`PipelineStage` and build its engine."""

@@ -27,6 +27,10 @@ def runs_for(devices: int) -> list[dict]:
          "trainer": {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}},
         {"name": "accumulate", "num_micro_batches": 2, "trainer": {"accumulate_grad_batches": 2}},
     ]
+    runs += [
+        {"name": "bf16", "num_micro_batches": 4, "trainer": {"precision": "bf16-mixed"}},
+        {"name": "fp16_overflow", "model": "poisoned", "num_micro_batches": 4, "fp16": True},
+    ]
     # Negative control: one micro-batch's gradient dropped; the comparison must see it.
     runs.append({"name": "dropped", "num_micro_batches": 4, "drop_gradient_of": 1})
     return runs
@@ -45,7 +49,7 @@ _references: dict[tuple, tuple] = {}
 
 
 def reference(run: dict):
-    keys = ("model", "train_samples", "max_epochs", "lr")
+    keys = ("model", "train_samples", "max_epochs", "lr", "fp16")
     key = (*(run.get(k) for k in keys), tuple(sorted(run.get("trainer", {}).items())))
     if key not in _references:
         _references[key] = single_device_run(run)
@@ -79,6 +83,24 @@ def test_model_and_trainer_variants_match_single_device(pipelined, name):
     """Tuple activations with a mask, skipped steps, clipping by global norm and by value, accumulation."""
     _, tmp, runs = pipelined
     assert_matches_single_device(tmp, runs[name])
+
+
+def test_bf16_mixed_losses_match_single_device(pipelined):
+    _, tmp, runs = pipelined
+    _, _, expected = reference(runs["bf16"])
+    for result in rank_results(tmp / "bf16"):
+        assert result["train_losses"] == pytest.approx(expected["train_losses"], rel=1e-2)
+
+
+def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(pipelined):
+    """An inf in one stage's gradients: every stage skips that step and halves its scale, as one device does."""
+    _, tmp, runs = pipelined
+    run = runs["fp16_overflow"]
+    initial, expected, expected_metrics = reference(run)
+    assert expected_metrics["grad_scale"] == 2.0**15  # one skipped step halved the initial 2**16
+    for result in rank_results(tmp / run["name"]):
+        assert result["grad_scale"] == expected_metrics["grad_scale"]
+    assert relative_weight_error(initial, expected, merged_state_dict(tmp / run["name"])) < 1e-2
 
 
 def test_comparison_detects_a_dropped_micro_batch_gradient(pipelined):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.plugins import MixedPrecision
 
 from helpers.models import MODELS, loaders
 from helpers.recording import MetricRecorder
@@ -64,6 +65,7 @@ def single_device_run(run: dict) -> tuple[dict[str, torch.Tensor], dict[str, tor
         accelerator="cpu", devices=1, max_epochs=run.get("max_epochs", 1), logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
         **run.get("trainer", {}),
+        plugins=[MixedPrecision("16-mixed", "cpu")] if run.get("fp16") else None,
     )
     trainer.fit(model, train, val)
     return initial, model.state_dict(), recorder.summary()

@@ -102,7 +102,16 @@ class SkipsSomeSteps(PipeClassifier):
         return None if batch_idx == 2 else {"loss": loss}
 
 
-MODELS = {"classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps}
+class PoisonedGradient(PipeClassifier):
+    """At batch 2, an inf lands in the gradient of layer 0 (on the first stage only, in a pipeline)."""
+
+    def on_after_backward(self):
+        first_layer = getattr(self.net.model, "0", None)  # a child of the Sequential, or of the stage holding it
+        if self.trainer.fit_loop.epoch_loop.batch_idx == 2 and first_layer is not None:
+            first_layer.weight.grad[0, 0] = float("inf")
+
+
+MODELS = {"classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "poisoned": PoisonedGradient}
 
 
 class ProjectModule(LightningModule):

@@ -11,8 +11,12 @@ class MetricRecorder(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.train_losses.append(float(trainer.callback_metrics["train_loss"]))
 
+        self.grad_scale: float | None = None
+
     def on_fit_end(self, trainer, pl_module):
         self.final_metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.grad_scale = float(scaler.get_scale()) if scaler is not None else None
 
     def summary(self) -> dict:
-        return {"train_losses": self.train_losses, "final_metrics": self.final_metrics}
+        return {"train_losses": self.train_losses, "final_metrics": self.final_metrics, "grad_scale": self.grad_scale}

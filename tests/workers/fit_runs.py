@@ -11,7 +11,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from lightning.pytorch import Trainer, seed_everything  # noqa: E402
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
 
 import lightning_pipe  # noqa: E402
 from helpers.models import MODELS, loaders  # noqa: E402
@@ -53,6 +54,7 @@ def main(spec_path):
             enable_model_summary=False,
             callbacks=[recorder],
             **run.get("trainer", {}),
+        plugins=[MixedPrecision("16-mixed", "cpu")] if run.get("fp16") else None,
         )
         trainer.fit(model, train, val)
         if restore:
