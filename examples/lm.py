@@ -150,6 +150,8 @@ class ByteGPT(LightningModule):
         self.blocks = nn.Sequential(*(Block(width, heads) for _ in range(depth)))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, VOCAB)
+        # A sample input: lets strategy.balance=time|memory profile the blocks before the data is set up.
+        self.example_input_array = torch.zeros(2, seq_len, dtype=torch.long)
 
     def forward(self, tokens: Tensor) -> Tensor:
         x = self.token(tokens) + self.position[: tokens.shape[1]]

@@ -26,8 +26,9 @@ REPORT = "report.json"
 
 
 class RunReport(Callback):
-    """Samples per second over the training batches (the first, warm-up batch left out), the final losses, and
-    per stage the parameters it holds and its peak memory (resident set size; on CUDA also the allocator's peak)."""
+    """Samples per second over the training batches (the first, warm-up batch left out), the final losses, the
+    measured pipeline bubble, and per stage the parameters it holds and its peak memory (resident set size; on
+    CUDA also the allocator's peak)."""
 
     def __init__(self, out_dir: str | Path) -> None:
         self.out_dir = Path(out_dir)
@@ -58,6 +59,7 @@ class RunReport(Callback):
         strategy = trainer.strategy
         config = getattr(strategy, "config", None)
         metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
+        observed = getattr(strategy, "last_observed_step", None)  # the strategy's bubble measurement, if any
         report = {
             "num_stages": config.num_stages if config else 1,
             "num_micro_batches": config.num_micro_batches if config else 1,
@@ -67,6 +69,8 @@ class RunReport(Callback):
             "val_loss": metrics.get("val_loss"),
             "train_loss": metrics.get("train_loss"),
             "fit_seconds": time.perf_counter() - self._started,
+            "bubble_fraction": observed.bubble_fraction if observed else None,
+            "ideal_bubble_fraction": observed.ideal_bubble_fraction if observed else None,
             "stages": sorted(stages, key=lambda record: record["stage"]),
         }
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -93,6 +97,8 @@ def format_report(report: dict[str, Any]) -> str:
         f" {report['steps']} steps on {report['accelerator']}",
         f"  final val_loss    {_number(report['val_loss'], '.4f')}   (train_loss {_number(report['train_loss'], '.4f')})",
         f"  throughput        {_number(throughput, '.1f')} samples/s",
+        f"  bubble            {_number(report['bubble_fraction'], '.0%')} of the last logged step"
+        f" (ideal {_number(report['ideal_bubble_fraction'], '.0%')})",
         f"  fit time          {report['fit_seconds']:.1f} s",
     ]
     cuda = any("peak_cuda_mb" in stage for stage in report["stages"])
@@ -111,7 +117,7 @@ class SweepComparison(HydraCallback):
     """At the end of ``python examples/train.py -m ...``: a table with one row per job, as CSV and Markdown."""
 
     COLUMNS = (
-        "job", "overrides", "stages", "micro_batches", "samples_per_s", "val_loss", "train_loss",
+        "job", "overrides", "stages", "micro_batches", "samples_per_s", "val_loss", "train_loss", "bubble",
         "max_peak_rss_mb", "peak_rss_mb_per_stage", "fit_s",
     )
 
@@ -148,6 +154,7 @@ class SweepComparison(HydraCallback):
             "samples_per_s": _number(report["samples_per_second"], ".1f"),
             "val_loss": _number(report["val_loss"], ".4f"),
             "train_loss": _number(report["train_loss"], ".4f"),
+            "bubble": _number(report.get("bubble_fraction"), ".2f"),
             "max_peak_rss_mb": f"{max(peaks):.0f}",
             "peak_rss_mb_per_stage": " / ".join(f"{peak:.0f}" for peak in peaks),
             "fit_s": f"{report['fit_seconds']:.1f}",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -30,6 +30,7 @@ from lightning.fabric.plugins.environments import (
 )
 from omegaconf import OmegaConf
 
+from lightning_pipe.balance import BALANCE_MODES, validate_balance
 from lightning_pipe.config import PipelineParallelConfig, validate_checkpoint_mode
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -48,12 +49,19 @@ class GPipeStrategyConfig:
     checkpoint: str = "except_last"
     """Activation re-computation: ``always`` (least memory), ``except_last`` or ``never`` (fastest)."""
     balance: Any = None
-    """Layers per stage as a list (``[3, 5]``), or null for an even split. (``Any``: OmegaConf cannot type a
-    list-or-null-or-name field; :func:`validate_config` checks it.)"""
+    """Layers per stage as a list (``[3, 5]``), a balancing mode (``uniform``, ``parameters``, ``time``,
+    ``memory``), or null for ``uniform``. (``Any``: OmegaConf cannot type a list-or-string field;
+    :func:`validate_config` checks it.)"""
     module_name: Optional[str] = None
     """Dotted path of the ``nn.Sequential`` to pipeline; null picks the one with the most parameters."""
     start_method: str = "${" + START_METHOD_RESOLVER + ":}"
     """How the Trainer starts its processes; by default ``spawn`` inside a Hydra multirun, else ``popen``."""
+    trace_steps: list[int] = field(default_factory=list)
+    """Training steps whose timeline of every stage is written as a Chrome trace (``gpipe_trace.json``)."""
+    trace_dir: Optional[str] = None
+    """Where the trace goes; null means the Trainer's ``default_root_dir``."""
+    log_bubble_fraction: bool = True
+    """Log the measured idle share of each step (``pipeline/bubble_fraction``) beside the ideal one."""
 
 
 def register_configs() -> None:
@@ -96,6 +104,12 @@ def validate_config(config: Mapping[str, Any]) -> PipelineParallelConfig:
 
 def validate_strategy_config(strategy: Mapping[str, Any], key: str = "strategy") -> PipelineParallelConfig:
     """Check one ``GPipeStrategy`` config node; errors name ``key.field`` (see :func:`validate_config`)."""
+    known = [field.name for field in fields(GPipeStrategyConfig)]
+    unknown = [name for name in strategy if name not in known]
+    if unknown:
+        raise ValueError(
+            f"{key}.{unknown[0]} is not a GPipeStrategy setting; the settings are {', '.join(known[1:])}."
+        )
     num_stages = strategy.get("num_stages")
     num_micro_batches = strategy.get("num_micro_batches")
     try:
@@ -120,10 +134,17 @@ def validate_strategy_config(strategy: Mapping[str, Any], key: str = "strategy")
 def _check_balance(balance: Any, num_stages: int, key: str) -> None:
     if balance is None:
         return
-    if isinstance(balance, (str, bytes, Mapping)) or not hasattr(balance, "__len__"):
+    if isinstance(balance, str):
+        try:
+            validate_balance(balance)
+        except ValueError as error:
+            raise ValueError(f"{key}.{error}") from None
+        return
+    if isinstance(balance, (bytes, Mapping)) or not hasattr(balance, "__len__"):
         raise ValueError(
             f"{key}.balance={balance!r} is invalid; give one layer count per stage as a list"
-            f" (e.g. {key}.balance=[{', '.join(['4'] * num_stages)}]), or null for an even split."
+            f" (e.g. {key}.balance=[{', '.join(['4'] * num_stages)}]), a mode ({', '.join(BALANCE_MODES)}),"
+            " or null for an even split."
         )
     sizes = list(balance)
     if any(isinstance(size, bool) or not isinstance(size, int) or size < 1 for size in sizes):

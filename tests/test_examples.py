@@ -1,0 +1,149 @@
+"""The examples run end to end as a user runs them, and the README's first command is the one a new user needs.
+
+Each run is a fresh ``python examples/...`` process (Lightning's default launcher re-runs the script per rank),
+with tiny overrides: a few steps of a narrow model. One single run and one two-job sweep cover one and two stages
+and both launchers (``popen`` for a single run, ``spawn`` inside a sweep).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+TINY = [
+    "trainer.max_steps=4",
+    "trainer.val_check_interval=4",
+    "model.width=32",
+    "data.batch_size=8",
+    "data.val_windows=32",
+]
+
+
+def run(script: str, *args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))}
+    for variable in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(variable, None)  # a rank's variables would make the script think it is a child rank
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd,
+    )
+
+
+def succeeded(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
+def model_parameters(width: int = 32, depth: int = 8) -> tuple[int, int]:
+    """The whole model's parameter count and that of its pipelined blocks, for the TINY model."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from lm import ByteGPT
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    model = ByteGPT(width=width, depth=depth)
+    return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.blocks.parameters())
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory):
+    """``python examples/train.py`` with its default 2 stages, as the README runs it (tiny overrides)."""
+    out = tmp_path_factory.mktemp("single")
+    result = succeeded(run("train.py", *TINY, f"hydra.run.dir={out}", cwd=out))
+    return result, json.loads((out / "report.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """``python examples/train.py -m strategy.num_stages=1,2``: two jobs, one comparison table."""
+    out = tmp_path_factory.mktemp("sweep")
+    result = succeeded(run("train.py", "-m", "strategy.num_stages=1,2", *TINY, f"hydra.sweep.dir={out}", cwd=out))
+    reports = [json.loads((out / job / "report.json").read_text()) for job in ("0", "1")]
+    return result, out, reports
+
+
+def test_default_run_trains_two_stages_with_progress_bar_and_summary(single_run):
+    result, report = single_run
+    assert report["num_stages"] == 2 and report["num_micro_batches"] == 8 and report["steps"] == 4
+    assert report["val_loss"] < math.log(256)  # better than guessing bytes uniformly
+    assert report["samples_per_second"] > 0
+    assert "Epoch 0: 100%" in result.stdout  # Lightning's progress bar
+    summary = result.stdout[result.stdout.index("Summary: 2 stage(s)") :]
+    assert f"final val_loss    {report['val_loss']:.4f}" in summary
+    assert "samples/s" in summary and "peak RSS (MB)" in summary
+
+
+def test_stages_hold_disjoint_halves_of_the_pipelined_blocks(single_run):
+    _, report = single_run
+    total, blocks = model_parameters()
+    replicated = total - blocks
+    stages = report["stages"]
+    assert [stage["stage"] for stage in stages] == [0, 1]
+    assert [stage["rank"] for stage in stages] == [1, 0]  # rank 0 holds the last stage
+    assert [stage["parameters"] - replicated for stage in stages] == [blocks // 2, blocks // 2]
+    assert all(stage["peak_rss_mb"] > 50 for stage in stages)
+
+
+def test_single_stage_job_holds_the_whole_model(sweep):
+    _, _, (single, _) = sweep
+    assert single["num_stages"] == 1
+    assert [stage["parameters"] for stage in single["stages"]] == [model_parameters()[0]]
+
+
+def test_pipelined_and_single_stage_training_reach_the_same_loss(single_run, sweep):
+    _, _, (one_stage, two_stages) = sweep
+    _, popen_run = single_run
+    assert two_stages["val_loss"] == pytest.approx(one_stage["val_loss"], rel=1e-4)
+    assert popen_run["val_loss"] == pytest.approx(two_stages["val_loss"], rel=1e-4)  # spawn and popen alike
+
+
+def test_sweep_over_stage_counts_writes_comparison_table(sweep):
+    result, out, reports = sweep
+    with open(out / "comparison.csv") as file:
+        rows = list(csv.DictReader(file))
+    assert [(row["overrides"], row["stages"]) for row in rows] == [
+        ("strategy.num_stages=1", "1"),
+        ("strategy.num_stages=2", "2"),
+    ]
+    for row, report in zip(rows, reports):
+        assert float(row["samples_per_s"]) == pytest.approx(report["samples_per_second"], abs=0.05)
+        assert float(row["val_loss"]) == pytest.approx(report["val_loss"], abs=1e-4)
+        assert float(row["max_peak_rss_mb"]) > 50
+    markdown = (out / "comparison.md").read_text()
+    assert markdown.count("| strategy.num_stages=") == 2
+    assert "Sweep comparison" in result.stdout
+
+
+def test_invalid_value_stops_the_run_before_training_naming_the_key(tmp_path):
+    result = run("train.py", "strategy.checkpoint=sometimes", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "strategy.checkpoint='sometimes' is not a checkpoint mode" in result.stderr
+    assert "GPipe: pipelining" not in result.stdout + result.stderr
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_existing_project_trains_on_two_stages_unchanged(tmp_path):
+    result = succeeded(run("existing_project.py", "--max-steps", "4", "--val-every", "4", cwd=tmp_path))
+    assert "GPipe: pipelining 'encoder.model'" in result.stdout + result.stderr
+    metrics = json.loads(result.stdout.split("final metrics: ", 1)[1].splitlines()[0])
+    assert {"train_loss", "val_loss", "val_acc", "train_acc_epoch"} <= metrics.keys()
+    assert 0.0 <= metrics["val_acc"] <= 1.0 and metrics["val_loss"] > 0
+
+
+def test_readme_first_command_installs_then_trains_and_readme_links_the_docs():
+    readme = (REPO / "README.md").read_text()
+    first_block = re.search(r"```bash\n(.*?)```", readme, re.S).group(1).strip()
+    assert first_block == "pip install torch==2.13.0 -e . && python examples/train.py"
+    for page in ("docs/index.md", "docs/guide.md", "docs/existing_project.md", "docs/troubleshooting.md"):
+        assert f"]({page})" in readme, f"README does not link {page}"
+        assert (REPO / page).is_file()
