@@ -2,7 +2,7 @@
 
 Usage: python balance_trace_runs.py SPEC.json
 SPEC: {"devices": N, "out": DIR, "runs": [{"name": ..., "balance": ..., "sample": bool, "trace_steps": [...],
-"num_micro_batches": M, "checkpoint": ...}, ...]}
+"num_micro_batches": M, "checkpoint": ..., "csv_logger": bool}, ...]}
 Each run writes DIR/NAME/rank{R}.json: the split this rank applied, its stage summary and the logged bubble
 fractions; a run with trace_steps also writes its trace to DIR/NAME/gpipe_trace.json (from global rank 0).
 """
@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 import lightning_pipe  # noqa: E402
 from helpers.models import PipeClassifier, loaders  # noqa: E402
@@ -40,7 +41,7 @@ def main(spec_path):
         model = PipeClassifier(depth=run.get("depth", 8))
         if run.get("example_input_array", True):
             model.example_input_array = torch.randn(16, 3, 4)
-        train, val = loaders(run.get("train_samples", 64), 16, 16)
+        train, val = loaders(run.get("train_samples", 32), 16, 16)
         strategy = lightning_pipe.GPipeStrategy(
             num_micro_batches=run.get("num_micro_batches", 4),
             checkpoint=run.get("checkpoint", "except_last"),
@@ -51,7 +52,8 @@ def main(spec_path):
         )
         recorder = BubbleRecorder()
         trainer = Trainer(
-            strategy=strategy, accelerator="cpu", devices=spec["devices"], max_epochs=1, logger=False,
+            strategy=strategy, accelerator="cpu", devices=spec["devices"], max_epochs=1,
+            logger=CSVLogger(out, name="csv", version=0) if run.get("csv_logger") else False, log_every_n_steps=1,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             callbacks=[recorder], limit_val_batches=0,
         )

@@ -1,0 +1,187 @@
+"""Balancing: the exact min-max partition, profiled costs, and the same valid split on every rank."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from helpers.compare import launch
+from helpers.models import PipeClassifier
+from lightning_pipe import GPipeStrategy, PipelineParallelConfig
+from lightning_pipe.balance import min_max_partition, plan_partition, stage_costs
+from lightning_pipe.config import ranges_from_sizes
+from lightning_pipe.profile import pipelined_input, profile_layers
+from lightning_pipe.summary import build_stage_summary
+
+
+def brute_force_best(costs: list[float], num_stages: int) -> float:
+    """The cheapest most-expensive stage over every contiguous split into non-empty stages."""
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(costs)), num_stages - 1):
+        bounds = [0, *cuts, len(costs)]
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+def test_min_max_partition_is_optimal_against_brute_force():
+    rng = random.Random(0)
+    for _ in range(600):
+        num_layers = rng.randint(1, 10)
+        num_stages = rng.randint(1, num_layers)
+        # Integers (many ties), floats over several magnitudes, and zeros (parameter-free layers).
+        costs = [rng.choice([0, rng.randint(0, 9), rng.random() * 10 ** rng.randint(-3, 3)]) for _ in range(num_layers)]
+        sizes = min_max_partition(costs, num_stages)
+        assert len(sizes) == num_stages and min(sizes) >= 1 and sum(sizes) == num_layers
+        got = max(stage_costs(costs, ranges_from_sizes(sizes)))
+        assert got == pytest.approx(brute_force_best(costs, num_stages), rel=1e-12, abs=1e-12), (costs, sizes)
+
+
+def test_min_max_partition_moves_layers_off_an_expensive_first_half():
+    # First half 7 times as costly as the second: a split by layer count leaves 7/8 of the work on stage 0.
+    assert min_max_partition([7.0] * 8 + [1.0] * 8, 2) == [5, 11]
+    assert min_max_partition([1.0] * 12, 4) == [3, 3, 3, 3]
+
+
+@pytest.mark.parametrize(
+    ("costs", "stages", "message"),
+    [([1.0, 2.0], 3, "cannot split 2 layers into 3 non-empty stages"), ([1.0, -1.0], 2, "layer 1 costs -1.0")],
+)
+def test_min_max_partition_rejects_impossible_input(costs, stages, message):
+    with pytest.raises(ValueError, match=message):
+        min_max_partition(costs, stages)
+
+
+class Wrapper(nn.Module):
+    """A model whose forward runs code (a BatchNorm, dropout) before the pipelined Sequential."""
+
+    def __init__(self, layers: nn.Sequential) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(32)
+        self.drop = nn.Dropout(0.5)
+        self.layers = layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(self.drop(self.norm(x)))
+
+
+def unbalanced_layers() -> nn.Sequential:
+    """Four wide layers followed by four narrow ones: the wide ones cost far more time and memory."""
+    wide = [nn.Sequential(nn.Linear(32, 512), nn.Tanh(), nn.Linear(512, 32)) for _ in range(4)]
+    narrow = [nn.Linear(32, 32) for _ in range(4)]
+    return nn.Sequential(*wide, *narrow)
+
+
+def test_pipelined_input_is_the_sequential_input_and_changes_nothing():
+    model = Wrapper(unbalanced_layers()).train()
+    model.norm.running_mean.fill_(0.5)
+    x = torch.randn(8, 32)
+    rng_before = torch.get_rng_state()
+    captured = pipelined_input(model, model.layers, x)
+    assert torch.allclose(captured, (x - 0.5) / torch.sqrt(torch.ones(32) + model.norm.eps))  # eval norm, no dropout
+    assert torch.equal(model.norm.running_mean, torch.full((32,), 0.5))
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    assert model.training and model.norm.training
+
+
+def test_memory_profile_counts_parameters_and_saved_activations():
+    layers = nn.Sequential(nn.Linear(64, 64), nn.ReLU())
+    profiles = profile_layers(layers, torch.randn(8, 64), torch.device("cpu"), num_micro_batches=2)
+    micro_batch_bytes = 4 * 64 * 4  # 4 samples of 64 float32
+    assert profiles[0].parameter_bytes == (64 * 64 + 64) * 4
+    assert profiles[0].activation_bytes == micro_batch_bytes  # Linear saves its input (its weight is not counted)
+    assert profiles[1].parameter_bytes == 0 and profiles[1].activation_bytes == micro_batch_bytes  # ReLU: its output
+    assert all(p.forward_seconds > 0 and p.backward_seconds > 0 for p in profiles)
+
+
+@pytest.mark.parametrize("mode", ["parameters", "time", "memory"])
+def test_costly_first_half_gets_fewer_layers(mode):
+    model = Wrapper(unbalanced_layers())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config = PipelineParallelConfig(num_stages=2, num_micro_batches=2)
+    plan = plan_partition(model, model.layers, config, mode, sample=torch.randn(16, 32))
+    sizes = [len(r) for r in plan.ranges]
+    assert sizes[0] < 4 and sum(sizes) == 8, f"{mode} gave {sizes} for costs {plan.costs}"
+    assert max(stage_costs(plan.costs, plan.ranges)) == pytest.approx(
+        brute_force_best(plan.costs, 2), rel=1e-12
+    )
+    for key, value in model.state_dict().items():  # profiling ran on copies
+        assert torch.equal(value, before[key]), key
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_uniform_and_explicit_balance_need_no_profiling():
+    model = Wrapper(unbalanced_layers())
+    config = PipelineParallelConfig(num_stages=3, num_micro_batches=2)
+    assert plan_partition(model, model.layers, config, "uniform").ranges == config.split_into_stages(8)
+    assert plan_partition(model, model.layers, config, None).ranges == config.split_into_stages(8)
+    explicit = plan_partition(model, model.layers, config, [1, 2, 5])
+    assert explicit.ranges == [range(0, 1), range(1, 3), range(3, 8)] and explicit.method == "explicit"
+
+
+def test_profiled_balance_without_a_sample_names_the_fix():
+    model = Wrapper(unbalanced_layers())
+    config = PipelineParallelConfig(num_stages=2, num_micro_batches=2)
+    with pytest.raises(ValueError, match=r"balance='time' profiles every layer.*example_input_array.*sample="):
+        plan_partition(model, model.layers, config, "time")
+
+
+def test_unknown_balance_mode_is_rejected():
+    with pytest.raises(ValueError, match="balance='fast' is not a balancing mode; use one of 'uniform'"):
+        GPipeStrategy(balance="fast")
+
+
+def test_profiled_balance_without_a_sample_fails_before_launch():
+    from lightning.pytorch import Trainer
+
+    trainer = Trainer(strategy=GPipeStrategy(balance="memory"), accelerator="cpu", devices=2, max_steps=1,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match="balance='memory' profiles every layer"):
+        trainer.fit(PipeClassifier())
+
+
+def test_summary_reports_imbalance_of_the_split():
+    model = Wrapper(unbalanced_layers())
+    config = PipelineParallelConfig(num_stages=2, num_micro_batches=2)
+    plan = plan_partition(model, model.layers, config, [4, 4])
+    summary = build_stage_summary(plan, "layers", [1, 0], ["cpu", "cpu"], 64, 2, "never", 0.0)
+    wide = 4 * (32 * 512 + 512 + 512 * 32 + 32)
+    assert [row.parameters for row in summary.rows] == [wide, 4 * (32 * 32 + 32)]
+    assert summary.imbalance == pytest.approx(wide / ((wide + 4 * 1056) / 2))
+    text = str(summary)
+    assert "Stage | Rank | Device | Layers" in text and "0-3" in text and "4-7" in text
+    assert f"Imbalance (slowest stage / mean): {summary.imbalance:.2f} by parameters" in text
+
+
+BALANCE_RUNS = [
+    {"name": "uniform", "balance": "uniform"},
+    {"name": "explicit", "balance": [3, 5]},
+    {"name": "parameters", "balance": "parameters"},
+    {"name": "time", "balance": "time"},  # profiles with the model's example_input_array
+    {"name": "memory", "balance": "memory", "sample": True, "example_input_array": False},  # with sample=
+]
+
+
+@pytest.fixture(scope="module")
+def balanced_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("balance")
+    launch("balance_trace_runs.py", {"devices": 2, "out": str(tmp), "runs": BALANCE_RUNS}, tmp)
+    return tmp
+
+
+@pytest.mark.parametrize("run", BALANCE_RUNS, ids=lambda run: run["name"])
+def test_every_balance_mode_gives_one_valid_split_on_every_rank(balanced_runs, run):
+    results = [json.loads((balanced_runs / run["name"] / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    ranges = results[0]["ranges"]
+    assert all(result["ranges"] == ranges for result in results), "ranks applied different splits"
+    assert ranges[0][0] == 0 and ranges[-1][1] == 8 and ranges[0][1] == ranges[1][0]  # contiguous, covers all 8
+    assert all(stop > start for start, stop in ranges)
+    assert results[0]["method"] == ("explicit" if isinstance(run["balance"], list) else run["balance"])
+    if isinstance(run["balance"], list):
+        assert [stop - start for start, stop in ranges] == run["balance"]
+    assert results[0]["summary"] == results[1]["summary"]  # the same table on every rank
+    assert [row["rank"] for row in results[0]["rows"]] == [1, 0]  # the last stage on global rank 0

@@ -1,0 +1,119 @@
+"""Timeline traces and the bubble metric: what the stages did, in GPipe order, on one clock."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import defaultdict
+
+import pytest
+
+from helpers.compare import launch
+from lightning_pipe.schedule import clock_cycles, ideal_bubble_fraction
+from lightning_pipe.timeline import BACKWARD, FORWARD, RECOMPUTE, Interval, bubble_fraction, stage_extent
+from lightning_pipe.trace import TracedStep, chrome_trace, main, write_chrome_trace
+
+ALIGNMENT_TOLERANCE_US = 2000.0  # clocks aligned by a barrier: a neighbour's event may appear this early at most
+
+
+def ideal_intervals(num_stages: int, num_micro_batches: int) -> list[list[Interval]]:
+    """Each stage's forwards and backwards at the ticks of the ideal GPipe timeline, one second per tick."""
+    timeline = clock_cycles(num_stages, num_micro_batches)
+    return [
+        [Interval(a.kind, a.micro_batch, float(tick), tick + 1.0) for tick, a in enumerate(row) if a is not None]
+        for row in timeline
+    ]
+
+
+@pytest.mark.parametrize(("stages", "micro_batches"), [(2, 1), (2, 4), (3, 8), (4, 4)])
+def test_bubble_of_the_ideal_timeline_is_the_formula(stages, micro_batches):
+    extents = [stage_extent(intervals) for intervals in ideal_intervals(stages, micro_batches)]
+    assert bubble_fraction(extents) == pytest.approx(ideal_bubble_fraction(stages, micro_batches))
+
+
+def test_chrome_trace_holds_one_track_per_stage_with_micro_batch_events(tmp_path):
+    stages = ideal_intervals(3, 4)
+    step = TracedStep(7, stages, [2, 1, 0], 0.33, ideal_bubble_fraction(3, 4))
+    write_chrome_trace(tmp_path / "trace.json", [step])
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    assert names == {0: "stage 0 (rank 2)", 1: "stage 1 (rank 1)", 2: "stage 2 (rank 0)", 3: "steps"}
+    f2 = next(e for e in trace["traceEvents"] if e.get("name") == "F2" and e["tid"] == 1)
+    assert f2["ph"] == "X" and f2["ts"] == pytest.approx(3e6) and f2["dur"] == pytest.approx(1e6)  # tick 3 of 12
+    assert trace["otherData"]["steps"][0]["step"] == 7
+
+
+LAUNCH = {
+    # 3 stages exercise the first, a middle and the last stage; steps 1 and 2 traced.
+    "devices": 3,
+    "runs": [
+        {"name": "except_last", "num_micro_batches": 4, "checkpoint": "except_last", "trace_steps": [1, 2],
+         "train_samples": 48, "csv_logger": True},
+        {"name": "never", "num_micro_batches": 3, "checkpoint": "never", "trace_steps": [0], "train_samples": 16},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trace")
+    launch("balance_trace_runs.py", {**LAUNCH, "out": str(tmp)}, tmp)
+    return tmp
+
+
+def events_by_step_and_stage(trace: dict) -> dict[tuple[int, int], list[dict]]:
+    grouped: dict[tuple[int, int], list[dict]] = defaultdict(list)
+    for event in trace["traceEvents"]:
+        if event.get("ph") == "X" and "micro_batch" in event.get("args", {}):
+            grouped[(event["args"]["step"], event["tid"])].append(event)
+    return grouped
+
+
+@pytest.mark.parametrize("run", LAUNCH["runs"], ids=lambda run: run["name"])
+def test_trace_holds_every_forward_and_backward_in_gpipe_order(traced, run):
+    trace = json.loads((traced / run["name"] / "gpipe_trace.json").read_text())
+    grouped = events_by_step_and_stage(trace)
+    m = run["num_micro_batches"]
+    assert {step for step, _ in grouped} == set(run["trace_steps"])
+    for step in run["trace_steps"]:
+        for stage in range(3):
+            events = sorted(grouped[(step, stage)], key=lambda e: e["ts"])
+            compute = [e["name"] for e in events if e["cat"] in (FORWARD, BACKWARD)]
+            assert compute == [f"F{i}" for i in range(m)] + [f"B{i}" for i in reversed(range(m))], (step, stage)
+            recomputed = sorted(e["args"]["micro_batch"] for e in events if e["cat"] == RECOMPUTE)
+            assert recomputed == (list(range(m - 1)) if run["checkpoint"] == "except_last" else [])
+            backward = {e["args"]["micro_batch"]: e for e in events if e["cat"] == BACKWARD}
+            for e in (e for e in events if e["cat"] == RECOMPUTE):  # re-computation happens inside its backward
+                outer = backward[e["args"]["micro_batch"]]
+                assert outer["ts"] <= e["ts"] and e["ts"] + e["dur"] <= outer["ts"] + outer["dur"] + 1
+        # One clock: a micro-batch's forward starts on a stage after it ended upstream; backwards flow back.
+        for stage in range(1, 3):
+            for i in range(m):
+                up = next(e for e in grouped[(step, stage - 1)] if e["name"] == f"F{i}")
+                down = next(e for e in grouped[(step, stage)] if e["name"] == f"F{i}")
+                assert down["ts"] >= up["ts"] + up["dur"] - ALIGNMENT_TOLERANCE_US
+                up_b = next(e for e in grouped[(step, stage - 1)] if e["name"] == f"B{i}")
+                down_b = next(e for e in grouped[(step, stage)] if e["name"] == f"B{i}")
+                assert up_b["ts"] >= down_b["ts"] + down_b["dur"] - ALIGNMENT_TOLERANCE_US
+    for summary in trace["otherData"]["steps"]:
+        assert summary["ideal_bubble_fraction"] == pytest.approx(2 / (m + 2))
+        assert 0.0 < summary["bubble_fraction"] < 1.0
+
+
+def test_bubble_fraction_reaches_the_loggers_every_step(traced):
+    with open(traced / "except_last" / "csv" / "version_0" / "metrics.csv") as file:
+        rows = [row for row in csv.DictReader(file) if row.get("pipeline/bubble_fraction")]
+    assert len(rows) == 3  # 48 samples in batches of 16
+    for row in rows:
+        assert 0.0 < float(row["pipeline/bubble_fraction"]) < 1.0
+        assert float(row["pipeline/ideal_bubble_fraction"]) == pytest.approx(2 / 6)
+    results = [json.loads((traced / "except_last" / f"rank{r}.json").read_text()) for r in range(3)]
+    assert results[0]["bubbles"] == results[1]["bubbles"] == results[2]["bubbles"]  # every stage agrees
+    assert len(results[0]["bubbles"]) == 3
+
+
+def test_render_draws_the_trace_as_a_png(traced, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "timeline.png"
+    main(["render", str(traced / "except_last" / "gpipe_trace.json"), str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
