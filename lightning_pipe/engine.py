@@ -26,6 +26,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
 from lightning_pipe import microbatch
+from lightning_pipe.batchnorm import DeferredBatchNorm
 from lightning_pipe.config import CheckpointMode
 from lightning_pipe.microbatch import Activation
 from lightning_pipe.p2p import ACTIVATION, SKIP, Header, Link, TensorMeta, wait_all
@@ -84,6 +85,7 @@ class PipelineEngine:
         self._step = _StepState()
         self._in_step = False
         self._batch_norms = [m for m in stage.modules() if isinstance(m, _BatchNorm)]
+        self._deferred_batch_norms = [m for m in self._batch_norms if isinstance(m, DeferredBatchNorm)]
         # Intervals of forward, backward, sends and waits, for the bubble metric and traces (off: no-op calls).
         self.timeline = timeline if timeline is not None else StepTimeline(torch.device("cpu"), enabled=False)
         self._wait_start: Stamp = 0.0
@@ -265,6 +267,9 @@ class PipelineEngine:
         else:
             out = run(*inputs)
         self.timeline.add(FORWARD, m, start)
+        if m == num - 1:
+            for batch_norm in self._deferred_batch_norms:
+                batch_norm.commit()  # the mini-batch is complete: update the running statistics once
         return out
 
     def _recomputation_contexts(

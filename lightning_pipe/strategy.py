@@ -41,6 +41,8 @@ from torch.optim import Optimizer
 from torchmetrics import Metric
 
 from lightning_pipe.config import CheckpointMode, PipelineParallelConfig, validate_checkpoint_mode
+from lightning_pipe.batchnorm import defer as defer_batch_norms
+from lightning_pipe.batchnorm import revert as revert_batch_norms
 from lightning_pipe.consolidate import (
     global_group_names,
     merge_optimizer_states,
@@ -111,6 +113,9 @@ class GPipeStrategy(ParallelStrategy):
         log_bubble_fraction: send ``pipeline/bubble_fraction`` (the measured idle share of a step's compute window)
             and ``pipeline/ideal_bubble_fraction`` (``(S-1)/(M+S-1)``) to the loggers every ``log_every_n_steps``.
             Costs a few clock readings per micro-batch and one small gather over the pipeline per logged step.
+        deferred_batch_norm: update BatchNorm running statistics once per mini-batch, from the whole mini-batch's
+            statistics, so that they equal one device's. By default (GPipe's semantics) each micro-batch updates
+            them with its own statistics. Either way each micro-batch is normalised by its own statistics.
     """
 
     strategy_name = "gpipe"
@@ -134,6 +139,7 @@ class GPipeStrategy(ParallelStrategy):
         trace_steps: Sequence[int] = (),
         trace_dir: str | Path | None = None,
         log_bubble_fraction: bool = True,
+        deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -179,6 +185,7 @@ class GPipeStrategy(ParallelStrategy):
         self._last_observation: StepObservation | None = None
         self._pipelined: _Pipelined | None = None
         self._failed = False
+        self._deferred_batch_norm = deferred_batch_norm
 
     # ---- configuration -------------------------------------------------------------------------------------------
 
@@ -359,6 +366,8 @@ class GPipeStrategy(ParallelStrategy):
         whole_model_state = list(module.state_dict().keys())
         whole_model_parameters = [parameter_name for parameter_name, _ in module.named_parameters()]
         _replace_submodule(module, name, stage)
+        if self._deferred_batch_norm:
+            defer_batch_norms(stage)
         self._pipelined = _Pipelined(name, sequential, ranges, whole_model_state, whole_model_parameters)
         stage_parameters = {id(p) for p in stage.parameters()}
         self._replicated = [p for p in module.parameters() if id(p) not in stage_parameters]
@@ -771,6 +780,7 @@ class GPipeStrategy(ParallelStrategy):
         if module is not None:
             for hook in self._wrapped_hooks:
                 module.__dict__.pop(hook, None)
+            revert_batch_norms(module)
             if self._pipelined is not None and not self._failed:
                 self._restore_whole_model(module)
         self._wrapped_hooks = []

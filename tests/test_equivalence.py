@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers.compare import launch, merged_state_dict, rank_results, relative_weight_error, single_device_run
 
@@ -30,6 +31,16 @@ def runs_for(devices: int) -> list[dict]:
     runs += [
         {"name": "bf16", "num_micro_batches": 4, "trainer": {"precision": "bf16-mixed"}},
         {"name": "fp16_overflow", "model": "poisoned", "num_micro_batches": 4, "fp16": True},
+    ]
+    # BatchNorm: re-computation must not update running statistics twice; deferred statistics equal one device's
+    # (with lr=0 the weights stay put, so five steps of running statistics can be compared exactly; one BatchNorm,
+    # since a later one's input depends on an earlier one normalising per micro-batch).
+    runs += [
+        {"name": "bn_always", "model": "batchnorm", "num_micro_batches": 4, "checkpoint": "always"},
+        {"name": "bn_never", "model": "batchnorm", "num_micro_batches": 4, "checkpoint": "never"},
+        {"name": "bn_deferred", "model": "one_batchnorm", "num_micro_batches": 4, "lr": 0.0,
+         "strategy": {"deferred_batch_norm": True}},
+        {"name": "bn_per_micro_batch", "model": "one_batchnorm", "num_micro_batches": 4, "lr": 0.0},
     ]
     # Negative control: one micro-batch's gradient dropped; the comparison must see it.
     runs.append({"name": "dropped", "num_micro_batches": 4, "drop_gradient_of": 1})
@@ -101,6 +112,29 @@ def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(pipelined):
     for result in rank_results(tmp / run["name"]):
         assert result["grad_scale"] == expected_metrics["grad_scale"]
     assert relative_weight_error(initial, expected, merged_state_dict(tmp / run["name"])) < 1e-2
+
+
+def running_statistics(state: dict) -> dict:
+    return {k: v.double() for k, v in state.items() if "running" in k or "num_batches" in k}
+
+
+def test_recomputation_does_not_update_batch_norm_statistics_twice(pipelined):
+    _, tmp, _ = pipelined
+    always, never = merged_state_dict(tmp / "bn_always"), merged_state_dict(tmp / "bn_never")
+    assert running_statistics(always)
+    for key, value in always.items():
+        torch.testing.assert_close(value, never[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_deferred_batch_norm_statistics_equal_single_device(pipelined):
+    _, tmp, runs = pipelined
+    _, expected, _ = reference(runs["bn_deferred"])
+    expected = running_statistics(expected)
+    for key, value in running_statistics(merged_state_dict(tmp / "bn_deferred")).items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6, msg=key)
+    # Negative control: per-micro-batch statistics (the default) do differ from one device's.
+    default = running_statistics(merged_state_dict(tmp / "bn_per_micro_batch"))
+    assert any(not torch.allclose(default[k], expected[k], rtol=1e-3) for k in expected if "running_var" in k)
 
 
 def test_comparison_detects_a_dropped_micro_batch_gradient(pipelined):

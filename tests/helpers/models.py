@@ -111,7 +111,30 @@ class PoisonedGradient(PipeClassifier):
             first_layer.weight.grad[0, 0] = float("inf")
 
 
-MODELS = {"classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "poisoned": PoisonedGradient}
+class BatchNormClassifier(PipeClassifier):
+    """BatchNorm inside the pipelined Sequential, on the first and a later stage."""
+
+    def __init__(self, lr: float = 0.5, layers_with_batch_norm: tuple[int, ...] = (1, 5)) -> None:
+        super().__init__(lr=lr)
+        layers: list[nn.Module] = []
+        for i in range(8):
+            if i in layers_with_batch_norm:
+                layers.append(nn.BatchNorm1d(16))
+            elif i % 2 == 0:
+                layers.append(nn.Linear(12 if i == 0 else 16, 16))
+            else:
+                layers.append(nn.Tanh())
+        self.net.model = nn.Sequential(*layers)
+
+
+class OneBatchNormClassifier(BatchNormClassifier):
+    """A single BatchNorm (layer 5: a later stage), whose input does not depend on how BatchNorm normalises."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr, layers_with_batch_norm=(5,))
+
+
+MODELS = {"batchnorm": BatchNormClassifier, "one_batchnorm": OneBatchNormClassifier, "classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "poisoned": PoisonedGradient}
 
 
 class ProjectModule(LightningModule):

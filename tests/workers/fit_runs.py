@@ -43,7 +43,9 @@ def main(spec_path):
         recorder = MetricRecorder()
         trainer = Trainer(
             strategy=lightning_pipe.GPipeStrategy(
-                num_micro_batches=run["num_micro_batches"], checkpoint=run.get("checkpoint", "except_last")
+                num_micro_batches=run["num_micro_batches"],
+                checkpoint=run.get("checkpoint", "except_last"),
+                **run.get("strategy", {}),
             ),
             accelerator="cpu",
             devices=spec["devices"],

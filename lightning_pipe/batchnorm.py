@@ -1,0 +1,80 @@
+"""Deferred BatchNorm: running statistics over the whole mini-batch, as on one device, not per micro-batch.
+
+In a pipeline every micro-batch passes through a BatchNorm layer separately, so by default BatchNorm normalises
+each micro-batch with its own statistics and updates its running statistics once per micro-batch (GPipe's
+semantics). With ``GPipeStrategy(deferred_batch_norm=True)`` (torchgpipe's option of the same name) each micro-batch
+is still normalised with its own statistics, but the running statistics are updated once per mini-batch, from the
+statistics of the whole mini-batch: after training they equal one device's.
+
+The conversion swaps the class of each BatchNorm module in place (as ``torch.nn.utils.parametrize`` does), so
+parameters, buffers, state-dict keys and optimizer references stay exactly as they were; :func:`revert` undoes it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+_ACCUMULATORS = ("_deferred_sum", "_deferred_squares", "_deferred_count")
+
+
+class DeferredBatchNorm(_BatchNorm):
+    """Mixed into a BatchNorm class: accumulate the statistics of every micro-batch, update once in :meth:`commit`."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not (self.training and self.track_running_stats):
+            return super().forward(input)
+        self._check_input_dim(input)
+        dims = [0, *range(2, input.dim())]
+        with torch.no_grad():
+            self._deferred_sum += input.sum(dims, dtype=torch.float32)
+            self._deferred_squares += input.float().square().sum(dims)
+            self._deferred_count += input.numel() // input.size(1)
+        return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """Fold this mini-batch's statistics into the running statistics, once, as one device's BatchNorm would."""
+        count = int(self._deferred_count)
+        if not (self.training and self.track_running_stats) or count == 0:
+            return
+        mean = self._deferred_sum / count
+        variance = (self._deferred_squares / count - mean.square()) * (count / max(count - 1, 1))
+        self.num_batches_tracked.add_(1)
+        factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
+        self.running_var.mul_(1 - factor).add_(variance.to(self.running_var.dtype), alpha=factor)
+        for name in _ACCUMULATORS:
+            getattr(self, name).zero_()
+
+
+_deferred_classes: dict[type, type] = {}  # BatchNorm class -> its deferred subclass
+
+
+def defer(module: nn.Module) -> list[DeferredBatchNorm]:
+    """Turn every BatchNorm in ``module`` into a deferred one, in place; return them."""
+    converted = []
+    for child in module.modules():
+        if isinstance(child, _BatchNorm) and not isinstance(child, DeferredBatchNorm):
+            base = type(child)
+            if base not in _deferred_classes:
+                _deferred_classes[base] = type(f"Deferred{base.__name__}", (DeferredBatchNorm, base), {})
+            features = child.num_features
+            device = child.weight.device if child.weight is not None else child.running_mean.device
+            child.register_buffer("_deferred_sum", torch.zeros(features, device=device), persistent=False)
+            child.register_buffer("_deferred_squares", torch.zeros(features, device=device), persistent=False)
+            child.register_buffer("_deferred_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+            child.__class__ = _deferred_classes[base]
+            converted.append(child)
+    return converted
+
+
+def revert(module: nn.Module) -> None:
+    """Give every deferred BatchNorm in ``module`` its original class back."""
+    for child in module.modules():
+        if isinstance(child, DeferredBatchNorm):
+            for name in _ACCUMULATORS:
+                delattr(child, name)
+            child.__class__ = next(base for base, deferred in _deferred_classes.items() if deferred is type(child))
