@@ -7,11 +7,10 @@ class MetricRecorder(Callback):
     def __init__(self) -> None:
         self.train_losses: list[float] = []
         self.final_metrics: dict[str, float] = {}
+        self.grad_scale: float | None = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.train_losses.append(float(trainer.callback_metrics["train_loss"]))
-
-        self.grad_scale: float | None = None
 
     def on_fit_end(self, trainer, pl_module):
         self.final_metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}

@@ -45,6 +45,7 @@ def main(spec_path):
             strategy=lightning_pipe.GPipeStrategy(
                 num_micro_batches=run["num_micro_batches"],
                 checkpoint=run.get("checkpoint", "except_last"),
+                start_method=run.get("start_method", "popen"),
                 **run.get("strategy", {}),
             ),
             accelerator="cpu",

@@ -1,0 +1,26 @@
+"""The spawn and fork launchers train the same model, and the launching process gets the whole model back."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.compare import launch, merged_state_dict, relative_weight_error, single_device_run
+
+RUNS = [{"name": method, "num_micro_batches": 4, "start_method": method} for method in ("spawn", "fork")]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("launchers")
+    launch("fit_runs.py", {"devices": 2, "out": str(tmp), "runs": RUNS}, tmp)
+    return tmp
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_launching_process_holds_the_whole_trained_model(launched, method):
+    # Only the launching process continues after fit: it is the one that wrote its state dict.
+    assert [p.name for p in (launched / method).glob("rank*.pt")] == ["rank0.pt"]
+    initial, expected, _ = single_device_run({})
+    actual = merged_state_dict(launched / method)
+    assert actual.keys() == expected.keys()
+    assert relative_weight_error(initial, expected, actual) < 1e-5
