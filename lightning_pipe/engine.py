@@ -15,6 +15,7 @@ Roles (``S`` stages, ``M`` micro-batches):
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -22,6 +23,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
@@ -29,7 +31,7 @@ from lightning_pipe import microbatch
 from lightning_pipe.batchnorm import DeferredBatchNorm
 from lightning_pipe.config import CheckpointMode
 from lightning_pipe.microbatch import Activation
-from lightning_pipe.p2p import ACTIVATION, SKIP, Header, Link, TensorMeta, wait_all
+from lightning_pipe.p2p import ACTIVATION, SKIP, Header, Link, PendingHeader, TensorMeta, wait_all
 from lightning_pipe.schedule import gpipe_actions
 from lightning_pipe.stage import PipelineStage
 from lightning_pipe.timeline import BACKWARD, FORWARD, SEND, WAIT, Stamp, StepTimeline
@@ -46,18 +48,28 @@ class PipelineMismatchError(RuntimeError):
     """The stages of one pipeline disagree about what happens in a step."""
 
 
+# Activation sends of this many micro-batches may be in flight; older ones are waited for and released (with the
+# sent outputs they hold). The next stage receives micro-batch m before it asks for m + 1, so waiting for the send
+# of m - 1 after computing m + 1 costs nothing unless that stage is far behind.
+_SENDS_IN_FLIGHT = 2
+
+
 @dataclass
 class _MicroBatch:
     """What backward needs of one micro-batch on this stage."""
 
     inputs: tuple[Tensor, ...]  # the stage's inputs as autograd leaves (detached from the sender's graph)
-    outputs: tuple[Tensor, ...]  # the stage's outputs, with their graph
+    # Where the outputs that need a gradient enter the stage's graph, and their shapes: their data is not kept (once
+    # sent, an output's values are not needed by backward unless its own graph saved them).
+    outputs: tuple[GradientEdge, ...]
+    output_metas: tuple[TensorMeta, ...]
 
 
 @dataclass
 class _StepState:
     micro_batches: list[_MicroBatch] = field(default_factory=list)
     sends: list[dist.Work] = field(default_factory=list)  # keep sent tensors alive until the sends complete
+    activation_sends: deque[list[dist.Work]] = field(default_factory=deque)  # per micro-batch, oldest first
     user_input: tuple[Tensor, ...] = ()  # first stage: the pipelined call's input, to back-propagate into
     called: bool = False  # whether the pipelined module was called in this step
     gradient_sender: _OrderedGradientSender | None = None
@@ -106,7 +118,7 @@ class PipelineEngine:
 
     def begin_step(self) -> None:
         """Forget the previous step (its backward may have been skipped)."""
-        wait_all(self._step.sends)
+        self._wait_sends()
         self._step = _StepState()
         self.timeline.begin_step()
 
@@ -147,10 +159,9 @@ class PipelineEngine:
             self._step.sends.append(self.next.send_header(Header(SKIP)))
             return False
         self._step.called = True
-        for action in gpipe_actions(header.num_micro_batches, training=False):
-            if action.micro_batch > 0:
-                header = self._recv_header()
-            self._run_and_send(self._receive(header), header.is_tuple, action.micro_batch, header.num_micro_batches)
+        for header, inputs in self._received(header):
+            self._run_and_send(inputs, header.is_tuple, header.micro_batch, header.num_micro_batches)
+        self._wait_sends()  # see _forward_first
         return True
 
     def send_skip(self) -> None:
@@ -212,6 +223,9 @@ class PipelineEngine:
             chunk = microbatch.as_tensors(chunks[action.micro_batch], where)
             inputs = tuple(_leaf(t, t.requires_grad) for t in chunk)
             self._run_and_send(inputs, is_tuple, action.micro_batch, len(chunks))
+        # Free: nothing is left to do before the gradients come back. The sent outputs are released now, so that
+        # between forward and backward this stage keeps only what backward needs.
+        self._wait_sends()
 
     def _forward_last(self) -> Activation:
         assert self.previous is not None
@@ -228,13 +242,10 @@ class PipelineEngine:
             sender = _OrderedGradientSender(self.previous, num, self._step.sends, self.timeline)
             self._step.gradient_sender = sender
         outputs: list[Activation] = []
-        for action in gpipe_actions(num, training=False):
-            if action.micro_batch > 0:
-                header = self._recv_header()
-            inputs = self._receive(header)
+        for header, inputs in self._received(header):
             if sender is not None:
-                sender.watch(action.micro_batch, inputs)
-            outputs.append(self._run(inputs, header.is_tuple, action.micro_batch, num))
+                inputs = sender.watch(header.micro_batch, inputs)
+            outputs.append(self._run(inputs, header.is_tuple, header.micro_batch, num))
         joined = microbatch.join(outputs)
         if sender is not None and self.timeline.enabled:
             sender.watch_output(joined)
@@ -246,13 +257,25 @@ class PipelineEngine:
         self._wait_start = self.timeline.now()
         return self.previous.recv_header()
 
-    def _receive(self, header: Header) -> tuple[Tensor, ...]:
+    def _received(self, header: Header) -> Iterator[tuple[Header, tuple[Tensor, ...]]]:
+        """Each micro-batch's header and inputs as they arrive, starting from the first micro-batch's header.
+
+        The next header's receive is posted before a micro-batch is handed out, so that it arrives while this stage
+        computes. Micro-batch ``m`` is received into slot ``m``'s buffers, reused from step to step.
+        """
         assert self.previous is not None
-        buffers, works = self.previous.recv_tensors(header.tensors)
-        wait_all(works)
-        self.timeline.add(WAIT, header.micro_batch, self._wait_start)
         grad = torch.is_grad_enabled()
-        return tuple(_leaf(t, grad and meta.requires_grad) for t, meta in zip(buffers, header.tensors))
+        num = header.num_micro_batches
+        pending: PendingHeader | None = None
+        for m in range(num):
+            if pending is not None:
+                self._wait_start = self.timeline.now()
+                header = pending.wait()
+            buffers, works = self.previous.recv_tensors(header.tensors, slot=m)
+            pending = self.previous.post_header() if m + 1 < num else None
+            wait_all(works)
+            self.timeline.add(WAIT, m, self._wait_start)
+            yield header, tuple(_leaf(t, grad and meta.requires_grad) for t, meta in zip(buffers, header.tensors))
 
     def _run(self, inputs: tuple[Tensor, ...], is_tuple: bool, m: int, num: int) -> Activation:
         """This stage's layers on micro-batch ``m`` of ``num``, re-computed in backward when the mode says so."""
@@ -289,12 +312,17 @@ class PipelineEngine:
         assert self.next is not None
         out = self._run(inputs, is_tuple, m, num)
         outputs = microbatch.as_tensors(out, f"the output of pipeline stage {self.stage.stage_index}")
-        if torch.is_grad_enabled():
-            self._step.micro_batches.append(_MicroBatch(inputs, outputs))
-        start = self.timeline.now()
         metas = tuple(TensorMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in outputs)
-        self._step.sends.append(self.next.send_header(Header(ACTIVATION, m, num, metas, isinstance(out, tuple))))
-        self._step.sends.extend(self.next.send_tensors(tuple(t.detach() for t in outputs)))
+        if torch.is_grad_enabled():
+            edges = tuple(get_gradient_edge(t) for t in outputs if t.requires_grad)
+            grad_metas = tuple(TensorMeta(meta.shape, meta.dtype, False) for meta in metas if meta.requires_grad)
+            self._step.micro_batches.append(_MicroBatch(inputs, edges, grad_metas))
+        start = self.timeline.now()
+        sends = self._step.activation_sends
+        sends.append([self.next.send_header(Header(ACTIVATION, m, num, metas, isinstance(out, tuple)))])
+        sends[-1] += self.next.send_tensors(tuple(t.detach() for t in outputs))
+        while len(sends) > _SENDS_IN_FLIGHT:
+            wait_all(sends.popleft())
         self.timeline.add(SEND, m, start)
 
     def _checkpointed(self, m: int, num: int) -> bool:
@@ -310,22 +338,28 @@ class PipelineEngine:
         """First and middle stages: back-propagate every micro-batch with the gradients the next stage sends."""
         assert self.next is not None
         step = self._step
-        # Post every gradient receive up front, in the order the next stage sends them (reverse micro-batch order).
+        self._wait_sends()  # the activations were received long ago: release the sent outputs
+        # Gradients come in the order the next stage sends them (reverse micro-batch order). Each receive is posted
+        # one micro-batch ahead, into one of two buffers used in turn, so it arrives during the previous backward.
         backwards = [a.micro_batch for a in gpipe_actions(len(step.micro_batches)) if a.kind == "backward"]
-        pending = {}
-        for m in backwards:
-            outputs = [t for t in step.micro_batches[m].outputs if t.requires_grad]
-            metas = tuple(TensorMeta(tuple(t.shape), t.dtype, False) for t in outputs)
-            pending[m] = (outputs, *self.next.recv_tensors(metas))
+
+        link = self.next
+
+        def post(i: int) -> tuple[tuple[Tensor, ...], list[dist.Work]]:
+            return link.recv_tensors(step.micro_batches[backwards[i]].output_metas, slot=i % 2)
+
+        pending = post(0) if backwards else None
         timeline = self.timeline
-        for m in backwards:
-            outputs, grads, works = pending.pop(m)
+        for i, m in enumerate(backwards):
+            assert pending is not None
+            grads, works = pending
+            pending = post(i + 1) if i + 1 < len(backwards) else None
             start = timeline.now()
             wait_all(works)
             timeline.add(WAIT, m, start)
             start = timeline.now()
-            if outputs:
-                torch.autograd.backward(outputs, list(grads))
+            if step.micro_batches[m].outputs:
+                torch.autograd.backward(step.micro_batches[m].outputs, list(grads))
             timeline.add(BACKWARD, m, start)
             if not self.is_first:
                 assert self.previous is not None
@@ -343,8 +377,15 @@ class PipelineEngine:
         self.end_step()
 
     def end_step(self) -> None:
-        wait_all(self._step.sends)
+        self._wait_sends()
         self._step = _StepState()
+
+    def _wait_sends(self) -> None:
+        step = self._step
+        while step.activation_sends:
+            wait_all(step.activation_sends.popleft())
+        wait_all(step.sends)
+        step.sends.clear()
 
     def _backward_into_user_graph(self) -> None:
         """First stage: carry the micro-batch input gradients into the user's code before the pipelined call."""
@@ -375,11 +416,21 @@ class _OrderedGradientSender:
         self.grads: dict[int, tuple[Tensor, ...]] = {}
         self.next_to_send = num_micro_batches - 1
 
-    def watch(self, m: int, inputs: tuple[Tensor, ...]) -> None:
+    def watch(self, m: int, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """Micro-batch ``m``'s inputs as the layers should use them: their gradients all reach :meth:`_ready`.
+
+        The gradients are caught on their way to the inputs (by :class:`_CatchGradients`), so none is accumulated
+        into, or copied to, an input's ``.grad``.
+        """
         self.inputs[m] = inputs
-        needs_grad = [t for t in inputs if t.requires_grad]
-        if needs_grad:
-            torch.autograd.graph.register_multi_grad_hook(needs_grad, partial(self._ready, m))
+        needing = [i for i, t in enumerate(inputs) if t.requires_grad]
+        if not needing:
+            return inputs
+        caught = _CatchGradients.apply(partial(self._ready, m), *(inputs[i] for i in needing))
+        watched = list(inputs)
+        for i, tensor in zip(needing, caught):
+            watched[i] = tensor
+        return tuple(watched)
 
     def watch_output(self, joined: Activation) -> None:
         """Mark when the gradient reaches the pipelined output: the pipeline's backward starts there."""
@@ -411,6 +462,24 @@ class _OrderedGradientSender:
 
     def _needing(self, m: int) -> list[Tensor]:
         return [t for t in self.inputs.get(m, ()) if t.requires_grad]
+
+
+class _CatchGradients(torch.autograd.Function):
+    """Identity in forward; in backward hands all its outputs' gradients to ``ready`` at once and stops there.
+
+    Autograd calls its backward once every gradient of the micro-batch is known (the ones the loss does not reach
+    as zeros), which is when they can be sent upstream.
+    """
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, ready: Callable[[tuple[Tensor, ...]], None], *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.ready = ready  # type: ignore[attr-defined]
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, *grads: Tensor) -> tuple[None, ...]:  # type: ignore[override]
+        ctx.ready(grads)  # type: ignore[attr-defined]
+        return (None,) * (len(grads) + 1)
 
 
 @contextlib.contextmanager

@@ -14,6 +14,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 HEADER_LENGTH = 64
+_DATA_TAG = 0
+_HEADER_TAG = 1
 
 # Message kinds (the header's first entry).
 ACTIVATION = 1
@@ -84,30 +86,65 @@ class Header:
         return Header(kind, micro_batch, num_micro_batches, tuple(metas), bool(is_tuple))
 
 
+class PendingHeader:
+    """A header receive posted ahead of time, so that the header arrives while the stage computes."""
+
+    def __init__(self, buffer: Tensor, work: dist.Work) -> None:
+        self.buffer = buffer
+        self.work = work
+
+    def wait(self) -> Header:
+        self.work.wait()
+        return Header.decode(self.buffer)
+
+
 class Link:
-    """The connection from this stage to one neighbour: sends and receives of headers and tensors."""
+    """The connection from this stage to one neighbour: sends and receives of headers and tensors.
+
+    Headers and tensors travel under different tags, so the receive of the next header can be posted before the
+    current micro-batch's tensors have arrived. Receive buffers are kept per slot (the caller's choice, e.g. the
+    micro-batch index) and reused while the shapes repeat: a slot's previous contents must no longer be needed when
+    it is received into again.
+    """
 
     def __init__(self, peer: int, data_group: dist.ProcessGroup, meta_group: dist.ProcessGroup, device: torch.device):
         self.peer = peer  # global rank of the neighbour
         self.data_group = data_group
         self.meta_group = meta_group
         self.device = device
+        self._buffers: dict[tuple[int, int], Tensor] = {}  # (slot, position in the message) -> receive buffer
 
     def send_header(self, header: Header) -> dist.Work:
-        return dist.isend(header.encode(), self.peer, group=self.meta_group)
+        return dist.isend(header.encode(), self.peer, group=self.meta_group, tag=_HEADER_TAG)
+
+    def post_header(self) -> PendingHeader:
+        buffer = torch.empty(HEADER_LENGTH, dtype=torch.int64)
+        return PendingHeader(buffer, dist.irecv(buffer, self.peer, group=self.meta_group, tag=_HEADER_TAG))
 
     def recv_header(self) -> Header:
-        buffer = torch.empty(HEADER_LENGTH, dtype=torch.int64)
-        dist.recv(buffer, self.peer, group=self.meta_group)
-        return Header.decode(buffer)
+        return self.post_header().wait()
 
     def send_tensors(self, tensors: tuple[Tensor, ...]) -> list[dist.Work]:
-        return [dist.isend(tensor.contiguous(), self.peer, group=self.data_group) for tensor in tensors]
+        return [dist.isend(tensor.contiguous(), self.peer, group=self.data_group, tag=_DATA_TAG) for tensor in tensors]
 
-    def recv_tensors(self, metas: tuple[TensorMeta, ...]) -> tuple[tuple[Tensor, ...], list[dist.Work]]:
-        """Post receives into fresh buffers; the buffers are valid once the returned works are waited on."""
-        buffers = tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas)
-        return buffers, [dist.irecv(buffer, self.peer, group=self.data_group) for buffer in buffers]
+    def recv_tensors(
+        self, metas: tuple[TensorMeta, ...], slot: int | None = None
+    ) -> tuple[tuple[Tensor, ...], list[dist.Work]]:
+        """Post receives; the buffers are valid once the returned works are waited on.
+
+        With a ``slot`` the buffers of that slot's previous receive are reused if the shapes match, else fresh ones
+        are kept for the next time; without one, fresh buffers are returned and not kept.
+        """
+        buffers = tuple(self._buffer(slot, position, meta) for position, meta in enumerate(metas))
+        return buffers, [dist.irecv(buffer, self.peer, group=self.data_group, tag=_DATA_TAG) for buffer in buffers]
+
+    def _buffer(self, slot: int | None, position: int, meta: TensorMeta) -> Tensor:
+        if slot is None:
+            return torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+        buffer = self._buffers.get((slot, position))
+        if buffer is None or buffer.shape != meta.shape or buffer.dtype != meta.dtype:
+            buffer = self._buffers[(slot, position)] = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+        return buffer
 
 
 def wait_all(works: list[dist.Work]) -> None:
