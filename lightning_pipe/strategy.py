@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from dataclasses import dataclass
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
@@ -32,6 +33,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -51,6 +53,7 @@ from lightning_pipe.consolidate import (
     split_optimizer_state,
 )
 from lightning_pipe.engine import HandedOff, PipelineEngine
+from lightning_pipe.materialize import global_seed, holds_meta_tensors, mark_held_elsewhere, materialize
 from lightning_pipe.mirror import (
     StepOutcome,
     load_metric_states,
@@ -186,6 +189,7 @@ class GPipeStrategy(ParallelStrategy):
         self._pipelined: _Pipelined | None = None
         self._failed = False
         self._deferred_batch_norm = deferred_batch_norm
+        self._deferred = False  # the pipelined module was built on the meta device (see `model_sharded_context`)
 
     # ---- configuration -------------------------------------------------------------------------------------------
 
@@ -256,8 +260,12 @@ class GPipeStrategy(ParallelStrategy):
             self._launcher = _CheckedMultiProcessingLauncher(self, start_method=self._start_method)
         self._launcher.check_model = self._check_partition
 
-    def _check_partition(self, model: LightningModule) -> None:
+    def _check_partition(self, model: LightningModule, trainer: Trainer | None = None) -> None:
         """Raise the partition's errors (no Sequential, too many stages, a bad balance) before processes start."""
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            _require_automatic_optimization(model)
+        if is_overridden("configure_model", model):
+            return  # the layers may exist only once configure_model has run, in each process: `setup` checks them
         _, sequential = find_pipelined_module(model, self._module_name)
         stage_ranges(self.config, len(sequential), self._balance if isinstance(self._balance, list) else None)
         if needs_sample(self._balance) and self._sample is None and getattr(model, "example_input_array", None) is None:
@@ -316,11 +324,8 @@ class GPipeStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
-            raise RuntimeError(
-                "GPipeStrategy supports automatic optimization only: the pipeline drives backward itself, so"
-                " `self.manual_backward` cannot reach the other stages. Set `self.automatic_optimization = True`."
-            )
+        if trainer.state.fn == TrainerFn.FITTING:
+            _require_automatic_optimization(module)
         self._partition(module)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -335,6 +340,21 @@ class GPipeStrategy(ParallelStrategy):
         # Clipping by norm must see the norm over all stages, not this stage's share of it.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         self._agree_on_gradient_overflow()
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)`` builds the model on the meta device: every rank then allocates
+        and initialises only its own stage in ``setup`` (see :mod:`lightning_pipe.materialize`)."""
+        # The meta device innermost: Lightning's context sets the stage's device, which would otherwise win.
+        with super().tensor_init_context(empty_init), torch.device("meta") if empty_init else nullcontext():
+            yield
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model()`` runs here: its layers are built on the meta device, taking no memory until ``setup``
+        knows which of them are this rank's."""
+        with torch.device("meta"):
+            yield
 
     def _agree_on_gradient_overflow(self) -> None:
         """With a gradient scaler (``16-mixed``), an inf on one stage must skip the step on every stage, and every
@@ -366,6 +386,9 @@ class GPipeStrategy(ParallelStrategy):
         whole_model_state = list(module.state_dict().keys())
         whole_model_parameters = [parameter_name for parameter_name, _ in module.named_parameters()]
         _replace_submodule(module, name, stage)
+        # Built on the meta device: only what this rank runs becomes real (the stage, the replicated modules).
+        self._deferred = self.reduce_boolean_decision(holds_meta_tensors(sequential), all=False)
+        materialize(module, self.root_device, self.broadcast(global_seed()))
         if self._deferred_batch_norm:
             defer_batch_norms(stage)
         self._pipelined = _Pipelined(name, sequential, ranges, whole_model_state, whole_model_parameters)
@@ -441,6 +464,7 @@ class GPipeStrategy(ParallelStrategy):
             self._checkpoint,
             recompute_fraction(self._checkpoint, self.config.num_micro_batches),
             busy,
+            built_whole=not self._deferred,
         )
 
     def _make_tracer(self, timeline: StepTimeline) -> PipelineTracer:
@@ -683,8 +707,42 @@ class GPipeStrategy(ParallelStrategy):
         torch.nn.utils.clip_grads_with_norm_([p for p in params], clip_val, total_norm)
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
-    # A checkpoint holds the whole model, numbered as on one device, so it loads anywhere. The model's weights are
-    # loaded before `setup` splits the model (Lightning's default order), so only optimizer states need splitting.
+    # A checkpoint holds the whole model, numbered as on one device, so it loads anywhere. It is loaded after `setup`
+    # has split the model, memory-mapped: each rank copies out only its stage's weights and optimizer state, and
+    # the rest of the file is never read into its memory.
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        """A local checkpoint file memory-mapped (``torch.load(mmap=True)``), not read: its tensors take memory only
+        where a rank copies them out. Other checkpoint IO (remote paths, custom plugins) goes through Lightning's."""
+        local_file = "://" not in str(checkpoint_path) and Path(checkpoint_path).is_file()
+        default_io = type(self.checkpoint_io).load_checkpoint is TorchCheckpointIO.load_checkpoint
+        if not (local_file and default_io and self.layout.num_stages > 1):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        return torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=weights_only)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Copy this rank's weights (its stage's and the replicated modules') out of the whole model's state dict."""
+        module = self.lightning_module
+        assert module is not None
+        if self._pipelined is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        saved = checkpoint["state_dict"]
+        if strict:
+            whole = set(self._pipelined.state_keys)
+            missing = [key for key in self._pipelined.state_keys if key not in saved]
+            unexpected = [key for key in saved if key not in whole]
+            if missing or unexpected:
+                raise RuntimeError(
+                    f"the checkpoint does not hold this model's weights: missing keys {missing[:5]}"
+                    f"{' ...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
+                    f"{' ...' if len(unexpected) > 5 else ''}; load a checkpoint of this model, or set"
+                    " `model.strict_loading = False` to load the keys that match."
+                )
+        module.load_state_dict({key: saved[key] for key in module.state_dict() if key in saved}, strict=False)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The whole model's state dict on the rank that writes checkpoints (global rank 0); a share elsewhere."""
@@ -719,7 +777,9 @@ class GPipeStrategy(ParallelStrategy):
             every_stage: list[Any] = [None] * self.layout.num_stages
             dist.all_gather_object(every_stage, local_names, group=self._meta_group)
             groups = global_group_names(every_stage, self._pipelined.parameter_order)
-            optimizer.load_state_dict(split_optimizer_state(saved, groups, local_names))
+            local_state = split_optimizer_state(saved, groups, local_names)
+            # Copied out of the memory-mapped file: the optimizer would otherwise keep tensors backed by it.
+            optimizer.load_state_dict(apply_to_collection(local_state, Tensor, torch.clone))
             _optimizers_to_device([optimizer], self.root_device)
 
     def _group_names(self, optimizer: Optimizer) -> list[list[str]]:
@@ -785,16 +845,21 @@ class GPipeStrategy(ParallelStrategy):
                 self._restore_whole_model(module)
         self._wrapped_hooks = []
         self._pipelined = None
-        super().teardown()
+        with _meta_tensors_left_in_place(module):
+            super().teardown()
 
     def _restore_whole_model(self, module: LightningModule) -> None:
         """Put the whole ``nn.Sequential`` back, every layer holding its stage's trained weights, on every rank.
 
         The user's model object then holds the whole trained model after ``fit``, as on one device: for
         ``trainer.test(model)``, ``torch.save(model.state_dict())`` and the spawn launcher, which copies rank 0's
-        weights into the launching process.
+        weights into the launching process. A model built on the meta device comes whole to the last stage only.
         """
         assert self._pipelined is not None
+        if self._deferred:
+            self._gather_whole_model_to_last_stage()
+            _replace_submodule(module, self._pipelined.name, self._pipelined.sequential)
+            return
         layers = list(self._pipelined.sequential)
         with torch.no_grad():
             for stage, layer_range in enumerate(self._pipelined.ranges):
@@ -805,6 +870,39 @@ class GPipeStrategy(ParallelStrategy):
                         dist.broadcast(buffer, src=owner, group=self._pipeline_group)
                         tensor.copy_(buffer)
         _replace_submodule(module, self._pipelined.name, self._pipelined.sequential)
+
+    def _gather_whole_model_to_last_stage(self) -> None:
+        """After a run of a model built on the meta device: the last stage (global rank 0 in the first pipeline)
+        receives every other stage's trained layers into host memory, layer by layer.
+
+        The launching process then holds the whole trained model, as on one device (for ``torch.save``,
+        ``trainer.test(model)`` and the spawn launcher), at the cost a consolidated checkpoint has anyway; the other
+        ranks never hold more than their stage. There the other stages' layers stay on the meta device, marked so
+        that a later setup does not re-initialise them as new.
+        """
+        assert self._pipelined is not None
+        layers = list(self._pipelined.sequential)
+        last_stage = self.layout.num_stages - 1
+        last = self._rank_of_stage(last_stage)
+        elsewhere = []
+        with torch.no_grad():
+            for stage, layer_range in enumerate(self._pipelined.ranges[:last_stage]):
+                owner = self._rank_of_stage(stage)
+                for index in layer_range:
+                    layer = layers[index]
+                    if self.stage_index == last_stage:
+                        layer.to_empty(device="cpu")
+                        for tensor in _own_tensors(layer):
+                            on_device = self.root_device.type != "cpu"
+                            buffer = torch.empty_like(tensor, device=self.root_device) if on_device else tensor
+                            dist.recv(buffer, src=owner, group=self._pipeline_group)
+                            tensor.copy_(buffer)
+                    elif stage == self.stage_index:
+                        for tensor in _own_tensors(layer):
+                            dist.send(tensor.to(self.root_device), dst=last, group=self._pipeline_group)
+                    else:
+                        elsewhere.append(layer)
+        mark_held_elsewhere(elsewhere)
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -833,6 +931,25 @@ def _loss_value(output: Any) -> float | None:
     return float(loss.detach()) if isinstance(loss, Tensor) else None
 
 
+@contextmanager
+def _meta_tensors_left_in_place(module: nn.Module | None) -> Generator[None, None, None]:
+    """Lightning's teardown moves the model to the CPU. A tensor on the meta device (a layer another rank trained, or
+    one never materialised because the run failed before) has no data to move: it stays where it is."""
+    if module is None or not holds_meta_tensors(module):
+        yield
+        return
+    module.cpu = lambda: module._apply(lambda t: t if t.is_meta else t.cpu())  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.cpu
+
+
+def _own_tensors(module: nn.Module) -> list[Tensor]:
+    """Every parameter and buffer of ``module`` (non-persistent buffers too), in an order all ranks agree on."""
+    return [tensor.detach() for tensor in [*module.parameters(), *module.buffers()]]
+
+
 def _to_cpu(value: Any) -> Any:
     return apply_to_collection(value, Tensor, lambda t: t.detach().to("cpu"))
 
@@ -842,14 +959,23 @@ def _replace_submodule(module: nn.Module, name: str, replacement: nn.Module) -> 
     setattr(module.get_submodule(parent_name) if parent_name else module, attribute, replacement)
 
 
+def _require_automatic_optimization(module: LightningModule) -> None:
+    if not module.automatic_optimization:
+        raise RuntimeError(
+            "GPipeStrategy supports automatic optimization only: the pipeline drives backward itself, so"
+            " `self.manual_backward` cannot reach the other stages. Set `self.automatic_optimization = True` and"
+            " return the loss from training_step."
+        )
+
+
 class _ModelCheck:
     """A launcher mixin: check the model before launching, so that bad input fails in the launching process."""
 
-    check_model: Callable[[LightningModule], None] | None = None
+    check_model: Callable[[LightningModule, Trainer | None], None] | None = None
 
     def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
         if self.check_model is not None and args and isinstance(args[0], LightningModule):
-            self.check_model(args[0])
+            self.check_model(args[0], trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
 

@@ -59,3 +59,29 @@ def test_num_micro_batches_below_one_is_rejected(value):
 def test_unknown_checkpoint_mode_is_rejected():
     with pytest.raises(ValueError, match="checkpoint='sometimes' is not a checkpoint mode"):
         GPipeStrategy(checkpoint="sometimes")
+
+
+class ManualOptimization(PipeClassifier):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+
+def test_manual_optimization_is_refused_before_launch():
+    with pytest.raises(RuntimeError, match="supports automatic optimization only"):
+        fit(ManualOptimization(), GPipeStrategy())
+
+
+def test_standalone_pytorch_lightning_gets_a_clear_error():
+    import subprocess
+    import sys
+
+    pytest.importorskip("pytorch_lightning")
+    script = (
+        "import pytorch_lightning as pl\n"
+        "import lightning_pipe\n"
+        "pl.Trainer(strategy='gpipe', accelerator='cpu', devices=2)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "replace `import pytorch_lightning as pl` with `import lightning.pytorch as pl`" in result.stderr
