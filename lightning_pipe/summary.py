@@ -51,6 +51,9 @@ class StageSummary:
     replicated_parameters: int
     imbalance: float  # slowest stage over the mean stage
     imbalance_basis: str  # what was compared: measured busy time, profiled time, memory or parameters
+    # Parameter bytes of other stages' layers that the rank with the smallest stage holds because the model was built
+    # whole on every rank; building it in configure_model() would save them (see docs/memory.md). 0 when it was.
+    deferred_saving_bytes: int = 0
 
     def __str__(self) -> str:
         columns: list[tuple[str, list[str]]] = [
@@ -78,6 +81,11 @@ class StageSummary:
             f" {get_human_readable_count(self.replicated_parameters).strip()} replicated on every stage",
             f"Imbalance (slowest stage / mean): {self.imbalance:.2f} by {self.imbalance_basis}",
         ]
+        if self.deferred_saving_bytes:
+            lines.append(
+                f"Every rank built all of '{self.module_name}': building it in configure_model() would save up to"
+                f" {_bytes(self.deferred_saving_bytes)} of parameters per rank (docs/memory.md)"
+            )
         return "\n".join(line.rstrip() for line in lines)
 
 
@@ -91,8 +99,10 @@ def build_stage_summary(
     checkpoint: str,
     recompute_fraction: float,
     busy_seconds: Sequence[float] | None = None,
+    built_whole: bool = False,
 ) -> StageSummary:
-    """The summary of ``plan``; ``ranks[s]`` and ``devices[s]`` say where stage ``s`` runs."""
+    """The summary of ``plan``; ``ranks[s]`` and ``devices[s]`` say where stage ``s`` runs. ``built_whole``: every
+    rank built the whole pipelined module (no deferred construction)."""
     rows = []
     for stage, layer_range in enumerate(plan.ranges):
         layers = [plan.layers[i] for i in layer_range]
@@ -125,8 +135,11 @@ def build_stage_summary(
         totals, basis = [row.time_seconds or 0.0 for row in rows], "profiled time"
     else:
         totals, basis = [float(row.parameters) for row in rows], "parameters"
+    stage_bytes = [sum(plan.layers[i].parameter_bytes for i in layer_range) for layer_range in plan.ranges]
+    saving = sum(stage_bytes) - min(stage_bytes) if built_whole else 0
     return StageSummary(
-        module_name, plan.method, num_micro_batches, checkpoint, rows, replicated_parameters, imbalance(totals), basis
+        module_name, plan.method, num_micro_batches, checkpoint, rows, replicated_parameters, imbalance(totals), basis,
+        saving,
     )
 
 
