@@ -39,6 +39,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         micro_batch = -(-work.batch // m)  # the largest micro-batch, as the split makes it
         runs += [
             (f"micro_batch/{m}", lambda size=micro_batch: timed_on(0, one_process(size)), []),
+            # The same work on every rank at once: how much running side by side slows each process down here.
+            (f"micro_batch_side_by_side/{m}", lambda size=micro_batch: timed(one_process(size), world), []),
             (f"ours/{m}", lambda step=ours[m].step: timed(lambda: step(x, target), world), []),
             (f"peer/{m}", lambda step=theirs[m].step: timed(lambda: step(x, target), world), []),
         ]
