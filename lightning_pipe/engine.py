@@ -87,6 +87,7 @@ class PipelineEngine:
         next: Link | None,
         share_last_output: Callable[[Activation | None], Activation],
         timeline: StepTimeline | None = None,
+        rendezvous: Callable[[], None] = lambda: None,
     ) -> None:
         self.stage = stage
         self.num_micro_batches = num_micro_batches
@@ -94,6 +95,7 @@ class PipelineEngine:
         self.previous = previous
         self.next = next
         self.share_last_output = share_last_output  # broadcast from the last stage to its pipeline
+        self.rendezvous = rendezvous  # fails fast unless every stage of the pipeline makes the call
         self._step = _StepState()
         self._in_step = False
         self._batch_norms = [m for m in stage.modules() if isinstance(m, _BatchNorm)]
@@ -194,6 +196,7 @@ class PipelineEngine:
         """
         if self.is_first and self.is_last:
             return self._forward_local(value)
+        self.rendezvous()
         with torch.no_grad():
             self.begin_step()
             output = None

@@ -83,6 +83,8 @@ if TYPE_CHECKING:  # imported when tracing starts, so that `python -m lightning_
 
 log = logging.getLogger(__name__)
 
+_OUTSIDE_STEP_TIMEOUT = timedelta(seconds=60)
+
 # LightningModule hooks whose user code consumes step results, so they run where those results are: on the last
 # stage. Whatever they log is replayed on the other stages.
 _EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
@@ -402,6 +404,7 @@ class GPipeStrategy(ParallelStrategy):
         self._engine = PipelineEngine(
             stage, config.num_micro_batches, self._checkpoint, previous, next_link, self._share_last_output,
             timeline=timeline,
+            rendezvous=self._all_stages_call_the_model,
         )
         self._tracer = self._make_tracer(timeline) if timeline.enabled and config.num_stages > 1 else None
 
@@ -616,6 +619,20 @@ class GPipeStrategy(ParallelStrategy):
             # Lightning computes the epoch value of each logged metric next, on every rank: from equal states.
             outcome.metric_states = metric_states(module)
         self._share_outcome(outcome)
+
+    def _all_stages_call_the_model(self) -> None:
+        """A model call outside a step (a callback's ``pl_module(x)``) runs through the whole pipeline, so every
+        stage must make it. Fail within a minute, naming the stages that did not, rather than wait forever."""
+        try:
+            dist.monitored_barrier(group=self._meta_group, timeout=_OUTSIDE_STEP_TIMEOUT, wait_all_ranks=True)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"the model was called outside a training/validation/test/predict step on stage {self.stage_index}"
+                f" (rank {self.global_rank}), but not on every pipeline stage within"
+                f" {_OUTSIDE_STEP_TIMEOUT.total_seconds():.0f} s. Outside a step the call runs through the whole"
+                " pipeline, so call the model on every rank (not only under `trainer.is_global_zero`), or call it"
+                f" inside a step. ({error})"
+            ) from error
 
     def _share_last_output(self, output: Any) -> Any:
         """Broadcast the last stage's output of a call made outside a step to every stage of its pipeline."""

@@ -19,7 +19,9 @@ WORKERS = Path(__file__).resolve().parents[1] / "workers"
 REPO = Path(__file__).resolve().parents[2]
 
 
-def launch(worker: str, spec: dict, tmp_path: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def launch(
+    worker: str, spec: dict, tmp_path: Path, timeout: float = 300, check: bool = True
+) -> subprocess.CompletedProcess:
     """Run ``workers/WORKER`` on ``spec`` in a fresh Python (Lightning's launcher re-runs the script per rank)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     spec_path = tmp_path / f"{Path(worker).stem}_spec.json"
@@ -31,7 +33,7 @@ def launch(worker: str, spec: dict, tmp_path: Path, timeout: float = 300) -> sub
         [sys.executable, str(WORKERS / worker), str(spec_path)],
         capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path,
     )
-    if result.returncode != 0:
+    if check and result.returncode != 0:
         raise AssertionError(f"worker {worker} failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
     return result
 

@@ -1,0 +1,45 @@
+"""Worker: a callback calls the model outside a step, on every rank or (wrongly) on rank 0 only.
+
+Usage: python outside_step_runs.py SPEC.json   (SPEC: {"out": DIR, "where": "everywhere" | "rank_zero"})
+"""
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
+
+import lightning_pipe  # noqa: E402
+from helpers.models import PipeClassifier, loaders  # noqa: E402
+from lightning_pipe import strategy as strategy_module  # noqa: E402
+
+strategy_module._OUTSIDE_STEP_TIMEOUT = timedelta(seconds=5)  # the test need not wait the default minute
+
+
+class CallsTheModel(Callback):
+    def __init__(self, out: Path, rank_zero_only: bool) -> None:
+        self.out, self.rank_zero_only = out, rank_zero_only
+
+    def on_train_start(self, trainer, pl_module):
+        if self.rank_zero_only and not trainer.is_global_zero:
+            return
+        x = torch.linspace(-1, 1, 5 * 12).view(5, 3, 4)
+        torch.save(pl_module(x), self.out / f"output_rank{trainer.global_rank}.pt")
+
+
+def main(spec_path):
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["out"])
+    seed_everything(0)
+    trainer = Trainer(strategy=lightning_pipe.GPipeStrategy(), accelerator="cpu", devices=2, max_steps=1,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      callbacks=[CallsTheModel(out, spec["where"] == "rank_zero")])
+    trainer.fit(PipeClassifier(), *loaders(32, 16, 16))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
