@@ -1,6 +1,6 @@
 """The pipeline bubble: measured idle fraction of each step against GPipe's ``(S - 1) / (M + S - 1)``.
 
-Two stages of equal blocks (2 × (Linear(W, W) + ReLU) each), one compute thread per process, ``checkpoint="never"``.
+Two stages of equal blocks (2 × (Linear(W, W) + ReLU) each, He-initialised as in :mod:`bench_balance`), one compute thread per process, ``checkpoint="never"``.
 For each micro-batch count M the strategy logs ``pipeline/bubble_fraction`` every step: the share of the step's
 compute window (first forward to last backward, on any stage) that stages spend outside forward and backward,
 averaged over stages. Communication, the loss and Python between micro-batches count as bubble, so the measured
@@ -26,6 +26,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
+from bench_balance import block
 from launch import launch
 from lightning_pipe import GPipeStrategy
 from lightning_pipe.schedule import ideal_bubble_fraction
@@ -71,10 +72,7 @@ def run(quick: bool) -> dict[str, Any]:
 class EvenModel(LightningModule):
     def __init__(self, width: int, blocks: int) -> None:
         super().__init__()
-        layers = []
-        for _ in range(blocks):
-            layers.append(nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU()))
-        self.blocks = nn.Sequential(*layers)
+        self.blocks = nn.Sequential(*(block(width, 2) for _ in range(blocks)))
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, target = batch

@@ -8,7 +8,6 @@ profiled), with the input each layer would see in the pipeline: the first micro-
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -94,7 +93,8 @@ def profile_layers(
 
     ``sample`` is the input of ``sequential`` (see :func:`pipelined_input`); each layer runs on the first of its
     ``num_micro_batches`` micro-batches, as a stage would. Each layer is timed ``min_repeats`` times or for about
-    ``seconds_per_layer``, whichever takes longer, after one warm-up run; the median counts.
+    ``seconds_per_layer``, whichever takes longer, after one warm-up run; the fastest run counts, since other
+    processes on the machine only ever add time (as ``timeit`` reasons).
     """
     value = microbatch.split(move_data_to_device(sample, device), num_micro_batches)[0]
     profiles = []
@@ -152,7 +152,7 @@ def _profile_layer(
             tensor.grad = None
         run += 1
     detached = tuple(t.detach() for t in microbatch.as_tensors(output, "the output"))
-    profile = LayerProfile(statistics.median(forwards), statistics.median(backwards), parameter_bytes, activation_bytes)
+    profile = LayerProfile(min(forwards), min(backwards), parameter_bytes, activation_bytes)
     return profile, detached if isinstance(output, tuple) else detached[0]
 
 

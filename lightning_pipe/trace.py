@@ -6,8 +6,8 @@ https://ui.perfetto.dev or ``chrome://tracing``, or draw it::
 
     python -m lightning_pipe.trace render traces/gpipe_trace.json timeline.png   # needs matplotlib (the plot extra)
 
-Clocks: every rank reads its clock right after a barrier on the pipeline group and measures from there
-(:func:`align_clocks`), so traces from different processes (and hosts) line up to within a barrier's skew.
+Clocks: every rank measures time on the clock of the pipeline group's first rank (:func:`align_clocks`): exactly on
+one host, where processes share one monotonic clock, and to within half a network round trip across hosts.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -43,11 +44,39 @@ TRACE_FILE_NAME = "gpipe_trace.json"
 _LABELS = {FORWARD: "F", BACKWARD: "B", RECOMPUTE: "R", SEND: "send ", WAIT: "wait "}
 
 
-def align_clocks(group: dist.ProcessGroup | None) -> float:
-    """This rank's clock reading right after a barrier of ``group``: subtract it to share one clock."""
-    dist.barrier(group=group)
-    dist.barrier(group=group)  # the first barrier absorbs ranks arriving late; the second exits together
-    return time.perf_counter()
+def align_clocks(group: dist.ProcessGroup | None, rounds: int = 8) -> float:
+    """What this rank subtracts from its ``time.perf_counter()`` to read the clock every rank of ``group`` shares.
+
+    The shared clock is the group's first rank's, started at a broadcast. Processes on one host read one monotonic
+    clock, so there nothing is estimated and traces line up exactly. A rank on another host estimates its offset
+    from the first rank's clock NTP-style: ``rounds`` ping-pongs, keeping the one with the shortest round trip,
+    whose midpoint is off by at most half that round trip.
+    """
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    reference, me = ranks[0], dist.get_rank()
+    hosts: list[Any] = [None] * len(ranks)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    offset = 0.0  # the reference's clock minus this rank's clock
+    for peer, host in zip(ranks[1:], hosts[1:]):
+        if host == hosts[0] or me not in (reference, peer):
+            continue
+        best_round_trip = math.inf
+        for _ in range(rounds):
+            stamp = torch.zeros(1, dtype=torch.float64)
+            if me == peer:
+                sent = time.perf_counter()
+                dist.send(stamp, reference, group=group)
+                dist.recv(stamp, reference, group=group)
+                received = time.perf_counter()
+                if received - sent < best_round_trip:
+                    best_round_trip, offset = received - sent, float(stamp) - (sent + received) / 2
+            else:
+                dist.recv(stamp, peer, group=group)
+                stamp[0] = time.perf_counter()
+                dist.send(stamp, peer, group=group)
+    origin = torch.tensor([time.perf_counter()], dtype=torch.float64)
+    dist.broadcast(origin, reference, group=group)
+    return float(origin) - offset
 
 
 @dataclass(frozen=True)
@@ -260,12 +289,12 @@ def render_png(trace: dict[str, Any], out: Path, title: str | None = None) -> No
                 for s in steps
             )
     axes.set_title(title, fontsize=10)
-    axes.legend(
+    figure.legend(
         handles=[Patch(color=_COLORS[k], label=k) for k in (FORWARD, BACKWARD, RECOMPUTE, SEND, WAIT)],
-        loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=5, fontsize=8, frameon=False,
+        loc="lower center", ncol=5, fontsize=8, frameon=False,
     )
     axes.grid(axis="x", alpha=0.3)
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0.1 + 0.1 / num_stages, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=150)
     plt.close(figure)

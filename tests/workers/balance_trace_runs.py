@@ -2,12 +2,13 @@
 
 Usage: python balance_trace_runs.py SPEC.json
 SPEC: {"devices": N, "out": DIR, "runs": [{"name": ..., "balance": ..., "sample": bool, "trace_steps": [...],
-"num_micro_batches": M, "checkpoint": ..., "csv_logger": bool}, ...]}
+"num_micro_batches": M, "checkpoint": ..., "csv_logger": bool, "one_host_per_rank": bool}, ...]}
 Each run writes DIR/NAME/rank{R}.json: the split this rank applied, its stage summary and the logged bubble
 fractions; a run with trace_steps also writes its trace to DIR/NAME/gpipe_trace.json (from global rank 0).
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 import lightning_pipe  # noqa: E402
 from helpers.models import PipeClassifier, loaders  # noqa: E402
+from lightning_pipe import trace  # noqa: E402
 
 
 class BubbleRecorder(Callback):
@@ -37,6 +39,9 @@ def main(spec_path):
     spec = json.loads(Path(spec_path).read_text())
     for run in spec["runs"]:
         out = Path(spec["out"]) / run["name"]
+        # Each rank pretends to be on its own host: clocks are then aligned by ping-pong, as across machines.
+        host = f"host{os.environ.get('LOCAL_RANK', '0')}" if run.get("one_host_per_rank") else os.uname().nodename
+        trace.socket.gethostname = lambda host=host: host
         seed_everything(0)
         model = PipeClassifier(depth=run.get("depth", 8))
         if run.get("example_input_array", True):
