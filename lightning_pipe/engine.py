@@ -31,7 +31,7 @@ from lightning_pipe import microbatch
 from lightning_pipe.batchnorm import DeferredBatchNorm
 from lightning_pipe.config import CheckpointMode
 from lightning_pipe.microbatch import Activation
-from lightning_pipe.p2p import ACTIVATION, SKIP, Header, Link, PendingHeader, TensorMeta, wait_all
+from lightning_pipe.p2p import ACTIVATION, SKIP, Header, Link, PendingHeader, TensorMeta
 from lightning_pipe.schedule import gpipe_actions
 from lightning_pipe.stage import PipelineStage
 from lightning_pipe.timeline import BACKWARD, FORWARD, SEND, WAIT, Stamp, StepTimeline
@@ -68,8 +68,8 @@ class _MicroBatch:
 @dataclass
 class _StepState:
     micro_batches: list[_MicroBatch] = field(default_factory=list)
-    sends: list[dist.Work] = field(default_factory=list)  # keep sent tensors alive until the sends complete
-    activation_sends: deque[list[dist.Work]] = field(default_factory=deque)  # per micro-batch, oldest first
+    sends: list[dist.Work] = field(default_factory=list)  # to the previous stage; kept until the sends complete
+    activation_sends: deque[list[dist.Work]] = field(default_factory=deque)  # to the next stage, oldest first
     user_input: tuple[Tensor, ...] = ()  # first stage: the pipelined call's input, to back-propagate into
     called: bool = False  # whether the pipelined module was called in this step
     gradient_sender: _OrderedGradientSender | None = None
@@ -158,7 +158,7 @@ class PipelineEngine:
         assert self.previous is not None and self.next is not None
         header = self._recv_header()
         if header.kind == SKIP:
-            self._step.sends.append(self.next.send_header(Header(SKIP)))
+            self._step.activation_sends.append([self.next.send_header(Header(SKIP))])
             return False
         self._step.called = True
         for header, inputs in self._received(header):
@@ -169,7 +169,7 @@ class PipelineEngine:
     def send_skip(self) -> None:
         """First stage: this step made no pipelined call; tell the stages downstream."""
         assert self.next is not None
-        self._step.sends.append(self.next.send_header(Header(SKIP)))
+        self._step.activation_sends.append([self.next.send_header(Header(SKIP))])
 
     def drain(self) -> None:
         """Last stage whose step returned without calling the pipelined module: consume what upstream sent."""
@@ -179,9 +179,9 @@ class PipelineEngine:
             return
         for m in range(header.num_micro_batches):
             if m > 0:
-                header = self.previous.recv_header()
+                header = self.previous.recv_header(m)
             _, works = self.previous.recv_tensors(header.tensors)
-            wait_all(works)
+            self.previous.wait(works, "the activation", m)
         raise PipelineMismatchError(
             "the first stage called the pipelined module in this step but the last stage's step returned without"
             " calling it; the step must take the same path on every stage (do not branch on random numbers or"
@@ -275,8 +275,8 @@ class PipelineEngine:
                 self._wait_start = self.timeline.now()
                 header = pending.wait()
             buffers, works = self.previous.recv_tensors(header.tensors, slot=m)
-            pending = self.previous.post_header() if m + 1 < num else None
-            wait_all(works)
+            pending = self.previous.post_header(m + 1) if m + 1 < num else None
+            self.previous.wait(works, "the activation", m)
             self.timeline.add(WAIT, m, self._wait_start)
             yield header, tuple(_leaf(t, grad and meta.requires_grad) for t, meta in zip(buffers, header.tensors))
 
@@ -325,7 +325,7 @@ class PipelineEngine:
         sends.append([self.next.send_header(Header(ACTIVATION, m, num, metas, isinstance(out, tuple)))])
         sends[-1] += self.next.send_tensors(tuple(t.detach() for t in outputs))
         while len(sends) > _SENDS_IN_FLIGHT:
-            wait_all(sends.popleft())
+            self.next.wait(sends.popleft(), "the activations", sending=True)
         self.timeline.add(SEND, m, start)
 
     def _checkpointed(self, m: int, num: int) -> bool:
@@ -358,7 +358,7 @@ class PipelineEngine:
             grads, works = pending
             pending = post(i + 1) if i + 1 < len(backwards) else None
             start = timeline.now()
-            wait_all(works)
+            link.wait(works, "the gradient", m)
             timeline.add(WAIT, m, start)
             start = timeline.now()
             if step.micro_batches[m].outputs:
@@ -385,9 +385,13 @@ class PipelineEngine:
 
     def _wait_sends(self) -> None:
         step = self._step
+        # Sends to the next stage (activations, skips) and to the previous one (gradients), each named if it fails.
         while step.activation_sends:
-            wait_all(step.activation_sends.popleft())
-        wait_all(step.sends)
+            assert self.next is not None
+            self.next.wait(step.activation_sends.popleft(), "the activations", sending=True)
+        if step.sends:
+            assert self.previous is not None
+            self.previous.wait(step.sends, "the gradients", sending=True)
         step.sends.clear()
 
     def _backward_into_user_graph(self) -> None:

@@ -8,6 +8,7 @@ a GPU stream. A gradient message needs no header: the receiver sent the matching
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -86,15 +87,24 @@ class Header:
         return Header(kind, micro_batch, num_micro_batches, tuple(metas), bool(is_tuple))
 
 
+class PipelineCommunicationError(RuntimeError):
+    """A wait on a neighbouring stage failed: it timed out, or the neighbour's process ended."""
+
+
 class PendingHeader:
     """A header receive posted ahead of time, so that the header arrives while the stage computes."""
 
-    def __init__(self, buffer: Tensor, work: dist.Work) -> None:
+    def __init__(self, buffer: Tensor, work: dist.Work, link: Link, micro_batch: int) -> None:
         self.buffer = buffer
         self.work = work
+        self.link = link
+        self.micro_batch = micro_batch
 
     def wait(self) -> Header:
-        self.work.wait()
+        try:
+            self.work.wait()
+        except RuntimeError as error:
+            raise self.link.failure("the activation", self.micro_batch, False, error) from error
         return Header.decode(self.buffer)
 
 
@@ -107,22 +117,36 @@ class Link:
     it is received into again.
     """
 
-    def __init__(self, peer: int, data_group: dist.ProcessGroup, meta_group: dist.ProcessGroup, device: torch.device):
+    def __init__(
+        self,
+        peer: int,
+        data_group: dist.ProcessGroup,
+        meta_group: dist.ProcessGroup,
+        device: torch.device,
+        *,
+        stage: int | None = None,
+        peer_stage: int | None = None,
+        timeout: timedelta | None = None,
+    ):
         self.peer = peer  # global rank of the neighbour
         self.data_group = data_group
         self.meta_group = meta_group
         self.device = device
+        # Who waits on whom, for the error when a wait fails (the groups' timeout ends every wait).
+        self.stage, self.peer_stage, self.timeout = stage, peer_stage, timeout
         self._buffers: dict[tuple[int, int], Tensor] = {}  # (slot, position in the message) -> receive buffer
 
     def send_header(self, header: Header) -> dist.Work:
         return dist.isend(header.encode(), self.peer, group=self.meta_group, tag=_HEADER_TAG)
 
-    def post_header(self) -> PendingHeader:
+    def post_header(self, micro_batch: int = 0) -> PendingHeader:
+        """Post the receive of the header that announces ``micro_batch`` (named if the wait for it fails)."""
         buffer = torch.empty(HEADER_LENGTH, dtype=torch.int64)
-        return PendingHeader(buffer, dist.irecv(buffer, self.peer, group=self.meta_group, tag=_HEADER_TAG))
+        work = dist.irecv(buffer, self.peer, group=self.meta_group, tag=_HEADER_TAG)
+        return PendingHeader(buffer, work, self, micro_batch)
 
-    def recv_header(self) -> Header:
-        return self.post_header().wait()
+    def recv_header(self, micro_batch: int = 0) -> Header:
+        return self.post_header(micro_batch).wait()
 
     def send_tensors(self, tensors: tuple[Tensor, ...]) -> list[dist.Work]:
         return [dist.isend(tensor.contiguous(), self.peer, group=self.data_group, tag=_DATA_TAG) for tensor in tensors]
@@ -147,6 +171,32 @@ class Link:
         return buffer
 
 
-def wait_all(works: list[dist.Work]) -> None:
-    for work in works:
-        work.wait()
+    def wait(self, works: list[dist.Work], what: str, micro_batch: int | None = None, sending: bool = False) -> None:
+        """Wait for sends to or receives from this neighbour; a timeout or a lost neighbour raises a
+        :class:`PipelineCommunicationError` that names both stages and ``what`` was awaited (formatted only then)."""
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as error:
+            raise self.failure(what, micro_batch, sending, error) from error
+
+    def failure(
+        self, what: str, micro_batch: int | None, sending: bool, error: BaseException
+    ) -> PipelineCommunicationError:
+        """The error for a failed wait: who waited for whom, for what, and what to do about it."""
+        me = f"stage {self.stage} (rank {dist.get_rank() if dist.is_initialized() else '?'})"
+        peer = f"stage {self.peer_stage} (rank {self.peer})"
+        if micro_batch is not None:
+            what = f"{what} of micro-batch {micro_batch}"
+        waited = f"waiting for {peer} to receive {what}" if sending else f"waiting for {what} from {peer}"
+        if "timed out" in str(error).lower() or "timeout" in str(error).lower():
+            after = f" after {self.timeout.total_seconds():g} s" if self.timeout is not None else ""
+            return PipelineCommunicationError(
+                f"{me} timed out{after} {waited}: {peer} stopped making progress, or is itself waiting for another"
+                " stage (see its error). If a step can legitimately take this long, raise GPipeStrategy(timeout=...)."
+            )
+        return PipelineCommunicationError(
+            f"{me} lost {peer} while {waited}: its process ended or closed the connection (it failed or was"
+            f" killed; its own error, if any, is printed by that process). ({error})"
+        )
+
