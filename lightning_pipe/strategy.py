@@ -53,6 +53,7 @@ from lightning_pipe.consolidate import (
     split_optimizer_state,
 )
 from lightning_pipe.engine import HandedOff, PipelineEngine
+from lightning_pipe.gradients import reduce_gradients
 from lightning_pipe.materialize import global_seed, holds_meta_tensors, mark_held_elsewhere, materialize
 from lightning_pipe.mirror import (
     StepOutcome,
@@ -62,7 +63,7 @@ from lightning_pipe.mirror import (
     recording_logs,
     replay_logs,
 )
-from lightning_pipe.p2p import Link
+from lightning_pipe.p2p import Link, PipelineCommunicationError, failed_wait
 from lightning_pipe.partition import find_pipelined_module, stage_ranges
 from lightning_pipe.stage import PipelineStage
 from lightning_pipe.balance import (
@@ -118,6 +119,10 @@ class GPipeStrategy(ParallelStrategy):
         log_bubble_fraction: send ``pipeline/bubble_fraction`` (the measured idle share of a step's compute window)
             and ``pipeline/ideal_bubble_fraction`` (``(S-1)/(M+S-1)``) to the loggers every ``log_every_n_steps``.
             Costs a few clock readings per micro-batch and one small gather over the pipeline per logged step.
+        mesh_order: how ranks are laid out over the pipeline (``"pp"``) and data-parallel (``"dp"``) dimensions,
+            outermost first, when ``devices * num_nodes`` is a multiple of ``num_stages`` (the replicas of the
+            pipeline average their gradients). ``("pp", "dp")``, as in torchtitan and Megatron, keeps the heavier
+            gradient all-reduce on the fast links inside a node and sends only activations across nodes.
         deferred_batch_norm: update BatchNorm running statistics once per mini-batch, from the whole mini-batch's
             statistics, so that they equal one device's. By default (GPipe's semantics) each micro-batch updates
             them with its own statistics. Either way each micro-batch is normalised by its own statistics.
@@ -145,6 +150,7 @@ class GPipeStrategy(ParallelStrategy):
         trace_dir: str | Path | None = None,
         log_bubble_fraction: bool = True,
         deferred_batch_norm: bool = False,
+        mesh_order: tuple[str, str] = ("pp", "dp"),
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -191,6 +197,12 @@ class GPipeStrategy(ParallelStrategy):
         self._pipelined: _Pipelined | None = None
         self._failed = False
         self._deferred_batch_norm = deferred_batch_norm
+        self._mesh_order = tuple(mesh_order)
+        if self._mesh_order not in (("pp", "dp"), ("dp", "pp")):
+            raise ValueError(
+                f"mesh_order={mesh_order!r} must be ('pp', 'dp') (pipeline outermost: a replica's gradient all-reduce"
+                " stays among neighbouring ranks, one node) or ('dp', 'pp') (a pipeline's stages on neighbouring ranks)."
+            )
         self._deferred = False  # the pipelined module was built on the meta device (see `model_sharded_context`)
 
     # ---- configuration -------------------------------------------------------------------------------------------
@@ -203,9 +215,18 @@ class GPipeStrategy(ParallelStrategy):
 
     @property
     def layout(self) -> PipelineLayout:
+        """Which rank holds which stage of which replica (``devices * num_nodes = num_stages * replicas``)."""
         if self._layout is None:
-            self._layout = PipelineLayout(self.config.num_stages)
+            num_stages = self.config.num_stages
+            replicas = max(1, self.num_processes * self.num_nodes // num_stages)
+            self._layout = PipelineLayout(num_stages, replicas, pipeline_outermost=self._mesh_order[0] == "pp")
         return self._layout
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning asks custom strategies this: it enables the distributed sampler and `self.log(sync_dist=True)`.
+        # A single pipeline is not data-parallel: every stage reads the batches one device would, in its order.
+        return self.layout.num_replicas > 1
 
     @property
     def stage_index(self) -> int:
@@ -242,16 +263,18 @@ class GPipeStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         world_size = self.num_processes * self.num_nodes
-        if self._num_stages is not None and world_size != self._num_stages:
+        if self._num_stages is not None and world_size % self._num_stages != 0:
             raise ValueError(
-                f"GPipeStrategy(num_stages={self._num_stages}) needs one process per stage, but the Trainer starts"
-                f" {world_size} (devices={self.num_processes}, num_nodes={self.num_nodes}); set"
-                f" Trainer(devices={self._num_stages}) or num_stages={world_size}."
+                f"GPipeStrategy(num_stages={self._num_stages}) needs devices * num_nodes to be a multiple of the stage"
+                f" count (one process per stage of each pipeline replica), but the Trainer starts {world_size}"
+                f" (devices={self.num_processes}, num_nodes={self.num_nodes}); set Trainer(devices=...) so that"
+                f" devices * num_nodes is {self._num_stages} x replicas, or choose num_stages dividing {world_size}."
             )
-        if isinstance(self._balance, list) and len(self._balance) != world_size:
+        num_stages = self.config.num_stages
+        if isinstance(self._balance, list) and len(self._balance) != num_stages:
             raise ValueError(
-                f"balance={self._balance} has {len(self._balance)} entries but there are {world_size} stages"
-                f" (one per process); give one layer count per stage."
+                f"balance={self._balance} has {len(self._balance)} entries but there are {num_stages} stages;"
+                " give one layer count per stage."
             )
         self.config  # noqa: B018  (validates the resolved counts before any process starts)
         if self._start_method == "popen":
@@ -297,8 +320,9 @@ class GPipeStrategy(ParallelStrategy):
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
         layout = self.layout
+        sizes = {"pp": layout.num_stages, "dp": layout.num_replicas}
         self._mesh = init_device_mesh(
-            self.root_device.type, (layout.num_stages, layout.num_replicas), mesh_dim_names=("pp", "dp")
+            self.root_device.type, tuple(sizes[name] for name in self._mesh_order), mesh_dim_names=self._mesh_order
         )
         # Headers and step outcomes travel on a CPU group, so that reading them never waits on a GPU stream.
         if self._process_group_backend == "gloo":
@@ -410,7 +434,10 @@ class GPipeStrategy(ParallelStrategy):
 
     def _link(self, stage: int) -> Link:
         assert self._meta_group is not None
-        return Link(self._rank_of_stage(stage), self._pipeline_group, self._meta_group, self.root_device)
+        return Link(
+            self._rank_of_stage(stage), self._pipeline_group, self._meta_group, self.root_device,
+            stage=self.stage_index, peer_stage=stage, timeout=self._timeout,
+        )
 
     def _decide_partition(self, module: LightningModule, sequential: nn.Sequential) -> PartitionPlan:
         """The split, decided on global rank 0 (profiling there when ``balance`` asks) and broadcast, so that every
@@ -521,10 +548,16 @@ class GPipeStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     def _broadcast_replicated_state(self) -> None:
-        """Parameters outside the pipelined module live on every stage: start them identical (from rank 0)."""
+        """Start identical where training keeps things identical: parameters outside the pipelined module on every
+        rank (from rank 0), and each stage's parameters and buffers on its replicas (from replica 0)."""
+        assert self._engine is not None
         with torch.no_grad():
             for tensor in self._replicated:
                 dist.broadcast(tensor.data, src=0)
+            if self.layout.num_replicas > 1:
+                source = self.layout.rank(self.stage_index, replica=0)
+                for tensor in [*self._engine.stage.parameters(), *self._engine.stage.buffers()]:
+                    dist.broadcast(tensor.data, src=source, group=self._replica_group)
 
     def _sync_metrics_within_replicas(self, module: LightningModule) -> None:
         """torchmetrics syncs over the whole world by default; only a stage's replicas hold the same metric."""
@@ -645,7 +678,10 @@ class GPipeStrategy(ParallelStrategy):
         if self.layout.num_stages == 1:
             return outcome
         holder = [outcome]
-        dist.broadcast_object_list(holder, src=self._rank_of_stage(self.layout.num_stages - 1), group=self._meta_group)
+        try:
+            dist.broadcast_object_list(holder, src=self._rank_of_stage(self.layout.num_stages - 1), group=self._meta_group)
+        except RuntimeError as error:
+            raise self._outcome_not_shared(error) from error
         outcome = holder[0]
         if not self._engine_is_last:
             assert self.lightning_module is not None
@@ -653,6 +689,15 @@ class GPipeStrategy(ParallelStrategy):
                 load_metric_states(self.lightning_module, outcome.metric_states)
             replay_logs(self.lightning_module, outcome.logs)
         return outcome
+
+    def _outcome_not_shared(self, error: RuntimeError) -> PipelineCommunicationError:
+        """The error when the last stage's results could not be shared: which stage waited for which."""
+        me, last = f"stage {self.stage_index} (rank {self.global_rank})", self.layout.num_stages - 1
+        if self.stage_index == last:
+            peer = "another stage of its pipeline"
+            return failed_wait(me, "sending the step's results (loss, logs) to the other stages", peer, self._timeout, error)
+        peer = f"the last stage, stage {last} (rank {self._rank_of_stage(last)})"
+        return failed_wait(me, f"waiting for the step's results (loss, logs) from {peer}", peer, self._timeout, error)
 
     # ---- backward and optimizer step -----------------------------------------------------------------------------
 
@@ -683,30 +728,22 @@ class GPipeStrategy(ParallelStrategy):
         model: LightningModule | nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        def closure_then_sum_replicated_gradients() -> Any:
+        def closure_then_reduce_gradients() -> Any:
             result = closure()
             if self._step_skipped:  # training_step returned None: tell the precision plugin, as one device would
                 return None
-            self._sum_replicated_gradients()
+            self._reduce_gradients()
             return result
 
-        return super().optimizer_step(optimizer, closure_then_sum_replicated_gradients, model, **kwargs)
+        return super().optimizer_step(optimizer, closure_then_reduce_gradients, model, **kwargs)
 
-    def _sum_replicated_gradients(self) -> None:
-        """Parameters used on several stages (an embedding before the pipeline, a head after it) get each stage's
-        contribution: sum the gradients over the pipeline. A parameter no stage used keeps ``grad=None``."""
-        if not self._replicated or self.layout.num_stages == 1:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._replicated]
-        used = torch.tensor([float(p.grad is not None) for p in self._replicated], device=self.root_device)
-        flat = torch.cat([g.reshape(-1) for g in grads] + [used])
-        dist.all_reduce(flat, group=self._pipeline_group)
-        offset = 0
-        for p, g in zip(self._replicated, grads):
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        for p, g, was_used in zip(self._replicated, grads, flat[offset:].tolist()):
-            p.grad = g if was_used else None
+    def _reduce_gradients(self) -> None:
+        """Sum the replicated parameters' gradients over the pipeline, then average every gradient over replicas."""
+        reduce_gradients(self._replicated, self._pipeline_group, average=False)
+        if self.layout.num_replicas > 1:
+            assert self.lightning_module is not None
+            trainable = [p for p in self.lightning_module.parameters() if p.requires_grad]
+            reduce_gradients(trainable, self._replica_group, average=True)
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """``clip_grad_norm_`` over the whole model: stage norms combined across the pipeline, replicated
@@ -851,6 +888,26 @@ class GPipeStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         # Another stage may be gone: teardown must not wait on it to gather the model.
         self._failed = True
+        self._end_started_ranks()
+
+    def _end_started_ranks(self) -> None:
+        """With the popen launcher, this process started the node's other ranks: end those still running.
+
+        They wait on this process in a receive, or compute towards one, and would linger until the communication
+        timeout (30 minutes by default) or, stuck in user code, forever. SIGKILL, because a process blocked in a
+        receive runs no Python signal handler. A rank whose failure caused this exception printed its error before
+        its connections closed. The ended ranks leave the list that Lightning's child-process observer watches, so
+        that it does not kill this process before this process's own error is printed.
+        """
+        launcher = self._launcher
+        if not isinstance(launcher, _SubprocessScriptLauncher) or not launcher.procs:
+            return
+        for proc in launcher.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in launcher.procs:
+            proc.wait()
+        launcher.procs.clear()
 
     def teardown(self) -> None:
         module = self.lightning_module

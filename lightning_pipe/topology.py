@@ -18,6 +18,7 @@ class PipelineLayout:
 
     num_stages: int
     num_replicas: int = 1
+    pipeline_outermost: bool = True  # False: the stages of one pipeline sit on neighbouring ranks
 
     @property
     def world_size(self) -> int:
@@ -25,13 +26,17 @@ class PipelineLayout:
 
     def rank(self, stage: int, replica: int = 0) -> int:
         """Global rank holding ``stage`` of ``replica``."""
-        return (self.num_stages - 1 - stage) * self.num_replicas + replica
+        row = self.num_stages - 1 - stage  # pipeline coordinate: the last stage first
+        if self.pipeline_outermost:
+            return row * self.num_replicas + replica
+        return replica * self.num_stages + row
 
     def stage(self, rank: int) -> int:
-        return self.num_stages - 1 - rank // self.num_replicas
+        row = rank // self.num_replicas if self.pipeline_outermost else rank % self.num_stages
+        return self.num_stages - 1 - row
 
     def replica(self, rank: int) -> int:
-        return rank % self.num_replicas
+        return rank % self.num_replicas if self.pipeline_outermost else rank // self.num_stages
 
     def pipeline_ranks(self, replica: int) -> list[int]:
         """The ranks of one pipeline, ordered by stage (first stage first)."""

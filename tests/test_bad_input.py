@@ -45,11 +45,6 @@ def test_more_stages_than_layers_names_the_limit():
         fit(model, GPipeStrategy(), devices=3)
 
 
-def test_device_count_must_equal_num_stages():
-    with pytest.raises(ValueError, match=r"num_stages=2\) needs one process per stage, but the Trainer starts 3"):
-        Trainer(strategy=GPipeStrategy(num_stages=2), accelerator="cpu", devices=3)
-
-
 @pytest.mark.parametrize("value", [0, -1])
 def test_num_micro_batches_below_one_is_rejected(value):
     with pytest.raises(ValueError, match=f"num_micro_batches={value} is invalid"):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Trainer, seed_everything
+from torch.utils.data import DataLoader
 from lightning.pytorch.plugins import MixedPrecision
 
 from helpers.models import MODELS, loaders
@@ -23,19 +24,30 @@ def launch(
     worker: str, spec: dict, tmp_path: Path, timeout: float = 300, check: bool = True
 ) -> subprocess.CompletedProcess:
     """Run ``workers/WORKER`` on ``spec`` in a fresh Python (Lightning's launcher re-runs the script per rank)."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    spec_path = tmp_path / f"{Path(worker).stem}_spec.json"
-    spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    for variable in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(variable, None)
-    result = subprocess.run(
-        [sys.executable, str(WORKERS / worker), str(spec_path)],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path,
-    )
+    process = start(worker, spec, tmp_path)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        process.kill()
+    result = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     if check and result.returncode != 0:
         raise AssertionError(f"worker {worker} failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
     return result
+
+
+def start(worker: str, spec: dict, tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``workers/WORKER`` on ``spec`` in a fresh Python, with a clean distributed environment plus ``env``."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    spec_path = tmp_path / f"{Path(worker).stem}_spec.json"
+    spec_path.write_text(json.dumps(spec))
+    environment = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for variable in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        environment.pop(variable, None)
+    environment.update(env or {})
+    return subprocess.Popen(
+        [sys.executable, str(WORKERS / worker), str(spec_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=tmp_path,
+    )
 
 
 def merged_state_dict(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -62,6 +74,10 @@ def single_device_run(run: dict) -> tuple[dict[str, torch.Tensor], dict[str, tor
     model = MODELS[run.get("model", "classifier")](lr=run.get("lr", 0.5))
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     train, val = loaders(run.get("train_samples", 80), run.get("val_samples", 40), run.get("batch_size", 16))
+    if run.get("shuffled_like_distributed_sampler"):
+        # The samples of one step of all replicas of a shuffling DistributedSampler (seed 0, epoch 0), in one batch.
+        order = torch.randperm(len(train.dataset), generator=torch.Generator().manual_seed(0)).tolist()
+        train = DataLoader(train.dataset, batch_size=train.batch_size, sampler=order)
     recorder = MetricRecorder()
     trainer = Trainer(
         accelerator="cpu", devices=1, max_epochs=run.get("max_epochs", 1), logger=False,

@@ -134,7 +134,21 @@ class OneBatchNormClassifier(BatchNormClassifier):
         super().__init__(lr=lr, layers_with_batch_norm=(5,))
 
 
-MODELS = {"batchnorm": BatchNormClassifier, "one_batchnorm": OneBatchNormClassifier, "classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "poisoned": PoisonedGradient}
+class SyncedLogging(PipeClassifier):
+    """Logs the loss averaged over data-parallel replicas, as a data-parallel project does."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True)
+
+
+MODELS = {"synced": SyncedLogging, "batchnorm": BatchNormClassifier, "one_batchnorm": OneBatchNormClassifier, "classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "poisoned": PoisonedGradient}
 
 
 class ProjectModule(LightningModule):

@@ -1,0 +1,55 @@
+"""Pipeline x data parallel: replicas of a pipeline average their gradients; one node or several."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from lightning.pytorch import Trainer
+
+from helpers.compare import launch, merged_state_dict, rank_results, relative_weight_error, single_device_run, start
+from lightning_pipe import GPipeStrategy
+
+# Per replica 8 samples a step; one device takes both replicas' 16: Lightning's distributed sampler shuffles the
+# training set (seed 0) and deals it out to the replicas, so one device reads that permutation in batches of 16.
+REPLICATED = {"model": "synced", "num_micro_batches": 4, "batch_size": 8, "strategy": {"num_stages": 2}}
+SINGLE_DEVICE = {"model": "synced", "batch_size": 16, "shuffled_like_distributed_sampler": True}
+
+
+def assert_matches_single_device(run_dir):
+    initial, expected, expected_metrics = single_device_run(SINGLE_DEVICE)
+    assert relative_weight_error(initial, expected, merged_state_dict(run_dir)) < 1e-5
+    for result in rank_results(run_dir):
+        assert result["train_losses"] == pytest.approx(expected_metrics["train_losses"], rel=1e-5)
+        assert result["final_metrics"]["val_loss"] == pytest.approx(expected_metrics["final_metrics"]["val_loss"], rel=1e-5)
+
+
+def test_two_stages_times_two_replicas_match_one_device_with_twice_the_batch(tmp_path):
+    runs = [{**REPLICATED, "name": "pp_outer"},
+            {**REPLICATED, "name": "dp_outer", "strategy": {"num_stages": 2, "mesh_order": ["dp", "pp"]}}]
+    launch("fit_runs.py", {"devices": 4, "out": str(tmp_path), "runs": runs}, tmp_path)
+    for run in runs:
+        assert_matches_single_device(tmp_path / run["name"])
+
+
+def test_two_simulated_nodes_train_like_one(tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    run = {**REPLICATED, "name": "two_nodes", "trainer": {"num_nodes": 2}}
+    spec = {"devices": 2, "out": str(tmp_path), "runs": [run]}
+    nodes = [
+        start("fit_runs.py", spec, tmp_path / f"node{node}",
+              env={"NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        for node in range(2)
+    ]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    for node, (_, stderr) in zip(nodes, outputs):
+        assert node.returncode == 0, stderr[-4000:]
+    assert sorted(p.name for p in (tmp_path / "two_nodes").glob("rank*.json")) == [f"rank{r}.json" for r in range(4)]
+    assert_matches_single_device(tmp_path / "two_nodes")
+
+
+def test_device_count_must_be_a_multiple_of_num_stages():
+    with pytest.raises(ValueError, match="devices \\* num_nodes to be a multiple of the stage count"):
+        Trainer(strategy=GPipeStrategy(num_stages=2), accelerator="cpu", devices=3)
