@@ -1,0 +1,246 @@
+"""Memory-efficient setup: a model built on the meta device takes memory only for each rank's own stage, starts from
+the same weights on any number of stages, trains as on one device, and resumes reading only what a rank needs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torchmetrics import MeanMetric
+
+from helpers.compare import launch
+from helpers.deferred_models import DEPTH, DeferredClassifier, EagerClassifier, fit, layers
+from lightning_pipe import GPipeStrategy, PipelineParallelConfig, init_weights
+from lightning_pipe.balance import plan_partition
+from lightning_pipe.materialize import holds_meta_tensors, layer_seed, materialize
+from lightning_pipe.stage import PipelineStage
+from lightning_pipe.summary import build_stage_summary
+
+TOLERANCE = 1e-5  # of the total weight change during training
+MICRO_BATCHES = 4
+PAGE_SLACK = 64 * 1024  # Linux maps up to 64 KiB of cached file around each page a process touches
+
+
+# ---- materialisation, without processes ----------------------------------------------------------------------------
+
+
+class Tied(nn.Module):
+    """An embedding whose weight the output projection shares, and a layer built with real tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 10))
+        self.body[2].weight = self.embed.weight
+
+
+def test_materialized_weights_equal_init_weights_on_real_tensors_and_ties_survive():
+    real = Tied()
+    init_weights(real, seed=7)
+    with torch.device("meta"):
+        deferred = Tied()
+    assert materialize(deferred, torch.device("cpu"), seed=7) == ["embed", "body.0", "body.1", "body.2"]
+    assert not holds_meta_tensors(deferred)
+    assert deferred.body[2].weight is deferred.embed.weight
+    for (key, expected), (_, actual) in zip(real.state_dict().items(), deferred.state_dict().items()):
+        assert torch.equal(expected, actual), key
+    assert not torch.equal(deferred.body[0].weight, real.body[0].weight.new_zeros(4, 4))
+
+
+def test_a_stage_materialises_the_same_weights_as_the_whole_model():
+    """Layer 5 gets the same weights whether its stage holds layers 0-8 or 4-7: the seed follows its name."""
+    with torch.device("meta"):
+        whole = nn.Module()
+        whole.layers = layers(width=8)
+        split = nn.Module()
+        split.layers = layers(width=8)
+    materialize(whole, torch.device("cpu"), seed=3)
+    split.layers = PipelineStage(split.layers, range(4, 8), 1, 4)
+    assert materialize(split, torch.device("cpu"), seed=3) == ["layers.4", "layers.6"]
+    for key, value in split.state_dict().items():
+        assert torch.equal(value, whole.state_dict()[key]), key
+    assert layer_seed(3, "layers.4") != layer_seed(3, "layers.6") != layer_seed(4, "layers.6")
+
+
+def test_init_weights_leaves_meta_tensors_and_the_global_random_stream_alone():
+    with torch.device("meta"):
+        meta_layer = nn.Linear(3, 3)
+    model = nn.Sequential(nn.Linear(3, 3), meta_layer)
+    random_state = torch.random.get_rng_state()
+    assert init_weights(model, seed=1) == ["0"]
+    assert meta_layer.weight.is_meta
+    assert torch.equal(torch.random.get_rng_state(), random_state)
+
+
+def test_meta_module_without_reset_parameters_is_refused_naming_the_fix():
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(4))
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), Scaled())
+    with pytest.raises(TypeError, match=r"module '1' \(Scaled\) holds tensors \['scale'\].*define `Scaled.reset_parameters"):
+        materialize(model, torch.device("cpu"), seed=0)
+
+
+def test_metric_created_on_meta_is_refused():
+    with torch.device("meta"):
+        model = nn.Module()
+        model.loss = MeanMetric()
+    with pytest.raises(TypeError, match="create torchmetrics metrics in __init__"):
+        materialize(model, torch.device("cpu"), seed=0)
+
+
+def test_strategy_builds_configure_model_and_empty_init_on_the_meta_device():
+    strategy = GPipeStrategy(parallel_devices=[torch.device("cpu")])
+    with strategy.model_sharded_context():
+        assert nn.Linear(2, 2).weight.is_meta
+    with strategy.tensor_init_context(empty_init=True):
+        assert nn.Linear(2, 2).weight.is_meta
+    with strategy.tensor_init_context(empty_init=False):
+        assert not nn.Linear(2, 2).weight.is_meta
+
+
+def test_summary_says_what_deferred_construction_would_save():
+    sequential = layers()
+    plan = plan_partition(nn.Module(), sequential, PipelineParallelConfig(4, 4), None)
+    stage_bytes = [sum(p.numel() * 4 for i in r for p in sequential[i].parameters()) for r in plan.ranges]
+    kwargs = dict(plan=plan, module_name="layers", ranks=[3, 2, 1, 0], devices=["cpu"] * 4, replicated_parameters=0,
+                  num_micro_batches=4, checkpoint="except_last", recompute_fraction=0.75)
+    whole = str(build_stage_summary(**kwargs, built_whole=True))
+    said = re.search(r"building it in configure_model\(\) would save up to ([\d.]+) MB of parameters per rank", whole)
+    assert said, whole
+    assert float(said.group(1)) == pytest.approx((sum(stage_bytes) - min(stage_bytes)) / 2**20, abs=0.05)
+    assert "configure_model()" not in str(build_stage_summary(**kwargs, built_whole=False))
+
+
+# ---- pipelined runs ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_stages(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("memory2")
+    runs = [{"name": "deferred"}, {"name": "init_module", "model": "init_module"}, {"name": "eager", "model": "eager"}]
+    launch("memory_setup_runs.py", {"devices": 2, "out": str(tmp), "runs": runs}, tmp)
+    return {run["name"]: ranks(tmp / run["name"], 2) for run in runs}
+
+
+@pytest.fixture(scope="module")
+def four_stages(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("memory4")
+    last = str(tmp / "deferred" / "ckpt" / "last.ckpt")  # written by the first run, after its one epoch
+    runs = [{"name": "deferred"}, {"name": "resumed", "epochs": 2, "ckpt_path": last}]
+    launch("memory_setup_runs.py", {"devices": 4, "out": str(tmp), "runs": runs}, tmp)
+    return {run["name"]: ranks(tmp / run["name"], 4) for run in runs} | {"checkpoint": last}
+
+
+@pytest.fixture(scope="module")
+def single_device(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("memory1")
+    return {
+        "deferred": fit(tmp / "deferred", "deferred", devices=1),
+        "resumed": fit(tmp / "resumed", "deferred", epochs=2, devices=1),
+        # The model built under init_module(empty_init=True) on the gpipe strategy starts from the weights the same
+        # model built with real tensors (and init_weights) starts from on one device.
+        "eager": fit(tmp / "eager", "eager", devices=1),
+    }
+
+
+def ranks(run_dir, devices: int) -> list[dict]:
+    return [torch.load(run_dir / f"rank{rank}.pt", weights_only=False) for rank in range(devices)]
+
+
+def merged(results: list[dict], key: str) -> dict[str, torch.Tensor]:
+    whole: dict[str, torch.Tensor] = {}
+    for result in results:
+        whole.update({k: v for k, v in result[key].items() if not v.is_meta})
+    return whole
+
+
+def relative_error(initial: dict, expected: dict, actual: dict) -> float:
+    assert actual.keys() == expected.keys(), set(actual) ^ set(expected)
+    error = torch.sqrt(sum(((actual[k] - v) ** 2).sum() for k, v in expected.items()))
+    change = torch.sqrt(sum(((v - initial[k]) ** 2).sum() for k, v in expected.items()))
+    assert change > 1e-2, "the reference training barely changed the weights"
+    return float(error / change)
+
+
+def stage_share(model_kind: str, devices: int, rank: int) -> int:
+    """Parameters rank ``rank`` must hold: its stage's layers and everything outside the pipelined module."""
+    model = EagerClassifier() if model_kind != "deferred" else DeferredClassifier()
+    model.configure_model()
+    assert model.layers is not None
+    stage = devices - 1 - rank  # global rank 0 holds the last stage
+    layer_range = PipelineParallelConfig(devices, MICRO_BATCHES).split_into_stages(len(model.layers))[stage]
+    own = sum(p.numel() for i in layer_range for p in model.layers[i].parameters())
+    pipelined = sum(p.numel() for p in model.layers.parameters())
+    return own + sum(p.numel() for p in model.parameters()) - pipelined
+
+
+@pytest.mark.parametrize("devices, name", [(2, "deferred"), (2, "init_module"), (4, "deferred")])
+def test_each_rank_holds_only_its_stage(two_stages, four_stages, devices, name):
+    results = (two_stages if devices == 2 else four_stages)[name]
+    for rank, result in enumerate(results):
+        assert not result["meta_in_module"], "a meta tensor was left in the stage this rank runs"
+        # Every real parameter in the process, found by the garbage collector: exactly this rank's share.
+        assert result["real_parameters"] == result["local_parameters"] == stage_share(name, devices, rank)
+
+
+def test_initial_weights_are_equal_on_one_two_and_four_stages(two_stages, four_stages, single_device):
+    expected = single_device["deferred"]["initial"]
+    for results in (two_stages["deferred"], four_stages["deferred"]):
+        initial = merged(results, "initial")
+        assert initial.keys() == expected.keys()
+        for key, value in expected.items():
+            assert torch.equal(initial[key], value), key
+    initial = merged(two_stages["init_module"], "initial")
+    for key, value in single_device["eager"]["initial"].items():
+        assert torch.equal(initial[key], value), key
+
+
+@pytest.mark.parametrize("devices, name", [(2, "deferred"), (2, "init_module"), (4, "deferred"), (4, "resumed")])
+def test_training_matches_single_device(two_stages, four_stages, single_device, devices, name):
+    results = (two_stages if devices == 2 else four_stages)[name]
+    reference = single_device["eager" if name == "init_module" else name]
+    rank_zero = results[0]  # the last stage: the whole trained model comes back here after fit
+    assert all(not value.is_meta for value in rank_zero["final"].values())
+    initial = single_device["deferred"]["initial"] if name == "resumed" else reference["initial"]
+    assert relative_error(initial, reference["final"], rank_zero["final"]) < TOLERANCE
+    for result in results:  # trainer.test(model) after fit runs on the same split: every rank logs the same loss
+        assert result["tested"][0]["test_loss"] == pytest.approx(reference["tested"][0]["test_loss"], rel=1e-5)
+
+
+def test_after_fit_other_ranks_keep_their_trained_stage_and_nothing_else(four_stages, single_device):
+    expected = single_device["deferred"]["final"]
+    for rank, result in enumerate(four_stages["deferred"][1:], start=1):
+        stage = 4 - 1 - rank
+        layer_range = PipelineParallelConfig(4, MICRO_BATCHES).split_into_stages(2 * DEPTH + 1)[stage]
+        for key, value in result["final"].items():
+            local = not key.startswith("layers.") or int(key.split(".")[1]) in layer_range
+            assert value.is_meta != local, key
+            if local:
+                torch.testing.assert_close(value, expected[key], rtol=1e-4, atol=1e-5)
+
+
+def test_resuming_reads_only_the_local_stage_of_the_checkpoint(four_stages):
+    file_bytes = Path(four_stages["checkpoint"]).stat().st_size
+    for rank, result in enumerate(four_stages["resumed"]):
+        # Weights and momentum of this rank's parameters, each read once from the memory-mapped file.
+        local_tensors = 2 * len(result["initial"])
+        share_bytes = 2 * 4 * stage_share("deferred", 4, rank)
+        resident = result["resident_checkpoint_bytes"]
+        assert share_bytes * 0.9 <= resident <= share_bytes + PAGE_SLACK * local_tensors, (rank, resident, share_bytes)
+        assert resident < file_bytes / 2, f"rank {rank} read {resident} of the {file_bytes} bytes of the checkpoint"
+
+
+def test_model_built_without_deferred_construction_works_as_before(two_stages, single_device):
+    reference = single_device["eager"]
+    for result in two_stages["eager"]:  # the whole model, real, on every rank, as before
+        assert relative_error(reference["initial"], reference["final"], result["final"]) < TOLERANCE
+        assert result["real_parameters"] > result["local_parameters"]
+        assert "building it in configure_model() would save up to" in result["summary"]
+    assert "configure_model()" not in two_stages["deferred"][0]["summary"]
