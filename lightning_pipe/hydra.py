@@ -4,7 +4,7 @@
 
 * ``strategy/gpipe_schema`` in Hydra's ConfigStore, the structured config that ``conf/strategy/gpipe.yaml``
   extends. OmegaConf then rejects unknown keys and wrongly typed values, naming the key; values it cannot judge
-  (a stage count of 0, an unknown checkpoint mode, ``balance`` as a list or null) are checked by
+  (a stage count of 0, an unknown checkpoint mode, ``balance`` as a list, a mode name or null) are checked by
   :func:`validate_config` with the rules of :class:`~lightning_pipe.PipelineParallelConfig`.
 * the ``${lightning_pipe.start_method:}`` resolver, which chooses how the Trainer starts its processes: Lightning's
   default launcher re-runs ``sys.argv`` for every rank, and inside ``python train.py -m ...`` that is the whole
