@@ -183,20 +183,27 @@ class Link:
     def failure(
         self, what: str, micro_batch: int | None, sending: bool, error: BaseException
     ) -> PipelineCommunicationError:
-        """The error for a failed wait: who waited for whom, for what, and what to do about it."""
+        """The error for a failed wait on this neighbour: who waited for whom, and for what."""
         me = f"stage {self.stage} (rank {dist.get_rank() if dist.is_initialized() else '?'})"
         peer = f"stage {self.peer_stage} (rank {self.peer})"
         if micro_batch is not None:
             what = f"{what} of micro-batch {micro_batch}"
         waited = f"waiting for {peer} to receive {what}" if sending else f"waiting for {what} from {peer}"
-        if "timed out" in str(error).lower() or "timeout" in str(error).lower():
-            after = f" after {self.timeout.total_seconds():g} s" if self.timeout is not None else ""
-            return PipelineCommunicationError(
-                f"{me} timed out{after} {waited}: {peer} stopped making progress, or is itself waiting for another"
-                " stage (see its error). If a step can legitimately take this long, raise GPipeStrategy(timeout=...)."
-            )
+        return failed_wait(me, waited, peer, self.timeout, error)
+
+
+def failed_wait(
+    me: str, waited: str, peer: str, timeout: timedelta | None, error: BaseException
+) -> PipelineCommunicationError:
+    """The error for a wait of ``me`` (``waited``: for what, on whom) that timed out or lost ``peer``'s process."""
+    if "timed out" in str(error).lower() or "timeout" in str(error).lower():
+        after = f" after {timeout.total_seconds():g} s" if timeout is not None else ""
         return PipelineCommunicationError(
-            f"{me} lost {peer} while {waited}: its process ended or closed the connection (it failed or was"
-            f" killed; its own error, if any, is printed by that process). ({error})"
+            f"{me} timed out{after} {waited}: {peer} stopped making progress, or is itself waiting for another"
+            " stage (see its error). If a step can legitimately take this long, raise GPipeStrategy(timeout=...)."
         )
+    return PipelineCommunicationError(
+        f"{me} lost {peer} while {waited}: its process ended or closed the connection (it failed or was"
+        f" killed; its own error, if any, is printed by that process). ({error})"
+    )
 
