@@ -6,11 +6,14 @@ the steps, backward and the optimizer step, collectives, teardown.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import subprocess
+import time
 from pathlib import Path
 from dataclasses import dataclass
 from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -85,6 +88,8 @@ if TYPE_CHECKING:  # imported when tracing starts, so that `python -m lightning_
 log = logging.getLogger(__name__)
 
 _OUTSIDE_STEP_TIMEOUT = timedelta(seconds=60)
+# After a failed run, how long the ranks a popen launch started may take to exit on their own before they are killed.
+_STARTED_RANKS_GRACE_S = 3.0
 
 # LightningModule hooks whose user code consumes step results, so they run where those results are: on the last
 # stage. Whatever they log is replayed on the other stages.
@@ -196,6 +201,7 @@ class GPipeStrategy(ParallelStrategy):
         self._last_observation: StepObservation | None = None
         self._pipelined: _Pipelined | None = None
         self._failed = False
+        self._ending_started_ranks = False
         self._deferred_batch_norm = deferred_batch_norm
         self._mesh_order = tuple(mesh_order)
         if self._mesh_order not in (("pp", "dp"), ("dp", "pp")):
@@ -888,26 +894,11 @@ class GPipeStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         # Another stage may be gone: teardown must not wait on it to gather the model.
         self._failed = True
-        self._end_started_ranks()
-
-    def _end_started_ranks(self) -> None:
-        """With the popen launcher, this process started the node's other ranks: end those still running.
-
-        They wait on this process in a receive, or compute towards one, and would linger until the communication
-        timeout (30 minutes by default) or, stuck in user code, forever. SIGKILL, because a process blocked in a
-        receive runs no Python signal handler. A rank whose failure caused this exception printed its error before
-        its connections closed. The ended ranks leave the list that Lightning's child-process observer watches, so
-        that it does not kill this process before this process's own error is printed.
-        """
         launcher = self._launcher
-        if not isinstance(launcher, _SubprocessScriptLauncher) or not launcher.procs:
-            return
-        for proc in launcher.procs:
-            if proc.poll() is None:
-                proc.kill()
-        for proc in launcher.procs:
-            proc.wait()
-        launcher.procs.clear()
+        if isinstance(launcher, _SubprocessScriptLauncher) and launcher.procs and not self._ending_started_ranks:
+            # This process started the node's other ranks (popen launcher); they must not outlive it.
+            atexit.register(_end_started_ranks, launcher.procs)
+            self._ending_started_ranks = True
 
     def teardown(self) -> None:
         module = self.lightning_module
@@ -1022,6 +1013,27 @@ def _meta_tensors_left_in_place(module: nn.Module | None) -> Generator[None, Non
 def _own_tensors(module: nn.Module) -> list[Tensor]:
     """Every parameter and buffer of ``module`` (non-persistent buffers too), in an order all ranks agree on."""
     return [tensor.detach() for tensor in [*module.parameters(), *module.buffers()]]
+
+
+def _end_started_ranks(procs: list[subprocess.Popen]) -> None:
+    """At the exit of a launching process whose run failed: end the ranks it started that are still running.
+
+    They wait on this process in a receive, or compute towards one, and would linger until the communication timeout
+    (30 minutes by default) or, stuck in user code, forever. At exit, this process's error is already printed;
+    a rank that caught the same error and is finishing gets a few seconds, then SIGKILL (a process blocked in a
+    receive runs no Python signal handler). The ranks leave the list that Lightning's child-process observer
+    watches first, so that it does not answer their end by killing this process.
+    """
+    started = list(procs)
+    procs.clear()
+    deadline = time.monotonic() + _STARTED_RANKS_GRACE_S
+    for proc in started:
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _to_cpu(value: Any) -> Any:
