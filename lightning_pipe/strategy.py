@@ -57,6 +57,9 @@ from lightning_pipe.consolidate import (
 )
 from lightning_pipe.engine import HandedOff, PipelineEngine
 from lightning_pipe.gradients import reduce_gradients
+from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
+from lightning_pipe.sharded import load as load_sharded
+from lightning_pipe.sharded import save as save_sharded
 from lightning_pipe.materialize import global_seed, holds_meta_tensors, mark_held_elsewhere, materialize
 from lightning_pipe.mirror import (
     StepOutcome,
@@ -128,6 +131,10 @@ class GPipeStrategy(ParallelStrategy):
             outermost first, when ``devices * num_nodes`` is a multiple of ``num_stages`` (the replicas of the
             pipeline average their gradients). ``("pp", "dp")``, as in torchtitan and Megatron, keeps the heavier
             gradient all-reduce on the fast links inside a node and sends only activations across nodes.
+        save_distributed_checkpoint: write checkpoints sharded with ``torch.distributed.checkpoint`` (a directory):
+            every rank writes its own stage, nothing is gathered on one host. Such a checkpoint resumes with any
+            stage count (only the local share is read); it does not load with ``load_from_checkpoint``. By default
+            the whole model is gathered to rank 0, which writes one file that loads anywhere.
         deferred_batch_norm: update BatchNorm running statistics once per mini-batch, from the whole mini-batch's
             statistics, so that they equal one device's. By default (GPipe's semantics) each micro-batch updates
             them with its own statistics. Either way each micro-batch is normalised by its own statistics.
@@ -156,6 +163,7 @@ class GPipeStrategy(ParallelStrategy):
         log_bubble_fraction: bool = True,
         deferred_batch_norm: bool = False,
         mesh_order: tuple[str, str] = ("pp", "dp"),
+        save_distributed_checkpoint: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -204,6 +212,7 @@ class GPipeStrategy(ParallelStrategy):
         self._ending_started_ranks = False
         self._deferred_batch_norm = deferred_batch_norm
         self._mesh_order = tuple(mesh_order)
+        self._save_distributed_checkpoint = save_distributed_checkpoint
         if self._mesh_order not in (("pp", "dp"), ("dp", "pp")):
             raise ValueError(
                 f"mesh_order={mesh_order!r} must be ('pp', 'dp') (pipeline outermost: a replica's gradient all-reduce"
@@ -456,6 +465,13 @@ class GPipeStrategy(ParallelStrategy):
         if self.global_rank == 0:
             fraction = recompute_fraction(self._checkpoint, self.config.num_micro_batches)
             try:
+                if needs_sample(self._balance) and holds_meta_tensors(sequential):
+                    raise ValueError(
+                        f"balance={self._balance!r} profiles every layer with its weights, but the pipelined module"
+                        " was built on the meta device (in configure_model() or under init_module(empty_init=True)),"
+                        " where it has none yet; use balance='parameters' or a list of layers per stage, or build"
+                        " the model in __init__."
+                    )
                 decided = plan_partition(
                     module, sequential, self.config, self._balance, sample, self.root_device, fraction
                 )
@@ -778,6 +794,10 @@ class GPipeStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         """A local checkpoint file memory-mapped (``torch.load(mmap=True)``), not read: its tensors take memory only
         where a rank copies them out. Other checkpoint IO (remote paths, custom plugins) goes through Lightning's."""
+        if is_sharded_checkpoint(checkpoint_path):
+            assert self.lightning_module is not None
+            names = [self._group_names(optimizer) for optimizer in self.optimizers]
+            return load_sharded(checkpoint_path, set(self.lightning_module.state_dict()), names)
         local_file = "://" not in str(checkpoint_path) and Path(checkpoint_path).is_file()
         default_io = type(self.checkpoint_io).load_checkpoint is TorchCheckpointIO.load_checkpoint
         if not (local_file and default_io and self.layout.num_stages > 1):
@@ -788,8 +808,8 @@ class GPipeStrategy(ParallelStrategy):
         """Copy this rank's weights (its stage's and the replicated modules') out of the whole model's state dict."""
         module = self.lightning_module
         assert module is not None
-        if self._pipelined is None:
-            return super().load_model_state_dict(checkpoint, strict=strict)
+        if self._pipelined is None or checkpoint.get(SHARDED):
+            return super().load_model_state_dict(checkpoint, strict=strict)  # a whole model, or this rank's share
         saved = checkpoint["state_dict"]
         if strict:
             whole = set(self._pipelined.state_keys)
@@ -809,7 +829,7 @@ class GPipeStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         local = module.state_dict()
-        if self._pipelined is None or self.layout.num_stages == 1:
+        if self._pipelined is None or self.layout.num_stages == 1 or self._save_distributed_checkpoint:
             return local
         stages = self._gather_to_last_stage(_to_cpu(local))
         if stages is None:
@@ -823,14 +843,26 @@ class GPipeStrategy(ParallelStrategy):
         local = optimizer.state_dict()
         if self._pipelined is None or self.layout.num_stages == 1:
             return local
+        if self._save_distributed_checkpoint:
+            return name_optimizer_state(local, self._group_names(optimizer))  # written by `save_checkpoint`
         named = name_optimizer_state(_to_cpu(local), self._group_names(optimizer))
         stages = self._gather_to_last_stage(named)
         if stages is None:
             return local
         return merge_optimizer_states(stages, self._pipelined.parameter_order)
 
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
+        if not (self._save_distributed_checkpoint and self._pipelined is not None and self.layout.num_stages > 1):
+            return super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0 writes the whole model
+        if storage_options is not None:
+            raise TypeError("save_distributed_checkpoint=True writes with torch.distributed.checkpoint, which takes"
+                            f" no storage_options (got {storage_options!r}).")
+        save_sharded(checkpoint, filepath)
+
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._pipelined is None or self.layout.num_stages == 1:
+        if self._pipelined is None or self.layout.num_stages == 1 or checkpoint.get(SHARDED):
             return super().load_optimizer_state_dict(checkpoint)
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
             local_names = self._group_names(optimizer)
@@ -991,6 +1023,27 @@ class _Pipelined:
     parameter_order: list[str]  # the whole model's parameter names, in order
 
 
+def _end_started_ranks(procs: list[subprocess.Popen]) -> None:
+    """At the exit of a launching process whose run failed: end the ranks it started that are still running.
+
+    They wait on this process in a receive, or compute towards one, and would linger until the communication timeout
+    (30 minutes by default) or, stuck in user code, forever. At exit, this process's error is already printed;
+    a rank that caught the same error and is finishing gets a few seconds, then SIGKILL (a process blocked in a
+    receive runs no Python signal handler). The ranks leave the list that Lightning's child-process observer
+    watches first, so that it does not answer their end by killing this process.
+    """
+    started = list(procs)
+    procs.clear()
+    deadline = time.monotonic() + _STARTED_RANKS_GRACE_S
+    for proc in started:
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def _loss_value(output: Any) -> float | None:
     loss = output.get("loss") if isinstance(output, Mapping) else output
     return float(loss.detach()) if isinstance(loss, Tensor) else None
@@ -1013,27 +1066,6 @@ def _meta_tensors_left_in_place(module: nn.Module | None) -> Generator[None, Non
 def _own_tensors(module: nn.Module) -> list[Tensor]:
     """Every parameter and buffer of ``module`` (non-persistent buffers too), in an order all ranks agree on."""
     return [tensor.detach() for tensor in [*module.parameters(), *module.buffers()]]
-
-
-def _end_started_ranks(procs: list[subprocess.Popen]) -> None:
-    """At the exit of a launching process whose run failed: end the ranks it started that are still running.
-
-    They wait on this process in a receive, or compute towards one, and would linger until the communication timeout
-    (30 minutes by default) or, stuck in user code, forever. At exit, this process's error is already printed;
-    a rank that caught the same error and is finishing gets a few seconds, then SIGKILL (a process blocked in a
-    receive runs no Python signal handler). The ranks leave the list that Lightning's child-process observer
-    watches first, so that it does not answer their end by killing this process.
-    """
-    started = list(procs)
-    procs.clear()
-    deadline = time.monotonic() + _STARTED_RANKS_GRACE_S
-    for proc in started:
-        with suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def _to_cpu(value: Any) -> Any:

@@ -67,3 +67,18 @@ print('loaded', len(state), 'tensors')
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "loaded" in result.stdout
+
+
+def test_sharded_checkpoint_of_four_stages_resumes_on_two(single_device, tmp_path):
+    """save_distributed_checkpoint=True: each rank writes its own stage (torch.distributed.checkpoint)."""
+    sharded = {"save_distributed_checkpoint": True}
+    first, resumed = tmp_path / "four", tmp_path / "two"
+    launch("resume_runs.py", {"devices": 4, "out": str(first), "epochs": 1, "strategy": sharded}, first)
+    checkpoint = first / "ckpt" / "last.ckpt"
+    assert checkpoint.is_dir() and (checkpoint / ".metadata").is_file()
+    assert len(list(checkpoint.glob("*.distcp"))) == 4  # one shard per rank, nothing gathered
+    spec = {"devices": 2, "out": str(resumed), "epochs": 2, "ckpt_path": str(checkpoint), "strategy": sharded}
+    launch("resume_runs.py", spec, resumed)
+    for rank in range(2):
+        actual = torch.load(resumed / f"rank{rank}.pt")["state_dict"]
+        assert relative_error(single_device[2], single_device[0], actual) < 1e-5

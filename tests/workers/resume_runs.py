@@ -18,7 +18,7 @@ from helpers.scenarios import fit_epochs  # noqa: E402
 def main(spec_path):
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"])
-    strategy = lightning_pipe.GPipeStrategy(num_micro_batches=3)
+    strategy = lightning_pipe.GPipeStrategy(num_micro_batches=3, **spec.get("strategy", {}))
     result = fit_epochs(out, spec["epochs"], spec.get("ckpt_path"), strategy=strategy, devices=spec["devices"])
     torch.save(result, out / f"rank{result['global_rank']}.pt")
 
