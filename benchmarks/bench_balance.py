@@ -1,12 +1,12 @@
 """Balancing: step time with ``balance="time"`` against ``balance="uniform"`` on a model whose first half costs 7x.
 
 The pipelined ``nn.Sequential`` holds ``2k`` blocks: ``k`` heavy blocks of 7 × (Linear(W, W) + ReLU), then ``k``
-light blocks of 1 × (Linear(W, W) + ReLU), He-initialised: real matrix products, no sleeping. Split by layer count, stage 0 gets
-all heavy blocks, 7/8 of the work; the best contiguous split is about 1.75 times faster in theory. Two stages, one
-compute thread per process; the two modes take turns (``rounds`` fits of each, after one unmeasured pair), and a
-step's time is the interval between consecutive step ends on global rank 0, the first of each fit dropped. The
-speedup is the median over rounds of uniform's median step over time's, so that a change in the machine's load
-between rounds cancels out.
+light blocks of 1 × (Linear(W, W) + ReLU), He-initialised: real matrix products, no sleeping. Split by layer count,
+stage 0 gets all heavy blocks, 7/8 of the work; the best contiguous split is about 1.75 times faster in theory.
+Two stages, one compute thread per process; the two modes take turns (``rounds`` fits of each, after one
+unmeasured pair), and a step's time is the interval between consecutive step ends on global rank 0, the first of
+each fit dropped. The speedup is the median over rounds of uniform's median step over time's, so that a change in
+the machine's load between rounds cancels out.
 """
 
 from __future__ import annotations
@@ -64,14 +64,18 @@ def run(quick: bool) -> dict[str, Any]:
         " He-initialised (with the default initialisation, gradients through this many ReLU layers become denormal"
         f" floats, which the CPU computes many times slower), batch"
         f" {spec['batch']}, {NUM_STAGES} stages, M={spec['micro_batches']}, `checkpoint=\"except_last\"`, SGD; one"
-        f" thread per process; median over {answer['measured_steps']} steps of each mode from {spec['rounds']} alternating fits"
+        f" thread per process; median over {answer['measured_steps']} steps of each mode from {spec['rounds']}"
+        " alternating fits"
         f" of {spec['steps']} steps (the first step of each fit and one warm-up pair dropped); speedup: median over"
         " rounds of the ratio of the two modes' median steps. Measured imbalance:"
         " slowest stage's busy time over the mean, from the stage summary. The split by block FLOPs would be"
         f" {theory:.2f}× faster than the uniform one (bubble ignored).\n\n"
         f"{table}\n\n"
-        + verdict(f'`balance="time"` ≥ {TARGET_SPEEDUP}× faster per step than `"uniform"`', speedup >= TARGET_SPEEDUP,
-                  f"{speedup:.2f}×")
+        + verdict(
+            f'`balance="time"` ≥ {TARGET_SPEEDUP}× faster per step than `"uniform"`',
+            speedup >= TARGET_SPEEDUP,
+            f"{speedup:.2f}×",
+        )
     )
     data = {**spec, **answer, "theoretical_speedup": theory}
     return {"title": "Balancing by measured time", "markdown": markdown, "data": data}

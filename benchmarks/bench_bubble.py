@@ -1,6 +1,7 @@
 """The pipeline bubble: measured idle fraction of each step against GPipe's ``(S - 1) / (M + S - 1)``.
 
-Two stages of equal blocks (2 × (Linear(W, W) + ReLU) each, He-initialised as in :mod:`bench_balance`), one compute thread per process, ``checkpoint="never"``.
+Two stages of equal blocks (2 × (Linear(W, W) + ReLU) each, He-initialised as in :mod:`bench_balance`), one compute
+thread per process, ``checkpoint="never"``.
 For each micro-batch count M the strategy logs ``pipeline/bubble_fraction`` every step: the share of the step's
 compute window (first forward to last backward, on any stage) that stages spend outside forward and backward,
 averaged over stages. Communication, the loss and Python between micro-batches count as bubble, so the measured
@@ -130,8 +131,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     for m in spec["micro_batches"]:
         observations, _ = _fit(spec, m, [])
         steps = [later - earlier for earlier, later in zip(observations.ends[1:], observations.ends[2:])]
-        results.append({"bubble_fraction": statistics.median(observations.bubbles[1:]), "step_s": statistics.median(steps),
-                        "bubbles": observations.bubbles})
+        bubble = statistics.median(observations.bubbles[1:])
+        results.append({"bubble_fraction": bubble, "step_s": statistics.median(steps), "bubbles": observations.bubbles})
     return {"results": results}
 
 

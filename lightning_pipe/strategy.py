@@ -435,7 +435,7 @@ class GPipeStrategy(ParallelStrategy):
         self._pipelined = _Pipelined(name, sequential, ranges, whole_model_state, whole_model_parameters)
         stage_parameters = {id(p) for p in stage.parameters()}
         self._replicated = [p for p in module.parameters() if id(p) not in stage_parameters]
-        rank_zero_info(f"GPipe stages:\n{self.stage_summary()}")
+        rank_zero_info(str(self.stage_summary()))
         index = self.stage_index
         previous = self._link(index - 1) if index > 0 else None
         next_link = self._link(index + 1) if index < config.num_stages - 1 else None

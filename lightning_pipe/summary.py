@@ -2,6 +2,7 @@
 
 Printed once at start-up (like Lightning's ``ModelSummary``) and returned by ``GPipeStrategy.stage_summary()``::
 
+    GPipe: pipelining 'net.model' (8 layers) over 2 stages, balance='time', 4 micro-batches per batch, checkpoint=...
     Stage | Rank | Device | Layers | Types            | Params | Time/mb  | Memory | Busy/step
     ------------------------------------------------------------------------------------------
     0     | 1    | cpu    | 0-3    | 2 Linear, 2 Tanh | 480    | 0.373 ms | 2.8 KB | -
@@ -69,14 +70,18 @@ class StageSummary:
         ]
         widths = [max(len(name), *(len(cell) for cell in cells)) for name, cells in columns]
         header = " | ".join(name.ljust(width) for (name, _), width in zip(columns, widths))
-        lines = [header, "-" * len(header)]
+        num_layers = sum(len(row.layers) for row in self.rows)
+        lines = [
+            f"GPipe: pipelining '{self.module_name}' ({num_layers} layers) over {len(self.rows)} stages,"
+            f" balance={self.balance!r}, {self.num_micro_batches} micro-batches per batch,"
+            f" checkpoint={self.checkpoint!r}",
+            header,
+            "-" * len(header),
+        ]
         for i in range(len(self.rows)):
             lines.append(" | ".join(cells[i].ljust(width) for (_, cells), width in zip(columns, widths)))
         lines.append("-" * len(header))
-        num_layers = sum(len(row.layers) for row in self.rows)
         lines += [
-            f"'{self.module_name}': {num_layers} layers over {len(self.rows)} stages (balance={self.balance!r}),"
-            f" {self.num_micro_batches} micro-batches per batch, checkpoint={self.checkpoint!r}",
             f"{get_human_readable_count(sum(r.parameters for r in self.rows)).strip()} pipelined params;"
             f" {get_human_readable_count(self.replicated_parameters).strip()} replicated on every stage",
             f"Imbalance (slowest stage / mean): {self.imbalance:.2f} by {self.imbalance_basis}",
@@ -112,7 +117,10 @@ def build_stage_summary(
             if profiles is not None
             else None
         )
-        memory = sum(p.memory_bytes for p in profiles) if profiles is not None else sum(l.parameter_bytes for l in layers)
+        if profiles is not None:
+            memory = sum(p.memory_bytes for p in profiles)
+        else:
+            memory = sum(layer.parameter_bytes for layer in layers)
         rows.append(
             StageRow(
                 stage,

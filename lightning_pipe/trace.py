@@ -191,7 +191,8 @@ def chrome_trace(steps: Sequence[TracedStep]) -> dict[str, Any]:
         {"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": num_stages, "args": {"sort_index": -1}},
     ]
     for stage in range(num_stages):
-        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": stage, "args": {"name": f"stage {stage} (rank {ranks[stage]})"}})
+        name = f"stage {stage} (rank {ranks[stage]})"
+        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": stage, "args": {"name": name}})
         events.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": stage, "args": {"sort_index": stage}})
 
     def micros(seconds: float) -> float:
@@ -205,7 +206,10 @@ def chrome_trace(steps: Sequence[TracedStep]) -> dict[str, Any]:
                 {
                     "ph": "X", "name": f"step {step.step}", "cat": "step", "pid": 0, "tid": num_stages,
                     "ts": micros(begin), "dur": round((end - begin) * 1e6, 3),
-                    "args": {"bubble_fraction": step.bubble_fraction, "ideal_bubble_fraction": step.ideal_bubble_fraction},
+                    "args": {
+                        "bubble_fraction": step.bubble_fraction,
+                        "ideal_bubble_fraction": step.ideal_bubble_fraction,
+                    },
                 }
             )
         for stage, intervals in enumerate(step.stages):
@@ -271,11 +275,15 @@ def render_png(trace: dict[str, Any], out: Path, title: str | None = None) -> No
         for event in (e for e in intervals if e["cat"] == kind):
             row = num_stages - 1 - event["tid"] + offset  # stage 0 on top
             start, width = event["ts"] / 1e3, max(event["dur"] / 1e3, 1e-3)
-            axes.broken_barh([(start, width)], (row, height), facecolors=_COLORS[kind], edgecolors="white", linewidth=0.3)
+            axes.broken_barh(
+                [(start, width)], (row, height), facecolors=_COLORS[kind], edgecolors="white", linewidth=0.3
+            )
             if kind in (FORWARD, BACKWARD):
                 axes.text(start + width / 2, row + height / 2, str(event["args"]["micro_batch"]), ha="center",
                           va="center", fontsize=7, color="white", clip_on=True)
-    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("ph") == "M" and e["name"] == "thread_name"}
+    names = {
+        e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("ph") == "M" and e["name"] == "thread_name"
+    }
     axes.set_yticks([num_stages - 1 - s + 0.5 for s in range(num_stages)])
     axes.set_yticklabels([names.get(s, f"stage {s}") for s in range(num_stages)])
     axes.set_ylim(0, num_stages)
