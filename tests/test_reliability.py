@@ -21,8 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
+from lightning.pytorch import seed_everything
 
-from helpers.compare import REPO, WORKERS
+from helpers.compare import REPO, WORKERS, launch
+from helpers.models import ProjectModule
+from lightning_pipe import GPipeStrategy
 
 FAULT_TO_EXIT_LIMIT_S = 60  # the issue's bound: every process gone this long after the fault
 MARKER_VARIABLE = "LIGHTNING_PIPE_RELIABILITY_RUN"
@@ -55,23 +59,22 @@ class FaultRun:
     leftovers: list[int] = field(default_factory=list)  # processes still alive at the deadline (then killed)
 
 
-def run_with_faults(
-    tmp_path: Path, devices: int, faults: list[dict], launcher: str = "gpipe", timeout_s: float | None = None,
-    deadline_s: float = 300,
-) -> FaultRun:
-    """Launch ``fault_runs.py`` under ``launcher`` (``gpipe``, ``gpipe_spawn`` or ``torchrun``) and watch it end."""
+def run_marked(
+    worker: str, spec: dict, tmp_path: Path, torchrun_processes: int | None = None, deadline_s: float = 300
+) -> tuple[int, float, list[int]]:
+    """Run ``workers/WORKER`` on ``spec`` (under torchrun with that many processes, if given) until every process
+    it started has ended. Returns its exit status, the wall-clock time when none was left, and the processes still
+    alive at the deadline (killed then, so that a failing test leaves nothing behind)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    spec = {"devices": devices, "out": str(tmp_path), "faults": faults, "timeout_s": timeout_s,
-            "strategy": "gpipe_spawn" if launcher == "gpipe_spawn" else "gpipe"}
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
     marker = uuid.uuid4().hex
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", MARKER_VARIABLE: marker}
     for variable in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK"):
         env.pop(variable, None)
-    command = [sys.executable, str(WORKERS / "fault_runs.py"), str(spec_path)]
-    if launcher == "torchrun":
-        command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={devices}"]
+    command = [sys.executable, str(WORKERS / worker), str(spec_path)]
+    if torchrun_processes is not None:
+        command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun_processes}"]
     with open(tmp_path / "stderr.txt", "w") as stderr, open(tmp_path / "stdout.txt", "w") as stdout:
         process = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env, cwd=tmp_path, start_new_session=True)
         started = time.monotonic()
@@ -79,9 +82,20 @@ def run_with_faults(
             time.sleep(0.1)
         gone = time.time()
         leftovers = marked_processes(marker)
-        for pid in leftovers:  # the run's own processes: end them so that a failing test leaves nothing behind
+        for pid in leftovers:
             os.kill(pid, signal.SIGKILL)
-        returncode = process.wait()
+        return process.wait(), gone, leftovers
+
+
+def run_with_faults(
+    tmp_path: Path, devices: int, faults: list[dict], launcher: str = "gpipe", timeout_s: float | None = None
+) -> FaultRun:
+    """Launch ``fault_runs.py`` under ``launcher`` (``gpipe``, ``gpipe_spawn`` or ``torchrun``) and watch it end."""
+    spec = {"devices": devices, "out": str(tmp_path), "faults": faults, "timeout_s": timeout_s,
+            "strategy": "gpipe_spawn" if launcher == "gpipe_spawn" else "gpipe"}
+    returncode, gone, leftovers = run_marked(
+        "fault_runs.py", spec, tmp_path, torchrun_processes=devices if launcher == "torchrun" else None
+    )
     fired = sorted((json.loads(path.read_text()) for path in tmp_path.glob("fault*.json")), key=lambda f: f["time"])
     ends = {path.stem: json.loads(path.read_text()) for path in tmp_path.glob("*.json")
             if path.stem.startswith(("rank", "launcher"))}
@@ -183,3 +197,61 @@ def test_stalled_stage_is_caught_by_the_timeout_and_named(fast_runs):
     )
     assert re.search(waited, run.stderr), run.stderr[-6000:]
     assert "PipelineCommunicationError" in run.stderr
+
+
+# ---- 3. nothing lost on a crash -------------------------------------------------------------------------------------
+
+
+def relative_change_error(initial: dict, expected: dict, actual: dict) -> float:
+    """|actual - expected| / |expected - initial| over the floating-point tensors of a state dict."""
+    keys = [key for key, value in expected.items() if value.is_floating_point()]
+    error = sum(float(((actual[key] - expected[key]) ** 2).sum()) for key in keys) ** 0.5
+    change = sum(float(((expected[key] - initial[key]) ** 2).sum()) for key in keys) ** 0.5
+    assert change > 1e-2, "training barely changed the weights"
+    return error / change
+
+
+def test_run_killed_mid_epoch_resumes_from_last_as_uninterrupted_training(tmp_path):
+    """3 epochs on 2 stages, a last checkpoint at each epoch end; the first stage's rank is SIGKILLed at batch 1 of
+    epoch 2. Rerun with ckpt_path="last": the final weights are those of the same training without the crash."""
+    crash = {"devices": 2, "out": str(tmp_path), "epochs": 3, "mode": "crash",
+             "kill": {"epoch": 2, "batch": 1, "stage": 0}}
+    returncode, _, leftovers = run_marked("crash_resume_runs.py", crash, tmp_path / "crash")
+    assert returncode != 0 and not leftovers, (tmp_path / "crash" / "stderr.txt").read_text()[-4000:]
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert (last["epoch"], last["global_step"]) == (1, 8), "the last checkpoint is not the end of epoch 1"
+
+    launch("crash_resume_runs.py", {**crash, "mode": "resume"}, tmp_path / "resume")
+    seed_everything(0)
+    initial = ProjectModule(scheduler="epoch").state_dict()
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        error = relative_change_error(initial, result["uninterrupted"], result["resumed"])
+        print(f"rank {rank}: resumed weights differ from uninterrupted training by {error:.1e} of their change")
+        assert error < 1e-6, f"rank {rank}: the resumed weights differ by {error:.1e} of their change"
+
+
+def test_crash_while_writing_a_checkpoint_leaves_the_previous_one(tmp_path):
+    """The strategy writes consolidated checkpoints through its checkpoint IO (Lightning's, atomic: into a temporary
+    file, renamed when complete). A process killed half-way through writing leaves the previous file intact."""
+    io = GPipeStrategy().checkpoint_io
+    path = tmp_path / "last.ckpt"
+    previous = {"state_dict": {"w": torch.arange(4.0)}, "epoch": 1}
+    io.save_checkpoint(previous, path)
+
+    child = os.fork()
+    if child == 0:  # the writer: killed after writing half of the next checkpoint's bytes
+        import fsspec.implementations.local as local
+
+        def write_half_then_die(self, data):
+            self.f.write(data[: len(data) // 2])
+            self.f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        local.LocalFileOpener.write = write_half_then_die
+        io.save_checkpoint({"state_dict": {"w": torch.zeros(10_000)}, "epoch": 2}, path)
+        os._exit(0)  # not reached
+    _, status = os.waitpid(child, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, "the writer was not killed mid-write"
+    loaded = io.load_checkpoint(path)
+    assert loaded["epoch"] == 1 and torch.equal(loaded["state_dict"]["w"], previous["state_dict"]["w"])

@@ -1,0 +1,71 @@
+"""Worker: train with a last checkpoint at every epoch end and have one rank killed mid-epoch; or resume that run.
+
+Usage: python crash_resume_runs.py SPEC.json
+SPEC: {"devices": N, "out": DIR, "epochs": E, "mode": "crash" | "resume",
+       "kill": {"epoch": e, "batch": b, "stage": s}}   (crash mode: SIGKILL that stage's rank at that batch's start)
+
+``crash`` trains into DIR/ckpt until the kill. ``resume`` continues from DIR/ckpt's last checkpoint
+(``ckpt_path="last"``) to E epochs, then trains the same model uninterrupted into DIR/uninterrupted; each rank writes
+both final state dicts to DIR/rank{R}.pt.
+"""
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+import lightning_pipe  # noqa: E402
+from helpers.models import ProjectModule  # noqa: E402
+from helpers.scenarios import data  # noqa: E402
+
+
+class KillAt(Callback):
+    """SIGKILL this process at the start of batch ``batch`` of epoch ``epoch`` if it holds ``stage``."""
+
+    def __init__(self, epoch: int, batch: int, stage: int) -> None:
+        self.epoch, self.batch, self.stage = epoch, batch, stage
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        due = (trainer.current_epoch, batch_idx, trainer.strategy.stage_index) == (self.epoch, self.batch, self.stage)
+        if due:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fit(run_dir: Path, devices: int, epochs: int, ckpt_path: str | None = None, kill: dict | None = None) -> dict:
+    """ProjectModule (SGD with momentum and an epoch-wise learning-rate schedule: state beyond the weights)."""
+    seed_everything(0 if ckpt_path is None else 1)  # a resumed run must take its weights from the checkpoint
+    model = ProjectModule(scheduler="epoch")
+    callbacks: list[Callback] = [ModelCheckpoint(dirpath=run_dir / "ckpt", save_last=True)]
+    if kill is not None:
+        callbacks.append(KillAt(**kill))
+    trainer = Trainer(
+        strategy=lightning_pipe.GPipeStrategy(num_micro_batches=3), accelerator="cpu", devices=devices,
+        max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+    )
+    trainer.fit(model, data(64, 0), data(32, 1), ckpt_path=ckpt_path)
+    return {"state_dict": {k: v.clone() for k, v in model.state_dict().items()}, "global_rank": trainer.global_rank}
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    out, devices, epochs = Path(spec["out"]), spec["devices"], spec["epochs"]
+    if spec["mode"] == "crash":
+        fit(out, devices, epochs, kill=spec["kill"])
+        raise AssertionError("the run was meant to be killed before it finished")
+    resumed = fit(out, devices, epochs, ckpt_path="last")
+    uninterrupted = fit(out / "uninterrupted", devices, epochs)
+    torch.save(
+        {"resumed": resumed["state_dict"], "uninterrupted": uninterrupted["state_dict"]},
+        out / f"rank{resumed['global_rank']}.pt",
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
