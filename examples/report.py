@@ -60,12 +60,15 @@ class RunReport(Callback):
         config = getattr(strategy, "config", None)
         metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
         observed = getattr(strategy, "last_observed_step", None)  # the strategy's bubble measurement, if any
+        num_stages = config.num_stages if config else 1
+        replicas = max(1, trainer.world_size // num_stages)  # each replica of the pipeline trains its own batches
         report = {
-            "num_stages": config.num_stages if config else 1,
+            "num_stages": num_stages,
+            "replicas": replicas,
             "num_micro_batches": config.num_micro_batches if config else 1,
             "accelerator": type(trainer.accelerator).__name__.replace("Accelerator", "").lower(),
             "steps": trainer.global_step,
-            "samples_per_second": self._samples / self._seconds if self._seconds else None,
+            "samples_per_second": replicas * self._samples / self._seconds if self._seconds else None,
             "val_loss": metrics.get("val_loss"),
             "train_loss": metrics.get("train_loss"),
             "fit_seconds": time.perf_counter() - self._started,
@@ -93,14 +96,15 @@ def format_report(report: dict[str, Any]) -> str:
     """The end-of-run summary: final validation loss, throughput, and a row per stage."""
     throughput = report["samples_per_second"]
     lines = [
-        f"Summary: {report['num_stages']} stage(s), {report['num_micro_batches']} micro-batches per batch,"
-        f" {report['steps']} steps on {report['accelerator']}",
+        f"Summary: {report['num_stages']} stage(s) x {report['replicas']} replica(s),"
+        f" {report['num_micro_batches']} micro-batches per batch, {report['steps']} steps on {report['accelerator']}",
         f"  final val_loss    {_number(report['val_loss'], '.4f')}   (train_loss {_number(report['train_loss'], '.4f')})",
         f"  throughput        {_number(throughput, '.1f')} samples/s",
-        f"  bubble            {_number(report['bubble_fraction'], '.0%')} of the last logged step"
-        f" (ideal {_number(report['ideal_bubble_fraction'], '.0%')})",
         f"  fit time          {report['fit_seconds']:.1f} s",
     ]
+    if report["bubble_fraction"] is not None:  # measured on the logged steps of a multi-stage pipeline
+        lines.insert(3, f"  bubble            {report['bubble_fraction']:.0%} of the last logged step"
+                        f" (ideal {report['ideal_bubble_fraction']:.0%})")
     cuda = any("peak_cuda_mb" in stage for stage in report["stages"])
     header = "  stage  rank  parameters  peak RSS (MB)" + ("  peak CUDA (MB)" if cuda else "")
     lines.append(header)
@@ -117,7 +121,7 @@ class SweepComparison(HydraCallback):
     """At the end of ``python examples/train.py -m ...``: a table with one row per job, as CSV and Markdown."""
 
     COLUMNS = (
-        "job", "overrides", "stages", "micro_batches", "samples_per_s", "val_loss", "train_loss", "bubble",
+        "job", "overrides", "stages", "replicas", "micro_batches", "samples_per_s", "val_loss", "train_loss", "bubble",
         "max_peak_rss_mb", "peak_rss_mb_per_stage", "fit_s",
     )
 
@@ -150,6 +154,7 @@ class SweepComparison(HydraCallback):
         return {
             **row,
             "stages": report["num_stages"],
+            "replicas": report.get("replicas", 1),
             "micro_batches": report["num_micro_batches"],
             "samples_per_s": _number(report["samples_per_second"], ".1f"),
             "val_loss": _number(report["val_loss"], ".4f"),

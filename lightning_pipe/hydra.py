@@ -43,7 +43,8 @@ class GPipeStrategyConfig:
 
     _target_: str = "lightning_pipe.GPipeStrategy"
     num_stages: int = 2
-    """Pipeline stages, one process each; ``trainer.devices * trainer.num_nodes`` must equal it."""
+    """Pipeline stages, one process each; ``trainer.devices * trainer.num_nodes`` must be a multiple of it (the
+    multiple is the number of data-parallel replicas of the pipeline)."""
     num_micro_batches: Optional[int] = None
     """Micro-batches per batch; null means ``4 * num_stages``, where GPipe's idle bubble becomes small."""
     checkpoint: str = "except_last"
@@ -62,6 +63,13 @@ class GPipeStrategyConfig:
     """Where the trace goes; null means the Trainer's ``default_root_dir``."""
     log_bubble_fraction: bool = True
     """Log the measured idle share of each step (``pipeline/bubble_fraction``) beside the ideal one."""
+    deferred_batch_norm: bool = False
+    """Update BatchNorm running statistics once per batch, as one device would (default: once per micro-batch)."""
+    mesh_order: list[str] = field(default_factory=lambda: ["pp", "dp"])
+    """Rank layout over pipeline and data-parallel replicas, outermost first, when ``trainer.devices *
+    trainer.num_nodes`` is a multiple of ``num_stages``: ``[pp, dp]`` keeps a replica's all-reduce within a node."""
+    save_distributed_checkpoint: bool = False
+    """Write sharded checkpoints (each rank its own stage) instead of one file gathered on rank 0."""
 
 
 def register_configs() -> None:
@@ -122,6 +130,9 @@ def validate_strategy_config(strategy: Mapping[str, Any], key: str = "strategy")
         # The core messages start with "field=value", so the key path completes them.
         raise ValueError(f"{key}.{error}") from None
     _check_balance(strategy.get("balance"), pipeline.num_stages, key)
+    mesh_order = list(strategy.get("mesh_order", ["pp", "dp"]))
+    if sorted(mesh_order) != ["dp", "pp"]:
+        raise ValueError(f"{key}.mesh_order={mesh_order} is invalid; use [pp, dp] (pipeline outermost) or [dp, pp].")
     start_method = strategy.get("start_method", "popen")
     if start_method not in START_METHODS:
         raise ValueError(
@@ -160,11 +171,12 @@ def _check_process_count(trainer: Mapping[str, Any], num_stages: int) -> None:
     devices, num_nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
     if isinstance(devices, bool) or not isinstance(devices, int) or not isinstance(num_nodes, int):
         return  # "auto", a device list or a string: Lightning resolves it, and the strategy checks the result
-    if devices * num_nodes != num_stages:
+    if (devices * num_nodes) % num_stages:
         raise ValueError(
-            f"trainer.devices={devices} on trainer.num_nodes={num_nodes} starts {devices * num_nodes} processes"
-            f" but strategy.num_stages={num_stages} needs one per stage; leave trainer.devices at"
-            " ${strategy.num_stages} (one node) or make devices * num_nodes equal num_stages."
+            f"trainer.devices={devices} on trainer.num_nodes={num_nodes} starts {devices * num_nodes} processes,"
+            f" not a multiple of strategy.num_stages={num_stages} (one process per stage of each pipeline replica);"
+            " leave trainer.devices at ${strategy.num_stages} for one pipeline, or set it to a multiple for"
+            " data-parallel replicas of the pipeline."
         )
 
 

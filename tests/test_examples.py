@@ -134,7 +134,7 @@ def test_invalid_value_stops_the_run_before_training_naming_the_key(tmp_path):
 
 def test_existing_project_trains_on_two_stages_unchanged(tmp_path):
     result = succeeded(run("existing_project.py", "--max-steps", "4", "--val-every", "4", cwd=tmp_path))
-    assert re.search(r"'encoder\.model': 14 layers over 2 stages", result.stdout + result.stderr)
+    assert re.search(r"pipelining 'encoder\.model' \(14 layers\) over 2 stages", result.stdout + result.stderr)
     metrics = json.loads(result.stdout.split("final metrics: ", 1)[1].splitlines()[0])
     assert {"train_loss", "val_loss", "val_acc", "train_acc_epoch"} <= metrics.keys()
     assert 0.0 <= metrics["val_acc"] <= 1.0 and metrics["val_loss"] > 0

@@ -53,6 +53,11 @@ def test_trainer_devices_follow_the_stage_count(num_stages):
     assert validate_config(cfg).num_micro_batches == 4 * num_stages
 
 
+def test_devices_may_be_a_multiple_of_the_stages_for_data_parallel_replicas():
+    cfg = composed("strategy.num_stages=2", "trainer.devices=4")
+    assert validate_config(cfg) == PipelineParallelConfig(num_stages=2, num_micro_batches=8)
+
+
 def test_strategy_config_instantiates_the_strategy_it_describes():
     cfg = composed("strategy.num_stages=4", "strategy.num_micro_batches=6", "strategy.balance=[2,2,2,2]")
     strategy = instantiate(cfg.strategy, _convert_="all")
@@ -86,7 +91,8 @@ def test_a_projects_own_config_node_configures_the_strategy():
         ("strategy.balance=[4,2,2]", "strategy.balance=[4, 2, 2] has 3 entries but strategy.num_stages=2"),
         ("strategy.start_method=thread", "strategy.start_method='thread' is not a start method"),
         ("+strategy.chunks=8", "strategy.chunks is not a GPipeStrategy setting"),  # '+' forces a new key in
-        ("trainer.devices=3", "trainer.devices=3 on trainer.num_nodes=1 starts 3 processes"),
+        ("trainer.devices=3", "trainer.devices=3 on trainer.num_nodes=1 starts 3 processes, not a multiple"),
+        ("strategy.mesh_order=[pp,pp]", "strategy.mesh_order=['pp', 'pp'] is invalid"),
     ],
 )
 def test_invalid_value_fails_validation_naming_the_key(override, message):
