@@ -83,8 +83,11 @@ def run(quick: bool) -> dict[str, Any]:
         " stage) receives the other stages' trained layers, so that the launching process holds the whole model as"
         " on one device.\n\n"
         f"{table}\n\n"
-        + verdict(f"peak with `configure_model()` within {TARGET_RATIO}× (stage share + fixed footprint) on every rank",
-                  worst <= TARGET_RATIO, f"{worst:.2f}× at worst")
+        + verdict(
+            f"peak with `configure_model()` within {TARGET_RATIO}× (stage share + fixed footprint) on every rank",
+            worst <= TARGET_RATIO,
+            f"{worst:.2f}× at worst",
+        )
         + f"\n\nBuilt in `__init__`, every rank holds all stages' parameters: deferred construction lowers the peak by"
         f" {saved / 2**20:.0f} MiB on the rank where it gains least."
     )

@@ -110,9 +110,9 @@ def init_weights(module: nn.Module, seed: int | None = None) -> list[str]:
 
 
 def mark_held_elsewhere(modules: list[nn.Module]) -> None:
-    """Record that these meta modules stand for trained weights another rank holds, so that a later
-    :func:`materialize` refuses to re-initialise them instead of silently discarding the training."""
-    _held_elsewhere.update(modules)
+    """Record that these meta modules (and their submodules) stand for trained weights another rank holds, so that
+    a later :func:`materialize` refuses to re-initialise them instead of silently discarding the training."""
+    _held_elsewhere.update(submodule for module in modules for submodule in module.modules())
 
 
 def _tensors(module: nn.Module, recurse: bool) -> Iterator[Tensor]:

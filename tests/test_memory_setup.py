@@ -15,7 +15,7 @@ from helpers.compare import launch
 from helpers.deferred_models import DEPTH, DeferredClassifier, EagerClassifier, fit, layers
 from lightning_pipe import GPipeStrategy, PipelineParallelConfig, init_weights
 from lightning_pipe.balance import plan_partition
-from lightning_pipe.materialize import holds_meta_tensors, layer_seed, materialize
+from lightning_pipe.materialize import holds_meta_tensors, layer_seed, mark_held_elsewhere, materialize
 from lightning_pipe.stage import PipelineStage
 from lightning_pipe.summary import build_stage_summary
 
@@ -83,7 +83,16 @@ def test_meta_module_without_reset_parameters_is_refused_naming_the_fix():
 
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 4), Scaled())
-    with pytest.raises(TypeError, match=r"module '1' \(Scaled\) holds tensors \['scale'\].*define `Scaled.reset_parameters"):
+    named = r"module '1' \(Scaled\) holds tensors \['scale'\].*define `Scaled.reset_parameters"
+    with pytest.raises(TypeError, match=named):
+        materialize(model, torch.device("cpu"), seed=0)
+
+
+def test_a_layer_trained_on_another_rank_is_never_initialised_afresh():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4)))
+    mark_held_elsewhere([model[1]])  # what teardown records for the layers other ranks trained
+    with pytest.raises(RuntimeError, match=r"module '1.0' \(Linear\) .* trained it on another rank"):
         materialize(model, torch.device("cpu"), seed=0)
 
 
@@ -124,7 +133,8 @@ def test_summary_says_what_deferred_construction_would_save():
 @pytest.fixture(scope="module")
 def two_stages(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("memory2")
-    runs = [{"name": "deferred"}, {"name": "init_module", "model": "init_module"}, {"name": "eager", "model": "eager"}]
+    runs = [{"name": "deferred"}, {"name": "init_module", "model": "init_module"}, {"name": "eager", "model": "eager"},
+            {"name": "profiled", "balance": "time", "fails": True}]
     launch("memory_setup_runs.py", {"devices": 2, "out": str(tmp), "runs": runs}, tmp)
     return {run["name"]: ranks(tmp / run["name"], 2) for run in runs}
 
@@ -244,3 +254,9 @@ def test_model_built_without_deferred_construction_works_as_before(two_stages, s
         assert result["real_parameters"] > result["local_parameters"]
         assert "building it in configure_model() would save up to" in result["summary"]
     assert "configure_model()" not in two_stages["deferred"][0]["summary"]
+
+
+def test_profiled_balance_of_a_model_on_the_meta_device_is_refused_naming_the_fix(two_stages):
+    for result in two_stages["profiled"]:
+        assert "balance='time' profiles every layer with its weights" in result["error"]
+        assert "use balance='parameters'" in result["error"]

@@ -1,7 +1,9 @@
 """Worker: fits of models built in configure_model, under init_module, or eagerly, under the gpipe strategy.
 
 Usage: python memory_setup_runs.py SPEC.json   (SPEC: {"devices": N, "out": DIR, "runs": [{"name": ..., ...}]})
-A run is ``{"name", "model": "deferred"|"init_module"|"eager", "epochs", "ckpt_path"}``. Each writes
+A run is ``{"name", "model": "deferred"|"init_module"|"eager", "epochs", "ckpt_path", "balance", "fails"}``
+(``fails``: the run must raise, on rank 0 a ValueError, elsewhere the RuntimeError that relays it; the message is
+saved instead). Each writes
 DIR/NAME/rank{R}.pt with what :func:`helpers.deferred_models.fit` returns.
 """
 
@@ -63,9 +65,17 @@ def main(spec_path):
         if ckpt_path is not None:
             ckpt_path = str(page_sized_copy(Path(ckpt_path), out.parent / f"{run['name']}_resumed_from.ckpt"))
         kind = ResidentCheckpointBytes if ckpt_path else lightning_pipe.GPipeStrategy
-        strategy = kind(num_micro_batches=run.get("num_micro_batches", 4))
-        result = fit(out, run.get("model", "deferred"), run.get("epochs", 1), ckpt_path,
-                     strategy=strategy, devices=spec["devices"])
+        balance = {"balance": run["balance"], "sample": torch.randn(4, 3, 4)} if "balance" in run else {}
+        strategy = kind(num_micro_batches=run.get("num_micro_batches", 4), **balance)
+        try:
+            result = fit(out, run.get("model", "deferred"), run.get("epochs", 1), ckpt_path,
+                         strategy=strategy, devices=spec["devices"])
+        except (ValueError, RuntimeError) as error:  # a run expected to fail (the last of its launch): keep the message
+            if not run.get("fails"):
+                raise
+            out.mkdir(parents=True, exist_ok=True)
+            torch.save({"error": str(error)}, out / f"rank{strategy.global_rank}.pt")
+            continue
         torch.save(result, out / f"rank{result['global_rank']}.pt")
 
 
