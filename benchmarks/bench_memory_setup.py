@@ -1,8 +1,8 @@
 """Memory-efficient setup: peak resident memory per rank with and without deferred construction.
 
 A stack of ``depth`` × (Linear(W, W) + ReLU), about 2 GiB of parameters at full size, trains for a few steps on 4
-stages (SGD with momentum, so each stage's share is its parameters, their gradients and one optimizer buffer of the
-same size). Four processes run three fits in turn: a tiny model first, whose peak is the fixed footprint of a process
+stages (2 in quick mode), with SGD with momentum, so that each stage's share is its parameters, their gradients and
+one optimizer buffer of the same size. The processes (one per stage) run three fits in turn: a tiny model first, whose peak is the fixed footprint of a process
 (Python, torch, Lightning, the process group, the Trainer); then the model built in ``__init__`` (every rank builds
 all of it); then built in ``configure_model()`` (every rank materialises only its stage). Before each of the later
 fits the previous model is freed and the kernel's peak-RSS mark reset (``/proc/self/clear_refs``), so each peak is
@@ -29,24 +29,24 @@ from launch import launch
 from lightning_pipe import GPipeStrategy
 from report import markdown_table, verdict
 
-NUM_STAGES = 4
 TARGET_RATIO = 1.2  # peak with deferred construction over (stage share + fixed footprint)
 GIB = 2**30
 
 
 def sizes(quick: bool) -> dict[str, int]:
-    if quick:
-        return {"width": 64, "depth": 8, "batch": 8, "steps": 2}
+    if quick:  # checks that the section runs: two processes, a tiny model
+        return {"stages": 2, "width": 64, "depth": 8, "batch": 8, "steps": 2}
     # 32 × 4096² float32 weights: 2.0 GiB of parameters, 512 MiB per stage.
-    return {"width": 4096, "depth": 32, "batch": 8, "steps": 3}
+    return {"stages": 4, "width": 4096, "depth": 32, "batch": 8, "steps": 3}
 
 
 def run(quick: bool) -> dict[str, Any]:
     spec = sizes(quick)
-    answers = launch("bench_memory_setup", "measure", NUM_STAGES, spec)
+    stages = spec["stages"]
+    answers = launch("bench_memory_setup", "measure", stages, spec)
     tiny, whole, deferred = ([answer[name] for answer in answers] for name in ("tiny", "whole", "deferred"))
     rows, data_rows = [], []
-    for rank in range(NUM_STAGES):
+    for rank in range(stages):
         fixed = tiny[rank]["peak_bytes"]
         share = deferred[rank]["share_bytes"]
         row = {
@@ -75,7 +75,7 @@ def run(quick: bool) -> dict[str, Any]:
     parameters = whole[0]["model_parameters"]
     markdown = (
         f"{spec['depth']} × (Linear({spec['width']}, {spec['width']}) + ReLU): {parameters * 4 / GIB:.2f} GiB of"
-        f" parameters on {NUM_STAGES} stages, batch {spec['batch']}, {spec['steps']} training steps, SGD with momentum;"
+        f" parameters on {stages} stages, batch {spec['batch']}, {spec['steps']} training steps, SGD with momentum;"
         " one compute thread per process. Peak resident set per rank (`ru_maxrss`) through setup and training."
         " Stage share: the rank's parameters, gradients and momentum buffers. Fixed footprint: the peak of the same"
         " run with a 4 × Linear(16, 16) model, in fresh processes; the two large runs follow in the same processes,"
@@ -91,7 +91,7 @@ def run(quick: bool) -> dict[str, Any]:
         + f"\n\nBuilt in `__init__`, every rank holds all stages' parameters: deferred construction lowers the peak by"
         f" {saved / 2**20:.0f} MiB on the rank where it gains least."
     )
-    data = {**spec, "num_stages": NUM_STAGES, "model_parameters": parameters, "rows": data_rows,
+    data = {**spec, "model_parameters": parameters, "rows": data_rows,
             "worst_ratio": worst, "target_ratio": TARGET_RATIO}
     return {"title": "Memory-efficient setup: deferred construction", "markdown": markdown, "data": data}
 
@@ -194,7 +194,7 @@ def _fit(spec: dict[str, Any]) -> dict[str, Any]:
     batch = (torch.randn(spec["batch"], spec["width"]), torch.zeros(spec["batch"], spec["width"]))
     loader = DataLoader(RepeatedBatch(batch, spec["steps"]), batch_size=None)
     peak = PeakAtTrainEnd()
-    strategy = GPipeStrategy(num_micro_batches=NUM_STAGES, log_bubble_fraction=False)
+    strategy = GPipeStrategy(num_micro_batches=spec["stages"], log_bubble_fraction=False)
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=dist.get_world_size(), max_steps=spec["steps"], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
