@@ -2,14 +2,15 @@
 
 A stack of ``depth`` × (Linear(W, W) + ReLU), about 2 GiB of parameters at full size, trains for a few steps on 4
 stages (2 in quick mode), with SGD with momentum, so that each stage's share is its parameters, their gradients and
-one optimizer buffer of the same size. The processes (one per stage) run three fits in turn: a tiny model first, whose peak is the fixed footprint of a process
-(Python, torch, Lightning, the process group, the Trainer); then the model built in ``__init__`` (every rank builds
-all of it); then built in ``configure_model()`` (every rank materialises only its stage). Before each of the later
-fits the previous model is freed and the kernel's peak-RSS mark reset (``/proc/self/clear_refs``), so each peak is
-that fit's own, over the footprint already there; whatever the earlier fits left behind counts against the deferred
-run, the last. Each rank reports its peak resident set (``ru_maxrss``) at the end of training, before teardown:
-setup and training, the phase that must fit. After ``fit`` a model built deferred comes whole to global rank 0, which
-then holds it in host memory once, as a consolidated checkpoint does; that peak has its own column.
+one optimizer buffer of the same size. The processes (one per stage) run three fits in turn: a tiny model first,
+whose peak is the fixed footprint of a process (Python, torch, Lightning, the process group, the Trainer); then the
+model built in ``__init__`` (every rank builds all of it); then built in ``configure_model()`` (every rank
+materialises only its stage). Before each of the later fits the previous model is freed and the kernel's peak-RSS
+mark reset (``/proc/self/clear_refs``), so each peak is that fit's own, over the footprint already there; whatever
+the earlier fits left behind counts against the deferred run, the last. Each rank reports its peak resident set
+(``ru_maxrss``) at the end of training, before teardown: setup and training, the phase that must fit. After ``fit``
+a model built deferred comes whole to global rank 0, which then holds it in host memory once, as a consolidated
+checkpoint does; that peak has its own column.
 """
 
 from __future__ import annotations
