@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,7 @@ from lm import stdlib_sources
 class Snippets(Dataset):
     """128-byte windows of source files, labelled 1 when the file is test code (a ``test`` directory or file)."""
 
-    def __init__(self, files: list, length: int = 128) -> None:
+    def __init__(self, files: list[Path], length: int = 128) -> None:
         windows, labels = [], []
         for path in files:
             data = path.read_bytes()

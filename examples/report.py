@@ -98,7 +98,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"Summary: {report['num_stages']} stage(s) x {report['replicas']} replica(s),"
         f" {report['num_micro_batches']} micro-batches per batch, {report['steps']} steps on {report['accelerator']}",
-        f"  final val_loss    {_number(report['val_loss'], '.4f')}   (train_loss {_number(report['train_loss'], '.4f')})",
+        f"  final val_loss    {_number(report['val_loss'], '.4f')}"
+        f"   (train_loss {_number(report['train_loss'], '.4f')})",
         f"  throughput        {_number(throughput, '.1f')} samples/s",
         f"  fit time          {report['fit_seconds']:.1f} s",
     ]
