@@ -8,6 +8,7 @@ own section; the others still get their numbers.
 
 from __future__ import annotations
 
+import os
 from functools import cache
 from typing import Any
 
@@ -16,6 +17,8 @@ from workload import workload
 
 NUM_STAGES = 2
 PARTS = ("speed", "memory", "overhead")
+# The speed sections also measure this many stages where the machine has a core for each (one thread per stage).
+MORE_STAGES = 4
 
 
 @cache
@@ -31,3 +34,16 @@ def measured(part: str, quick: bool) -> list[dict[str, Any]]:
     if errors:
         raise RuntimeError(f"the {part} measurement failed:\n{errors[0]}")
     return answers
+
+
+def stage_counts() -> tuple[int, ...]:
+    """The stage counts the speed sections report: always :data:`NUM_STAGES`, more where the cores allow."""
+    return (NUM_STAGES, MORE_STAGES) if (os.cpu_count() or 1) >= MORE_STAGES else (NUM_STAGES,)
+
+
+@cache
+def speed(num_stages: int, quick: bool) -> dict[str, float]:
+    """Median step times of the speed measurement with ``num_stages`` processes (see ``speed_worker``)."""
+    if num_stages == NUM_STAGES:
+        return measured("speed", quick)[0]
+    return launch("speed_worker", "measure", num_stages, {"workload": workload(quick).to_spec()})[0]
