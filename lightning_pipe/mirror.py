@@ -1,5 +1,8 @@
 """What the last stage logs, every stage logs: records ``self.log`` calls on the last stage and replays them elsewhere.
 
+The last stage's outcome of each step also carries its metric states and its random state, which the other stages
+adopt, so that every stage continues from the same point.
+
 Only the last stage runs the user's step to its end, so only it has the loss and the metrics. Lightning, though,
 reads logged values on every rank (``ModelCheckpoint`` and ``EarlyStopping`` run everywhere and must decide alike).
 Replaying the last stage's ``self.log`` calls, with the same arguments, in the same hook, on every other stage
@@ -16,6 +19,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torchmetrics import Metric
@@ -43,6 +47,7 @@ class StepOutcome:
     loss: float | None = None
     logs: list[LogRecord] = field(default_factory=list)
     metric_states: dict[str, MetricState] | None = None  # at epoch ends: every metric's accumulated state
+    random_states: dict[str, Any] | None = None  # the last stage's random generators, for every stage to adopt
 
 
 @contextlib.contextmanager
@@ -109,6 +114,28 @@ def load_metric_states(module: LightningModule, states: dict[str, MetricState]) 
             setattr(metric, key, _to(value, module.device))
         metric._update_count = update_count
         metric._computed = None
+
+
+def random_states(device: torch.device) -> dict[str, Any]:
+    """The process's random generators (torch, its accelerator's, numpy, Python), as Lightning collects them."""
+    states = _collect_rng_states(include_cuda=False)
+    if device.type == "cuda":
+        states["cuda_device"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def adopt_random_states(states: dict[str, Any], device: torch.device) -> None:
+    """Continue from another stage's random state.
+
+    Every stage runs the user's code before the pipelined call on the same batch; random numbers drawn there
+    (augmentation, noise, a permutation of the batch), the sampler's next shuffle and the data workers' seeds must
+    agree across stages, even though the stages' layers (dropout) drew different amounts of randomness.
+    """
+    states = dict(states)
+    cuda_state = states.pop("cuda_device", None)
+    _set_rng_states(states)
+    if cuda_state is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda_state, device)
 
 
 def _to(value: Any, device: torch.device | str) -> Any:

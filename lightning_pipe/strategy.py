@@ -63,6 +63,8 @@ from lightning_pipe.sharded import save as save_sharded
 from lightning_pipe.materialize import global_seed, holds_meta_tensors, mark_held_elsewhere, materialize
 from lightning_pipe.mirror import (
     StepOutcome,
+    adopt_random_states,
+    random_states,
     load_metric_states,
     logged_metric_states,
     metric_states,
@@ -373,6 +375,7 @@ class GPipeStrategy(ParallelStrategy):
         self._broadcast_replicated_state()
         self._sync_metrics_within_replicas(module)
         self._wrap_epoch_end_hooks(module)
+        self._share_outcome(StepOutcome())  # every stage starts from the last stage's random state
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -699,6 +702,8 @@ class GPipeStrategy(ParallelStrategy):
         """Broadcast the last stage's outcome to its pipeline; the other stages replay its logs."""
         if self.layout.num_stages == 1:
             return outcome
+        if self._engine_is_last:
+            outcome.random_states = random_states(self.root_device)
         holder = [outcome]
         try:
             dist.broadcast_object_list(holder, src=self._rank_of_stage(self.layout.num_stages - 1), group=self._meta_group)
@@ -710,6 +715,8 @@ class GPipeStrategy(ParallelStrategy):
             if outcome.metric_states:
                 load_metric_states(self.lightning_module, outcome.metric_states)
             replay_logs(self.lightning_module, outcome.logs)
+            assert outcome.random_states is not None
+            adopt_random_states(outcome.random_states, self.root_device)
         return outcome
 
     def _outcome_not_shared(self, error: RuntimeError) -> PipelineCommunicationError:

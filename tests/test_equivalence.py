@@ -42,6 +42,9 @@ def runs_for(devices: int) -> list[dict]:
          "strategy": {"deferred_batch_norm": True}},
         {"name": "bn_per_micro_batch", "model": "one_batchnorm", "num_micro_batches": 4, "lr": 0.0},
     ]
+    # Shuffled data and dropout on one stage only: the stages must still read the same batches every epoch.
+    runs.append({"name": "shuffled_dropout", "model": "dropout", "num_micro_batches": 2, "shuffle": True,
+                 "max_epochs": 3, "train_samples": 48})
     # Negative control: one micro-batch's gradient dropped; the comparison must see it.
     runs.append({"name": "dropped", "num_micro_batches": 4, "drop_gradient_of": 1})
     return runs
@@ -132,9 +135,22 @@ def test_deferred_batch_norm_statistics_equal_single_device(pipelined):
     expected = running_statistics(expected)
     for key, value in running_statistics(merged_state_dict(tmp / "bn_deferred")).items():
         torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6, msg=key)
+    # Shuffled data and dropout on one stage only: the stages must still read the same batches every epoch.
+    runs.append({"name": "shuffled_dropout", "model": "dropout", "num_micro_batches": 2, "shuffle": True,
+                 "max_epochs": 3, "train_samples": 48})
     # Negative control: per-micro-batch statistics (the default) do differ from one device's.
     default = running_statistics(merged_state_dict(tmp / "bn_per_micro_batch"))
     assert any(not torch.allclose(default[k], expected[k], rtol=1e-3) for k in expected if "running_var" in k)
+
+
+def test_every_stage_reads_the_same_shuffled_batches(pipelined):
+    """Each stage's dropout draws its own randomness; the sampler's shuffle must agree on every stage anyway."""
+    _, tmp, _ = pipelined
+    results = rank_results(tmp / "shuffled_dropout")
+    assert len(results[0]["batches"]) == 9  # 3 epochs of 3 batches
+    assert results[0]["batches"][:3] != results[0]["batches"][3:6]  # the data really is reshuffled each epoch
+    for result in results[1:]:
+        assert result["batches"] == results[0]["batches"]
 
 
 def test_comparison_detects_a_dropped_micro_batch_gradient(pipelined):

@@ -58,9 +58,11 @@ def classification_data(samples: int, seed: int = 0) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def loaders(train_samples: int, val_samples: int, batch_size: int) -> tuple[DataLoader, DataLoader]:
+def loaders(
+    train_samples: int, val_samples: int, batch_size: int, shuffle: bool = False
+) -> tuple[DataLoader, DataLoader]:
     return (
-        DataLoader(classification_data(train_samples, seed=0), batch_size=batch_size),
+        DataLoader(classification_data(train_samples, seed=0), batch_size=batch_size, shuffle=shuffle),
         DataLoader(classification_data(val_samples, seed=1), batch_size=batch_size),
     )
 
@@ -148,7 +150,15 @@ class SyncedLogging(PipeClassifier):
         self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True)
 
 
-MODELS = {"synced": SyncedLogging, "batchnorm": BatchNormClassifier, "one_batchnorm": OneBatchNormClassifier, "classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "poisoned": PoisonedGradient}
+class DropoutClassifier(PipeClassifier):
+    """Dropout on some stages only: each stage draws a different amount of randomness per step."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        self.net.model[1] = nn.Sequential(nn.Tanh(), nn.Dropout(0.3))
+
+
+MODELS = {"dropout": DropoutClassifier, "synced": SyncedLogging, "batchnorm": BatchNormClassifier, "one_batchnorm": OneBatchNormClassifier, "classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "poisoned": PoisonedGradient}
 
 
 class ProjectModule(LightningModule):

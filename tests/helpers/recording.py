@@ -8,9 +8,11 @@ class MetricRecorder(Callback):
         self.train_losses: list[float] = []
         self.final_metrics: dict[str, float] = {}
         self.grad_scale: float | None = None
+        self.batches: list[list[int]] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.train_losses.append(float(trainer.callback_metrics["train_loss"]))
+        self.batches.append(batch[1].tolist())  # which samples this rank trained on
 
     def on_fit_end(self, trainer, pl_module):
         self.final_metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
@@ -18,4 +20,5 @@ class MetricRecorder(Callback):
         self.grad_scale = float(scaler.get_scale()) if scaler is not None else None
 
     def summary(self) -> dict:
-        return {"train_losses": self.train_losses, "final_metrics": self.final_metrics, "grad_scale": self.grad_scale}
+        return {"train_losses": self.train_losses, "final_metrics": self.final_metrics, "grad_scale": self.grad_scale,
+                "batches": self.batches}

@@ -38,7 +38,9 @@ def main(spec_path):
     for run in spec["runs"]:
         seed_everything(0)
         model = MODELS[run.get("model", "classifier")](lr=run.get("lr", 0.5))
-        train, val = loaders(run.get("train_samples", 80), run.get("val_samples", 40), run.get("batch_size", 16))
+        train, val = loaders(
+            run.get("train_samples", 80), run.get("val_samples", 40), run.get("batch_size", 16), run.get("shuffle", False)
+        )
         restore = drop_gradient_of(run["drop_gradient_of"]) if run.get("drop_gradient_of") is not None else None
         recorder = MetricRecorder()
         trainer = Trainer(
