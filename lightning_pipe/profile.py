@@ -96,7 +96,7 @@ def profile_layers(
     ``seconds_per_layer``, whichever takes longer, after one warm-up run; the fastest run counts, since other
     processes on the machine only ever add time (as ``timeit`` reasons).
     """
-    value = microbatch.split(move_data_to_device(sample, device), num_micro_batches)[0]
+    value = microbatch.split(move_data_to_device(_real(sample, device), device), num_micro_batches)[0]
     profiles = []
     with torch.random.fork_rng(devices=_rng_devices(device)):
         for index, layer in enumerate(sequential):
@@ -109,7 +109,7 @@ def _profile_layer(
     layer: nn.Module, value: Activation, device: torch.device, budget: float, min_repeats: int, index: int
 ) -> tuple[LayerProfile, Activation]:
     """The profile of one layer and its output (the next layer's input), detached."""
-    layer = copy.deepcopy(layer).to(device)
+    layer = _materialized(copy.deepcopy(layer), device)
     is_tuple = isinstance(value, tuple)
     where = f"the input of layer {index} of the pipelined module"
     inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in microbatch.as_tensors(value, where))
@@ -154,6 +154,33 @@ def _profile_layer(
     detached = tuple(t.detach() for t in microbatch.as_tensors(output, "the output"))
     profile = LayerProfile(min(forwards), min(backwards), parameter_bytes, activation_bytes)
     return profile, detached if isinstance(output, tuple) else detached[0]
+
+
+def _materialized(layer: nn.Module, device: torch.device) -> nn.Module:
+    """``layer`` on ``device``; a layer built on the meta device (deferred initialisation) gets freshly initialised
+    weights there: timing and sizes do not depend on the values."""
+    if not any(t.is_meta for t in (*layer.parameters(), *layer.buffers())):
+        return layer.to(device)
+    layer = layer.to_empty(device=device)
+    for module in layer.modules():
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+    return layer
+
+
+def _real(value: Activation, device: torch.device) -> Activation:
+    """The sample input with meta tensors (from modules before the pipeline still on the meta device) replaced by
+    random ones of the same shape and dtype."""
+    tensors = microbatch.as_tensors(value, "the input of the pipelined module")
+    if not any(t.is_meta for t in tensors):
+        return value
+    def filled(t: Tensor) -> Tensor:
+        make = torch.randn if t.is_floating_point() else torch.zeros
+        return make(t.shape, dtype=t.dtype, device=device) if t.is_meta else t
+
+    real = tuple(filled(t) for t in tensors)
+    return real if isinstance(value, tuple) else real[0]
 
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:

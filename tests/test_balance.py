@@ -114,6 +114,15 @@ def test_costly_first_half_gets_fewer_layers(mode):
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("mode", ["time", "memory"])
+def test_a_model_built_on_the_meta_device_can_be_profiled(mode):
+    with torch.device("meta"):  # deferred initialisation: no weights exist yet
+        model = Wrapper(unbalanced_layers())
+    config = PipelineParallelConfig(num_stages=2, num_micro_batches=2)
+    plan = plan_partition(model, model.layers, config, mode, sample=torch.randn(16, 32))
+    assert [len(r) for r in plan.ranges][0] < 4 and all(p.is_meta for p in model.parameters())
+
+
 def test_uniform_and_explicit_balance_need_no_profiling():
     model = Wrapper(unbalanced_layers())
     config = PipelineParallelConfig(num_stages=3, num_micro_batches=2)
