@@ -284,19 +284,39 @@ class PipelineEngine:
         """This stage's layers on micro-batch ``m`` of ``num``, re-computed in backward when the mode says so."""
         run = partial(self.stage.run_layers, is_tuple)
         start = self.timeline.now()
-        if torch.is_grad_enabled() and self._checkpointed(m, num):
-            if self._batch_norms or self.timeline.enabled:
-                context_fn = partial(self._recomputation_contexts, m)
-                out = checkpoint(run, *inputs, use_reentrant=False, context_fn=context_fn)
+        try:
+            if torch.is_grad_enabled() and self._checkpointed(m, num):
+                if self._batch_norms or self.timeline.enabled:
+                    context_fn = partial(self._recomputation_contexts, m)
+                    out = checkpoint(run, *inputs, use_reentrant=False, context_fn=context_fn)
+                else:
+                    out = checkpoint(run, *inputs, use_reentrant=False)
             else:
-                out = checkpoint(run, *inputs, use_reentrant=False)
-        else:
-            out = run(*inputs)
+                out = run(*inputs)
+        except Exception as error:  # the user's error, unchanged, with where in the pipeline it happened
+            error.add_note(self._where_it_failed(error, inputs, m, num))
+            raise
         self.timeline.add(FORWARD, m, start)
         if m == num - 1:
             for batch_norm in self._deferred_batch_norms:
                 batch_norm.commit()  # the mini-batch is complete: update the running statistics once
         return out
+
+    def _where_it_failed(self, error: Exception, inputs: tuple[Tensor, ...], m: int, num: int) -> str:
+        """A note for an error raised by this stage's layers: the stage, its layers, the micro-batch, and, for a dtype
+        error on a received input, the stage that sent that dtype."""
+        stage = self.stage
+        layers = f"{stage.layer_range.start}..{stage.layer_range.stop - 1}"
+        note = f"raised by pipeline stage {stage.stage_index} (layers {layers}) on micro-batch {m} of {num}"
+        received = sorted({str(t.dtype) for t in inputs if t.is_floating_point()})
+        own = sorted({str(p.dtype) for p in stage.parameters() if p.is_floating_point()})
+        if not self.is_first and ("dtype" in str(error) or "scalar type" in str(error)) and received != own:
+            note += (
+                f"; it received {', '.join(received)} from stage {stage.stage_index - 1} but its parameters are"
+                f" {', '.join(own)}: give every stage the same dtype (convert the whole model, e.g. model.double(),"
+                " or set the Trainer's precision)"
+            )
+        return note
 
     def _recomputation_contexts(
         self, m: int
@@ -314,7 +334,9 @@ class PipelineEngine:
         """First and middle stages: run micro-batch ``m``, keep what its backward needs, send the output on."""
         assert self.next is not None
         out = self._run(inputs, is_tuple, m, num)
-        outputs = microbatch.as_tensors(out, f"the output of pipeline stage {self.stage.stage_index}")
+        stage = self.stage.stage_index
+        outputs = microbatch.as_tensors(out, f"the output of pipeline stage {stage} for micro-batch {m}")
+        microbatch.check_batch_kept(inputs, outputs, stage, m)
         metas = tuple(TensorMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in outputs)
         if torch.is_grad_enabled():
             edges = tuple(get_gradient_edge(t) for t in outputs if t.requires_grad)

@@ -35,6 +35,23 @@ def batch_size(value: Activation, where: str) -> int:
     return sizes.pop()  # type: ignore[return-value]
 
 
+def check_batch_kept(inputs: tuple[Tensor, ...], outputs: tuple[Tensor, ...], stage: int, micro_batch: int) -> None:
+    """Raise unless every output of a stage keeps its input's batch dimension (dim 0).
+
+    The last stage joins the micro-batch outputs along dim 0: a stage that reduces or reshapes over the batch would
+    hand the user's loss another batch than one device computes (or fail far from the cause).
+    """
+    size = inputs[0].shape[0]
+    for index, tensor in enumerate(outputs):
+        if tensor.dim() == 0 or tensor.shape[0] != size:
+            raise ValueError(
+                f"pipeline stage {stage} turned micro-batch {micro_batch} of {size} samples into an output whose item"
+                f" {index} has shape {tuple(tensor.shape)}; the pipeline joins the stages' outputs along dim 0, so"
+                " every stage must keep the batch dimension first, one row per sample. Move the reduction or reshape"
+                " over the batch after the pipelined nn.Sequential, or keep dim 0 (e.g. nn.Flatten(start_dim=1))."
+            )
+
+
 def split(value: Activation, num_micro_batches: int) -> list[Activation]:
     """Split along dim 0 into ``min(num_micro_batches, batch size)`` non-empty chunks whose sizes differ by at most 1.
 

@@ -56,6 +56,7 @@ from lightning_pipe.consolidate import (
     split_optimizer_state,
 )
 from lightning_pipe.engine import HandedOff, PipelineEngine
+from lightning_pipe.fingerprint import different_models_message, fingerprint_digest, model_fingerprint
 from lightning_pipe.gradients import reduce_gradients
 from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
 from lightning_pipe.sharded import load as load_sharded
@@ -423,6 +424,7 @@ class GPipeStrategy(ParallelStrategy):
     def _partition(self, module: LightningModule) -> None:
         """Replace the pipelined ``nn.Sequential`` by this rank's :class:`PipelineStage` and build its engine."""
         config = self.config
+        self._check_every_rank_built_the_same_model(module)
         name, sequential = find_pipelined_module(module, self._module_name)
         self._plan, self._plan_module_name = self._decide_partition(module, sequential), name
         ranges = self._plan.ranges
@@ -449,6 +451,20 @@ class GPipeStrategy(ParallelStrategy):
             rendezvous=self._all_stages_call_the_model,
         )
         self._tracer = self._make_tracer(timeline) if timeline.enabled and config.num_stages > 1 else None
+
+    def _check_every_rank_built_the_same_model(self, module: LightningModule) -> None:
+        """Raise on every rank if the ranks' models differ in any state-dict entry's name, shape or dtype."""
+        if self.world_size == 1:
+            return
+        fingerprint = model_fingerprint(module)
+        digests: list[Any] = [None] * self.world_size
+        dist.all_gather_object(digests, fingerprint_digest(fingerprint))
+        if len(set(digests)) == 1:
+            return
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, fingerprint)
+        describe = lambda rank: f"rank {rank} (stage {self.layout.stage(rank)})"  # noqa: E731
+        raise ValueError(different_models_message(every, describe))
 
     def _link(self, stage: int) -> Link:
         assert self._meta_group is not None
@@ -723,8 +739,8 @@ class GPipeStrategy(ParallelStrategy):
         """The error when the last stage's results could not be shared: which stage waited for which."""
         me, last = f"stage {self.stage_index} (rank {self.global_rank})", self.layout.num_stages - 1
         if self.stage_index == last:
-            peer = "another stage of its pipeline"
-            return failed_wait(me, "sending the step's results (loss, logs) to the other stages", peer, self._timeout, error)
+            waited = "sending the step's results (loss, logs) to the other stages"
+            return failed_wait(me, waited, "another stage of its pipeline", self._timeout, error)
         peer = f"the last stage, stage {last} (rank {self._rank_of_stage(last)})"
         return failed_wait(me, f"waiting for the step's results (loss, logs) from {peer}", peer, self._timeout, error)
 
