@@ -62,7 +62,11 @@ class Header:
         values = [self.kind, self.micro_batch, self.num_micro_batches, int(self.is_tuple), len(self.tensors)]
         for meta in self.tensors:
             if meta.dtype not in _DTYPE_CODES:
-                raise TypeError(f"cannot send a tensor of dtype {meta.dtype} between pipeline stages.")
+                names = ", ".join(str(dtype).removeprefix("torch.") for dtype in _DTYPES)
+                raise TypeError(
+                    f"cannot send a tensor of dtype {meta.dtype} between pipeline stages; they exchange {names}:"
+                    " convert it (e.g. with .float()) in the last layer of the sending stage."
+                )
             values += [_DTYPE_CODES[meta.dtype], int(meta.requires_grad), len(meta.shape), *meta.shape]
         if len(values) > HEADER_LENGTH:
             raise ValueError(
