@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# How a section states a target and whether it holds; the runner lists these lines at the top of the page.
+TARGET_LINE = "**Target**"
+
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
@@ -13,4 +16,4 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
 
 def verdict(target: str, holds: bool, measured: str) -> str:
     """One line stating a target, the measured value and whether the target holds."""
-    return f"**Target** {target}: measured {measured}, {'holds' if holds else 'does not hold'}."
+    return f"{TARGET_LINE} {target}: measured {measured}, {'holds' if holds else 'does not hold'}."

@@ -26,6 +26,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from report import TARGET_LINE
+
 BENCHMARKS = Path(__file__).resolve().parent
 REPO = BENCHMARKS.parent
 DOCS = REPO / "docs"
@@ -43,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(BENCHMARKS))
     command = "python benchmarks/run.py" + (" --quick" if args.quick else "")
     machine = _machine()
+    started = time.perf_counter()
     sections, failed = [], False
     for name in section_modules():
         start = time.perf_counter()
@@ -58,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[benchmarks] {name} done in {result['seconds']:.0f} s", flush=True)
         sections.append(result)
     machine["load_average_after"] = _load_average()
+    machine["run_seconds"] = round(time.perf_counter() - started)
     out = args.out or DOCS
     out.mkdir(parents=True, exist_ok=True)
     report = {"command": command, "quick": args.quick, "machine": machine, "sections": sections}
@@ -86,7 +90,7 @@ def render(report: dict[str, Any]) -> str:
         "",
         f"- machine: {machine['cpu']}, {machine['cores']} cores ({machine['platform']})",
         f"- torch {machine['torch']}, lightning {machine['lightning']}, Python {machine['python']}",
-        f"- date: {machine['date']}",
+        f"- date: {machine['date']}, {machine['run_seconds']} s for the whole run",
         f"- load average (1 min) before / after the run: {machine['load_average_before']} /"
         f" {machine['load_average_after']} (other work on a shared machine skews the absolute times; the ratios"
         " are measured side by side)",
@@ -94,8 +98,11 @@ def render(report: dict[str, Any]) -> str:
         "Sections: " + ", ".join(f"[{s['title']}](#{_anchor(s['title'])})" for s in report["sections"]) + ".",
         "",
     ]
+    targets = [line for s in report["sections"] for line in s["markdown"].splitlines() if line.startswith(TARGET_LINE)]
+    if targets:
+        lines += ["Targets at a glance (each is explained in its section):", "", *(f"- {line}" for line in targets), ""]
     for section in report["sections"]:
-        lines += [f"## {section['title']}", "", section["markdown"].strip(), "", f"*`{section['module']}`, {section['seconds']:.0f} s*", ""]
+        lines += [f"## {section['title']}", "", section["markdown"].strip(), "", f"*Source: `benchmarks/{section['module']}.py`.*", ""]
     if OPTIMISATIONS.exists():
         lines += [OPTIMISATIONS.read_text().strip(), ""]
     return "\n".join(lines)
