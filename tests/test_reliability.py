@@ -9,6 +9,7 @@ carries a unique marker in its environment, which the launchers (popen, spawn, t
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -18,6 +19,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,9 @@ from lightning.pytorch import seed_everything
 from helpers.compare import REPO, WORKERS, launch
 from helpers.models import ProjectModule
 from lightning_pipe import GPipeStrategy
+from lightning_pipe.engine import PipelineEngine
+from lightning_pipe.p2p import ACTIVATION, Header, TensorMeta
+from lightning_pipe.stage import PipelineStage
 
 FAULT_TO_EXIT_LIMIT_S = 60  # the issue's bound: every process gone this long after the fault
 MARKER_VARIABLE = "LIGHTNING_PIPE_RELIABILITY_RUN"
@@ -51,12 +56,18 @@ def marked_processes(marker: str) -> list[int]:
 class FaultRun:
     """What a user sees after a run with a fault: exit status, terminal output, how fast every process was gone."""
 
+    out: Path  # the worker's output directory
     returncode: int
     stderr: str
     ends: dict[str, dict]  # rank{R} / launcher -> how that process's script ended (missing: killed)
     faults: list[dict]  # the faults that fired, with their wall-clock time
-    seconds_to_exit: float  # from the first fault until no process of the run was left
+    gone: float  # the wall-clock time when no process of the run was left
     leftovers: list[int] = field(default_factory=list)  # processes still alive at the deadline (then killed)
+
+    @property
+    def seconds_to_exit(self) -> float:
+        """From the first fault until no process of the run was left."""
+        return self.gone - self.faults[0]["time"] if self.faults else float("nan")
 
 
 def run_marked(
@@ -88,25 +99,32 @@ def run_marked(
 
 
 def run_with_faults(
-    tmp_path: Path, devices: int, faults: list[dict], launcher: str = "gpipe", timeout_s: float | None = None
+    tmp_path: Path, devices: int, faults: list[dict], launcher: str = "gpipe", timeout_s: float | None = None,
+    **spec_items,
 ) -> FaultRun:
     """Launch ``fault_runs.py`` under ``launcher`` (``gpipe``, ``gpipe_spawn`` or ``torchrun``) and watch it end."""
     spec = {"devices": devices, "out": str(tmp_path), "faults": faults, "timeout_s": timeout_s,
-            "strategy": "gpipe_spawn" if launcher == "gpipe_spawn" else "gpipe"}
+            "strategy": "gpipe_spawn" if launcher == "gpipe_spawn" else "gpipe", **spec_items}
     returncode, gone, leftovers = run_marked(
         "fault_runs.py", spec, tmp_path, torchrun_processes=devices if launcher == "torchrun" else None
     )
-    fired = sorted((json.loads(path.read_text()) for path in tmp_path.glob("fault*.json")), key=lambda f: f["time"])
-    ends = {path.stem: json.loads(path.read_text()) for path in tmp_path.glob("*.json")
+    return collect(tmp_path, returncode, gone, leftovers)
+
+
+def collect(out: Path, returncode: int, gone: float, leftovers: list[int], stderr: str | None = None) -> FaultRun:
+    """A run's outcome from the files its processes wrote into ``out`` (and its terminal output)."""
+    fired = sorted((json.loads(path.read_text()) for path in out.glob("fault*.json")), key=lambda f: f["time"])
+    ends = {path.stem: json.loads(path.read_text()) for path in out.glob("*.json")
             if path.stem.startswith(("rank", "launcher"))}
-    return FaultRun(returncode, (tmp_path / "stderr.txt").read_text(), ends, fired,
-                    gone - fired[0]["time"] if fired else float("nan"), leftovers)
+    stderr = stderr if stderr is not None else (out / "stderr.txt").read_text()
+    return FaultRun(out, returncode, stderr, ends, fired, gone, leftovers)
 
 
 def assert_ended_fast_everywhere(run: FaultRun) -> None:
     assert run.faults, f"the fault never fired:\n{run.stderr[-4000:]}"
-    assert not run.leftovers, f"processes {run.leftovers} were still running {run.seconds_to_exit:.0f} s after the fault"
-    assert run.seconds_to_exit < FAULT_TO_EXIT_LIMIT_S, f"the run took {run.seconds_to_exit:.0f} s to end after the fault"
+    took = run.seconds_to_exit
+    assert not run.leftovers, f"processes {run.leftovers} were still running {took:.0f} s after the fault"
+    assert took < FAULT_TO_EXIT_LIMIT_S, f"the run took {took:.0f} s to end after the fault"
     assert run.returncode != 0, "the launching process exited with status 0 after a fault"
     finished = [name for name, end in run.ends.items() if end["ended"] == "finished"]
     assert not finished, f"{finished} finished training although another rank failed"
@@ -120,25 +138,50 @@ def fault(kind: str, where: str, stage: int, phase: str = "train", batch: int = 
 # Under the default launcher the last stage is rank 0 (the launching process) and the first stage the highest rank.
 # Under spawn, every rank is a child of the launching process; under torchrun, of torchrun's agent.
 
+
+@dataclass(frozen=True)
+class Case:
+    launcher: str
+    devices: int
+    faults: list[dict]
+    spec: dict = field(default_factory=dict)  # more of the worker's spec (timeout_s, hidden_by_rank, runs)
+
+
 STALL_TIMEOUT_S = 20  # GPipeStrategy(timeout=...) of the stall case; it also bounds the ranks' start-up
-FAST_CASES = {
+FAILURES = {
     # A child rank (stage 1 of 3) raises inside a pipelined layer: Lightning's observer ends rank 0.
-    "popen-middle-layer-train": ("gpipe", 3, [fault("raise", "layer", 1)], None),
-    # A child rank is killed mid-step: the others lose it and end.
-    "popen-first-layer-sigkill": ("gpipe", 2, [fault("sigkill", "layer", 0)], None),
+    "popen-middle-layer-train": Case("gpipe", 3, [fault("raise", "layer", 1)]),
     # Rank 0 raises in validation while the other rank computes outside any communication (here: sleeps in a
     # callback): nothing would ever stop that rank, so the launching process ends it as it exits.
-    "popen-last-hook-val-other-stuck": ("gpipe", 2, [fault("raise", "hook", 1, "val"), fault("stall", "hook", 0, "val")], None),
-    "spawn-first-step-val": ("gpipe_spawn", 2, [fault("raise", "step", 0, "val")], None),
-    "torchrun-last-step-train": ("torchrun", 3, [fault("raise", "step", 2)], None),
-    # Stage 1 of 3 stops making progress in its layer without failing: the neighbours' waits time out. (The spawn
-    # launcher starts every rank at once, so the short timeout is not spent waiting for ranks to start.)
-    "spawn-middle-layer-stall": ("gpipe_spawn", 3, [fault("stall", "layer", 1)], STALL_TIMEOUT_S),
+    "popen-last-hook-val-other-stuck": Case(
+        "gpipe", 2, [fault("raise", "hook", 1, "val"), fault("stall", "hook", 0, "val")]
+    ),
+    "spawn-first-step-val": Case("gpipe_spawn", 2, [fault("raise", "step", 0, "val")]),
+    "torchrun-last-step-train": Case("torchrun", 2, [fault("raise", "step", 1)]),
 }
+# A child rank SIGKILLed inside a pipelined layer of the first stage, in epoch 2 of 3 (with a last checkpoint at
+# every epoch end): section 3 resumes this run.
+CRASH = {"devices": 2, "epochs": 3, "mode": "crash", "kill": {"epoch": 2, "batch": 1}}
+CRASH_FAULTS = [fault("sigkill", "layer", 0)]
+# Stage 0 of 2 (rank 1) stops making progress in its layer without failing: stage 1's wait times out. (The spawn
+# launcher starts every rank at once, so the short timeout is not spent waiting for ranks to start.)
+STALL = Case("gpipe_spawn", 2, [fault("stall", "layer", 0)], {"timeout_s": STALL_TIMEOUT_S})
+# Misuse (section 4), 2 stages. Fits that end alike on every rank (NaN trains on; different models fail at setup)
+# run first in one launch; a misuse that fails one stage mid-step ends its launch.
+MISUSES = {
+    "nan-loss": {"faults": [fault("nan", "layer", 0, batch=2)]},
+    "different-models": {"hidden_by_rank": {"1": 24}},
+    "batch-dim": {"faults": [fault("batch_dim", "layer", 0)]},
+    "dtype": {"faults": [fault("dtype", "layer", 0)]},
+    "non-tensor": {"faults": [fault("non_tensor", "layer", 0)]},
+    "different-paths": {"faults": [fault("skip", "step", 0)]},
+}
+MISUSE_LAUNCHES = [["nan-loss", "different-models", "batch-dim"], ["dtype"]]
+SLOW_MISUSES = ["non-tensor", "different-paths"]  # the same checks as batch-dim (non-tensor) and an older error
 
 # The whole matrix: every place user code runs, in training and validation, raised or killed, under each launcher.
 SLOW_CASES = {
-    f"{launcher}-{kind}-{where}-stage{stage}-{phase}": (launcher, 3, [fault(kind, where, stage, phase)], None)
+    f"{launcher}-{kind}-{where}-stage{stage}-{phase}": Case(launcher, 3, [fault(kind, where, stage, phase)])
     for launcher in ("gpipe", "gpipe_spawn", "torchrun")
     for kind in ("raise", "sigkill")
     for where, stage in (("step", 0), ("step", 2), ("layer", 0), ("layer", 1), ("layer", 2))
@@ -146,17 +189,42 @@ SLOW_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def fast_runs(tmp_path_factory) -> dict[str, FaultRun]:
-    """Every fast case, three launches at a time: most of a launch is start-up, and waits overlap."""
-    def launch(case: str) -> FaultRun:
-        launcher, devices, faults, timeout_s = FAST_CASES[case]
-        return run_with_faults(tmp_path_factory.mktemp(case), devices, faults, launcher, timeout_s)
+def run_case(case: Case, tmp_path: Path) -> FaultRun:
+    return run_with_faults(tmp_path, case.devices, case.faults, case.launcher, **case.spec)
 
+
+def run_misuses(names: list[str], tmp_path: Path) -> dict[str, FaultRun]:
+    """The misuse fits ``names`` in turn in one 2-stage launch; each fit's outcome from its own directory."""
+    runs = [{"name": name, "faults": [], **MISUSES[name]} for name in names]
+    launch = run_case(Case("gpipe", 2, [], {"runs": runs}), tmp_path)
+    return {name: collect(tmp_path / name, launch.returncode, launch.gone, launch.leftovers, launch.stderr)
+            for name in names}
+
+
+def run_crash(tmp_path: Path) -> FaultRun:
+    returncode, gone, leftovers = run_marked("crash_resume_runs.py", {**CRASH, "out": str(tmp_path)}, tmp_path)
+    return collect(tmp_path, returncode, gone, leftovers)
+
+
+@pytest.fixture(scope="module")
+def pooled_runs(tmp_path_factory) -> dict[str, FaultRun]:
+    """Every fast multi-process run of this file, three launches at a time: most of a launch is start-up, and the
+    waits of one overlap the start-up of others."""
+    jobs = {name: partial(run_case, case) for name, case in FAILURES.items()}
+    jobs["crash"] = run_crash
+    jobs["stall"] = partial(run_case, STALL)
+    jobs.update({"+".join(names): partial(run_misuses, names) for names in MISUSE_LAUNCHES})
     with ThreadPoolExecutor(max_workers=3) as pool:
-        runs = dict(zip(FAST_CASES, pool.map(launch, FAST_CASES)))
-    for case, run in runs.items():
-        print(f"{case}: every process gone {run.seconds_to_exit:.1f} s after the fault")
+        futures = {
+            name: pool.submit(job, tmp_path_factory.mktemp(name.replace("+", "_"))) for name, job in jobs.items()
+        }
+    runs: dict[str, FaultRun] = {}
+    for name, future in futures.items():
+        result = future.result()
+        runs.update(result if isinstance(result, dict) else {name: result})
+    for name, run in runs.items():
+        if run.faults:
+            print(f"{name}: every process gone {run.seconds_to_exit:.1f} s after the fault")
     return runs
 
 
@@ -167,36 +235,41 @@ def check_failure_surfaced(run: FaultRun, faults: list[dict]) -> None:
         # The user's exception, type and message, is on the terminal (not only a peer's "connection closed").
         expected = f"InjectedFault: injected fault in {first['where']} on stage {first['stage']} at {first['phase']}"
         assert expected in run.stderr, run.stderr[-6000:]
+        if first["where"] == "layer":  # the note the engine adds: where in the pipeline it happened
+            assert f"raised by pipeline stage {first['stage']} (layers" in run.stderr, run.stderr[-6000:]
     else:
         killed = f"stage {first['stage']} \\(rank \\d\\)"
         said = [rf"lost {killed}", r"terminated with signal SIGKILL", r"Signal 9 \(SIGKILL\)", r"exitcode\s*:\s*-9"]
         assert any(re.search(pattern, run.stderr) for pattern in said), run.stderr[-6000:]
 
 
-@pytest.mark.parametrize("case", [case for case in FAST_CASES if "stall" not in case])
-def test_failure_ends_every_process_fast_with_its_cause(case, fast_runs):
-    check_failure_surfaced(fast_runs[case], FAST_CASES[case][2])
+def test_killed_rank_ends_every_process_fast_and_is_named(pooled_runs):
+    check_failure_surfaced(pooled_runs["crash"], CRASH_FAULTS)
+
+
+@pytest.mark.parametrize("name", FAILURES)
+def test_failure_ends_every_process_fast_with_its_cause(name, pooled_runs):
+    check_failure_surfaced(pooled_runs[name], FAILURES[name].faults)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(SLOW_CASES))
-def test_failure_matrix_ends_every_process_fast_with_its_cause(case, tmp_path):
-    launcher, devices, faults, _ = SLOW_CASES[case]
-    run = run_with_faults(tmp_path, devices, faults, launcher)
-    print(f"{case}: every process gone {run.seconds_to_exit:.1f} s after the fault")
-    check_failure_surfaced(run, faults)
+@pytest.mark.parametrize("name", sorted(SLOW_CASES))
+def test_failure_matrix_ends_every_process_fast_with_its_cause(name, tmp_path):
+    run = run_case(SLOW_CASES[name], tmp_path)
+    print(f"{name}: every process gone {run.seconds_to_exit:.1f} s after the fault")
+    check_failure_surfaced(run, SLOW_CASES[name].faults)
 
 
-def test_stalled_stage_is_caught_by_the_timeout_and_named(fast_runs):
-    """The error says which stage waited for which, and for what (stage 1 of 3, rank 1, stalled)."""
-    run = fast_runs["spawn-middle-layer-stall"]
+def test_stalled_stage_is_caught_by_the_timeout_and_named(pooled_runs):
+    """The error says which stage waited for which, and for what (stage 0, rank 1, stalled in its layer)."""
+    run = pooled_runs["stall"]
     assert_ended_fast_everywhere(run)
+    assert run.seconds_to_exit > STALL_TIMEOUT_S, "the run ended before the timeout: something else ended it"
     waited = (
-        rf"stage [02] \(rank [02]\) timed out after {STALL_TIMEOUT_S} s waiting for"
-        r" (the activation of micro-batch \d+ from stage 1 \(rank 1\)|stage 1 \(rank 1\) to receive the activations)"
+        f"PipelineCommunicationError: stage 1 (rank 0) timed out after {STALL_TIMEOUT_S} s waiting for the activation"
+        " of micro-batch 0 from stage 0 (rank 1)"
     )
-    assert re.search(waited, run.stderr), run.stderr[-6000:]
-    assert "PipelineCommunicationError" in run.stderr
+    assert waited in run.stderr, run.stderr[-6000:]
 
 
 # ---- 3. nothing lost on a crash -------------------------------------------------------------------------------------
@@ -211,21 +284,18 @@ def relative_change_error(initial: dict, expected: dict, actual: dict) -> float:
     return error / change
 
 
-def test_run_killed_mid_epoch_resumes_from_last_as_uninterrupted_training(tmp_path):
-    """3 epochs on 2 stages, a last checkpoint at each epoch end; the first stage's rank is SIGKILLed at batch 1 of
-    epoch 2. Rerun with ckpt_path="last": the final weights are those of the same training without the crash."""
-    crash = {"devices": 2, "out": str(tmp_path), "epochs": 3, "mode": "crash",
-             "kill": {"epoch": 2, "batch": 1, "stage": 0}}
-    returncode, _, leftovers = run_marked("crash_resume_runs.py", crash, tmp_path / "crash")
-    assert returncode != 0 and not leftovers, (tmp_path / "crash" / "stderr.txt").read_text()[-4000:]
-    last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+def test_run_killed_mid_epoch_resumes_from_last_as_uninterrupted_training(pooled_runs, tmp_path):
+    """3 epochs on 2 stages, a last checkpoint at each epoch end; the first stage's rank is SIGKILLed mid-step at
+    batch 1 of epoch 2. Rerun with ckpt_path="last": the final weights are those of the same training uninterrupted."""
+    out = pooled_runs["crash"].out
+    last = torch.load(out / "ckpt" / "last.ckpt", weights_only=False)
     assert (last["epoch"], last["global_step"]) == (1, 8), "the last checkpoint is not the end of epoch 1"
 
-    launch("crash_resume_runs.py", {**crash, "mode": "resume"}, tmp_path / "resume")
+    launch("crash_resume_runs.py", {**CRASH, "out": str(out), "mode": "resume"}, tmp_path)
     seed_everything(0)
     initial = ProjectModule(scheduler="epoch").state_dict()
     for rank in range(2):
-        result = torch.load(tmp_path / f"rank{rank}.pt")
+        result = torch.load(out / f"rank{rank}.pt")
         error = relative_change_error(initial, result["uninterrupted"], result["resumed"])
         print(f"rank {rank}: resumed weights differ from uninterrupted training by {error:.1e} of their change")
         assert error < 1e-6, f"rank {rank}: the resumed weights differ by {error:.1e} of their change"
@@ -255,3 +325,92 @@ def test_crash_while_writing_a_checkpoint_leaves_the_previous_one(tmp_path):
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, "the writer was not killed mid-write"
     loaded = io.load_checkpoint(path)
     assert loaded["epoch"] == 1 and torch.equal(loaded["state_dict"]["w"], previous["state_dict"]["w"])
+
+
+# ---- 4. misuse gets an error naming the stage, the micro-batch and the fix (the catalogue: docs/errors.md) ---------
+# Under the default launcher with 2 stages: stage 0 is rank 1, stage 1 is rank 0.
+
+MISUSE_ERRORS = {
+    "non-tensor": (
+        "TypeError: the output of pipeline stage 0 for micro-batch 0 is a dict (item 0); only a tensor or a tuple of"
+        " tensors can flow between pipeline stages"
+    ),
+    "batch-dim": (
+        "ValueError: pipeline stage 0 turned micro-batch 0 of 4 samples into an output whose item 0 has shape"
+        " (1, 16); the pipeline joins the stages' outputs along dim 0"
+    ),
+    "dtype": (
+        "raised by pipeline stage 1 (layers 2..3) on micro-batch 0 of 4; it received torch.float64 from stage 0 but"
+        " its parameters are torch.float32: give every stage the same dtype"
+    ),
+    "different-paths": (
+        "PipelineMismatchError: the last stage called the pipelined module in this step but the first stage's step"
+        " returned before calling it; the step must take the same path on every stage"
+    ),
+    "different-models": (
+        "ValueError: the ranks built different models: 'layers.0.weight' is float32 of shape (24, 12) on rank 1"
+        " (stage 0) but float32 of shape (16, 12) on rank 0 (stage 1)"
+    ),
+}
+
+
+def check_misuse_error(name: str, run: FaultRun) -> None:
+    assert run.returncode != 0 and not run.leftovers
+    # On the terminal; or, for a fit that failed on every rank and was followed by another, in the ranks' records.
+    said = run.stderr + "".join(end.get("traceback", "") for end in run.ends.values())
+    assert MISUSE_ERRORS[name] in said, said[-6000:]
+    assert any(end["ended"] != "finished" for end in run.ends.values()), f"{name}: every rank finished"
+
+
+@pytest.mark.parametrize("name", [name for name in MISUSE_ERRORS if name not in SLOW_MISUSES])
+def test_misuse_error_names_the_stage_and_the_fix(name, pooled_runs):
+    check_misuse_error(name, pooled_runs[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW_MISUSES)
+def test_more_misuse_errors_name_the_stage_and_the_fix(name, tmp_path):
+    check_misuse_error(name, run_misuses([name], tmp_path)[name])
+
+
+def test_nan_loss_trains_on_as_on_one_device(pooled_runs):
+    """A layer's output turns NaN at batch 2: as on one device, training goes on (no error, no hang), every rank
+    logs the same losses as one device, NaN from batch 2, and the weights end as one device's (NaN included)."""
+    from workers.fault_runs import Faults, fit
+
+    run = pooled_runs["nan-loss"]
+    model, _, expected_losses = fit(2, Faults(MISUSES["nan-loss"]["faults"], None))
+    assert all(math.isnan(loss) for loss in expected_losses[2:]) and not math.isnan(expected_losses[1])
+    merged: dict[str, torch.Tensor] = {}
+    for rank in (0, 1):
+        assert run.ends[f"rank{rank}"]["ended"] == "finished"
+        losses = run.ends[f"rank{rank}"]["losses"]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), equal_nan=True)
+        merged.update(torch.load(run.out / f"rank{rank}.pt"))
+    expected = model.state_dict()
+    assert merged.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(merged[key], value, equal_nan=True)
+
+
+def test_pipelined_module_called_twice_in_a_step_names_the_fix():
+    """One pipelined call per step (checked on every stage before anything is sent; here on a single stage)."""
+    layers = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    stage = PipelineStage(layers, range(2), stage_index=0, num_stages=1)
+    engine = PipelineEngine(stage, 2, "never", previous=None, next=None, share_last_output=lambda output: output)
+    with engine.user_step():
+        stage(torch.zeros(4, 4))
+        with pytest.raises(RuntimeError, match="called twice in one step; .* Call it once \\(concatenate inputs"):
+            stage(torch.zeros(4, 4))
+
+
+def test_tensor_dtype_that_cannot_travel_names_the_fix():
+    header = Header(ACTIVATION, 0, 1, (TensorMeta((2, 3), torch.float8_e4m3fn, False),))
+    with pytest.raises(TypeError, match="dtype torch.float8_e4m3fn between pipeline stages; .* convert it"):
+        header.encode()
+
+
+def test_activation_too_large_for_the_header_names_the_fix():
+    metas = tuple(TensorMeta((2, 3, 4, 5), torch.float32, True) for _ in range(10))
+    with pytest.raises(ValueError, match="does not fit the 64-entry message header; pass fewer or lower-dimensional"):
+        Header(ACTIVATION, 0, 1, metas).encode()

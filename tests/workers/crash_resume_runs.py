@@ -1,50 +1,52 @@
 """Worker: train with a last checkpoint at every epoch end and have one rank killed mid-epoch; or resume that run.
 
 Usage: python crash_resume_runs.py SPEC.json
-SPEC: {"devices": N, "out": DIR, "epochs": E, "mode": "crash" | "resume",
-       "kill": {"epoch": e, "batch": b, "stage": s}}   (crash mode: SIGKILL that stage's rank at that batch's start)
+SPEC: {"devices": N, "out": DIR, "epochs": E, "mode": "crash" | "resume", "kill": {"epoch": e, "batch": b}}
 
-``crash`` trains into DIR/ckpt until the kill. ``resume`` continues from DIR/ckpt's last checkpoint
-(``ckpt_path="last"``) to E epochs, then trains the same model uninterrupted into DIR/uninterrupted; each rank writes
-both final state dicts to DIR/rank{R}.pt.
+``crash`` trains into DIR/ckpt until the rank holding the first pipelined layer (the first stage) SIGKILLs itself
+inside that layer's forward at batch ``b`` of epoch ``e``, having written DIR/fault{R}.json (the wall-clock time).
+``resume`` continues from DIR/ckpt's last checkpoint (``ckpt_path="last"``) to E epochs, then trains the same model
+uninterrupted into DIR/uninterrupted; each rank writes both final state dicts to DIR/rank{R}.pt.
 """
 
 import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch import nn  # noqa: E402
 
 import lightning_pipe  # noqa: E402
 from helpers.models import ProjectModule  # noqa: E402
 from helpers.scenarios import data  # noqa: E402
 
 
-class KillAt(Callback):
-    """SIGKILL this process at the start of batch ``batch`` of epoch ``epoch`` if it holds ``stage``."""
+def kill_inside(layer: nn.Module, model: LightningModule, epoch: int, batch: int, out: Path) -> None:
+    """SIGKILL the process running ``layer`` in training at batch ``batch`` of epoch ``epoch``: mid-step."""
 
-    def __init__(self, epoch: int, batch: int, stage: int) -> None:
-        self.epoch, self.batch, self.stage = epoch, batch, stage
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        due = (trainer.current_epoch, batch_idx, trainer.strategy.stage_index) == (self.epoch, self.batch, self.stage)
-        if due:
+    def hook(module, inputs):
+        trainer = model.trainer
+        if model.training and (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx) == (epoch, batch):
+            (out / f"fault{torch.distributed.get_rank()}.json").write_text(json.dumps({"time": time.time()}))
             os.kill(os.getpid(), signal.SIGKILL)
+
+    layer.register_forward_pre_hook(hook)
 
 
 def fit(run_dir: Path, devices: int, epochs: int, ckpt_path: str | None = None, kill: dict | None = None) -> dict:
     """ProjectModule (SGD with momentum and an epoch-wise learning-rate schedule: state beyond the weights)."""
     seed_everything(0 if ckpt_path is None else 1)  # a resumed run must take its weights from the checkpoint
     model = ProjectModule(scheduler="epoch")
-    callbacks: list[Callback] = [ModelCheckpoint(dirpath=run_dir / "ckpt", save_last=True)]
     if kill is not None:
-        callbacks.append(KillAt(**kill))
+        kill_inside(model.net.model[0], model, kill["epoch"], kill["batch"], run_dir)
+    callbacks: list[Callback] = [ModelCheckpoint(dirpath=run_dir / "ckpt", save_last=True)]
     trainer = Trainer(
         strategy=lightning_pipe.GPipeStrategy(num_micro_batches=3), accelerator="cpu", devices=devices,
         max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
