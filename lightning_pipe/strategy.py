@@ -340,7 +340,8 @@ class GPipeStrategy(ParallelStrategy):
         layout = self.layout
         sizes = {"pp": layout.num_stages, "dp": layout.num_replicas}
         self._mesh = init_device_mesh(
-            self.root_device.type, tuple(sizes[name] for name in self._mesh_order), mesh_dim_names=self._mesh_order
+            self.root_device.type, tuple(sizes[name] for name in self._mesh_order), mesh_dim_names=self._mesh_order,
+            backend_override=self._mesh_backends(),
         )
         # Headers and step outcomes travel on a CPU group, so that reading them never waits on a GPU stream.
         if self._process_group_backend == "gloo":
@@ -348,6 +349,18 @@ class GPipeStrategy(ParallelStrategy):
         else:
             pipelines = [layout.pipeline_ranks(replica) for replica in range(layout.num_replicas)]
             self._meta_group, _ = dist.new_subgroups_by_enumeration(pipelines, backend="gloo", timeout=self._timeout)
+
+    def _mesh_backends(self) -> dict[str, tuple[str, Any]] | None:
+        """The mesh's groups with the strategy's timeout. With replicas, the mesh creates a group per pipeline and
+        per stage, which torch would give its default timeout (30 minutes) rather than the world's: a stalled stage
+        would go unnoticed that long. With one replica the pipeline's group is the world's, which has the timeout."""
+        if self._timeout is None or self.layout.num_replicas == 1:
+            return None
+        backend = self._process_group_backend
+        assert backend is not None
+        options = dist.ProcessGroupGloo._Options() if backend == "gloo" else dist.ProcessGroupNCCL.Options()
+        options._timeout = self._timeout
+        return {name: (backend, options) for name in self._mesh_order}
 
     @property
     def _replica_group(self) -> dist.ProcessGroup:

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -213,17 +214,18 @@ def pooled_runs(tmp_path_factory) -> dict[str, FaultRun]:
     jobs = {name: partial(run_case, case) for name, case in FAILURES.items()}
     jobs["crash"] = run_crash
     jobs["stall"] = partial(run_case, STALL)
-    jobs.update({"+".join(names): partial(run_misuses, names) for names in MISUSE_LAUNCHES})
+    misuse_launches = {"+".join(names): partial(run_misuses, names) for names in MISUSE_LAUNCHES}
+    jobs.update(misuse_launches)
+    jobs["soak"] = run_short_soak
     with ThreadPoolExecutor(max_workers=3) as pool:
         futures = {
             name: pool.submit(job, tmp_path_factory.mktemp(name.replace("+", "_"))) for name, job in jobs.items()
         }
-    runs: dict[str, FaultRun] = {}
+    runs: dict[str, Any] = {}
     for name, future in futures.items():
-        result = future.result()
-        runs.update(result if isinstance(result, dict) else {name: result})
+        runs.update(future.result() if name in misuse_launches else {name: future.result()})  # misuses: one per fit
     for name, run in runs.items():
-        if run.faults:
+        if isinstance(run, FaultRun) and run.faults:
             print(f"{name}: every process gone {run.seconds_to_exit:.1f} s after the fault")
     return runs
 
@@ -258,6 +260,16 @@ def test_failure_matrix_ends_every_process_fast_with_its_cause(name, tmp_path):
     run = run_case(SLOW_CASES[name], tmp_path)
     print(f"{name}: every process gone {run.seconds_to_exit:.1f} s after the fault")
     check_failure_surfaced(run, SLOW_CASES[name].faults)
+
+
+@pytest.mark.slow
+def test_stalled_stage_of_a_replicated_pipeline_is_caught_by_the_timeout(tmp_path):
+    """2 stages x 2 replicas: the pipelines' own groups have the timeout too (not only the world's)."""
+    stall = [fault("stall", "layer", 0, batch=1)]  # each replica reads 3 of the 6 batches
+    run = run_case(Case("gpipe_spawn", 4, stall, {**STALL.spec, "num_stages": 2}), tmp_path)
+    assert_ended_fast_everywhere(run)
+    waited = rf"stage 1 \(rank \d\) timed out after {STALL_TIMEOUT_S} s waiting for the activation of micro-batch 0"
+    assert re.search(waited, run.stderr), run.stderr[-6000:]
 
 
 def test_stalled_stage_is_caught_by_the_timeout_and_named(pooled_runs):
@@ -414,3 +426,29 @@ def test_activation_too_large_for_the_header_names_the_fix():
     metas = tuple(TensorMeta((2, 3, 4, 5), torch.float32, True) for _ in range(10))
     with pytest.raises(ValueError, match="does not fit the 64-entry message header; pass fewer or lower-dimensional"):
         Header(ACTIVATION, 0, 1, metas).encode()
+
+
+# ---- 5. soak --------------------------------------------------------------------------------------------------------
+
+
+def run_short_soak(tmp_path: Path) -> dict:
+    """``benchmarks/soak.py`` at 200 steps on 2 stages (the recorded run: 2,000 on 4, in docs/reliability.md)."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for variable in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK"):
+        env.pop(variable, None)
+    command = [sys.executable, str(REPO / "benchmarks" / "soak.py"), "--steps", "200", "--stages", "2",
+               "--json", str(tmp_path / "soak.json")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert (tmp_path / "soak.json").exists(), result.stderr[-6000:]
+    return {"returncode": result.returncode, **json.loads((tmp_path / "soak.json").read_text())}
+
+
+def test_short_soak_keeps_memory_threads_and_open_files_flat(pooled_runs):
+    soak = pooled_runs["soak"]
+    for rank in soak["ranks"]:
+        first, last = rank["samples"][str(soak["reference_step"])], rank["samples"]["200"]
+        print(f"rank {rank['rank']}: RSS {first['rss_bytes'] / 2**20:.1f} -> {last['rss_bytes'] / 2**20:.1f} MiB")
+        grew = rank["rss_growth"]
+        assert last["rss_bytes"] <= 1.05 * first["rss_bytes"], f"rank {rank['rank']}: memory grew {grew:.1%}"
+        assert last["threads"] <= first["threads"] and last["open_files"] <= first["open_files"], rank
+    assert soak["holds"] and soak["returncode"] == 0

@@ -4,6 +4,7 @@ Usage: python fault_runs.py SPEC.json   (directly, or under ``python -m torch.di
 SPEC: {"devices": N, "out": DIR, "strategy": "gpipe" | "gpipe_spawn", "timeout_s": null | seconds,
        "runs": [{"name": NAME, <any of the keys below>}, ...] (optional: several fits in turn, each into DIR/NAME),
        "hidden_by_rank": {"R": width, ...} (optional: rank R builds its layers that wide; the others 16),
+       "num_stages": S (optional, default N: with fewer stages than devices, the pipeline has replicas),
        "faults": [{"kind": KIND, "where": "step" | "layer" | "hook", "stage": S, "phase": "train" | "val",
                    "batch": B}, ...]}
 KIND: "raise", "sigkill" or "stall" (anywhere), or a misuse by a pipelined layer (``where="layer"``): its output is
@@ -180,10 +181,12 @@ class FaultyModel(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(devices: int, faults: Faults, strategy: Any = "auto", hidden: int = 16) -> tuple[FaultyModel, Trainer, list]:
-    """One epoch of 6 training and 6 validation batches of 16; the pipeline's stage count is ``devices``."""
+def fit(
+    devices: int, faults: Faults, strategy: Any = "auto", hidden: int = 16, stages: int | None = None
+) -> tuple[FaultyModel, Trainer, list]:
+    """One epoch of 6 training and 6 validation batches of 16 on ``stages`` stages (default: ``devices``)."""
     seed_everything(0)
-    model = FaultyModel(devices, faults, hidden)
+    model = FaultyModel(stages or devices, faults, hidden)
     recorder = LossRecorder()
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=devices if strategy != "auto" else 1, max_epochs=1,
@@ -204,10 +207,11 @@ def run(spec: dict, out: Path) -> None:
         timeout = timedelta(seconds=spec["timeout_s"]) if spec.get("timeout_s") else None
         kwargs = {"timeout": timeout} if timeout is not None else {}
         start_method = {"gpipe": "popen", "gpipe_spawn": "spawn"}[spec.get("strategy", "gpipe")]
-        strategy = lightning_pipe.GPipeStrategy(num_micro_batches=4, start_method=start_method, **kwargs)
+        stages = spec.get("num_stages")  # fewer than devices: data-parallel replicas of the pipeline
+        strategy = lightning_pipe.GPipeStrategy(stages, num_micro_batches=4, start_method=start_method, **kwargs)
         # A misuse: a model size that depends on the rank (LOCAL_RANK is set in the ranks the launcher starts).
         hidden = spec.get("hidden_by_rank", {}).get(os.environ.get("LOCAL_RANK", "0"), 16)
-        model, trainer, losses = fit(spec["devices"], Faults(spec.get("faults", []), out), strategy, hidden)
+        model, trainer, losses = fit(spec["devices"], Faults(spec.get("faults", []), out), strategy, hidden, stages)
         name = "launcher" if spawned else f"rank{trainer.global_rank}"
         (out / f"{name}.json").write_text(json.dumps({"ended": "finished", "losses": losses}))
         torch.save(model.state_dict(), out / f"{name}.pt")
