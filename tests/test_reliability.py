@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -202,22 +203,27 @@ def run_misuses(names: list[str], tmp_path: Path) -> dict[str, FaultRun]:
             for name in names}
 
 
-def run_crash(tmp_path: Path) -> FaultRun:
+def run_crash_then_resume(tmp_path: Path) -> FaultRun:
+    """The crash, then (once every process of it is gone, and if it left a checkpoint) the rerun from last.ckpt."""
     returncode, gone, leftovers = run_marked("crash_resume_runs.py", {**CRASH, "out": str(tmp_path)}, tmp_path)
-    return collect(tmp_path, returncode, gone, leftovers)
+    crash = collect(tmp_path, returncode, gone, leftovers)
+    if (tmp_path / "ckpt" / "last.ckpt").exists():
+        last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)  # before the rerun writes its own
+        (tmp_path / "last_after_crash.json").write_text(json.dumps([last["epoch"], last["global_step"]]))
+        launch("crash_resume_runs.py", {**CRASH, "out": str(tmp_path), "mode": "resume"}, tmp_path / "resume")
+    return crash
 
 
 @pytest.fixture(scope="module")
 def pooled_runs(tmp_path_factory) -> dict[str, FaultRun]:
-    """Every fast multi-process run of this file, three launches at a time: most of a launch is start-up, and the
-    waits of one overlap the start-up of others."""
-    jobs = {name: partial(run_case, case) for name, case in FAILURES.items()}
-    jobs["crash"] = run_crash
-    jobs["stall"] = partial(run_case, STALL)
+    """Every fast multi-process run of this file, four launches at a time (the longest first): most of a launch is
+    start-up, and the waits of one (a timeout, a launcher's polling) overlap the start-up of others."""
+    jobs: dict[str, Callable[[Path], Any]] = {"stall": partial(run_case, STALL), "crash": run_crash_then_resume}
+    jobs["soak"] = run_short_soak
+    jobs.update({name: partial(run_case, case) for name, case in FAILURES.items()})
     misuse_launches = {"+".join(names): partial(run_misuses, names) for names in MISUSE_LAUNCHES}
     jobs.update(misuse_launches)
-    jobs["soak"] = run_short_soak
-    with ThreadPoolExecutor(max_workers=3) as pool:
+    with ThreadPoolExecutor(max_workers=4) as pool:
         futures = {
             name: pool.submit(job, tmp_path_factory.mktemp(name.replace("+", "_"))) for name, job in jobs.items()
         }
@@ -296,14 +302,13 @@ def relative_change_error(initial: dict, expected: dict, actual: dict) -> float:
     return error / change
 
 
-def test_run_killed_mid_epoch_resumes_from_last_as_uninterrupted_training(pooled_runs, tmp_path):
+def test_run_killed_mid_epoch_resumes_from_last_as_uninterrupted_training(pooled_runs):
     """3 epochs on 2 stages, a last checkpoint at each epoch end; the first stage's rank is SIGKILLed mid-step at
-    batch 1 of epoch 2. Rerun with ckpt_path="last": the final weights are those of the same training uninterrupted."""
+    batch 1 of epoch 2. Rerun with ckpt_path="last": the final weights are those of the same training uninterrupted.
+    (The rerun reads last.ckpt as the crash left it: it ran once every process of the crash was gone.)"""
     out = pooled_runs["crash"].out
-    last = torch.load(out / "ckpt" / "last.ckpt", weights_only=False)
-    assert (last["epoch"], last["global_step"]) == (1, 8), "the last checkpoint is not the end of epoch 1"
-
-    launch("crash_resume_runs.py", {**CRASH, "out": str(out), "mode": "resume"}, tmp_path)
+    last = json.loads((out / "last_after_crash.json").read_text())
+    assert last == [1, 8], f"the crash left the checkpoint of epoch {last[0]} step {last[1]}, not the end of epoch 1"
     seed_everything(0)
     initial = ProjectModule(scheduler="epoch").state_dict()
     for rank in range(2):
