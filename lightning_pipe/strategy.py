@@ -754,8 +754,8 @@ class GPipeStrategy(ParallelStrategy):
         if self.stage_index == last:
             waited = "sending the step's results (loss, logs) to the other stages"
             return failed_wait(me, waited, "another stage of its pipeline", self._timeout, error)
-        peer = f"the last stage, stage {last} (rank {self._rank_of_stage(last)})"
-        return failed_wait(me, f"waiting for the step's results (loss, logs) from {peer}", peer, self._timeout, error)
+        peer = f"stage {last} (rank {self._rank_of_stage(last)})"
+        return failed_wait(me, "waiting for the last stage's step results (loss, logs)", peer, self._timeout, error)
 
     # ---- backward and optimizer step -----------------------------------------------------------------------------
 
