@@ -18,6 +18,7 @@ from typing import Any
 
 from measurements import NUM_STAGES, speed, stage_counts
 from report import markdown_table, verdict
+from summarize import median, median_ratio
 from workload import Workload, workload
 
 TARGET_EFFICIENCY = 0.9
@@ -30,22 +31,26 @@ def run(quick: bool) -> dict[str, Any]:
     return {"title": "Pipeline speedup and engine efficiency", "markdown": _markdown(work, rows), "data": data}
 
 
-def _row(times: dict[str, float], s: int, m: int) -> dict[str, float]:
-    t_one, t_mb, t_pipe = times["one_process"], times[f"micro_batch/{m}"], times[f"ours/{m}"]
-    t_mb_side_by_side = times[f"micro_batch_side_by_side/{m}"]
-    ideal_step = (m + s - 1) * t_mb / s
+def _row(times: dict[str, list[float]], s: int, m: int) -> dict[str, float]:
+    """Times are medians over rounds; speedup and efficiencies are medians of the per-round ratios."""
+    one, mb, pipe = times["one_process"], times[f"micro_batch/{m}"], times[f"ours/{m}"]
+    side_by_side = times[f"micro_batch_side_by_side/{m}"]
+
+    def ideal(t_mb: list[float]) -> list[float]:
+        return [(m + s - 1) * t / s for t in t_mb]
+
     return {
         "num_stages": s,
         "micro_batches": m,
-        "t_one_s": t_one,
-        "t_pipeline_s": t_pipe,
-        "t_mb_s": t_mb,
-        "speedup": t_one / t_pipe,
+        "t_one_s": median(one),
+        "t_pipeline_s": median(pipe),
+        "t_mb_s": median(mb),
+        "speedup": median_ratio(one, pipe),
         "ideal_speedup": s * m / (m + s - 1),
-        "ideal_step_s": ideal_step,
-        "efficiency": ideal_step / t_pipe,
-        "t_mb_side_by_side_s": t_mb_side_by_side,
-        "side_by_side_efficiency": (m + s - 1) * t_mb_side_by_side / s / t_pipe,
+        "ideal_step_s": median(ideal(mb)),
+        "efficiency": median_ratio(ideal(mb), pipe),
+        "t_mb_side_by_side_s": median(side_by_side),
+        "side_by_side_efficiency": median_ratio(ideal(side_by_side), pipe),
     }
 
 
@@ -66,8 +71,9 @@ def _markdown(work: Workload, rows: list[dict[str, float]]) -> str:
     return (
         f"{work.description}, `checkpoint=\"never\"`. Engine efficiency is the ideal step (M+S-1)·t_mb/S over the"
         " measured step, where t_mb is one process's forward + backward of one micro-batch through the whole"
-        " model. The last two columns show what the machine allows: t_mb measured with every process running it at"
-        " once (processes side by side share the memory system, and on a loaded machine the cores), and the"
+        " model; speedups and efficiencies are medians over rounds of the ratio within each round. The last two"
+        " columns show what the machine allows: t_mb measured with every process running it at once (processes"
+        " side by side share the memory system, and on a loaded machine the cores), and the"
         " efficiency against that.\n\n"
         f"{table}\n\n"
         + verdict(

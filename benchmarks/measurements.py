@@ -42,8 +42,8 @@ def stage_counts() -> tuple[int, ...]:
 
 
 @cache
-def speed(num_stages: int, quick: bool) -> dict[str, float]:
-    """Median step times of the speed measurement with ``num_stages`` processes (see ``speed_worker``)."""
+def speed(num_stages: int, quick: bool) -> dict[str, list[float]]:
+    """Step times per round of the speed measurement with ``num_stages`` processes (see ``speed_worker``)."""
     if num_stages == NUM_STAGES:
         return measured("speed", quick)[0]
     return launch("speed_worker", "measure", num_stages, {"workload": workload(quick).to_spec()})[0]

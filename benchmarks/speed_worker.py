@@ -1,7 +1,7 @@
 """Worker for the speed benchmarks: one process, lightning_pipe's engine and the peer, measured in one launch.
 
 Every configuration takes one step per round, in turn, so that drift on a shared machine hits them all alike; the
-first ``warmup`` rounds are discarded and the median of the rest is kept.
+first ``warmup`` rounds are discarded; the sections summarise the rest (see :mod:`summarize`).
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ import torch.nn.functional as F
 from engine_step import EngineStep
 from peer_step import PeerStep
 from stack import make_batch, make_stack
-from timing import median, timed, timed_on
+from timing import timed, timed_on
 from workload import Workload
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
-    """Median step times (seconds), identical on every rank (each step's time is its slowest rank's)."""
+    """Step times (seconds) per configuration, one per measured round, identical on every rank (each step's time is
+    its slowest rank's)."""
     work = Workload.from_spec(spec)
     world = dist.group.WORLD
     x, target = make_batch(work)
@@ -49,4 +50,4 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             elapsed = time_one()
             if round_index >= work.warmup:
                 samples.append(elapsed)
-    return {name: median(samples) for name, _, samples in runs}
+    return {name: samples for name, _, samples in runs}

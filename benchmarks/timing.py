@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 
@@ -30,7 +29,3 @@ def timed_on(rank: int, step: Callable[[], object]) -> float:
         elapsed[0] = time.perf_counter() - start
     dist.broadcast(elapsed, src=rank)
     return float(elapsed)
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values)
