@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -15,11 +17,13 @@ from dataclasses import dataclass
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext, suppress
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
@@ -380,6 +384,9 @@ class GPipeStrategy(ParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
+        # The Trainer registers its SIGTERM handler right after this; see `_note_sigterm`.
+        connector = trainer._signal_connector
+        connector._sigterm_notifier_fn = partial(self._note_sigterm, trainer)  # type: ignore[method-assign]
         module = self.lightning_module
         if trainer.state.fn == TrainerFn.FITTING:
             _require_automatic_optimization(module)
@@ -958,6 +965,28 @@ class GPipeStrategy(ParallelStrategy):
         return holder[0]
 
     # ---- teardown ------------------------------------------------------------------------------------------------
+
+    def _note_sigterm(self, trainer: Trainer, signum: Any, frame: Any) -> None:
+        """Lightning's SIGTERM handling without its broadcast over all ranks from inside the signal handler.
+
+        That broadcast waits for every rank, from wherever a rank happens to be: a rank waiting on a stage that is
+        gone, or one stuck in user code, never joins, and a rank blocked in a pipeline receive cannot. The spawn
+        launcher and torchrun's agent send SIGTERM when another rank failed: such a rank ends at once (as without a
+        handler) instead of hanging until the launcher kills it (torch's spawn after 30 s). Under the default
+        launcher or a cluster's, SIGTERM stops the run at the next training step on every rank: Lightning shares rank
+        0's flag with every rank at the start of each step.
+        """
+        if isinstance(self.launcher, _MultiProcessingLauncher) or isinstance(
+            self.cluster_environment, TorchElasticEnvironment
+        ):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        connector = trainer._signal_connector
+        log.info(f"[rank: {self.global_rank}] Received SIGTERM: {signum}")
+        if not connector.received_sigterm and self.launcher is not None:
+            self.launcher.kill(signum)
+        connector.received_sigterm = True
 
     def on_exception(self, exception: BaseException) -> None:
         # Another stage may be gone: teardown must not wait on it to gather the model.
