@@ -283,6 +283,18 @@ def test_stalled_stage_of_a_replicated_pipeline_is_caught_by_the_timeout(tmp_pat
     assert re.search(waited, run.stderr), run.stderr[-6000:]
 
 
+@pytest.mark.slow
+def test_sigterm_to_the_launching_process_stops_every_rank_at_the_next_step(tmp_path):
+    """`kill <pid>` (or a scheduler's SIGTERM) to rank 0 under the default launcher: Lightning passes it to the ranks
+    it started and stops every rank at the next training step (without a broadcast inside the signal handler), with
+    Lightning's SIGTERMException (a SystemExit: exit status 0, as Lightning does on one device)."""
+    run = run_case(Case("gpipe", 2, [fault("sigterm", "hook", 1)]), tmp_path)
+    assert not run.leftovers and run.seconds_to_exit < FAULT_TO_EXIT_LIMIT_S
+    assert {name: end["ended"] for name, end in run.ends.items()} == {
+        "rank0": "SIGTERMException", "rank1": "SIGTERMException"
+    }, run.stderr[-6000:]
+
+
 def test_stalled_stage_is_caught_by_the_timeout_and_named(pooled_runs):
     """The error says which stage waited for which, and for what (stage 0, rank 1, stalled in its layer)."""
     run = pooled_runs["stall"]

@@ -7,7 +7,7 @@ SPEC: {"devices": N, "out": DIR, "strategy": "gpipe" | "gpipe_spawn", "timeout_s
        "num_stages": S (optional, default N: with fewer stages than devices, the pipeline has replicas),
        "faults": [{"kind": KIND, "where": "step" | "layer" | "hook", "stage": S, "phase": "train" | "val",
                    "batch": B}, ...]}
-KIND: "raise", "sigkill" or "stall" (anywhere), or a misuse by a pipelined layer (``where="layer"``): its output is
+KIND: "raise", "sigkill", "sigterm" or "stall" (anywhere), or a misuse by a pipelined layer (``where="layer"``): its output is
 "non_tensor" (a dict), "batch_dim" (the first row only), "dtype" (float64 where the next stage has float32) or
 "nan" (NaN: the loss becomes NaN); or "skip" (``where="step"``, stage 0): the first stage's step returns before the
 pipelined call while the last stage's calls it.
@@ -113,6 +113,9 @@ class Faults:
     def _fire(self, spec: dict) -> None:
         if spec["kind"] == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if spec["kind"] == "sigterm":  # as a cluster's scheduler or a user's `kill` would: the run must stop
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         if spec["kind"] == "stall":
             time.sleep(600)  # far beyond any timeout: the launcher or the peers' timeout must end this process
         raise InjectedFault(
