@@ -23,6 +23,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.function import FunctionCtx
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
@@ -31,7 +32,7 @@ from lightning_pipe import microbatch
 from lightning_pipe.batchnorm import DeferredBatchNorm
 from lightning_pipe.config import CheckpointMode
 from lightning_pipe.microbatch import Activation
-from lightning_pipe.p2p import ACTIVATION, SKIP, Header, Link, PendingHeader, TensorMeta
+from lightning_pipe.p2p import ACTIVATION, SKIP, Header, Link, PendingHeader, PostedTensors, TensorMeta
 from lightning_pipe.schedule import gpipe_actions
 from lightning_pipe.stage import PipelineStage
 from lightning_pipe.timeline import BACKWARD, FORWARD, SEND, WAIT, Stamp, StepTimeline
@@ -70,6 +71,7 @@ class _StepState:
     micro_batches: list[_MicroBatch] = field(default_factory=list)
     sends: list[dist.Work] = field(default_factory=list)  # to the previous stage; kept until the sends complete
     activation_sends: deque[list[dist.Work]] = field(default_factory=deque)  # to the next stage, oldest first
+    sent_metas: tuple[TensorMeta, ...] | None = None  # shapes of the last micro-batch sent on in this step
     user_input: tuple[Tensor, ...] = ()  # first stage: the pipelined call's input, to back-propagate into
     called: bool = False  # whether the pipelined module was called in this step
     gradient_sender: _OrderedGradientSender | None = None
@@ -177,11 +179,8 @@ class PipelineEngine:
         header = self.previous.recv_header()
         if header.kind == SKIP:
             return
-        for m in range(header.num_micro_batches):
-            if m > 0:
-                header = self.previous.recv_header(m)
-            _, works = self.previous.recv_tensors(header.tensors)
-            self.previous.wait(works, "the activation", m)
+        for _ in self._received(header):
+            pass
         raise PipelineMismatchError(
             "the first stage called the pipelined module in this step but the last stage's step returned without"
             " calling it; the step must take the same path on every stage (do not branch on random numbers or"
@@ -263,22 +262,29 @@ class PipelineEngine:
     def _received(self, header: Header) -> Iterator[tuple[Header, tuple[Tensor, ...]]]:
         """Each micro-batch's header and inputs as they arrive, starting from the first micro-batch's header.
 
-        The next header's receive is posted before a micro-batch is handed out, so that it arrives while this stage
-        computes. Micro-batch ``m`` is received into slot ``m``'s buffers, reused from step to step.
+        The next micro-batch's header and tensors are received while this stage computes: their receives are posted
+        before a micro-batch is handed out, the tensors' with this micro-batch's shapes (the sender corrects a wrong
+        guess, see :meth:`Link.send_activation`). Micro-batch ``m`` is received into slot ``m``'s buffers, reused from
+        step to step.
         """
-        assert self.previous is not None
+        link = self.previous
+        assert link is not None
         grad = torch.is_grad_enabled()
         num = header.num_micro_batches
         pending: PendingHeader | None = None
+        posted: PostedTensors | None = None
         for m in range(num):
             if pending is not None:
                 self._wait_start = self.timeline.now()
                 header = pending.wait()
-            buffers, works = self.previous.recv_tensors(header.tensors, slot=m)
-            pending = self.previous.post_header(m + 1) if m + 1 < num else None
-            self.previous.wait(works, "the activation", m)
+            received = link.recv_activation(header, m, posted)
+            if m + 1 < num:
+                pending = link.post_header(m + 1)
+                posted = link.post_activation(header.tensors, m + 1)
+            link.wait(received.works, "the activation", m)
             self.timeline.add(WAIT, m, self._wait_start)
-            yield header, tuple(_leaf(t, grad and meta.requires_grad) for t, meta in zip(buffers, header.tensors))
+            inputs = tuple(_leaf(t, grad and meta.requires_grad) for t, meta in zip(received.buffers, header.tensors))
+            yield header, inputs
 
     def _run(self, inputs: tuple[Tensor, ...], is_tuple: bool, m: int, num: int) -> Activation:
         """This stage's layers on micro-batch ``m`` of ``num``, re-computed in backward when the mode says so."""
@@ -344,8 +350,10 @@ class PipelineEngine:
             self._step.micro_batches.append(_MicroBatch(inputs, edges, grad_metas))
         start = self.timeline.now()
         sends = self._step.activation_sends
-        sends.append([self.next.send_header(Header(ACTIVATION, m, num, metas, isinstance(out, tuple)))])
-        sends[-1] += self.next.send_tensors(tuple(t.detach() for t in outputs))
+        header = Header(ACTIVATION, m, num, metas, isinstance(out, tuple))
+        # The next stage posted this micro-batch's receive with the previous micro-batch's shapes (see _received).
+        sends.append(self.next.send_activation(header, tuple(t.detach() for t in outputs), self._step.sent_metas))
+        self._step.sent_metas = metas
         while len(sends) > _SENDS_IN_FLIGHT:
             self.next.wait(sends.popleft(), "the activations", sending=True)
         self.timeline.add(SEND, m, start)
@@ -501,12 +509,14 @@ class _CatchGradients(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, ready: Callable[[tuple[Tensor, ...]], None], *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx, ready: Callable[[tuple[Tensor, ...]], None], *inputs: Tensor
+    ) -> tuple[Tensor, ...]:
         ctx.ready = ready  # type: ignore[attr-defined]
         return tuple(t.view_as(t) for t in inputs)
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, *grads: Tensor) -> tuple[None, ...]:  # type: ignore[override]
+    def backward(ctx: FunctionCtx, *grads: Tensor) -> tuple[None, ...]:  # type: ignore[override]
         ctx.ready(grads)  # type: ignore[attr-defined]
         return (None,) * (len(grads) + 1)
 

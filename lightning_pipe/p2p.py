@@ -17,6 +17,7 @@ from torch import Tensor
 HEADER_LENGTH = 64
 _DATA_TAG = 0
 _HEADER_TAG = 1
+_RESHAPED_TAG = 2  # a micro-batch's tensors whose shapes differ from the previous micro-batch's (see send_activation)
 
 # Message kinds (the header's first entry).
 ACTIVATION = 1
@@ -91,6 +92,11 @@ class Header:
         return Header(kind, micro_batch, num_micro_batches, tuple(metas), bool(is_tuple))
 
 
+def _same_shapes(a: tuple[TensorMeta, ...], b: tuple[TensorMeta, ...]) -> bool:
+    """Whether two messages need the same receive buffers (whether their tensors need gradients does not matter)."""
+    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
+
+
 class PipelineCommunicationError(RuntimeError):
     """A wait on a neighbouring stage failed: it timed out, or the neighbour's process ended."""
 
@@ -112,6 +118,15 @@ class PendingHeader:
         return Header.decode(self.buffer)
 
 
+@dataclass
+class PostedTensors:
+    """Receives posted into ``buffers`` for tensors of the shapes ``metas``; valid once ``works`` are waited for."""
+
+    metas: tuple[TensorMeta, ...]
+    buffers: tuple[Tensor, ...]
+    works: list[dist.Work]
+
+
 class Link:
     """The connection from this stage to one neighbour: sends and receives of headers and tensors.
 
@@ -119,6 +134,11 @@ class Link:
     current micro-batch's tensors have arrived. Receive buffers are kept per slot (the caller's choice, e.g. the
     micro-batch index) and reused while the shapes repeat: a slot's previous contents must no longer be needed when
     it is received into again.
+
+    Activations: a receive posted before the sender sends completes as the data arrives, one posted after costs a
+    round trip first (gloo hands a message over only once its receive is posted). So the receiver posts micro-batch
+    ``m + 1``'s receive before computing ``m``, guessing the shapes of ``m`` (see :meth:`send_activation` for a wrong
+    guess).
     """
 
     def __init__(
@@ -139,6 +159,7 @@ class Link:
         # Who waits on whom, for the error when a wait fails (the groups' timeout ends every wait).
         self.stage, self.peer_stage, self.timeout = stage, peer_stage, timeout
         self._buffers: dict[tuple[int, int], Tensor] = {}  # (slot, position in the message) -> receive buffer
+        self._placeholder_cache: dict[tuple[tuple[int, ...], torch.dtype], Tensor] = {}
 
     def send_header(self, header: Header) -> dist.Work:
         return dist.isend(header.encode(), self.peer, group=self.meta_group, tag=_HEADER_TAG)
@@ -152,8 +173,52 @@ class Link:
     def recv_header(self, micro_batch: int = 0) -> Header:
         return self.post_header(micro_batch).wait()
 
-    def send_tensors(self, tensors: tuple[Tensor, ...]) -> list[dist.Work]:
-        return [dist.isend(tensor.contiguous(), self.peer, group=self.data_group, tag=_DATA_TAG) for tensor in tensors]
+    def send_tensors(self, tensors: tuple[Tensor, ...], tag: int = _DATA_TAG) -> list[dist.Work]:
+        return [dist.isend(tensor.contiguous(), self.peer, group=self.data_group, tag=tag) for tensor in tensors]
+
+    def send_activation(
+        self, header: Header, tensors: tuple[Tensor, ...], expected: tuple[TensorMeta, ...] | None
+    ) -> list[dist.Work]:
+        """Send one micro-batch: its header, then its tensors.
+
+        ``expected``: the shapes the receiver has already posted a receive for (the previous micro-batch's, see
+        :meth:`recv_activation`), or ``None`` for a step's first micro-batch. Tensors of those shapes go into that
+        receive. Otherwise placeholders of the expected shapes fill it, and the tensors follow under their own tag,
+        into a receive the header lets the receiver post (once per change of shapes, e.g. a smaller last micro-batch).
+        """
+        works = [self.send_header(header)]
+        if expected is None or _same_shapes(expected, header.tensors):
+            return works + self.send_tensors(tensors)
+        return works + self.send_tensors(self._placeholders(expected)) + self.send_tensors(tensors, _RESHAPED_TAG)
+
+    def post_activation(self, metas: tuple[TensorMeta, ...], slot: int) -> PostedTensors:
+        """Post the receive of the next micro-batch's tensors ahead of its header, guessing their shapes."""
+        return self._post(metas, slot, _DATA_TAG)
+
+    def recv_activation(self, header: Header, slot: int, posted: PostedTensors | None) -> PostedTensors:
+        """The receive of the tensors ``header`` announces: ``posted`` (see :meth:`post_activation`) if it guessed
+        their shapes; else its placeholders are waited for and a receive of the right shapes is posted."""
+        if posted is None:
+            return self._post(header.tensors, slot, _DATA_TAG)
+        if _same_shapes(posted.metas, header.tensors):
+            return posted
+        self.wait(posted.works, "the placeholder of the activation", header.micro_batch)
+        return self._post(header.tensors, slot, _RESHAPED_TAG)
+
+    def _post(self, metas: tuple[TensorMeta, ...], slot: int, tag: int) -> PostedTensors:
+        buffers = tuple(self._buffer(slot, position, meta) for position, meta in enumerate(metas))
+        works = [dist.irecv(buffer, self.peer, group=self.data_group, tag=tag) for buffer in buffers]
+        return PostedTensors(metas, buffers, works)
+
+    def _placeholders(self, metas: tuple[TensorMeta, ...]) -> tuple[Tensor, ...]:
+        """Zeros of the given shapes, kept for the next time they are needed."""
+        placeholders = []
+        for meta in metas:
+            key = (meta.shape, meta.dtype)
+            if key not in self._placeholder_cache:
+                self._placeholder_cache[key] = torch.zeros(meta.shape, dtype=meta.dtype, device=self.device)
+            placeholders.append(self._placeholder_cache[key])
+        return tuple(placeholders)
 
     def recv_tensors(
         self, metas: tuple[TensorMeta, ...], slot: int | None = None
