@@ -264,15 +264,19 @@ class Link:
 def failed_wait(
     me: str, waited: str, peer: str, timeout: timedelta | None, error: BaseException
 ) -> PipelineCommunicationError:
-    """The error for a wait of ``me`` (``waited``: for what, on whom) that timed out or lost ``peer``'s process."""
-    if "timed out" in str(error).lower() or "timeout" in str(error).lower():
+    """The error for a wait of ``me`` (``waited``: for what, on whom) that timed out, lost ``peer``'s process, or
+    failed otherwise (then with the backend's message)."""
+    message = str(error).lower()
+    if "timed out" in message or "timeout" in message:
         after = f" after {timeout.total_seconds():g} s" if timeout is not None else ""
         return PipelineCommunicationError(
             f"{me} timed out{after} {waited}: {peer} stopped making progress, or is itself waiting for another"
             " stage (see its error). If a step can legitimately take this long, raise GPipeStrategy(timeout=...)."
         )
-    return PipelineCommunicationError(
-        f"{me} lost {peer} while {waited}: its process ended or closed the connection (it failed or was"
-        f" killed; its own error, if any, is printed by that process). ({error})"
-    )
+    if "closed" in message or "reset" in message or "broken pipe" in message:
+        return PipelineCommunicationError(
+            f"{me} lost {peer} while {waited}: its process ended or closed the connection (it failed or was"
+            f" killed; its own error, if any, is printed by that process). ({error})"
+        )
+    return PipelineCommunicationError(f"{me} failed {waited}: {error}")
 

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from helpers.compare import REPO, WORKERS, launch
 from helpers.models import ProjectModule
 from lightning_pipe import GPipeStrategy
 from lightning_pipe.engine import PipelineEngine
-from lightning_pipe.p2p import ACTIVATION, Header, TensorMeta
+from lightning_pipe.p2p import ACTIVATION, Header, TensorMeta, failed_wait
 from lightning_pipe.stage import PipelineStage
 
 FAULT_TO_EXIT_LIMIT_S = 60  # the issue's bound: every process gone this long after the fault
@@ -305,6 +306,24 @@ def test_stalled_stage_is_caught_by_the_timeout_and_named(pooled_runs):
         " of micro-batch 0 from stage 0 (rank 1)"
     )
     assert waited in run.stderr, run.stderr[-6000:]
+
+
+@pytest.mark.parametrize(
+    ("gloo_says", "expected"),
+    [
+        ("[unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation to complete", "timed out after 10 s"),
+        ("Application timeout caused pair closure", "timed out after 10 s"),
+        ("[pair.cc:553] Connection closed by peer [127.0.0.1]:12458", "lost stage 0 (rank 1) while"),
+        ("[pair.cc:537] Read error [127.0.0.1]:7307: Connection reset by peer", "lost stage 0 (rank 1) while"),
+        ("Message size mismatch", "failed waiting for the activation of micro-batch 2 from stage 0 (rank 1)"),
+    ],
+    ids=["timeout", "after-timeout", "closed", "reset", "other"],
+)
+def test_failed_wait_says_who_waited_for_whom_and_why(gloo_says, expected):
+    """The messages gloo gives on a timeout and on a lost peer (as seen in the runs above), and any other."""
+    waited = "waiting for the activation of micro-batch 2 from stage 0 (rank 1)"
+    error = failed_wait("stage 1 (rank 0)", waited, "stage 0 (rank 1)", timedelta(seconds=10), RuntimeError(gloo_says))
+    assert str(error).startswith("stage 1 (rank 0) ") and expected in str(error)
 
 
 # ---- 3. nothing lost on a crash -------------------------------------------------------------------------------------
