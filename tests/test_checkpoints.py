@@ -39,6 +39,23 @@ def test_four_stage_checkpoint_resumes_on_two_stages_as_uninterrupted_training(f
         assert relative_error(single_device[2], single_device[0], actual) < 1e-5
 
 
+def test_checkpoint_of_two_replicas_resumes_on_one_replica_as_on_one_device(tmp_path):
+    """The consolidated checkpoint does not depend on the replica count: written by 2 stages x 2 replicas, resumed
+    on 2 stages x 1 replica, training continues exactly as one device resuming from the same file."""
+    replicated = tmp_path / "replicated"
+    spec = {"devices": 4, "out": str(replicated), "epochs": 1, "strategy": {"num_stages": 2}}
+    launch("resume_runs.py", spec, replicated)
+    saved = replicated / "ckpt" / "last.ckpt"
+    checkpoint = torch.load(saved, weights_only=False)
+    assert checkpoint["optimizer_states"][0]["state"], "the checkpoint holds the optimizer's momentum"
+    one_replica = tmp_path / "one_replica"
+    launch("resume_runs.py", {"devices": 2, "out": str(one_replica), "epochs": 2, "ckpt_path": str(saved)}, one_replica)
+    expected = fit_epochs(tmp_path / "single", 2, str(saved), devices=1)["state_dict"]
+    for rank in range(2):
+        actual = torch.load(one_replica / f"rank{rank}.pt")["state_dict"]
+        assert relative_error(expected, checkpoint["state_dict"], actual) < 1e-5
+
+
 def test_resuming_without_the_optimizer_state_would_be_caught(four_stage_epoch, single_device, tmp_path):
     """Negative control: the comparison above sees a resume that loses the optimizer's momentum."""
     saved = torch.load(four_stage_epoch, weights_only=False)
