@@ -13,22 +13,23 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from launch import launch
 from lightning_pipe import GPipeStrategy
 from lightning_pipe.balance import min_max_partition, stage_costs
 from lightning_pipe.config import PipelineParallelConfig, ranges_from_sizes
 from report import markdown_table, verdict
+from stack import RepeatedBatch, he_block
+from timing import StepEnds
 
 NUM_STAGES = 2
 HEAVY_FACTOR = 7
@@ -95,29 +96,13 @@ def run(quick: bool) -> dict[str, Any]:
 # ---- the worker (runs on every rank, through benchmarks/worker.py) ---------------------------------------------
 
 
-def block(width: int, depth: int) -> nn.Sequential:
-    """``depth`` × (Linear + ReLU) with He initialisation.
-
-    NOTE: with PyTorch's default initialisation, gradients through a hundred ReLU layers shrink into denormal floats,
-    which x86 CPUs compute many times slower: the deepest stage would then be slow for a numerical reason, not for
-    its FLOPs. He initialisation keeps the gradients' scale, as in a trainable deep ReLU network.
-    """
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        linear = nn.Linear(width, width)
-        nn.init.kaiming_normal_(linear.weight, nonlinearity="relu")
-        nn.init.zeros_(linear.bias)
-        layers += [linear, nn.ReLU()]
-    return nn.Sequential(*layers)
-
-
 class SkewedModel(LightningModule):
     """Heavy blocks first, light blocks second, in ``self.blocks``; an MSE loss; a sample for profiling."""
 
     def __init__(self, width: int, blocks_per_half: int, batch: int) -> None:
         super().__init__()
-        heavy = [block(width, HEAVY_FACTOR) for _ in range(blocks_per_half)]
-        light = [block(width, 1) for _ in range(blocks_per_half)]
+        heavy = [he_block(width, HEAVY_FACTOR) for _ in range(blocks_per_half)]
+        light = [he_block(width, 1) for _ in range(blocks_per_half)]
         self.blocks = nn.Sequential(*heavy, *light)
         self.example_input_array = torch.randn(batch, width)
 
@@ -130,31 +115,6 @@ class SkewedModel(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=1e-4)
-
-
-class RepeatedBatch(Dataset):
-    def __init__(self, batch: tuple[Tensor, Tensor], length: int) -> None:
-        self.batch, self.length = batch, length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
-        return self.batch
-
-
-class StepEnds(Callback):
-    """When each step ended, and its slowest stage's busy time (forwards + backwards) as the strategy measured it."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.slowest_busy: list[float] = []
-
-    def on_train_batch_end(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
-        self.times.append(time.perf_counter())
-        observed = trainer.strategy.last_observed_step
-        if observed is not None:
-            self.slowest_busy.append(max(observed.busy_seconds))
 
 
 def _fit(spec: dict[str, Any], mode: str) -> tuple[list[float], dict[str, Any]]:
@@ -178,9 +138,9 @@ def _fit(spec: dict[str, Any], mode: str) -> tuple[list[float], dict[str, Any]]:
     split = {
         "ranges": [[row.layers.start, row.layers.stop] for row in summary.rows],
         "imbalance": summary.imbalance,
-        "slowest_busy_s": statistics.median(clock.slowest_busy[1:]),
+        "slowest_busy_s": statistics.median([max(observed.busy_seconds) for observed in clock.observed[1:]]),
     }
-    return [later - earlier for earlier, later in zip(clock.times[1:], clock.times[2:])], split
+    return clock.intervals(), split
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The pipeline bubble: measured idle fraction of each step against GPipe's ``(S - 1) / (M + S - 1)``.
 
-Two stages of equal blocks (2 × (Linear(W, W) + ReLU) each, He-initialised as in :mod:`bench_balance`), one compute
+Two stages of equal blocks (2 × (Linear(W, W) + ReLU) each, He-initialised: :func:`stack.he_block`), one compute
 thread per process, ``checkpoint="never"``.
 For each micro-batch count M the strategy logs ``pipeline/bubble_fraction`` every step: the share of the step's
 compute window (first forward to last backward, on any stage) that stages spend outside forward and backward,
@@ -15,23 +15,23 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from bench_balance import block
 from launch import launch
 from lightning_pipe import GPipeStrategy
 from lightning_pipe.schedule import ideal_bubble_fraction
 from report import markdown_table
+from stack import RepeatedBatch, he_block
+from timing import StepEnds
 
 NUM_STAGES = 2
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -73,7 +73,7 @@ def run(quick: bool) -> dict[str, Any]:
 class EvenModel(LightningModule):
     def __init__(self, width: int, blocks: int) -> None:
         super().__init__()
-        self.blocks = nn.Sequential(*(block(width, 2) for _ in range(blocks)))
+        self.blocks = nn.Sequential(*(he_block(width, 2) for _ in range(blocks)))
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, target = batch
@@ -83,56 +83,33 @@ class EvenModel(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-4)
 
 
-class RepeatedBatch(Dataset):
-    def __init__(self, batch: tuple[Tensor, Tensor], length: int) -> None:
-        self.batch, self.length = batch, length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
-        return self.batch
-
-
-class Observations(Callback):
-    """Each step's bubble as the strategy measured it, and when each step ended."""
-
-    def __init__(self) -> None:
-        self.bubbles: list[float] = []
-        self.ends: list[float] = []
-
-    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
-        self.ends.append(time.perf_counter())
-        observed = trainer.strategy.last_observed_step
-        if observed is not None:
-            self.bubbles.append(observed.bubble_fraction)
-
-
-def _fit(spec: dict[str, Any], m: int, trace_steps: list[int]) -> tuple[Observations, Path]:
+def _fit(spec: dict[str, Any], m: int, trace_steps: list[int]) -> tuple[StepEnds, Path]:
     torch.manual_seed(0)
     batch = (torch.randn(spec["batch"], spec["width"]), torch.zeros(spec["batch"], spec["width"]))
     loader = DataLoader(RepeatedBatch(batch, spec["steps"]), batch_size=None)
-    observations = Observations()
+    clock = StepEnds()
     trace_dir = Path(f"trace_m{m}")
     trainer = Trainer(
         strategy=GPipeStrategy(num_micro_batches=m, checkpoint="never", trace_steps=trace_steps, trace_dir=trace_dir),
         accelerator="cpu", devices=dist.get_world_size(), max_steps=spec["steps"],
         logger=CSVLogger(f"logs_m{m}"), log_every_n_steps=1,  # a logger: the bubble is measured at every logged step
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        limit_val_batches=0, callbacks=[observations],
+        limit_val_batches=0, callbacks=[clock],
     )
     dist.barrier()
     trainer.fit(EvenModel(spec["width"], spec["blocks"]), loader)
-    return observations, trace_dir / "gpipe_trace.json"
+    return clock, trace_dir / "gpipe_trace.json"
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     results = []
     for m in spec["micro_batches"]:
-        observations, _ = _fit(spec, m, [])
-        steps = [later - earlier for earlier, later in zip(observations.ends[1:], observations.ends[2:])]
-        bubble = statistics.median(observations.bubbles[1:])
-        results.append({"bubble_fraction": bubble, "step_s": statistics.median(steps), "bubbles": observations.bubbles})
+        clock, _ = _fit(spec, m, [])
+        bubbles = [observed.bubble_fraction for observed in clock.observed]
+        results.append(
+            {"bubble_fraction": statistics.median(bubbles[1:]), "step_s": statistics.median(clock.intervals()),
+             "bubbles": bubbles}
+        )
     return {"results": results}
 
 

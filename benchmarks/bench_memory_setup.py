@@ -24,11 +24,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from launch import launch
 from lightning_pipe import GPipeStrategy
 from report import markdown_table, verdict
+from stack import RepeatedBatch, he_block
 
 TARGET_RATIO = 1.2  # peak with deferred construction over (stage share + fixed footprint)
 GIB = 2**30
@@ -104,15 +105,6 @@ def _gib(count: float) -> str:
 # ---- the worker (runs on every rank, through benchmarks/worker.py) ---------------------------------------------
 
 
-class HeLinear(nn.Linear):
-    """A Linear layer He-initialised for the ReLU after it, so that activations keep their scale through the stack
-    (the default init shrinks them layer by layer, into denormals that slow the CPU down)."""
-
-    def reset_parameters(self) -> None:
-        nn.init.kaiming_normal_(self.weight, nonlinearity="relu")
-        nn.init.zeros_(self.bias)
-
-
 class Stack(LightningModule):
     """The layers in ``self.layers``, built in ``__init__`` or, when ``deferred``, in ``configure_model``."""
 
@@ -122,10 +114,7 @@ class Stack(LightningModule):
         self.layers: nn.Sequential | None = None if deferred else self._build()
 
     def _build(self) -> nn.Sequential:
-        blocks: list[nn.Module] = []
-        for _ in range(self.depth):
-            blocks += [HeLinear(self.width, self.width), nn.ReLU()]
-        return nn.Sequential(*blocks)
+        return he_block(self.width, self.depth)
 
     def configure_model(self) -> None:
         if self.layers is None:
@@ -138,17 +127,6 @@ class Stack(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=1e-4, momentum=0.9)
-
-
-class RepeatedBatch(Dataset):
-    def __init__(self, batch: tuple[Tensor, Tensor], length: int) -> None:
-        self.batch, self.length = batch, length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
-        return self.batch
 
 
 class PeakAtTrainEnd(Callback):

@@ -15,13 +15,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from engine_step import EngineStep
 from lightning_pipe import GPipeStrategy
-from stack import make_batch, make_stack
+from stack import RepeatedBatch, make_batch, make_stack
+from timing import StepEnds, step_intervals
 from workload import Workload
 
 LEARNING_RATE = 1e-4  # small: the weights should stay in a normal range over many steps
@@ -44,27 +45,6 @@ class StackModule(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LEARNING_RATE)
 
 
-class RepeatedBatch(Dataset):
-    """The same whole batch ``length`` times: no collation cost in either loop (``DataLoader(batch_size=None)``)."""
-
-    def __init__(self, batch: tuple[Tensor, Tensor], length: int) -> None:
-        self.batch, self.length = batch, length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
-        return self.batch
-
-
-class StepEnds(Callback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
-        self.times.append(time.perf_counter())
-
-
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     work = Workload.from_spec(spec)
     m = work.reference_micro_batches
@@ -74,8 +54,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         engine_times = _plain_loop(work, m, loader)
         lightning_times = _lightning_fit(work, m, loader)
         if round_index > 0:
-            plain.append(_intervals(engine_times))
-            lightning.append(_intervals(lightning_times))
+            plain.append(step_intervals(engine_times))
+            lightning.append(step_intervals(lightning_times))
     return {"micro_batches": m, "plain_s": plain, "lightning_s": lightning}
 
 
@@ -110,8 +90,3 @@ def _lightning_fit(work: Workload, m: int, loader: DataLoader) -> list[float]:
     dist.barrier()
     trainer.fit(StackModule(work), loader)
     return clock.times
-
-
-def _intervals(ends: list[float]) -> list[float]:
-    """Times between consecutive step ends, without the first (the first step of a run is a warm-up)."""
-    return [later - earlier for earlier, later in zip(ends[1:], ends[2:])]

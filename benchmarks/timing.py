@@ -1,12 +1,18 @@
-"""Timing steps that span several processes: every rank starts together, a step lasts until its slowest rank ends."""
+"""Timing steps that span several processes (every rank starts together, a step lasts until its slowest rank ends),
+and timing a ``Trainer``'s steps from the intervals between their ends."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch import Callback, Trainer
+
+if TYPE_CHECKING:
+    from lightning_pipe.trace import StepObservation
 
 
 def timed(step: Callable[[], object], group: dist.ProcessGroup | None = None) -> float:
@@ -29,3 +35,27 @@ def timed_on(rank: int, step: Callable[[], object]) -> float:
         elapsed[0] = time.perf_counter() - start
     dist.broadcast(elapsed, src=rank)
     return float(elapsed)
+
+
+def step_intervals(ends: list[float]) -> list[float]:
+    """Times between consecutive step ends, without the first step (a run's first step is a warm-up)."""
+    return [later - earlier for earlier, later in zip(ends[1:], ends[2:])]
+
+
+class StepEnds(Callback):
+    """When each training step ended, and what the strategy observed of it (its bubble, each stage's busy time) at
+    the steps it observes: those logged (``log_every_n_steps``) or traced."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.observed: list[StepObservation] = []
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
+        self.times.append(time.perf_counter())
+        observed = getattr(trainer.strategy, "last_observed_step", None)
+        if observed is not None and (not self.observed or observed is not self.observed[-1]):
+            self.observed.append(observed)
+
+    def intervals(self) -> list[float]:
+        """The step times of the fit: :func:`step_intervals` of the step ends."""
+        return step_intervals(self.times)
