@@ -32,22 +32,40 @@ def test_two_stages_times_two_replicas_match_one_device_with_twice_the_batch(tmp
         assert_matches_single_device(tmp_path / run["name"])
 
 
-def test_two_simulated_nodes_train_like_one(tmp_path):
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    run = {**REPLICATED, "name": "two_nodes", "trainer": {"num_nodes": 2}}
-    spec = {"devices": 2, "out": str(tmp_path), "runs": [run]}
-    nodes = [
-        start("fit_runs.py", spec, tmp_path / f"node{node}",
-              env={"NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        for node in range(2)
-    ]
-    outputs = [node.communicate(timeout=300) for node in nodes]
-    for node, (_, stderr) in zip(nodes, outputs):
-        assert node.returncode == 0, stderr[-4000:]
-    assert sorted(p.name for p in (tmp_path / "two_nodes").glob("rank*.json")) == [f"rank{r}.json" for r in range(4)]
+        return probe.getsockname()[1]
+
+
+def run_processes(name: str, tmp_path, envs: list[dict[str, str]]) -> None:
+    """Start one worker process per environment (as a cluster's launcher would) and wait for all of them."""
+    run = {**REPLICATED, "name": name, "trainer": {"num_nodes": 2}}
+    spec = {"devices": 2, "out": str(tmp_path), "runs": [run]}  # per node
+    processes = [start("fit_runs.py", spec, tmp_path / f"process{i}", env=env) for i, env in enumerate(envs)]
+    outputs = [process.communicate(timeout=300) for process in processes]
+    for process, (_, stderr) in zip(processes, outputs):
+        assert process.returncode == 0, stderr[-4000:]
+    assert sorted(p.name for p in (tmp_path / name).glob("rank*.json")) == [f"rank{r}.json" for r in range(4)]
+
+
+def test_two_simulated_nodes_train_like_one(tmp_path):
+    """Lightning's default launcher on each of two nodes (NODE_RANK 0 and 1) starts the node's two ranks."""
+    port = str(free_port())
+    envs = [{"NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port} for node in range(2)]
+    run_processes("two_nodes", tmp_path, envs)
     assert_matches_single_device(tmp_path / "two_nodes")
+
+
+def test_slurm_tasks_on_two_simulated_nodes_train_like_one(tmp_path):
+    """Under SLURM, srun starts every rank (2 nodes x 2 tasks); Lightning's SLURMEnvironment reads the ranks."""
+    slurm = {"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "2", "SLURM_JOB_NAME": "pipe",
+             "SLURM_JOB_ID": "4242", "SLURM_NODELIST": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    envs = [{**slurm, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank % 2), "SLURM_NODEID": str(rank // 2)}
+            for rank in range(4)]
+    run_processes("slurm", tmp_path, envs)
+    assert "SLURMEnvironment" in (tmp_path / "slurm" / "environment.txt").read_text()
+    assert_matches_single_device(tmp_path / "slurm")
 
 
 def test_device_count_must_be_a_multiple_of_num_stages():

@@ -69,6 +69,8 @@ def main(spec_path):
         rank = trainer.global_rank
         torch.save(model.state_dict(), out / f"rank{rank}.pt")
         (out / f"rank{rank}.json").write_text(json.dumps(recorder.summary()))
+        if rank == 0:  # which of Lightning's cluster environments set up the ranks
+            (out / "environment.txt").write_text(type(trainer.strategy.cluster_environment).__name__)
 
 
 if __name__ == "__main__":
