@@ -6,16 +6,10 @@ the steps, backward and the optimizer step, collectives, teardown.
 
 from __future__ import annotations
 
-import atexit
-import logging
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 from dataclasses import dataclass
 from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
@@ -23,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
-from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
@@ -38,7 +31,6 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
@@ -60,6 +52,12 @@ from lightning_pipe.consolidate import (
     split_optimizer_state,
 )
 from lightning_pipe.engine import HandedOff, PipelineEngine
+from lightning_pipe.launch import (
+    CheckedMultiProcessingLauncher,
+    CheckedSubprocessScriptLauncher,
+    end_started_ranks_at_exit,
+    note_sigterm,
+)
 from lightning_pipe.fingerprint import different_models_message, fingerprint_digest, model_fingerprint
 from lightning_pipe.gradients import reduce_gradients
 from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
@@ -95,11 +93,7 @@ from lightning_pipe.topology import PipelineLayout
 if TYPE_CHECKING:  # imported when tracing starts, so that `python -m lightning_pipe.trace` finds it unimported
     from lightning_pipe.trace import PipelineTracer, StepObservation
 
-log = logging.getLogger(__name__)
-
 _OUTSIDE_STEP_TIMEOUT = timedelta(seconds=60)
-# After a failed run, how long the ranks a popen launch started may take to exit on their own before they are killed.
-_STARTED_RANKS_GRACE_S = 3.0
 
 # LightningModule hooks whose user code consumes step results, so they run where those results are: on the last
 # stage. Whatever they log is replayed on the other stages.
@@ -300,11 +294,11 @@ class GPipeStrategy(ParallelStrategy):
             )
         self.config  # noqa: B018  (validates the resolved counts before any process starts)
         if self._start_method == "popen":
-            self._launcher = _CheckedSubprocessScriptLauncher(
+            self._launcher = CheckedSubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
         else:
-            self._launcher = _CheckedMultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = CheckedMultiProcessingLauncher(self, start_method=self._start_method)
         self._launcher.check_model = self._check_partition
 
     def _check_partition(self, model: LightningModule, trainer: Trainer | None = None) -> None:
@@ -384,9 +378,11 @@ class GPipeStrategy(ParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
-        # The Trainer registers its SIGTERM handler right after this; see `_note_sigterm`.
+        # The Trainer registers its SIGTERM handler right after this; see `note_sigterm`.
         connector = trainer._signal_connector
-        connector._sigterm_notifier_fn = partial(self._note_sigterm, trainer)  # type: ignore[method-assign]
+        connector._sigterm_notifier_fn = partial(  # type: ignore[method-assign]
+            note_sigterm, trainer, self.launcher, self.cluster_environment, self.global_rank
+        )
         module = self.lightning_module
         if trainer.state.fn == TrainerFn.FITTING:
             _require_automatic_optimization(module)
@@ -966,36 +962,11 @@ class GPipeStrategy(ParallelStrategy):
 
     # ---- teardown ------------------------------------------------------------------------------------------------
 
-    def _note_sigterm(self, trainer: Trainer, signum: Any, frame: Any) -> None:
-        """Lightning's SIGTERM handling without its broadcast over all ranks from inside the signal handler.
-
-        That broadcast waits for every rank, from wherever a rank happens to be: a rank waiting on a stage that is
-        gone, or one stuck in user code, never joins, and a rank blocked in a pipeline receive cannot. The spawn
-        launcher and torchrun's agent send SIGTERM when another rank failed: such a rank ends at once (as without a
-        handler) instead of hanging until the launcher kills it (torch's spawn after 30 s). Under the default
-        launcher or a cluster's, SIGTERM stops the run at the next training step on every rank: Lightning shares rank
-        0's flag with every rank at the start of each step.
-        """
-        if isinstance(self.launcher, _MultiProcessingLauncher) or isinstance(
-            self.cluster_environment, TorchElasticEnvironment
-        ):
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        connector = trainer._signal_connector
-        log.info(f"[rank: {self.global_rank}] Received SIGTERM: {signum}")
-        if not connector.received_sigterm and self.launcher is not None:
-            self.launcher.kill(signum)
-        connector.received_sigterm = True
-
     def on_exception(self, exception: BaseException) -> None:
         # Another stage may be gone: teardown must not wait on it to gather the model.
         self._failed = True
-        launcher = self._launcher
-        if isinstance(launcher, _SubprocessScriptLauncher) and launcher.procs and not self._ending_started_ranks:
-            # This process started the node's other ranks (popen launcher); they must not outlive it.
-            atexit.register(_end_started_ranks, launcher.procs)
-            self._ending_started_ranks = True
+        if not self._ending_started_ranks:
+            self._ending_started_ranks = end_started_ranks_at_exit(self._launcher)
 
     def teardown(self) -> None:
         module = self.lightning_module
@@ -1088,27 +1059,6 @@ class _Pipelined:
     parameter_order: list[str]  # the whole model's parameter names, in order
 
 
-def _end_started_ranks(procs: list[subprocess.Popen]) -> None:
-    """At the exit of a launching process whose run failed: end the ranks it started that are still running.
-
-    They wait on this process in a receive, or compute towards one, and would linger until the communication timeout
-    (30 minutes by default) or, stuck in user code, forever. At exit, this process's error is already printed;
-    a rank that caught the same error and is finishing gets a few seconds, then SIGKILL (a process blocked in a
-    receive runs no Python signal handler). The ranks leave the list that Lightning's child-process observer
-    watches first, so that it does not answer their end by killing this process.
-    """
-    started = list(procs)
-    procs.clear()
-    deadline = time.monotonic() + _STARTED_RANKS_GRACE_S
-    for proc in started:
-        with suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
 def _loss_value(output: Any) -> float | None:
     loss = output.get("loss") if isinstance(output, Mapping) else output
     return float(loss.detach()) if isinstance(loss, Tensor) else None
@@ -1149,25 +1099,6 @@ def _require_automatic_optimization(module: LightningModule) -> None:
             " `self.manual_backward` cannot reach the other stages. Set `self.automatic_optimization = True` and"
             " return the loss from training_step."
         )
-
-
-class _ModelCheck:
-    """A launcher mixin: check the model before launching, so that bad input fails in the launching process."""
-
-    check_model: Callable[[LightningModule, Trainer | None], None] | None = None
-
-    def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
-        if self.check_model is not None and args and isinstance(args[0], LightningModule):
-            self.check_model(args[0], trainer)
-        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
-
-
-class _CheckedSubprocessScriptLauncher(_ModelCheck, _SubprocessScriptLauncher):
-    pass
-
-
-class _CheckedMultiProcessingLauncher(_ModelCheck, _MultiProcessingLauncher):
-    pass
 
 
 def _counts_from_config(

@@ -1,0 +1,106 @@
+"""Starting the ranks and ending them: launchers that check the model first, SIGTERM, and the ranks of a failed run.
+
+Lightning's launchers start one process per rank. The checked launchers raise the partition's errors in the
+launching process, before any rank starts. When a run fails or is told to stop, a rank may be blocked in a receive
+from a stage that is gone: what follows makes every rank end, soon, instead of waiting for a peer that never comes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any
+
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+
+log = logging.getLogger(__name__)
+
+# After a failed run, how long the ranks a popen launch started may take to exit on their own before they are killed.
+_STARTED_RANKS_GRACE_S = 3.0
+
+
+class ModelCheck:
+    """A launcher mixin: check the model before launching, so that bad input fails in the launching process."""
+
+    check_model: Callable[[LightningModule, Trainer | None], None] | None = None
+
+    def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        if self.check_model is not None and args and isinstance(args[0], LightningModule):
+            self.check_model(args[0], trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
+
+
+class CheckedSubprocessScriptLauncher(ModelCheck, _SubprocessScriptLauncher):
+    pass
+
+
+class CheckedMultiProcessingLauncher(ModelCheck, _MultiProcessingLauncher):
+    pass
+
+
+def note_sigterm(
+    trainer: Trainer,
+    launcher: _Launcher | None,
+    cluster_environment: ClusterEnvironment | None,
+    global_rank: int,
+    signum: Any,
+    frame: Any,
+) -> None:
+    """Lightning's SIGTERM handling without its broadcast over all ranks from inside the signal handler.
+
+    That broadcast waits for every rank, from wherever a rank happens to be: a rank waiting on a stage that is
+    gone, or one stuck in user code, never joins, and a rank blocked in a pipeline receive cannot. The spawn
+    launcher and torchrun's agent send SIGTERM when another rank failed: such a rank ends at once (as without a
+    handler) instead of hanging until the launcher kills it (torch's spawn after 30 s). Under the default
+    launcher or a cluster's, SIGTERM stops the run at the next training step on every rank: Lightning shares rank
+    0's flag with every rank at the start of each step.
+    """
+    if isinstance(launcher, _MultiProcessingLauncher) or isinstance(cluster_environment, TorchElasticEnvironment):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    connector = trainer._signal_connector
+    log.info(f"[rank: {global_rank}] Received SIGTERM: {signum}")
+    if not connector.received_sigterm and launcher is not None:
+        launcher.kill(signum)
+    connector.received_sigterm = True
+
+
+def end_started_ranks_at_exit(launcher: _Launcher | None) -> bool:
+    """If this process started the node's other ranks (popen launcher), end them when it exits, for they must not
+    outlive it; whether it did."""
+    if isinstance(launcher, _SubprocessScriptLauncher) and launcher.procs:
+        atexit.register(_end_started_ranks, launcher.procs)
+        return True
+    return False
+
+
+def _end_started_ranks(procs: list[subprocess.Popen]) -> None:
+    """At the exit of a launching process whose run failed: end the ranks it started that are still running.
+
+    They wait on this process in a receive, or compute towards one, and would linger until the communication timeout
+    (30 minutes by default) or, stuck in user code, forever. At exit, this process's error is already printed;
+    a rank that caught the same error and is finishing gets a few seconds, then SIGKILL (a process blocked in a
+    receive runs no Python signal handler). The ranks leave the list that Lightning's child-process observer
+    watches first, so that it does not answer their end by killing this process.
+    """
+    started = list(procs)
+    procs.clear()
+    deadline = time.monotonic() + _STARTED_RANKS_GRACE_S
+    for proc in started:
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
