@@ -3,16 +3,24 @@
 The pipelined ``nn.Sequential`` holds ``2k`` blocks: ``k`` heavy blocks of 7 × (Linear(W, W) + ReLU), then ``k``
 light blocks of 1 × (Linear(W, W) + ReLU), He-initialised: real matrix products, no sleeping. Split by layer count,
 stage 0 gets all heavy blocks, 7/8 of the work; the best contiguous split is about 1.75 times faster in theory.
-Two stages, one compute thread per process; the two modes take turns (``rounds`` fits of each, after one
-unmeasured pair), and a step's time is the interval between consecutive step ends on global rank 0, the first of
-each fit dropped. The speedup is the median over rounds of uniform's median step over time's, so that a change in
-the machine's load between rounds cancels out.
+Two stages, one compute thread per process; the two modes take turns (one fit of each per round, their order
+swapped every round, after one unmeasured round), and a step's time is the interval between consecutive step ends
+on global rank 0, the first of each fit dropped. The speedup is the median over rounds of uniform's median step over
+time's, so that a change in the machine's load between rounds cancels out.
+
+Two processes computing at once each run slower than one alone on a small or shared machine (shared caches and
+memory bandwidth, other work on the cores). The uniform split leaves stage 1 mostly idle, so its step runs at about
+one process's speed; the balanced split keeps both stages computing and pays that contention. Between the two fits
+of every round the section therefore also times the heavy half's forward + backward in one process alone and in
+both at once: their ratio ``c`` is the machine's contention factor, and :func:`speedup_without_contention` takes it
+out of the measured speedup.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,7 +37,8 @@ from lightning_pipe.balance import min_max_partition, stage_costs
 from lightning_pipe.config import PipelineParallelConfig, ranges_from_sizes
 from report import markdown_table, verdict
 from stack import RepeatedBatch, he_block
-from timing import StepEnds
+from summarize import median, median_ratio
+from timing import StepEnds, timed, timed_on
 
 NUM_STAGES = 2
 HEAVY_FACTOR = 7
@@ -40,7 +49,9 @@ MODES = ("uniform", "time")
 def sizes(quick: bool) -> dict[str, int]:
     if quick:
         return {"width": 64, "blocks_per_half": 4, "batch": 32, "micro_batches": 4, "steps": 4, "rounds": 1}
-    return {"width": 256, "blocks_per_half": 16, "batch": 128, "micro_batches": 8, "steps": 10, "rounds": 5}
+    # Short fits, many rounds: the two fits of a round run close together, and the median over rounds has more to
+    # choose from (8 rounds of 6 steps take about as long as 5 of 10: a fit's start-up costs about 4 steps).
+    return {"width": 256, "blocks_per_half": 16, "batch": 128, "micro_batches": 8, "steps": 6, "rounds": 8}
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -48,49 +59,102 @@ def run(quick: bool) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
     answer = launch("bench_balance", "measure", NUM_STAGES, spec)[0]
     load = max(load_before, os.getloadavg()[0])
-    speedup = answer["speedup"]
-    busy_speedup = answer["uniform"]["slowest_busy_s"] / answer["time"]["slowest_busy_s"]
+    rounds = answer["per_round"]
+    speedups = [r["uniform"]["step_s"] / r["time"]["step_s"] for r in rounds]
+    factors = [r["side_by_side_s"] / r["alone_s"] for r in rounds]
+    speedup = median(speedups)
+    factor = median(factors)
+    uncontended = median([speedup_without_contention(r, c) for r, c in zip(rounds, factors)])
+    last = rounds[-1]
+    summary = {
+        mode: {
+            **{key: median([r[mode][key] for r in rounds]) for key in ("step_s", "slowest_busy_s", "least_busy_s")},
+            "ranges": last[mode]["ranges"],
+            "imbalance": last[mode]["imbalance"],
+        }
+        for mode in MODES
+    }
+    busy_speedup = median_ratio([r["uniform"]["slowest_busy_s"] for r in rounds], [r["time"]["slowest_busy_s"] for r in rounds])
     k = spec["blocks_per_half"]
     costs = [float(HEAVY_FACTOR)] * k + [1.0] * k
     uniform_ranges = PipelineParallelConfig(NUM_STAGES, spec["micro_batches"]).split_into_stages(2 * k)
     best_ranges = ranges_from_sizes(min_max_partition(costs, NUM_STAGES))
     theory = max(stage_costs(costs, uniform_ranges)) / max(stage_costs(costs, best_ranges))
-    rows = [
+    table = markdown_table(
+        ["balance", "blocks per stage", "measured imbalance", "slowest stage busy (ms)", "least busy stage (ms)",
+         "step (ms, median)"],
         [
-            f'`"{mode}"`',
-            " + ".join(str(stop - start) for start, stop in answer[mode]["ranges"]),
-            f"{answer[mode]['imbalance']:.2f}",
-            f"{1e3 * answer[mode]['slowest_busy_s']:.1f}",
-            f"{1e3 * answer[mode]['step_s']:.1f}",
-        ]
-        for mode in MODES
-    ]
-    headers = ["balance", "blocks per stage", "measured imbalance", "slowest stage busy (ms)", "step (ms, median)"]
-    table = markdown_table(headers, rows)
+            [
+                f'`"{mode}"`',
+                " + ".join(str(stop - start) for start, stop in summary[mode]["ranges"]),
+                f"{summary[mode]['imbalance']:.2f}",
+                f"{1e3 * summary[mode]['slowest_busy_s']:.1f}",
+                f"{1e3 * summary[mode]['least_busy_s']:.1f}",
+                f"{1e3 * summary[mode]['step_s']:.1f}",
+            ]
+            for mode in MODES
+        ],
+    )
+    contention_table = markdown_table(
+        ["timed", "one process alone (ms)", "both processes at once (ms)", "contention factor c"],
+        [["heavy blocks' forward + backward, one step's micro-batches",
+          f"{1e3 * median([r['alone_s'] for r in rounds]):.1f}",
+          f"{1e3 * median([r['side_by_side_s'] for r in rounds]):.1f}", f"{factor:.2f}"]],
+    )
     markdown = (
         f"{k} heavy blocks (7 × (Linear({spec['width']}, {spec['width']}) + ReLU)) then {k} light blocks (1 ×),"
         " He-initialised (with the default initialisation, gradients through this many ReLU layers become denormal"
         f" floats, which the CPU computes many times slower), batch"
         f" {spec['batch']}, {NUM_STAGES} stages, M={spec['micro_batches']}, `checkpoint=\"except_last\"`, SGD; one"
-        f" thread per process; median over {answer['measured_steps']} steps of each mode from {spec['rounds']}"
-        " alternating fits"
-        f" of {spec['steps']} steps (the first step of each fit and one warm-up pair dropped); speedup: median over"
-        " rounds of the ratio of the two modes' median steps. Measured imbalance: slowest stage's busy time"
-        " (forwards + backwards) over the mean, from the stage summary; slowest stage busy: its median over the"
-        " steps. The split by block FLOPs would be"
-        f" {theory:.2f}× faster than the uniform one (bubble ignored).\n\n"
+        f" thread per process; {len(rounds)} round{'s' if len(rounds) > 1 else ''}, each a fit of {spec['steps']} steps per mode, the order swapped"
+        f" every round (the first step of each fit and one warm-up round dropped); step: median over the"
+        f" {sum(len(r['uniform']['intervals']) for r in rounds)} measured steps of each mode; speedup: median over"
+        " rounds of the ratio of the two modes' median steps. Measured imbalance (last round): slowest stage's busy"
+        " time (forwards + backwards) over the mean, from the stage summary; busy times: medians over rounds of each"
+        f" fit's median. The split by block FLOPs would be {theory:.2f}× faster than the uniform one (bubble"
+        " ignored).\n\n"
         f"{table}\n\n"
-        f"Slowest stage's busy time, uniform over time: {busy_speedup:.2f}×. Load average during the run: up to"
-        f" {load:.1f} on {os.cpu_count()} cores; two stages overlap only when two cores are free, so a loaded"
-        " machine shrinks the step-time gain, not the busy-time one.\n\n"
         + verdict(
             f'`balance="time"` ≥ {TARGET_SPEEDUP}× faster per step than `"uniform"`',
             speedup >= TARGET_SPEEDUP,
             f"{speedup:.2f}×",
         )
+        + f" Per round it ranged from {min(speedups):.2f}× to {max(speedups):.2f}×.\n\n"
+        "What the machine allows: between the two fits of every round, the forward + backward of the heavy blocks"
+        " over one step's micro-batches (what the uniform split's stage 0 computes in a step, re-computation aside)"
+        " ran in one process while the other waited, and in both processes at once (the slower of the two), twice"
+        " each; c is their ratio, the median over rounds.\n\n"
+        f"{contention_table}\n\n"
+        "While both stages compute, each runs c times slower than alone; the uniform split's light stage 1 computes"
+        " little, so its step hardly pays that, while the balanced split's stages overlap most of the step. Factored"
+        " out, a step would take `step - (1 - 1/c) × least busy stage's time`: the less busy stage is taken to"
+        " compute only while the other one does (an upper bound on their overlap, so the estimate leans high), and"
+        f" that overlap to shrink by 1/c. With contention factored out so, round by round, `balance=\"time\"` would be **{uncontended:.2f}×**"
+        f" faster per step than `\"uniform\"` (measured: {speedup:.2f}×). The busy times are stretched by the same"
+        f" contention: the slowest stage's busy time is {busy_speedup:.2f}× shorter with `\"time\"`, against the"
+        f" {theory:.2f}× of the FLOPs. Load average during the run: up to {load:.1f} on {os.cpu_count()} cores (on a"
+        " loaded machine c includes the cores' time shared with other work)."
     )
-    data = {**spec, **answer, "theoretical_speedup": theory, "busy_speedup": busy_speedup, "load_average": load}
+    data = {
+        **spec, **answer, **summary, "round_speedups": speedups, "round_contention_factors": factors,
+        "speedup": speedup, "contention_factor": factor, "speedup_without_contention": uncontended,
+        "theoretical_speedup": theory, "busy_speedup": busy_speedup, "load_average": load,
+    }
     return {"title": "Balancing by measured time", "markdown": markdown, "data": data}
+
+
+def speedup_without_contention(round_: dict[str, Any], factor: float) -> float:
+    """Uniform's step over time's in one round, each step less what contention added to it.
+
+    While both stages compute, each runs ``factor`` times slower than alone. The less busy stage is taken to compute
+    only while the other one does, so ``least_busy_s`` bounds the time both computed, and that time would shrink
+    by ``1 / factor``: a step without contention is ``step_s - (1 - 1 / factor) * least_busy_s``.
+    """
+
+    def step(mode: str) -> float:
+        return round_[mode]["step_s"] - (1 - 1 / factor) * round_[mode]["least_busy_s"]
+
+    return step("uniform") / step("time")
 
 
 # ---- the worker (runs on every rank, through benchmarks/worker.py) ---------------------------------------------
@@ -117,8 +181,9 @@ class SkewedModel(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-4)
 
 
-def _fit(spec: dict[str, Any], mode: str) -> tuple[list[float], dict[str, Any]]:
-    """One fit: the intervals between step ends (the first dropped), and the split with its measured balance."""
+def _fit(spec: dict[str, Any], mode: str) -> dict[str, Any]:
+    """One fit: the intervals between step ends (the first dropped) and their median, the split with its measured
+    balance, and the median over steps of the slowest and the least busy stage's busy time (forwards + backwards)."""
     torch.manual_seed(0)
     model = SkewedModel(spec["width"], spec["blocks_per_half"], spec["batch"])
     batch = (torch.randn(spec["batch"], spec["width"]), torch.zeros(spec["batch"], spec["width"]))
@@ -135,30 +200,51 @@ def _fit(spec: dict[str, Any], mode: str) -> tuple[list[float], dict[str, Any]]:
     dist.barrier()
     trainer.fit(model, loader)
     summary = strategy.stage_summary()
-    split = {
+    intervals = clock.intervals()
+    return {
+        "intervals": intervals,
         "ranges": [[row.layers.start, row.layers.stop] for row in summary.rows],
         "imbalance": summary.imbalance,
-        "slowest_busy_s": statistics.median([max(observed.busy_seconds) for observed in clock.observed[1:]]),
+        "step_s": median(intervals),
+        "slowest_busy_s": median([max(observed.busy_seconds) for observed in clock.observed[1:]]),
+        "least_busy_s": median([min(observed.busy_seconds) for observed in clock.observed[1:]]),
     }
-    return clock.intervals(), split
+
+
+def _heavy_half(spec: dict[str, Any]) -> Callable[[], None]:
+    """Forward + backward of the heavy blocks over one step's micro-batches: what the uniform split's stage 0
+    computes in a step (re-computation aside)."""
+    torch.manual_seed(0)
+    heavy = nn.Sequential(*(he_block(spec["width"], HEAVY_FACTOR) for _ in range(spec["blocks_per_half"])))
+    micro_batches = torch.randn(spec["batch"], spec["width"]).chunk(spec["micro_batches"])
+
+    def forward_backward() -> None:
+        for x in micro_batches:
+            heavy(x).square().mean().backward()
+
+    return forward_backward
+
+
+def _contention(work: Callable[[], None]) -> dict[str, float]:
+    """``work`` on global rank 0 alone (the other rank waiting) and on both ranks at once (the slower one), twice each
+    in the order alone, both, both, alone, so that a steady drift in the machine's load cancels."""
+    alone = [timed_on(0, work)]
+    side_by_side = [timed(work), timed(work)]
+    alone.append(timed_on(0, work))
+    return {"alone_s": statistics.mean(alone), "side_by_side_s": statistics.mean(side_by_side)}
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
-    steps: dict[str, list[float]] = {mode: [] for mode in MODES}
-    ratios: list[float] = []  # per round: uniform's median step over time's, robust to the machine's load drifting
-    splits: dict[str, dict[str, Any]] = {}
+    """Per measured round: each mode's fit (see :func:`_fit`) and the heavy half's time alone and side by side."""
+    heavy_half = _heavy_half(spec)
+    rounds: list[dict[str, Any]] = []
     for round_index in range(1 + spec["rounds"]):
-        medians = {}
-        for mode in MODES:
-            intervals, splits[mode] = _fit(spec, mode)
-            medians[mode] = statistics.median(intervals)
-            if round_index > 0:
-                steps[mode] += intervals
-        if round_index > 0:
-            ratios.append(medians["uniform"] / medians["time"])
-    return {
-        **{mode: {"step_s": statistics.median(steps[mode]), **splits[mode]} for mode in MODES},
-        "measured_steps": len(steps["uniform"]),
-        "round_speedups": ratios,
-        "speedup": statistics.median(ratios),
-    }
+        # The modes swap places every round and the contention is measured between them: load drifting within a
+        # round then weighs on both modes alike.
+        first, second = MODES if round_index % 2 == 0 else MODES[::-1]
+        fits = {first: _fit(spec, first)}
+        contention = _contention(heavy_half)
+        fits[second] = _fit(spec, second)
+        if round_index > 0:  # the first round warms up
+            rounds.append({**contention, **fits})
+    return {"per_round": rounds}

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -31,3 +33,27 @@ def test_quick_benchmarks_write_every_section(tmp_path):
     assert [stage["stage"] for stage in memory["stages"]] == [0, 1]
     for stage in memory["stages"]:
         assert stage["bound_bytes"] > 0 and all(stage[mode]["peak_bytes"] > 0 for mode in ("never", "always"))
+    balance = next(s for s in report["sections"] if s["module"] == "bench_balance")["data"]
+    assert balance["contention_factor"] > 0 and balance["speedup_without_contention"] > 0
+    assert len(balance["round_contention_factors"]) == len(balance["per_round"]) == balance["rounds"]
+
+
+@pytest.fixture
+def benchmark_modules(monkeypatch):
+    """``benchmarks/`` importable, as the runner makes it; its modules forgotten afterwards (``report`` and others
+    share names with the examples' modules)."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    yield
+    for name, module in list(sys.modules.items()):
+        if Path(getattr(module, "__file__", None) or "/").parent == REPO / "benchmarks":
+            del sys.modules[name]
+
+
+def test_speedup_without_contention_shrinks_only_the_overlapped_time(benchmark_modules):
+    from bench_balance import speedup_without_contention
+
+    round_ = {"uniform": {"step_s": 0.360, "least_busy_s": 0.045}, "time": {"step_s": 0.280, "least_busy_s": 0.230}}
+    # No contention (c = 1): the measured ratio.
+    assert speedup_without_contention(round_, 1.0) == pytest.approx(0.360 / 0.280)
+    # c = 1.5: each step loses a third of its least busy stage's time (the overlap runs 1.5 times faster).
+    assert speedup_without_contention(round_, 1.5) == pytest.approx((0.360 - 0.015) / (0.280 - 0.230 / 3))
