@@ -74,7 +74,9 @@ def run(quick: bool) -> dict[str, Any]:
         }
         for mode in MODES
     }
-    busy_speedup = median_ratio([r["uniform"]["slowest_busy_s"] for r in rounds], [r["time"]["slowest_busy_s"] for r in rounds])
+    busy_speedup = median_ratio(
+        [r["uniform"]["slowest_busy_s"] for r in rounds], [r["time"]["slowest_busy_s"] for r in rounds]
+    )
     k = spec["blocks_per_half"]
     costs = [float(HEAVY_FACTOR)] * k + [1.0] * k
     uniform_ranges = PipelineParallelConfig(NUM_STAGES, spec["micro_batches"]).split_into_stages(2 * k)
@@ -106,8 +108,9 @@ def run(quick: bool) -> dict[str, Any]:
         " He-initialised (with the default initialisation, gradients through this many ReLU layers become denormal"
         f" floats, which the CPU computes many times slower), batch"
         f" {spec['batch']}, {NUM_STAGES} stages, M={spec['micro_batches']}, `checkpoint=\"except_last\"`, SGD; one"
-        f" thread per process; {len(rounds)} round{'s' if len(rounds) > 1 else ''}, each a fit of {spec['steps']} steps per mode, the order swapped"
-        f" every round (the first step of each fit and one warm-up round dropped); step: median over the"
+        f" thread per process; {len(rounds)} round{'s' if len(rounds) > 1 else ''}, each a fit of {spec['steps']}"
+        " steps per mode, the order swapped every round (the first step of each fit and one warm-up round dropped);"
+        " step: median over the"
         f" {sum(len(r['uniform']['intervals']) for r in rounds)} measured steps of each mode; speedup: median over"
         " rounds of the ratio of the two modes' median steps. Measured imbalance (last round): slowest stage's busy"
         " time (forwards + backwards) over the mean, from the stage summary; busy times: medians over rounds of each"
@@ -129,8 +132,9 @@ def run(quick: bool) -> dict[str, Any]:
         " little, so its step hardly pays that, while the balanced split's stages overlap most of the step. Factored"
         " out, a step would take `step - (1 - 1/c) × least busy stage's time`: the less busy stage is taken to"
         " compute only while the other one does (an upper bound on their overlap, so the estimate leans high), and"
-        f" that overlap to shrink by 1/c. With contention factored out so, round by round, `balance=\"time\"` would be **{uncontended:.2f}×**"
-        f" faster per step than `\"uniform\"` (measured: {speedup:.2f}×). The busy times are stretched by the same"
+        " that overlap to shrink by 1/c. The speedup without contention is uniform's step so corrected over time's,"
+        f" per round, then the median: `balance=\"time\"` would be **{uncontended:.2f}×** faster per step than"
+        f" `\"uniform\"` (measured: {speedup:.2f}×). The busy times are stretched by the same"
         f" contention: the slowest stage's busy time is {busy_speedup:.2f}× shorter with `\"time\"`, against the"
         f" {theory:.2f}× of the FLOPs. Load average during the run: up to {load:.1f} on {os.cpu_count()} cores (on a"
         " loaded machine c includes the cores' time shared with other work)."

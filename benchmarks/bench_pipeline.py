@@ -80,8 +80,8 @@ def _markdown(work: Workload, rows: list[dict[str, float]]) -> str:
         " efficiency against that. The gap between the two efficiencies is the machine's contention, not the"
         " engine's overhead: the stages of a pipeline compute side by side, so they cannot reach one lone process's"
         " t_mb; what separates the efficiency against the side-by-side t_mb from 1.0 is the engine's own cost"
-        " (communication, Python between micro-batches, waits beyond the bubble); where stages barely overlap (M=1) they"
-        " compute at a lone process's speed and that efficiency can pass 1.0.\n\n"
+        " (communication, Python between micro-batches, waits beyond the bubble); where stages barely overlap"
+        " (M=1) they compute at a lone process's speed and that efficiency can pass 1.0.\n\n"
         f"{table}\n\n"
         + verdict(
             f"engine efficiency at M={m} with {NUM_STAGES} stages ≥ {TARGET_EFFICIENCY}",
