@@ -29,14 +29,13 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
 
 from launch import launch
 from lightning_pipe import GPipeStrategy
 from lightning_pipe.balance import min_max_partition, stage_costs
 from lightning_pipe.config import PipelineParallelConfig, ranges_from_sizes
 from report import markdown_table, verdict
-from stack import RepeatedBatch, he_block
+from stack import he_block, repeated_batch_loader
 from summarize import median, median_ratio
 from timing import StepEnds, timed, timed_on
 
@@ -190,8 +189,7 @@ def _fit(spec: dict[str, Any], mode: str) -> dict[str, Any]:
     balance, and the median over steps of the slowest and the least busy stage's busy time (forwards + backwards)."""
     torch.manual_seed(0)
     model = SkewedModel(spec["width"], spec["blocks_per_half"], spec["batch"])
-    batch = (torch.randn(spec["batch"], spec["width"]), torch.zeros(spec["batch"], spec["width"]))
-    loader = DataLoader(RepeatedBatch(batch, spec["steps"]), batch_size=None)
+    loader = repeated_batch_loader(spec["batch"], spec["width"], spec["steps"])
     clock = StepEnds()
     # A logger at every step: the strategy then measures every step's busy time per stage (one small gather).
     strategy = GPipeStrategy(num_micro_batches=spec["micro_batches"], balance=mode)

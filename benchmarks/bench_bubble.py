@@ -24,13 +24,12 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
 
 from launch import launch
 from lightning_pipe import GPipeStrategy
 from lightning_pipe.schedule import ideal_bubble_fraction
 from report import markdown_table
-from stack import RepeatedBatch, he_block
+from stack import he_block, repeated_batch_loader
 from timing import StepEnds
 
 NUM_STAGES = 2
@@ -85,8 +84,7 @@ class EvenModel(LightningModule):
 
 def _fit(spec: dict[str, Any], m: int, trace_steps: list[int]) -> tuple[StepEnds, Path]:
     torch.manual_seed(0)
-    batch = (torch.randn(spec["batch"], spec["width"]), torch.zeros(spec["batch"], spec["width"]))
-    loader = DataLoader(RepeatedBatch(batch, spec["steps"]), batch_size=None)
+    loader = repeated_batch_loader(spec["batch"], spec["width"], spec["steps"])
     clock = StepEnds()
     trace_dir = Path(f"trace_m{m}")
     trainer = Trainer(

@@ -24,12 +24,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
 
 from launch import launch
 from lightning_pipe import GPipeStrategy
 from report import markdown_table, verdict
-from stack import RepeatedBatch, he_block
+from stack import he_block, repeated_batch_loader
 
 TARGET_RATIO = 1.2  # peak with deferred construction over (stage share + fixed footprint)
 GIB = 2**30
@@ -170,8 +169,7 @@ def measure(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def _fit(spec: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
     model = Stack(spec["width"], spec["depth"], spec["deferred"])
-    batch = (torch.randn(spec["batch"], spec["width"]), torch.zeros(spec["batch"], spec["width"]))
-    loader = DataLoader(RepeatedBatch(batch, spec["steps"]), batch_size=None)
+    loader = repeated_batch_loader(spec["batch"], spec["width"], spec["steps"])
     peak = PeakAtTrainEnd()
     strategy = GPipeStrategy(num_micro_batches=spec["stages"], log_bubble_fraction=False)
     trainer = Trainer(

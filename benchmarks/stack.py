@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from workload import Workload
 
@@ -60,3 +60,8 @@ class RepeatedBatch(Dataset):
 
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
         return self.batch
+
+
+def repeated_batch_loader(batch: int, width: int, steps: int) -> DataLoader:
+    """``steps`` times the same batch: ``batch`` random rows of ``width`` features and a zero regression target."""
+    return DataLoader(RepeatedBatch((torch.randn(batch, width), torch.zeros(batch, width)), steps), batch_size=None)
