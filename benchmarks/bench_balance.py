@@ -2,7 +2,7 @@
 
 The pipelined ``nn.Sequential`` holds ``2k`` blocks: ``k`` heavy blocks of 7 × (Linear(W, W) + ReLU), then ``k``
 light blocks of 1 × (Linear(W, W) + ReLU), He-initialised: real matrix products, no sleeping. Split by layer count,
-stage 0 gets all heavy blocks, 7/8 of the work; the best contiguous split is about 1.75 times faster in theory.
+stage 0 gets all heavy blocks, 7/8 of the work; the best contiguous split is about 1.7 times faster in theory.
 Two stages, one compute thread per process; the two modes take turns (one fit of each per round, their order
 swapped every round, after one unmeasured round), and a step's time is the interval between consecutive step ends
 on global rank 0, the first of each fit dropped. The speedup is the median over rounds of uniform's median step over
