@@ -1,4 +1,4 @@
-"""Which ``nn.Sequential`` of a model to pipeline, and which of its layers go to which stage."""
+"""Which ``nn.Sequential`` of a model to pipeline, which layers go to which stage, and swapping it for a stand-in."""
 
 from __future__ import annotations
 
@@ -52,6 +52,12 @@ def stage_ranges(config: PipelineParallelConfig, num_layers: int, balance: Seque
             " make the layer counts add up to the number of layers."
         )
     return ranges_from_sizes(balance)
+
+
+def replace_submodule(module: nn.Module, name: str, replacement: nn.Module) -> None:
+    """Put ``replacement`` where ``module``'s submodule called ``name`` (a dotted path) is."""
+    parent_name, _, attribute = name.rpartition(".")
+    setattr(module.get_submodule(parent_name) if parent_name else module, attribute, replacement)
 
 
 def _get_submodule(model: nn.Module, module_name: str) -> nn.Module:

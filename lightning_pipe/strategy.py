@@ -7,7 +7,6 @@ the steps, backward and the optimizer step, collectives, teardown.
 from __future__ import annotations
 
 from pathlib import Path
-from dataclasses import dataclass
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -44,13 +43,7 @@ from torchmetrics import Metric
 from lightning_pipe.config import CheckpointMode, PipelineParallelConfig, validate_checkpoint_mode
 from lightning_pipe.batchnorm import defer as defer_batch_norms
 from lightning_pipe.batchnorm import revert as revert_batch_norms
-from lightning_pipe.consolidate import (
-    global_group_names,
-    merge_optimizer_states,
-    name_optimizer_state,
-    parameter_names,
-    split_optimizer_state,
-)
+from lightning_pipe.consolidate import name_optimizer_state
 from lightning_pipe.engine import HandedOff, PipelineEngine
 from lightning_pipe.launch import (
     CheckedMultiProcessingLauncher,
@@ -63,7 +56,7 @@ from lightning_pipe.gradients import reduce_gradients
 from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
 from lightning_pipe.sharded import load as load_sharded
 from lightning_pipe.sharded import save as save_sharded
-from lightning_pipe.materialize import global_seed, holds_meta_tensors, mark_held_elsewhere, materialize
+from lightning_pipe.materialize import global_seed, holds_meta_tensors, materialize
 from lightning_pipe.mirror import (
     StepOutcome,
     adopt_random_states,
@@ -75,7 +68,7 @@ from lightning_pipe.mirror import (
     replay_logs,
 )
 from lightning_pipe.p2p import Link, PipelineCommunicationError, failed_wait
-from lightning_pipe.partition import find_pipelined_module, stage_ranges
+from lightning_pipe.partition import find_pipelined_module, replace_submodule, stage_ranges
 from lightning_pipe.stage import PipelineStage
 from lightning_pipe.balance import (
     Balance,
@@ -89,6 +82,15 @@ from lightning_pipe.balance import (
 from lightning_pipe.summary import StageSummary, build_stage_summary
 from lightning_pipe.timeline import StepTimeline
 from lightning_pipe.topology import PipelineLayout
+from lightning_pipe.whole_model import (
+    PipelinedModule,
+    group_names,
+    load_stage_optimizer_state,
+    load_stage_state_dict,
+    restore_whole_model,
+    whole_optimizer_state,
+    whole_state_dict,
+)
 
 if TYPE_CHECKING:  # imported when tracing starts, so that `python -m lightning_pipe.trace` finds it unimported
     from lightning_pipe.trace import PipelineTracer, StepObservation
@@ -208,7 +210,7 @@ class GPipeStrategy(ParallelStrategy):
         self._plan_module_name = ""
         self._tracer: PipelineTracer | None = None
         self._last_observation: StepObservation | None = None
-        self._pipelined: _Pipelined | None = None
+        self._pipelined: PipelinedModule | None = None
         self._failed = False
         self._ending_started_ranks = False
         self._deferred_batch_norm = deferred_batch_norm
@@ -373,6 +375,11 @@ class GPipeStrategy(ParallelStrategy):
     def _rank_of_stage(self, stage: int) -> int:
         return self.layout.rank(stage, self.layout.replica(self.global_rank))
 
+    @property
+    def _stage_ranks(self) -> list[int]:
+        """The global ranks of this rank's pipeline, by stage."""
+        return self.layout.pipeline_ranks(self.layout.replica(self.global_rank))
+
     # ---- model setup ---------------------------------------------------------------------------------------------
 
     def setup(self, trainer: Trainer) -> None:
@@ -447,13 +454,13 @@ class GPipeStrategy(ParallelStrategy):
         stage = PipelineStage(sequential, ranges[self.stage_index], self.stage_index, config.num_stages)
         whole_model_state = list(module.state_dict().keys())
         whole_model_parameters = [parameter_name for parameter_name, _ in module.named_parameters()]
-        _replace_submodule(module, name, stage)
+        replace_submodule(module, name, stage)
         # Built on the meta device: only what this rank runs becomes real (the stage, the replicated modules).
         self._deferred = self.reduce_boolean_decision(holds_meta_tensors(sequential), all=False)
         materialize(module, self.root_device, self.broadcast(global_seed()))
         if self._deferred_batch_norm:
             defer_batch_norms(stage)
-        self._pipelined = _Pipelined(name, sequential, ranges, whole_model_state, whole_model_parameters)
+        self._pipelined = PipelinedModule(name, sequential, ranges, whole_model_state, whole_model_parameters)
         stage_parameters = {id(p) for p in stage.parameters()}
         self._replicated = [p for p in module.parameters() if id(p) not in stage_parameters]
         rank_zero_info(str(self.stage_summary()))
@@ -835,7 +842,7 @@ class GPipeStrategy(ParallelStrategy):
         where a rank copies them out. Other checkpoint IO (remote paths, custom plugins) goes through Lightning's."""
         if is_sharded_checkpoint(checkpoint_path):
             assert self.lightning_module is not None
-            names = [self._group_names(optimizer) for optimizer in self.optimizers]
+            names = [group_names(self.lightning_module, optimizer) for optimizer in self.optimizers]
             return load_sharded(checkpoint_path, set(self.lightning_module.state_dict()), names)
         local_file = "://" not in str(checkpoint_path) and Path(checkpoint_path).is_file()
         default_io = type(self.checkpoint_io).load_checkpoint is TorchCheckpointIO.load_checkpoint
@@ -849,46 +856,31 @@ class GPipeStrategy(ParallelStrategy):
         assert module is not None
         if self._pipelined is None or checkpoint.get(SHARDED):
             return super().load_model_state_dict(checkpoint, strict=strict)  # a whole model, or this rank's share
-        saved = checkpoint["state_dict"]
-        if strict:
-            whole = set(self._pipelined.state_keys)
-            missing = [key for key in self._pipelined.state_keys if key not in saved]
-            unexpected = [key for key in saved if key not in whole]
-            if missing or unexpected:
-                raise RuntimeError(
-                    f"the checkpoint does not hold this model's weights: missing keys {missing[:5]}"
-                    f"{' ...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
-                    f"{' ...' if len(unexpected) > 5 else ''}; load a checkpoint of this model, or set"
-                    " `model.strict_loading = False` to load the keys that match."
-                )
-        module.load_state_dict({key: saved[key] for key in module.state_dict() if key in saved}, strict=False)
+        load_stage_state_dict(module, checkpoint["state_dict"], self._pipelined.state_keys, strict)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The whole model's state dict on the rank that writes checkpoints (global rank 0); a share elsewhere."""
         module = self.lightning_module
         assert module is not None
-        local = module.state_dict()
         if self._pipelined is None or self.layout.num_stages == 1 or self._save_distributed_checkpoint:
-            return local
-        stages = self._gather_to_last_stage(_to_cpu(local))
-        if stages is None:
-            return local
-        merged = {key: value for stage in stages for key, value in stage.items()}
-        return {key: merged[key] for key in self._pipelined.state_keys if key in merged}
+            return module.state_dict()
+        return whole_state_dict(
+            module, self._pipelined.state_keys, self._stage_ranks, self.global_rank, self._meta_group
+        )
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The whole model's optimizer state on the checkpoint writer, numbered as a single-device optimizer's."""
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
-        local = optimizer.state_dict()
+        module = self.lightning_module
         if self._pipelined is None or self.layout.num_stages == 1:
-            return local
+            return optimizer.state_dict()
+        assert module is not None
         if self._save_distributed_checkpoint:
-            return name_optimizer_state(local, self._group_names(optimizer))  # written by `save_checkpoint`
-        named = name_optimizer_state(_to_cpu(local), self._group_names(optimizer))
-        stages = self._gather_to_last_stage(named)
-        if stages is None:
-            return local
-        return merge_optimizer_states(stages, self._pipelined.parameter_order)
+            # written by `save_checkpoint`
+            return name_optimizer_state(optimizer.state_dict(), group_names(module, optimizer))
+        return whole_optimizer_state(
+            optimizer, module, self._pipelined.parameter_order, self._stage_ranks, self.global_rank, self._meta_group
+        )
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
@@ -903,30 +895,12 @@ class GPipeStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self._pipelined is None or self.layout.num_stages == 1 or checkpoint.get(SHARDED):
             return super().load_optimizer_state_dict(checkpoint)
-        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
-            local_names = self._group_names(optimizer)
-            every_stage: list[Any] = [None] * self.layout.num_stages
-            dist.all_gather_object(every_stage, local_names, group=self._meta_group)
-            groups = global_group_names(every_stage, self._pipelined.parameter_order)
-            local_state = split_optimizer_state(saved, groups, local_names)
-            # Copied out of the memory-mapped file: the optimizer would otherwise keep tensors backed by it.
-            optimizer.load_state_dict(apply_to_collection(local_state, Tensor, torch.clone))
-            _optimizers_to_device([optimizer], self.root_device)
-
-    def _group_names(self, optimizer: Optimizer) -> list[list[str]]:
         assert self.lightning_module is not None
-        names = parameter_names(self.lightning_module)
-        return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-
-    def _gather_to_last_stage(self, obj: Any) -> list[Any] | None:
-        """Every stage's ``obj`` on the last stage of this pipeline (in stage order); None elsewhere."""
-        last = self._rank_of_stage(self.layout.num_stages - 1)
-        gathered: list[Any] | None = [None] * self.layout.num_stages if self.global_rank == last else None
-        dist.gather_object(obj, gathered, dst=last, group=self._meta_group)
-        if gathered is None:
-            return None
-        # gather_object orders by rank within the group; the last stage holds the lowest rank.
-        return list(reversed(gathered))
+        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
+            load_stage_optimizer_state(
+                optimizer, saved, self.lightning_module, self._pipelined.parameter_order, self._meta_group,
+                self.root_device,
+            )
 
     # ---- collectives ---------------------------------------------------------------------------------------------
 
@@ -975,67 +949,14 @@ class GPipeStrategy(ParallelStrategy):
                 module.__dict__.pop(hook, None)
             revert_batch_norms(module)
             if self._pipelined is not None and not self._failed:
-                self._restore_whole_model(module)
+                restore_whole_model(
+                    module, self._pipelined, self._stage_ranks, self.global_rank, self._pipeline_group,
+                    self.root_device, self._deferred,
+                )
         self._wrapped_hooks = []
         self._pipelined = None
         with _meta_tensors_left_in_place(module):
             super().teardown()
-
-    def _restore_whole_model(self, module: LightningModule) -> None:
-        """Put the whole ``nn.Sequential`` back, every layer holding its stage's trained weights, on every rank.
-
-        The user's model object then holds the whole trained model after ``fit``, as on one device: for
-        ``trainer.test(model)``, ``torch.save(model.state_dict())`` and the spawn launcher, which copies rank 0's
-        weights into the launching process. A model built on the meta device comes whole to the last stage only.
-        """
-        assert self._pipelined is not None
-        if self._deferred:
-            self._gather_whole_model_to_last_stage()
-            _replace_submodule(module, self._pipelined.name, self._pipelined.sequential)
-            return
-        layers = list(self._pipelined.sequential)
-        with torch.no_grad():
-            for stage, layer_range in enumerate(self._pipelined.ranges):
-                owner = self._rank_of_stage(stage)
-                for index in layer_range:
-                    for tensor in layers[index].state_dict().values():
-                        buffer = tensor.to(self.root_device)
-                        dist.broadcast(buffer, src=owner, group=self._pipeline_group)
-                        tensor.copy_(buffer)
-        _replace_submodule(module, self._pipelined.name, self._pipelined.sequential)
-
-    def _gather_whole_model_to_last_stage(self) -> None:
-        """After a run of a model built on the meta device: the last stage (global rank 0 in the first pipeline)
-        receives every other stage's trained layers into host memory, layer by layer.
-
-        The launching process then holds the whole trained model, as on one device (for ``torch.save``,
-        ``trainer.test(model)`` and the spawn launcher), at the cost a consolidated checkpoint has anyway; the other
-        ranks never hold more than their stage. There the other stages' layers stay on the meta device, marked so
-        that a later setup does not re-initialise them as new.
-        """
-        assert self._pipelined is not None
-        layers = list(self._pipelined.sequential)
-        last_stage = self.layout.num_stages - 1
-        last = self._rank_of_stage(last_stage)
-        elsewhere = []
-        with torch.no_grad():
-            for stage, layer_range in enumerate(self._pipelined.ranges[:last_stage]):
-                owner = self._rank_of_stage(stage)
-                for index in layer_range:
-                    layer = layers[index]
-                    if self.stage_index == last_stage:
-                        layer.to_empty(device="cpu")
-                        for tensor in _own_tensors(layer):
-                            on_device = self.root_device.type != "cpu"
-                            buffer = torch.empty_like(tensor, device=self.root_device) if on_device else tensor
-                            dist.recv(buffer, src=owner, group=self._pipeline_group)
-                            tensor.copy_(buffer)
-                    elif stage == self.stage_index:
-                        for tensor in _own_tensors(layer):
-                            dist.send(tensor.to(self.root_device), dst=last, group=self._pipeline_group)
-                    else:
-                        elsewhere.append(layer)
-        mark_held_elsewhere(elsewhere)
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -1046,17 +967,6 @@ class GPipeStrategy(ParallelStrategy):
                 description=f"GPipe pipeline parallelism with start_method={start_method!r}",
                 start_method=start_method,
             )
-
-
-@dataclass
-class _Pipelined:
-    """The user's pipelined module as it was, kept to put it back after the run."""
-
-    name: str
-    sequential: nn.Sequential
-    ranges: list[range]
-    state_keys: list[str]  # the whole model's state-dict keys, in order
-    parameter_order: list[str]  # the whole model's parameter names, in order
 
 
 def _loss_value(output: Any) -> float | None:
@@ -1076,20 +986,6 @@ def _meta_tensors_left_in_place(module: nn.Module | None) -> Generator[None, Non
         yield
     finally:
         del module.cpu
-
-
-def _own_tensors(module: nn.Module) -> list[Tensor]:
-    """Every parameter and buffer of ``module`` (non-persistent buffers too), in an order all ranks agree on."""
-    return [tensor.detach() for tensor in [*module.parameters(), *module.buffers()]]
-
-
-def _to_cpu(value: Any) -> Any:
-    return apply_to_collection(value, Tensor, lambda t: t.detach().to("cpu"))
-
-
-def _replace_submodule(module: nn.Module, name: str, replacement: nn.Module) -> None:
-    parent_name, _, attribute = name.rpartition(".")
-    setattr(module.get_submodule(parent_name) if parent_name else module, attribute, replacement)
 
 
 def _require_automatic_optimization(module: LightningModule) -> None:

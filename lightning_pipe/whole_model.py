@@ -1,0 +1,226 @@
+"""The whole model from its stages: gathered for a consolidated checkpoint, split back when one loads, and put back
+together in the user's module after a run.
+
+A consolidated checkpoint holds the whole model, numbered as on one device, so it loads anywhere: the last stage of
+a pipeline (global rank 0 in the first) gathers every stage's weights and optimizer state and Lightning writes them.
+On load, each rank copies out only its stage's share (:mod:`lightning_pipe.consolidate` does the renumbering). After
+a run, the user's ``nn.Sequential`` goes back into the LightningModule holding every stage's trained weights.
+``stage_ranks`` is always this rank's pipeline, by stage: ``stage_ranks[-1]`` holds the last stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch import LightningModule
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_pipe.consolidate import (
+    global_group_names,
+    merge_optimizer_states,
+    name_optimizer_state,
+    parameter_names,
+    split_optimizer_state,
+)
+from lightning_pipe.materialize import mark_held_elsewhere
+from lightning_pipe.partition import replace_submodule
+
+
+@dataclass
+class PipelinedModule:
+    """The user's pipelined module as it was, kept to put it back after the run."""
+
+    name: str
+    sequential: nn.Sequential
+    ranges: list[range]
+    state_keys: list[str]  # the whole model's state-dict keys, in order
+    parameter_order: list[str]  # the whole model's parameter names, in order
+
+
+# ---- saving: the whole model on the last stage -------------------------------------------------------------------
+
+
+def whole_state_dict(
+    module: LightningModule,
+    state_keys: list[str],
+    stage_ranks: Sequence[int],
+    rank: int,
+    group: dist.ProcessGroup | None,
+) -> dict[str, Any]:
+    """The whole model's state dict on the last stage (keys in ``state_keys``' order); this stage's elsewhere."""
+    local = module.state_dict()
+    stages = _gather_to_last_stage(_to_cpu(local), stage_ranks, rank, group)
+    if stages is None:
+        return local
+    merged = {key: value for stage in stages for key, value in stage.items()}
+    return {key: merged[key] for key in state_keys if key in merged}
+
+
+def whole_optimizer_state(
+    optimizer: Optimizer,
+    module: LightningModule,
+    parameter_order: list[str],
+    stage_ranks: Sequence[int],
+    rank: int,
+    group: dist.ProcessGroup | None,
+) -> dict[str, Any]:
+    """The whole model's optimizer state on the last stage, numbered as a single-device optimizer's; this stage's
+    elsewhere."""
+    local = optimizer.state_dict()
+    named = name_optimizer_state(_to_cpu(local), group_names(module, optimizer))
+    stages = _gather_to_last_stage(named, stage_ranks, rank, group)
+    if stages is None:
+        return local
+    return merge_optimizer_states(stages, parameter_order)
+
+
+def group_names(module: LightningModule, optimizer: Optimizer) -> list[list[str]]:
+    """The names (in ``module``) of each of ``optimizer``'s parameter groups' parameters."""
+    names = parameter_names(module)
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+def _gather_to_last_stage(
+    obj: Any, stage_ranks: Sequence[int], rank: int, group: dist.ProcessGroup | None
+) -> list[Any] | None:
+    """Every stage's ``obj`` on the last stage of this pipeline (in stage order); None elsewhere."""
+    last = stage_ranks[-1]
+    gathered: list[Any] | None = [None] * len(stage_ranks) if rank == last else None
+    dist.gather_object(obj, gathered, dst=last, group=group)
+    if gathered is None:
+        return None
+    # gather_object orders by rank within the group; the last stage holds the lowest rank.
+    return list(reversed(gathered))
+
+
+# ---- loading: each stage's share ---------------------------------------------------------------------------------
+
+
+def load_stage_state_dict(
+    module: LightningModule, saved: Mapping[str, Any], state_keys: list[str], strict: bool
+) -> None:
+    """Copy this rank's weights (its stage's and the replicated modules') out of the whole model's state dict
+    ``saved``; with ``strict``, its keys must be the whole model's, ``state_keys``."""
+    if strict:
+        whole = set(state_keys)
+        missing = [key for key in state_keys if key not in saved]
+        unexpected = [key for key in saved if key not in whole]
+        if missing or unexpected:
+            raise RuntimeError(
+                f"the checkpoint does not hold this model's weights: missing keys {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
+                f"{' ...' if len(unexpected) > 5 else ''}; load a checkpoint of this model, or set"
+                " `model.strict_loading = False` to load the keys that match."
+            )
+    module.load_state_dict({key: saved[key] for key in module.state_dict() if key in saved}, strict=False)
+
+
+def load_stage_optimizer_state(
+    optimizer: Optimizer,
+    saved: Mapping[str, Any],
+    module: LightningModule,
+    parameter_order: list[str],
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> None:
+    """Load this stage's share of ``saved``, a consolidated optimizer state, into ``optimizer`` (a collective over
+    the pipeline's ``group``: every stage says which parameters its optimizer holds)."""
+    local_names = group_names(module, optimizer)
+    every_stage: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every_stage, local_names, group=group)
+    groups = global_group_names(every_stage, parameter_order)
+    local_state = split_optimizer_state(saved, groups, local_names)
+    # Copied out of the memory-mapped file: the optimizer would otherwise keep tensors backed by it.
+    optimizer.load_state_dict(apply_to_collection(local_state, Tensor, torch.clone))
+    _optimizers_to_device([optimizer], device)
+
+
+# ---- after the run: the whole model back in the user's module ----------------------------------------------------
+
+
+def restore_whole_model(
+    module: LightningModule,
+    pipelined: PipelinedModule,
+    stage_ranks: Sequence[int],
+    rank: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    deferred: bool,
+) -> None:
+    """Put the whole ``nn.Sequential`` back, every layer holding its stage's trained weights, on every rank.
+
+    The user's model object then holds the whole trained model after ``fit``, as on one device: for
+    ``trainer.test(model)``, ``torch.save(model.state_dict())`` and the spawn launcher, which copies rank 0's
+    weights into the launching process. A model built on the meta device (``deferred``) comes whole to the last
+    stage only.
+    """
+    if deferred:
+        _gather_whole_model_to_last_stage(pipelined, stage_ranks, rank, group, device)
+        replace_submodule(module, pipelined.name, pipelined.sequential)
+        return
+    layers = list(pipelined.sequential)
+    with torch.no_grad():
+        for stage, layer_range in enumerate(pipelined.ranges):
+            owner = stage_ranks[stage]
+            for index in layer_range:
+                for tensor in layers[index].state_dict().values():
+                    buffer = tensor.to(device)
+                    dist.broadcast(buffer, src=owner, group=group)
+                    tensor.copy_(buffer)
+    replace_submodule(module, pipelined.name, pipelined.sequential)
+
+
+def _gather_whole_model_to_last_stage(
+    pipelined: PipelinedModule,
+    stage_ranks: Sequence[int],
+    rank: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> None:
+    """After a run of a model built on the meta device: the last stage (global rank 0 in the first pipeline)
+    receives every other stage's trained layers into host memory, layer by layer.
+
+    The launching process then holds the whole trained model, as on one device (for ``torch.save``,
+    ``trainer.test(model)`` and the spawn launcher), at the cost a consolidated checkpoint has anyway; the other
+    ranks never hold more than their stage. There the other stages' layers stay on the meta device, marked so
+    that a later setup does not re-initialise them as new.
+    """
+    layers = list(pipelined.sequential)
+    last_stage = len(stage_ranks) - 1
+    last = stage_ranks[last_stage]
+    stage_index = stage_ranks.index(rank)
+    elsewhere = []
+    with torch.no_grad():
+        for stage, layer_range in enumerate(pipelined.ranges[:last_stage]):
+            owner = stage_ranks[stage]
+            for index in layer_range:
+                layer = layers[index]
+                if stage_index == last_stage:
+                    layer.to_empty(device="cpu")
+                    for tensor in _own_tensors(layer):
+                        on_device = device.type != "cpu"
+                        buffer = torch.empty_like(tensor, device=device) if on_device else tensor
+                        dist.recv(buffer, src=owner, group=group)
+                        tensor.copy_(buffer)
+                elif stage == stage_index:
+                    for tensor in _own_tensors(layer):
+                        dist.send(tensor.to(device), dst=last, group=group)
+                else:
+                    elsewhere.append(layer)
+    mark_held_elsewhere(elsewhere)
+
+
+def _own_tensors(module: nn.Module) -> list[Tensor]:
+    """Every parameter and buffer of ``module`` (non-persistent buffers too), in an order all ranks agree on."""
+    return [tensor.detach() for tensor in [*module.parameters(), *module.buffers()]]
+
+
+def _to_cpu(value: Any) -> Any:
+    return apply_to_collection(value, Tensor, lambda t: t.detach().to("cpu"))
