@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 CheckpointMode = Literal["always", "except_last", "never"]
 CHECKPOINT_MODES: tuple[str, ...] = get_args(CheckpointMode)
@@ -56,6 +57,22 @@ def ranges_from_sizes(sizes: list[int]) -> list[range]:
         ranges.append(range(start, start + size))
         start += size
     return ranges
+
+
+def counts_from_config(
+    config: PipelineParallelConfig | Mapping[str, Any], num_micro_batches: int | None
+) -> tuple[int | None, int | None]:
+    """``(num_stages, num_micro_batches)`` from a config object or mapping (a Hydra/OmegaConf node)."""
+    if num_micro_batches is not None:
+        raise ValueError("pass num_micro_batches inside the config, or pass both counts as plain integers, not both.")
+    if isinstance(config, PipelineParallelConfig):
+        return config.num_stages, config.num_micro_batches
+    unknown = set(config) - {"num_stages", "num_micro_batches"}
+    if unknown:
+        raise ValueError(
+            f"unknown pipeline config keys {sorted(unknown)}; a pipeline config holds num_stages and num_micro_batches."
+        )
+    return config.get("num_stages"), config.get("num_micro_batches")
 
 
 def validate_checkpoint_mode(mode: str) -> CheckpointMode:

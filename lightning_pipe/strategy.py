@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.optim import Optimizer
 from torchmetrics import Metric
 
-from lightning_pipe.config import CheckpointMode, PipelineParallelConfig, validate_checkpoint_mode
+from lightning_pipe.config import CheckpointMode, PipelineParallelConfig, counts_from_config, validate_checkpoint_mode
 from lightning_pipe.batchnorm import defer as defer_batch_norms
 from lightning_pipe.batchnorm import revert as revert_batch_norms
 from lightning_pipe.consolidate import name_optimizer_state
@@ -57,6 +57,7 @@ from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
 from lightning_pipe.sharded import load as load_sharded
 from lightning_pipe.sharded import save as save_sharded
 from lightning_pipe.materialize import global_seed, holds_meta_tensors, materialize
+from lightning_pipe.observe import make_tracer, observe_step
 from lightning_pipe.mirror import (
     StepOutcome,
     adopt_random_states,
@@ -79,7 +80,7 @@ from lightning_pipe.balance import (
     recompute_fraction,
     validate_balance,
 )
-from lightning_pipe.summary import StageSummary, build_stage_summary
+from lightning_pipe.summary import StageSummary, build_stage_summary, stage_devices
 from lightning_pipe.timeline import StepTimeline
 from lightning_pipe.topology import PipelineLayout
 from lightning_pipe.whole_model import (
@@ -176,7 +177,7 @@ class GPipeStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         if isinstance(num_stages, (PipelineParallelConfig, Mapping)):
-            num_stages, num_micro_batches = _counts_from_config(num_stages, num_micro_batches)
+            num_stages, num_micro_batches = counts_from_config(num_stages, num_micro_batches)
         # Validate what can be validated before any process starts.
         PipelineParallelConfig(
             num_stages if num_stages is not None else 1, num_micro_batches if num_micro_batches is not None else 1
@@ -473,7 +474,12 @@ class GPipeStrategy(ParallelStrategy):
             timeline=timeline,
             rendezvous=self._all_stages_call_the_model,
         )
-        self._tracer = self._make_tracer(timeline) if timeline.enabled and config.num_stages > 1 else None
+        self._tracer = None
+        if timeline.enabled and config.num_stages > 1:
+            trace_dir = self._trace_dir or Path(module.trainer.default_root_dir)
+            self._tracer = make_tracer(
+                timeline, self._meta_group, index, config.num_stages, self.global_rank, self._trace_steps, trace_dir
+            )
 
     def _check_every_rank_built_the_same_model(self, module: LightningModule) -> None:
         """Raise on every rank if the ranks' models differ in any state-dict entry's name, shape or dtype."""
@@ -540,13 +546,7 @@ class GPipeStrategy(ParallelStrategy):
             )
         ranks = self.layout.pipeline_ranks(0)
         assert self.parallel_devices is not None
-        num_processes = len(self.parallel_devices)
-        devices = [
-            str(self.parallel_devices[rank % num_processes])
-            if self.num_nodes == 1
-            else f"node {rank // num_processes} {self.parallel_devices[rank % num_processes]}"
-            for rank in ranks
-        ]
+        devices = stage_devices(ranks, self.parallel_devices, self.num_nodes)
         busy = self._last_observation.busy_seconds if self._last_observation is not None else None
         return build_stage_summary(
             self._plan,
@@ -561,46 +561,15 @@ class GPipeStrategy(ParallelStrategy):
             built_whole=not self._deferred,
         )
 
-    def _make_tracer(self, timeline: StepTimeline) -> PipelineTracer:
-        from lightning_pipe.trace import TRACE_FILE_NAME, PipelineTracer
-
-        assert self.lightning_module is not None
-        trace_dir = self._trace_dir or Path(self.lightning_module.trainer.default_root_dir)
-        return PipelineTracer(
-            timeline,
-            self._meta_group,
-            self.stage_index,
-            self.config.num_stages,
-            self.global_rank,
-            self._trace_steps,
-            trace_dir / TRACE_FILE_NAME,
-            writes=self.global_rank == 0,
-        )
-
     def _observe_step(self) -> None:
         """After a training step's backward: gather the stages' timelines when this step is logged (every
         ``log_every_n_steps``, as Lightning's own monitors do) or traced; log the bubble, write the trace."""
         module = self.lightning_module
         if self._tracer is None or module is None:
             return
-        trainer = module.trainer
-        step = trainer.global_step
-        logging = self._log_bubble_fraction and bool(trainer.loggers) and trainer._logger_connector.should_update_logs
-        if not (logging or step in self._tracer.trace_steps):
-            return
-        observation = self._tracer.observe(step)
-        if observation is None:
-            return
-        self._last_observation = observation
-        if logging:
-            # Straight to the loggers, like LearningRateMonitor: a diagnostic, not a metric that callbacks or the
-            # progress bar compare with single-device training.
-            metrics = {
-                "pipeline/bubble_fraction": observation.bubble_fraction,
-                "pipeline/ideal_bubble_fraction": observation.ideal_bubble_fraction,
-            }
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+        observation = observe_step(self._tracer, module.trainer, self._log_bubble_fraction)
+        if observation is not None:
+            self._last_observation = observation
 
     @property
     def last_observed_step(self) -> StepObservation | None:
@@ -995,19 +964,3 @@ def _require_automatic_optimization(module: LightningModule) -> None:
             " `self.manual_backward` cannot reach the other stages. Set `self.automatic_optimization = True` and"
             " return the loss from training_step."
         )
-
-
-def _counts_from_config(
-    config: PipelineParallelConfig | Mapping[str, Any], num_micro_batches: int | None
-) -> tuple[int | None, int | None]:
-    """``(num_stages, num_micro_batches)`` from a config object or mapping (a Hydra/OmegaConf node)."""
-    if num_micro_batches is not None:
-        raise ValueError("pass num_micro_batches inside the config, or pass both counts as plain integers, not both.")
-    if isinstance(config, PipelineParallelConfig):
-        return config.num_stages, config.num_micro_batches
-    unknown = set(config) - {"num_stages", "num_micro_batches"}
-    if unknown:
-        raise ValueError(
-            f"unknown pipeline config keys {sorted(unknown)}; a pipeline config holds num_stages and num_micro_batches."
-        )
-    return config.get("num_stages"), config.get("num_micro_batches")

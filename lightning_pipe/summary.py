@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 
 from lightning_pipe.balance import PartitionPlan, imbalance
@@ -149,6 +150,18 @@ def build_stage_summary(
         module_name, plan.method, num_micro_batches, checkpoint, rows, replicated_parameters, imbalance(totals), basis,
         saving,
     )
+
+
+def stage_devices(ranks: Sequence[int], node_devices: Sequence[torch.device], num_nodes: int) -> list[str]:
+    """The ``Device`` column: where each of ``ranks`` runs, with its node when there are several (every node runs
+    one rank per device of ``node_devices``)."""
+    num_processes = len(node_devices)
+    return [
+        str(node_devices[rank % num_processes])
+        if num_nodes == 1
+        else f"node {rank // num_processes} {node_devices[rank % num_processes]}"
+        for rank in ranks
+    ]
 
 
 def _layer_types(names: Sequence[str], limit: int = 40) -> str:

@@ -16,7 +16,7 @@ from lightning_pipe import GPipeStrategy, PipelineParallelConfig
 from lightning_pipe.balance import min_max_partition, plan_partition, stage_costs
 from lightning_pipe.config import ranges_from_sizes
 from lightning_pipe.profile import pipelined_input, profile_layers
-from lightning_pipe.summary import build_stage_summary
+from lightning_pipe.summary import build_stage_summary, stage_devices
 
 
 def brute_force_best(costs: list[float], num_stages: int) -> float:
@@ -164,6 +164,15 @@ def test_summary_reports_imbalance_of_the_split():
     text = str(summary)
     assert "Stage | Rank | Device | Layers" in text and "0-3" in text and "4-7" in text
     assert f"Imbalance (slowest stage / mean): {summary.imbalance:.2f} by parameters" in text
+
+
+def test_summary_names_the_node_of_each_stage_when_there_are_several():
+    cpus = [torch.device("cpu"), torch.device("cpu")]
+    assert stage_devices([1, 0], cpus, num_nodes=1) == ["cpu", "cpu"]
+    gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert stage_devices([3, 2, 1, 0], gpus, num_nodes=2) == [
+        "node 1 cuda:1", "node 1 cuda:0", "node 0 cuda:1", "node 0 cuda:0"
+    ]
 
 
 BALANCE_RUNS = [
