@@ -1,4 +1,4 @@
-"""Gradient reductions across processes, before the optimizer step.
+"""Gradients across processes, before the optimizer step: reductions, clipping by the global norm, overflow checks.
 
 Two reductions, both once per optimizer step (after gradient accumulation, like DDP's ``no_sync``):
 
@@ -7,13 +7,19 @@ Two reductions, both once per optimizer step (after gradient accumulation, like 
 * over the data-parallel replicas of a stage, every parameter averages the replicas' gradients.
 
 A parameter that no participating process used keeps ``grad=None``, as on one device, so optimizers skip it.
+
+Then every stage must decide as one device would: clipping by norm uses the norm of the whole model's gradient, and
+with a gradient scaler an overflow on one stage skips the step on all of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim import Optimizer
 
 
 def reduce_gradients(parameters: list[nn.Parameter], group: dist.ProcessGroup, average: bool) -> None:
@@ -32,3 +38,46 @@ def reduce_gradients(parameters: list[nn.Parameter], group: dist.ProcessGroup, a
         offset += g.numel()
     for p, g, users in zip(parameters, grads, flat[offset:].tolist()):
         p.grad = g if users > 0 else None
+
+
+def clip_grad_norm_over_pipeline(
+    parameters: Iterable[nn.Parameter],
+    replicated: list[nn.Parameter],
+    clip_val: float,
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> None:
+    """``clip_grad_norm_`` over the whole model: this stage's norm combined with the others' over the pipeline's
+    ``group``, the ``replicated`` parameters (identical on every stage after the gradient sum) counted once."""
+    replicated_ids = {id(p) for p in replicated}
+    params = [p for p in parameters if p.grad is not None]
+    own = [p.grad for p in params if id(p) not in replicated_ids]
+    shared = [p.grad for p in params if id(p) in replicated_ids]
+    zero = torch.zeros((), device=device)
+    own_sq = torch.nn.utils.get_total_norm(own).square() if own else zero
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(own_sq, group=group)
+    shared_sq = torch.nn.utils.get_total_norm(shared).square() if shared else zero
+    total_norm = (own_sq + shared_sq).sqrt()
+    torch.nn.utils.clip_grads_with_norm_([p for p in params], clip_val, total_norm)
+
+
+def agree_on_gradient_overflow(scaler: torch.amp.GradScaler, group: dist.ProcessGroup, device: torch.device) -> None:
+    """With a gradient scaler (``16-mixed``), an inf on one stage must skip the step on every stage, and every
+    stage's scale must change alike: share the overflow flag over the pipeline's ``group`` right after each stage
+    unscales its gradients."""
+    if "unscale_" in scaler.__dict__:
+        return
+    unscale = scaler.unscale_
+
+    def unscale_and_agree(optimizer: Optimizer) -> None:
+        unscale(optimizer)
+        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        flag = torch.zeros((), device=device)
+        for value in found.values():
+            flag = torch.maximum(flag, value.to(flag.device))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        for value in found.values():
+            value.copy_(flag)
+
+    scaler.unscale_ = unscale_and_agree  # type: ignore[method-assign]

@@ -52,7 +52,7 @@ from lightning_pipe.launch import (
     note_sigterm,
 )
 from lightning_pipe.fingerprint import different_models_message, fingerprint_digest, model_fingerprint
-from lightning_pipe.gradients import reduce_gradients
+from lightning_pipe.gradients import agree_on_gradient_overflow, clip_grad_norm_over_pipeline, reduce_gradients
 from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
 from lightning_pipe.sharded import load as load_sharded
 from lightning_pipe.sharded import save as save_sharded
@@ -408,7 +408,10 @@ class GPipeStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         # Clipping by norm must see the norm over all stages, not this stage's share of it.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
-        self._agree_on_gradient_overflow()
+        # With a gradient scaler (16-mixed), an overflow on one stage must skip the step on every stage.
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None and self.layout.num_stages > 1:
+            agree_on_gradient_overflow(scaler, self._pipeline_group, self.root_device)
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
@@ -424,26 +427,6 @@ class GPipeStrategy(ParallelStrategy):
         knows which of them are this rank's."""
         with torch.device("meta"):
             yield
-
-    def _agree_on_gradient_overflow(self) -> None:
-        """With a gradient scaler (``16-mixed``), an inf on one stage must skip the step on every stage, and every
-        stage's scale must change alike: share the overflow flag right after each stage unscales its gradients."""
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is None or self.layout.num_stages == 1 or "unscale_" in scaler.__dict__:
-            return
-        unscale = scaler.unscale_
-
-        def unscale_and_agree(optimizer: Optimizer) -> None:
-            unscale(optimizer)
-            found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-            flag = torch.zeros((), device=self.root_device)
-            for value in found.values():
-                flag = torch.maximum(flag, value.to(flag.device))
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pipeline_group)
-            for value in found.values():
-                value.copy_(flag)
-
-        scaler.unscale_ = unscale_and_agree
 
     def _partition(self, module: LightningModule) -> None:
         """Replace the pipelined ``nn.Sequential`` by this rank's :class:`PipelineStage` and build its engine."""
@@ -783,19 +766,9 @@ class GPipeStrategy(ParallelStrategy):
             reduce_gradients(trainable, self._replica_group, average=True)
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        """``clip_grad_norm_`` over the whole model: stage norms combined across the pipeline, replicated
-        parameters (identical on every stage after the gradient sum) counted once."""
-        replicated_ids = {id(p) for p in self._replicated}
-        params = [p for p in self.precision_plugin.main_params(optimizer) if p.grad is not None]
-        own = [p.grad for p in params if id(p) not in replicated_ids]
-        shared = [p.grad for p in params if id(p) in replicated_ids]
-        zero = torch.zeros((), device=self.root_device)
-        own_sq = torch.nn.utils.get_total_norm(own).square() if own else zero
-        if self.layout.num_stages > 1:
-            dist.all_reduce(own_sq, group=self._pipeline_group)
-        shared_sq = torch.nn.utils.get_total_norm(shared).square() if shared else zero
-        total_norm = (own_sq + shared_sq).sqrt()
-        torch.nn.utils.clip_grads_with_norm_([p for p in params], clip_val, total_norm)
+        """``clip_grad_norm_`` over the whole model (see :func:`clip_grad_norm_over_pipeline`)."""
+        params = self.precision_plugin.main_params(optimizer)
+        clip_grad_norm_over_pipeline(params, self._replicated, clip_val, self._pipeline_group, self.root_device)
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     # A checkpoint holds the whole model, numbered as on one device, so it loads anywhere. It is loaded after `setup`
