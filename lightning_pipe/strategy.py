@@ -1,7 +1,12 @@
 """``GPipeStrategy``: Lightning's bridge to the pipeline, from launch to optimizer step.
 
 Sections follow the order in which Lightning calls them: construction, launch, process groups, model setup,
-the steps, backward and the optimizer step, collectives, teardown.
+the steps, backward and the optimizer step, checkpoints, collectives, teardown. The work behind them lives in the
+modules named for it: :mod:`~lightning_pipe.launch` (starting and ending the ranks), :mod:`~lightning_pipe.engine`
+(running this rank's stage), :mod:`~lightning_pipe.mirror` (the last stage's step results on every stage),
+:mod:`~lightning_pipe.gradients` (reductions, clipping, overflow), :mod:`~lightning_pipe.whole_model` and
+:mod:`~lightning_pipe.sharded` (checkpoints, and the trained model after a run), :mod:`~lightning_pipe.observe`
+(the bubble and traces).
 """
 
 from __future__ import annotations
@@ -40,24 +45,29 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.optim import Optimizer
 from torchmetrics import Metric
 
-from lightning_pipe.config import CheckpointMode, PipelineParallelConfig, counts_from_config, validate_checkpoint_mode
+from lightning_pipe.balance import (
+    Balance,
+    PartitionPlan,
+    missing_sample_message,
+    needs_sample,
+    plan_partition,
+    recompute_fraction,
+    validate_balance,
+)
 from lightning_pipe.batchnorm import defer as defer_batch_norms
 from lightning_pipe.batchnorm import revert as revert_batch_norms
+from lightning_pipe.config import CheckpointMode, PipelineParallelConfig, counts_from_config, validate_checkpoint_mode
 from lightning_pipe.consolidate import name_optimizer_state
 from lightning_pipe.engine import HandedOff, PipelineEngine
+from lightning_pipe.fingerprint import different_models_message, fingerprint_digest, model_fingerprint
+from lightning_pipe.gradients import agree_on_gradient_overflow, clip_grad_norm_over_pipeline, reduce_gradients
 from lightning_pipe.launch import (
     CheckedMultiProcessingLauncher,
     CheckedSubprocessScriptLauncher,
     end_started_ranks_at_exit,
     note_sigterm,
 )
-from lightning_pipe.fingerprint import different_models_message, fingerprint_digest, model_fingerprint
-from lightning_pipe.gradients import agree_on_gradient_overflow, clip_grad_norm_over_pipeline, reduce_gradients
-from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
-from lightning_pipe.sharded import load as load_sharded
-from lightning_pipe.sharded import save as save_sharded
 from lightning_pipe.materialize import global_seed, holds_meta_tensors, materialize
-from lightning_pipe.observe import make_tracer, observe_step
 from lightning_pipe.mirror import (
     StepOutcome,
     adopt_random_states,
@@ -68,18 +78,13 @@ from lightning_pipe.mirror import (
     recording_logs,
     replay_logs,
 )
+from lightning_pipe.observe import make_tracer, observe_step
 from lightning_pipe.p2p import Link, PipelineCommunicationError, failed_wait
 from lightning_pipe.partition import find_pipelined_module, replace_submodule, stage_ranges
+from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
+from lightning_pipe.sharded import load as load_sharded
+from lightning_pipe.sharded import save as save_sharded
 from lightning_pipe.stage import PipelineStage
-from lightning_pipe.balance import (
-    Balance,
-    PartitionPlan,
-    missing_sample_message,
-    needs_sample,
-    plan_partition,
-    recompute_fraction,
-    validate_balance,
-)
 from lightning_pipe.summary import StageSummary, build_stage_summary, stage_devices
 from lightning_pipe.timeline import StepTimeline
 from lightning_pipe.topology import PipelineLayout
@@ -516,6 +521,43 @@ class GPipeStrategy(ParallelStrategy):
         assert decided is not None
         return decided
 
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _broadcast_replicated_state(self) -> None:
+        """Start identical where training keeps things identical: parameters outside the pipelined module on every
+        rank (from rank 0), and each stage's parameters and buffers on its replicas (from replica 0)."""
+        assert self._engine is not None
+        with torch.no_grad():
+            for tensor in self._replicated:
+                dist.broadcast(tensor.data, src=0)
+            if self.layout.num_replicas > 1:
+                source = self.layout.rank(self.stage_index, replica=0)
+                for tensor in [*self._engine.stage.parameters(), *self._engine.stage.buffers()]:
+                    dist.broadcast(tensor.data, src=source, group=self._replica_group)
+
+    def _sync_metrics_within_replicas(self, module: LightningModule) -> None:
+        """torchmetrics syncs over the whole world by default; only a stage's replicas hold the same metric."""
+        for metric in module.modules():
+            if isinstance(metric, Metric):
+                metric.process_group = self._replica_group
+
+    def _wrap_epoch_end_hooks(self, module: LightningModule) -> None:
+        """Run the user's epoch-end hooks on the last stage only, replaying what they log on the other stages."""
+        for hook in _EPOCH_END_HOOKS:
+            if hook in module.__dict__:
+                continue  # already wrapped by an earlier call with this model
+            user_hook = getattr(module, hook)
+
+            def wrapped(user_hook: Callable[[], None] = user_hook) -> None:
+                self._run_on_last_stage(user_hook)
+
+            setattr(module, hook, wrapped)
+            self._wrapped_hooks.append(hook)
+
+    # ---- what the pipeline reports -------------------------------------------------------------------------------
+
     def stage_summary(self) -> StageSummary:
         """The stage table printed at start-up: where each stage runs, its layers, parameters, profiled cost and,
         once a training step has run, its measured busy time; with the imbalance (slowest stage over the mean).
@@ -558,41 +600,6 @@ class GPipeStrategy(ParallelStrategy):
     def last_observed_step(self) -> StepObservation | None:
         """The bubble and the per-stage busy time of the last logged or traced training step, on every rank."""
         return self._last_observation
-
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
-
-    def _broadcast_replicated_state(self) -> None:
-        """Start identical where training keeps things identical: parameters outside the pipelined module on every
-        rank (from rank 0), and each stage's parameters and buffers on its replicas (from replica 0)."""
-        assert self._engine is not None
-        with torch.no_grad():
-            for tensor in self._replicated:
-                dist.broadcast(tensor.data, src=0)
-            if self.layout.num_replicas > 1:
-                source = self.layout.rank(self.stage_index, replica=0)
-                for tensor in [*self._engine.stage.parameters(), *self._engine.stage.buffers()]:
-                    dist.broadcast(tensor.data, src=source, group=self._replica_group)
-
-    def _sync_metrics_within_replicas(self, module: LightningModule) -> None:
-        """torchmetrics syncs over the whole world by default; only a stage's replicas hold the same metric."""
-        for metric in module.modules():
-            if isinstance(metric, Metric):
-                metric.process_group = self._replica_group
-
-    def _wrap_epoch_end_hooks(self, module: LightningModule) -> None:
-        """Run the user's epoch-end hooks on the last stage only, replaying what they log on the other stages."""
-        for hook in _EPOCH_END_HOOKS:
-            if hook in module.__dict__:
-                continue  # already wrapped by an earlier call with this model
-            user_hook = getattr(module, hook)
-
-            def wrapped(user_hook: Callable[[], None] = user_hook) -> None:
-                self._run_on_last_stage(user_hook)
-
-            setattr(module, hook, wrapped)
-            self._wrapped_hooks.append(hook)
 
     # ---- steps ---------------------------------------------------------------------------------------------------
 
@@ -817,8 +824,7 @@ class GPipeStrategy(ParallelStrategy):
         if self._pipelined is None or self.layout.num_stages == 1:
             return optimizer.state_dict()
         assert module is not None
-        if self._save_distributed_checkpoint:
-            # written by `save_checkpoint`
+        if self._save_distributed_checkpoint:  # written by `save_checkpoint`
             return name_optimizer_state(optimizer.state_dict(), group_names(module, optimizer))
         return whole_optimizer_state(
             optimizer, module, self._pipelined.parameter_order, self._stage_ranks, self.global_rank, self._meta_group
