@@ -17,11 +17,14 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
+import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +48,28 @@ class CheckedSubprocessScriptLauncher(ModelCheck, _SubprocessScriptLauncher):
 
 
 class CheckedMultiProcessingLauncher(ModelCheck, _MultiProcessingLauncher):
-    pass
+    def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: Trainer) -> None:
+        """Lightning loads rank 0's weights (the whole trained model) into the launching process's module leniently:
+        layers built in ``configure_model`` do not exist here, layers made under ``init_module(empty_init=True)``
+        are on the meta device, and either would silently stay so. Build the missing ones on the meta device and
+        take the trained tensors in place of the meta ones, so that this process holds the whole model as after a
+        fit on one device."""
+        module = trainer.lightning_module
+        if worker_output.weights_path is not None:
+            weights = self._strategy.checkpoint_io.load_checkpoint(worker_output.weights_path)
+            if set(weights) - set(module.state_dict()) and is_overridden("configure_model", module, LightningModule):
+                with torch.device("meta"):
+                    module.configure_model()
+            if any(t.is_meta for t in module.state_dict().values()):
+                module.load_state_dict(weights, strict=False, assign=True)
+                left = [name for name, t in module.state_dict().items() if t.is_meta]
+                if left:
+                    raise RuntimeError(
+                        f"after fit, {len(left)} tensors of the model ({left[0]}, ...) did not come back to the"
+                        " launching process; build them in __init__ or use the default start method"
+                        " (strategy='gpipe')"
+                    )
+        super()._recover_results_in_main_process(worker_output, trainer)
 
 
 def note_sigterm(

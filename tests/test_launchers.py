@@ -6,7 +6,12 @@ import pytest
 
 from helpers.compare import launch, merged_state_dict, relative_weight_error, single_device_run
 
-RUNS = [{"name": method, "num_micro_batches": 4, "start_method": method} for method in ("spawn", "fork")]
+# Models whose pipelined layers the launching process never held: built in configure_model, or created on the meta
+# device under init_module(empty_init=True).
+MODELS = {"classifier": {}, "deferred": {"model": "deferred"},
+          "empty_init": {"model": "resettable", "empty_init": True}}
+RUNS = [{"name": f"{method}_{model}", "num_micro_batches": 4, "start_method": method, **options}
+        for model, options in MODELS.items() for method in ("spawn", "fork")]
 
 
 @pytest.fixture(scope="module")
@@ -16,11 +21,13 @@ def launched(tmp_path_factory):
     return tmp
 
 
+@pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("method", ["spawn", "fork"])
-def test_launching_process_holds_the_whole_trained_model(launched, method):
+def test_launching_process_holds_the_whole_trained_model(launched, method, model):
+    run = f"{method}_{model}"
     # Only the launching process continues after fit: it is the one that wrote its state dict.
-    assert [p.name for p in (launched / method).glob("rank*.pt")] == ["rank0.pt"]
-    initial, expected, _ = single_device_run({})
-    actual = merged_state_dict(launched / method)
+    assert [p.name for p in (launched / run).glob("rank*.pt")] == ["rank0.pt"]
+    initial, expected, _ = single_device_run(MODELS[model])
+    actual = merged_state_dict(launched / run)
     assert actual.keys() == expected.keys()
     assert relative_weight_error(initial, expected, actual) < 1e-5

@@ -13,6 +13,8 @@ from lightning.pytorch import Trainer, seed_everything
 from torch.utils.data import DataLoader
 from lightning.pytorch.plugins import MixedPrecision
 
+import lightning_pipe
+
 from helpers.models import MODELS, loaders
 from helpers.recording import MetricRecorder
 
@@ -72,6 +74,9 @@ def single_device_run(run: dict) -> tuple[dict[str, torch.Tensor], dict[str, tor
     """Initial weights, final weights and recorded metrics of the same training on one device."""
     seed_everything(0)
     model = MODELS[run.get("model", "classifier")](lr=run.get("lr", 0.5))
+    model.configure_model()  # (a no-op unless the model builds its layers there)
+    if run.get("empty_init"):  # the weights the gpipe strategy gives a model created on the meta device
+        lightning_pipe.init_weights(model)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     train, val = loaders(run.get("train_samples", 80), run.get("val_samples", 40), run.get("batch_size", 16))
     if run.get("shuffled_like_distributed_sampler"):

@@ -8,6 +8,8 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_pipe
+
 
 class Component(nn.Module):
     """A model component holding the layers to pipeline in ``self.model``, with a reshape before the call."""
@@ -158,7 +160,27 @@ class DropoutClassifier(PipeClassifier):
         self.net.model[1] = nn.Sequential(nn.Tanh(), nn.Dropout(0.3))
 
 
-MODELS = {"dropout": DropoutClassifier, "synced": SyncedLogging, "batchnorm": BatchNormClassifier, "one_batchnorm": OneBatchNormClassifier, "classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "poisoned": PoisonedGradient}
+class ResettablePipeClassifier(PipeClassifier):
+    """Can be created on the meta device (``init_module(empty_init=True)``): its own parameter has an initialiser."""
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.input_scale)
+
+
+class DeferredPipeClassifier(PipeClassifier):
+    """Builds its pipelined layers in ``configure_model`` (the memory-efficient way), seeded per layer."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr)
+        self.net = None  # type: ignore[assignment]
+
+    def configure_model(self) -> None:
+        if self.net is None:  # Lightning calls it again for each trainer function
+            self.net = Component()
+            lightning_pipe.init_weights(self)  # seeded by each layer's name in the whole model
+
+
+MODELS = {"dropout": DropoutClassifier, "synced": SyncedLogging, "batchnorm": BatchNormClassifier, "one_batchnorm": OneBatchNormClassifier, "classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "poisoned": PoisonedGradient, "deferred": DeferredPipeClassifier, "resettable": ResettablePipeClassifier}
 
 
 class ProjectModule(LightningModule):

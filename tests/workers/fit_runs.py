@@ -6,6 +6,7 @@ Each run writes DIR/NAME/rank{R}.pt (the rank's state dict) and DIR/NAME/rank{R}
 
 import json
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,8 +37,6 @@ def drop_gradient_of(micro_batch):
 def main(spec_path):
     spec = json.loads(Path(spec_path).read_text())
     for run in spec["runs"]:
-        seed_everything(0)
-        model = MODELS[run.get("model", "classifier")](lr=run.get("lr", 0.5))
         train, val = loaders(
             run.get("train_samples", 80), run.get("val_samples", 40), run.get("batch_size", 16), run.get("shuffle", False)
         )
@@ -61,6 +60,9 @@ def main(spec_path):
             **run.get("trainer", {}),
         plugins=[MixedPrecision("16-mixed", "cpu")] if run.get("fp16") else None,
         )
+        seed_everything(0)
+        with trainer.init_module(empty_init=True) if run.get("empty_init") else nullcontext():
+            model = MODELS[run.get("model", "classifier")](lr=run.get("lr", 0.5))
         trainer.fit(model, train, val)
         if restore:
             restore()
