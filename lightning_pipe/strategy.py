@@ -11,11 +11,12 @@ modules named for it: :mod:`~lightning_pipe.launch` (starting and ending the ran
 
 from __future__ import annotations
 
-from pathlib import Path
+import warnings
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -37,6 +38,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -102,6 +104,8 @@ if TYPE_CHECKING:  # imported when tracing starts, so that `python -m lightning_
     from lightning_pipe.trace import PipelineTracer, StepObservation
 
 _OUTSIDE_STEP_TIMEOUT = timedelta(seconds=60)
+# Lightning's warning for epoch-level values logged without sync_dist=True under a distributed run.
+_SYNC_DIST_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)"
 
 # LightningModule hooks whose user code consumes step results, so they run where those results are: on the last
 # stage. Whatever they log is replayed on the other stages.
@@ -396,6 +400,9 @@ class GPipeStrategy(ParallelStrategy):
         connector._sigterm_notifier_fn = partial(  # type: ignore[method-assign]
             note_sigterm, trainer, self.launcher, self.cluster_environment, self.global_rank
         )
+        if not self.is_distributed:
+            # Every stage holds the last stage's logged values: Lightning's advice to synchronise them is moot.
+            warnings.filterwarnings("ignore", _SYNC_DIST_ADVICE, PossibleUserWarning)
         module = self.lightning_module
         if trainer.state.fn == TrainerFn.FITTING:
             _require_automatic_optimization(module)

@@ -17,8 +17,15 @@ RUNS = [{"name": f"{method}_{model}", "num_micro_batches": 4, "start_method": me
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("launchers")
-    launch("fit_runs.py", {"devices": 2, "out": str(tmp), "runs": RUNS}, tmp)
+    result = launch("fit_runs.py", {"devices": 2, "out": str(tmp), "runs": RUNS}, tmp)
+    (tmp / "stderr.txt").write_text(result.stderr)
     return tmp
+
+
+def test_no_advice_to_synchronise_values_every_stage_already_holds(launched):
+    """One pipeline is not data-parallel: Lightning's advice to log epoch values with sync_dist=True is moot (the
+    model logs val_loss on epoch level without it) and must not be printed."""
+    assert "sync_dist=True" not in (launched / "stderr.txt").read_text()
 
 
 @pytest.mark.parametrize("model", list(MODELS))
