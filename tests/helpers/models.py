@@ -8,8 +8,6 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_pipe
-
 
 class Component(nn.Module):
     """A model component holding the layers to pipeline in ``self.model``, with a reshape before the call."""
@@ -176,6 +174,8 @@ class DeferredPipeClassifier(PipeClassifier):
 
     def configure_model(self) -> None:
         if self.net is None:  # Lightning calls it again for each trainer function
+            import lightning_pipe  # here: loading a checkpoint of the other models must not need it
+
             self.net = Component()
             lightning_pipe.init_weights(self)  # seeded by each layer's name in the whole model
 
