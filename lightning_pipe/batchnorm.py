@@ -65,7 +65,8 @@ def defer(module: nn.Module) -> list[DeferredBatchNorm]:
             device = child.weight.device if child.weight is not None else child.running_mean.device
             child.register_buffer("_deferred_sum", torch.zeros(features, device=device), persistent=False)
             child.register_buffer("_deferred_squares", torch.zeros(features, device=device), persistent=False)
-            child.register_buffer("_deferred_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+            count = torch.zeros((), dtype=torch.int64, device=device)
+            child.register_buffer("_deferred_count", count, persistent=False)
             child.__class__ = _deferred_classes[base]
             converted.append(child)
     return converted

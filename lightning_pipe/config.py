@@ -76,7 +76,7 @@ def counts_from_config(
 
 
 def validate_checkpoint_mode(mode: str) -> CheckpointMode:
-    """Return ``mode`` if it is a known activation-checkpointing mode, else raise a ``ValueError`` naming the choices."""
+    """``mode`` if it is a known activation-checkpointing mode; else a ``ValueError`` naming the choices."""
     if mode not in CHECKPOINT_MODES:
         raise ValueError(
             f"checkpoint={mode!r} is not a checkpoint mode; use one of {', '.join(map(repr, CHECKPOINT_MODES))}"

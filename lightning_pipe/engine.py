@@ -213,7 +213,9 @@ class PipelineEngine:
         chunks = microbatch.split(value, self.num_micro_batches)
         is_tuple = isinstance(value, tuple)
         where = "the input of the pipelined module"
-        outputs = [self._run(microbatch.as_tensors(chunk, where), is_tuple, m, len(chunks)) for m, chunk in enumerate(chunks)]
+        outputs = [
+            self._run(microbatch.as_tensors(chunk, where), is_tuple, m, len(chunks)) for m, chunk in enumerate(chunks)
+        ]
         return microbatch.join(outputs)
 
     def _forward_first(self, value: Activation) -> None:

@@ -49,4 +49,5 @@ class PipelineStage(nn.Module):
         return self._engine.forward(value)
 
     def extra_repr(self) -> str:
-        return f"stage={self.stage_index}/{self.num_stages}, layers={self.layer_range.start}..{self.layer_range.stop - 1}"
+        layers = f"{self.layer_range.start}..{self.layer_range.stop - 1}"
+        return f"stage={self.stage_index}/{self.num_stages}, layers={layers}"

@@ -228,8 +228,9 @@ class GPipeStrategy(ParallelStrategy):
         self._save_distributed_checkpoint = save_distributed_checkpoint
         if self._mesh_order not in (("pp", "dp"), ("dp", "pp")):
             raise ValueError(
-                f"mesh_order={mesh_order!r} must be ('pp', 'dp') (pipeline outermost: a replica's gradient all-reduce"
-                " stays among neighbouring ranks, one node) or ('dp', 'pp') (a pipeline's stages on neighbouring ranks)."
+                f"mesh_order={mesh_order!r} must be ('pp', 'dp') (pipeline outermost: a replica's gradient"
+                " all-reduce stays among neighbouring ranks, one node) or ('dp', 'pp') (a pipeline's stages on"
+                " neighbouring ranks)."
             )
         self._deferred = False  # the pipelined module was built on the meta device (see `model_sharded_context`)
 
@@ -382,9 +383,6 @@ class GPipeStrategy(ParallelStrategy):
         assert self._mesh is not None
         return self._mesh.get_group("pp")
 
-    def _rank_of_stage(self, stage: int) -> int:
-        return self.layout.rank(stage, self.layout.replica(self.global_rank))
-
     @property
     def _stage_ranks(self) -> list[int]:
         """The global ranks of this rank's pipeline, by stage."""
@@ -493,7 +491,7 @@ class GPipeStrategy(ParallelStrategy):
     def _link(self, stage: int) -> Link:
         assert self._meta_group is not None
         return Link(
-            self._rank_of_stage(stage), self._pipeline_group, self._meta_group, self.root_device,
+            self._stage_ranks[stage], self._pipeline_group, self._meta_group, self.root_device,
             stage=self.stage_index, peer_stage=stage, timeout=self._timeout,
         )
 
@@ -700,7 +698,7 @@ class GPipeStrategy(ParallelStrategy):
     def _share_last_output(self, output: Any) -> Any:
         """Broadcast the last stage's output of a call made outside a step to every stage of its pipeline."""
         holder = [apply_to_collection(output, Tensor, lambda t: t.to("cpu"))]
-        dist.broadcast_object_list(holder, src=self._rank_of_stage(self.layout.num_stages - 1), group=self._meta_group)
+        dist.broadcast_object_list(holder, src=self._stage_ranks[-1], group=self._meta_group)
         return apply_to_collection(holder[0], Tensor, lambda t: t.to(self.root_device))
 
     def _share_outcome(self, outcome: StepOutcome) -> StepOutcome:
@@ -711,7 +709,7 @@ class GPipeStrategy(ParallelStrategy):
             outcome.random_states = random_states(self.root_device)
         holder = [outcome]
         try:
-            dist.broadcast_object_list(holder, src=self._rank_of_stage(self.layout.num_stages - 1), group=self._meta_group)
+            dist.broadcast_object_list(holder, src=self._stage_ranks[-1], group=self._meta_group)
         except RuntimeError as error:
             raise self._outcome_not_shared(error) from error
         outcome = holder[0]
@@ -730,7 +728,7 @@ class GPipeStrategy(ParallelStrategy):
         if self.stage_index == last:
             waited = "sending the step's results (loss, logs) to the other stages"
             return failed_wait(me, waited, "another stage of its pipeline", self._timeout, error)
-        peer = f"stage {last} (rank {self._rank_of_stage(last)})"
+        peer = f"stage {last} (rank {self._stage_ranks[last]})"
         return failed_wait(me, "waiting for the last stage's step results (loss, logs)", peer, self._timeout, error)
 
     # ---- backward and optimizer step -----------------------------------------------------------------------------
