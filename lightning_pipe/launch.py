@@ -26,6 +26,8 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_pipe.materialize import holds_meta_tensors
+
 log = logging.getLogger(__name__)
 
 # After a failed run, how long the ranks a popen launch started may take to exit on their own before they are killed.
@@ -53,22 +55,24 @@ class CheckedMultiProcessingLauncher(ModelCheck, _MultiProcessingLauncher):
         layers built in ``configure_model`` do not exist here, layers made under ``init_module(empty_init=True)``
         are on the meta device, and either would silently stay so. Build the missing ones on the meta device and
         take the trained tensors in place of the meta ones, so that this process holds the whole model as after a
-        fit on one device."""
-        module = trainer.lightning_module
-        if worker_output.weights_path is not None:
-            weights = self._strategy.checkpoint_io.load_checkpoint(worker_output.weights_path)
+        fit on one device. The weights are loaded here, once; Lightning does the rest of its recovery."""
+        path = worker_output.weights_path
+        if path is not None:
+            module = trainer.lightning_module
+            weights = self._strategy.checkpoint_io.load_checkpoint(path)
             if set(weights) - set(module.state_dict()) and is_overridden("configure_model", module, LightningModule):
                 with torch.device("meta"):
                     module.configure_model()
-            if any(t.is_meta for t in module.state_dict().values()):
-                module.load_state_dict(weights, strict=False, assign=True)
+            deferred = holds_meta_tensors(module)
+            module.load_state_dict(weights, strict=False, assign=deferred)
+            if deferred and holds_meta_tensors(module):
                 left = [name for name, t in module.state_dict().items() if t.is_meta]
-                if left:
-                    raise RuntimeError(
-                        f"after fit, {len(left)} tensors of the model ({left[0]}, ...) did not come back to the"
-                        " launching process; build them in __init__ or use the default start method"
-                        " (strategy='gpipe')"
-                    )
+                raise RuntimeError(
+                    f"after fit, {len(left)} tensors of the model ({left[0]}, ...) did not come back to the"
+                    " launching process; build them in __init__ or use the default start method (strategy='gpipe')"
+                )
+            self._strategy.checkpoint_io.remove_checkpoint(path)
+            worker_output = worker_output._replace(weights_path=None)
         super()._recover_results_in_main_process(worker_output, trainer)
 
 

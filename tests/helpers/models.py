@@ -37,15 +37,17 @@ class PipeClassifier(LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.net(x * self.input_scale))
 
+    sync_dist = False  # whether the logged values are averaged over data-parallel replicas
+
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = F.cross_entropy(self(x), y)
-        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_loss", loss, prog_bar=not self.sync_dist, sync_dist=self.sync_dist)
         return loss
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        self.log("val_loss", F.cross_entropy(self(x), y))
+        self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=self.sync_dist)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
@@ -139,15 +141,7 @@ class OneBatchNormClassifier(BatchNormClassifier):
 class SyncedLogging(PipeClassifier):
     """Logs the loss averaged over data-parallel replicas, as a data-parallel project does."""
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self(x), y)
-        self.log("train_loss", loss, sync_dist=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True)
+    sync_dist = True
 
 
 class DropoutClassifier(PipeClassifier):
