@@ -38,6 +38,17 @@ def gpipe_actions(num_micro_batches: int, *, training: bool = True) -> list[Acti
     return forwards + [Action("backward", m) for m in reversed(range(num_micro_batches))]
 
 
+def recomputes(mode: str, micro_batch: int, num_micro_batches: int) -> bool:
+    """Whether micro-batch ``micro_batch`` re-computes its forward in backward under the activation re-computation
+    ``mode`` (the public ``checkpoint`` option): ``"always"``; ``"except_last"``, every micro-batch but the last,
+    whose backward comes first, so its activations would be freed soonest anyway; ``"never"``."""
+    if mode == "always":
+        return True
+    if mode == "except_last":
+        return micro_batch < num_micro_batches - 1
+    return False
+
+
 def clock_cycles(num_stages: int, num_micro_batches: int) -> list[list[Action | None]]:
     """The ideal timeline: ``timeline[stage][tick]`` is the action running then, or ``None`` for a bubble.
 
