@@ -34,8 +34,12 @@ from helpers.compare import REPO, WORKERS, launch
 from helpers.models import ProjectModule
 from lightning_pipe import GPipeStrategy
 from lightning_pipe.engine import PipelineEngine
+from lightning_pipe.groups import PipelineGroups
 from lightning_pipe.p2p import ACTIVATION, Header, TensorMeta, failed_wait
-from lightning_pipe.stage import PipelineStage
+from lightning_pipe.runtime import StageRuntime
+from lightning_pipe.schedule import gpipe
+from lightning_pipe.stage import StageLayers
+from lightning_pipe.topology import PipelineLayout
 
 FAULT_TO_EXIT_LIMIT_S = 60  # the issue's bound: every process gone this long after the fault
 MARKER_VARIABLE = "LIGHTNING_PIPE_RELIABILITY_RUN"
@@ -464,12 +468,17 @@ def test_nan_loss_trains_on_as_on_one_device(pooled_runs):
 def test_pipelined_module_called_twice_in_a_step_names_the_fix():
     """One pipelined call per step (checked on every stage before anything is sent; here on a single stage)."""
     layers = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
-    stage = PipelineStage(layers, range(2), stage_index=0, num_stages=1)
-    engine = PipelineEngine(stage, 2, "never", previous=None, next=None, share_last_output=lambda output: output)
-    with engine.user_step():
+    stage = StageLayers(layers, range(2), stage_index=0, num_stages=1)
+    engine = PipelineEngine(stage, 2, "never", previous=None, next=None, schedule=gpipe)
+    alone = PipelineGroups(PipelineLayout(1), 0, torch.device("cpu"), None, None, None, None)  # no process groups
+    runtime = StageRuntime(alone, engine, stage)
+
+    def step_calling_twice():
         stage(torch.zeros(4, 4))
-        with pytest.raises(RuntimeError, match="called twice in one step; .* Call it once \\(concatenate inputs"):
-            stage(torch.zeros(4, 4))
+        stage(torch.zeros(4, 4))
+
+    with pytest.raises(RuntimeError, match="called twice in one step; .* Call it once \\(concatenate inputs"):
+        runtime.forward_step(step_calling_twice)
 
 
 def test_tensor_dtype_that_cannot_travel_names_the_fix():
