@@ -1,8 +1,8 @@
-"""One training step of lightning_pipe's engine without Lightning: what the strategy does per batch, nothing more.
+"""One training step of lightning_pipe's runtime without Lightning: what the strategy does per batch, nothing more.
 
-The engine is built as ``GPipeStrategy._partition`` builds it (a :class:`PipelineStage` holding this rank's layers,
-:class:`Link` objects to the neighbours, ranks laid out by :class:`PipelineLayout`), and one step is driven as
-``GPipeStrategy.backward`` drives it.
+The stage is built as ``GPipeStrategy._partition`` builds it (:class:`StageLayers` holding this rank's layers, the
+groups of :func:`init_pipeline_groups`, a :class:`PipelineEngine` running the GPipe schedule, a
+:class:`StageRuntime` playing this rank's role), and one step is driven as ``GPipeStrategy.backward`` drives it.
 """
 
 from __future__ import annotations
@@ -12,52 +12,38 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_pipe.config import CheckpointMode, PipelineParallelConfig
-from lightning_pipe.engine import HandedOff, PipelineEngine
+from lightning_pipe.engine import PipelineEngine
+from lightning_pipe.groups import init_pipeline_groups
 from lightning_pipe.microbatch import Activation
-from lightning_pipe.p2p import Link
-from lightning_pipe.stage import PipelineStage
+from lightning_pipe.runtime import StageRuntime
+from lightning_pipe.schedule import gpipe
+from lightning_pipe.stage import StageLayers
 from lightning_pipe.topology import PipelineLayout
 
 
 class EngineStep:
-    """This rank's stage of ``sequential`` split over every rank of ``group``, and its training step."""
+    """This rank's stage of ``sequential`` split over every rank of the (initialised) default group, and its step."""
 
-    def __init__(
-        self,
-        sequential: nn.Sequential,
-        num_micro_batches: int,
-        checkpoint: CheckpointMode,
-        group: dist.ProcessGroup,
-    ) -> None:
-        num_stages = dist.get_world_size(group)
-        layout = PipelineLayout(num_stages)
-        ranks = dist.get_process_group_ranks(group)
-        index = layout.stage(dist.get_rank(group))
-        ranges = PipelineParallelConfig(num_stages, num_micro_batches).split_into_stages(len(sequential))
-        self.stage = PipelineStage(sequential, ranges[index], index, num_stages)
-
-        def link(stage: int) -> Link:
-            return Link(ranks[layout.rank(stage)], group, group, next(sequential.parameters()).device)
-
-        previous = link(index - 1) if index > 0 else None
-        following = link(index + 1) if index < num_stages - 1 else None
-        self.engine = PipelineEngine(
-            self.stage, num_micro_batches, checkpoint, previous, following, _no_call_outside_a_step
+    def __init__(self, sequential: nn.Sequential, num_micro_batches: int, checkpoint: CheckpointMode) -> None:
+        num_stages = dist.get_world_size()
+        device = next(sequential.parameters()).device
+        groups = init_pipeline_groups(
+            PipelineLayout(num_stages), dist.get_rank(), device, dist.get_backend(), None, ("pp", "dp")
         )
+        index = groups.stage
+        ranges = PipelineParallelConfig(num_stages, num_micro_batches).split_into_stages(len(sequential))
+        self.stage = StageLayers(sequential, ranges[index], index, num_stages)
+        self.engine = PipelineEngine(
+            self.stage, num_micro_batches, checkpoint,
+            previous=groups.link(index - 1) if not groups.is_first else None,
+            next=groups.link(index + 1) if not groups.is_last else None,
+            schedule=gpipe,
+        )
+        self.runtime = StageRuntime(groups, self.engine, self.stage)
 
     def stage_forward(self, x: Tensor) -> Activation | None:
         """The pipelined call of one step on this stage: the joined output on the last stage, else ``None``."""
-        engine = self.engine
-        with engine.user_step():
-            if engine.is_first and not engine.is_last:
-                try:
-                    engine.forward(x)
-                except HandedOff:
-                    return None
-            if engine.is_last:
-                return engine.forward(x)
-            engine.relay()
-            return None
+        return self.runtime.forward_step(lambda: self.stage(x))
 
     def forward(self, x: Tensor, target: Tensor) -> Tensor | None:
         """The forward of every micro-batch; the last stage returns the loss on the joined output."""
@@ -65,19 +51,14 @@ class EngineStep:
         return F.mse_loss(output, target) if isinstance(output, Tensor) else None
 
     def backward(self, loss: Tensor | None) -> None:
-        engine = self.engine
-        if engine.is_last:
+        runtime = self.runtime
+        if runtime.holds_loss:
             assert loss is not None
             loss.backward()
-            if not engine.is_first:
-                engine.finish_last_backward()
         else:
-            engine.backward()
+            runtime.backward_from_next_stage()
+        runtime.end_backward()
 
     def step(self, x: Tensor, target: Tensor) -> None:
         """Forward and backward of one mini-batch (gradients accumulate in the stage's parameters)."""
         self.backward(self.forward(x, target))
-
-
-def _no_call_outside_a_step(output: Activation | None) -> Activation:
-    raise RuntimeError("the benchmark calls the pipelined module only inside a step")

@@ -71,7 +71,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     m = work.reference_micro_batches
     world = dist.group.WORLD
     x, target = make_batch(work)
-    steps = {mode: EngineStep(make_stack(work), m, mode, world) for mode in MODES}
+    steps = {mode: EngineStep(make_stack(work), m, mode) for mode in MODES}
     result: dict[str, Any] = {"modes": MODES, "micro_batches": m, "stage": next(iter(steps.values())).stage.stage_index}
     for mode, step in steps.items():
         step.step(x, target)  # warm-up: gradients allocated, lazy state built

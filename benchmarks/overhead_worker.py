@@ -60,7 +60,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _plain_loop(work: Workload, m: int, loader: DataLoader) -> list[float]:
-    step = EngineStep(make_stack(work), m, "never", dist.group.WORLD)
+    step = EngineStep(make_stack(work), m, "never")
     optimizer = torch.optim.SGD(step.stage.parameters(), lr=LEARNING_RATE)
     ends = []
     dist.barrier()

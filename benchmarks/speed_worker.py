@@ -30,7 +30,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     def one_process(size: int) -> Callable[[], None]:
         return lambda: F.mse_loss(whole(x[:size]), target[:size]).backward()
 
-    ours = {m: EngineStep(make_stack(work), m, "never", world) for m in work.micro_batches}
+    ours = {m: EngineStep(make_stack(work), m, "never") for m in work.micro_batches}
     theirs = {m: PeerStep(make_stack(work), m, world) for m in work.micro_batches}
     # Each entry: a name, how to time one step, and the list its measurements go to.
     runs: list[tuple[str, Callable[[], float], list[float]]] = [
