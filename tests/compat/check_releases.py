@@ -70,7 +70,7 @@ def installed_versions(python: Path) -> dict[str, str]:
     return dict(line.split() for line in output.splitlines())
 
 
-def test_counts(pytest_output: str) -> dict[str, int]:
+def pytest_counts(pytest_output: str) -> dict[str, int]:
     """The counts of pytest's closing line (`3 failed, 69 passed, 12 warnings in 140.2s`)."""
     closing = pytest_output.strip().splitlines()[-1] if pytest_output.strip() else ""
     counts = {word: int(number) for number, word in re.findall(r"(\d+) (passed|failed|errors?|skipped)", closing)}
@@ -80,36 +80,43 @@ def test_counts(pytest_output: str) -> dict[str, int]:
 
 def check(release: ReleaseSet, envs: Path, keep: bool) -> dict[str, str]:
     """One table row: what pip installed, whether installing this package kept it, and what the tests did."""
-    venv, log_path = envs / release.name, envs / f"{release.name}.log"
+    venv = envs / release.name
     shutil.rmtree(venv, ignore_errors=True)
+    try:
+        with open(envs / f"{release.name}.log", "w") as log:
+            print(f"[{release.name}] building {venv} (log: {log.name})", flush=True)
+            row = check_in(venv, release, log)
+    finally:
+        if not keep:
+            shutil.rmtree(venv, ignore_errors=True)
+    print(f"[{release.name}] {row['passed']} passed, {row['failed']} failed", flush=True)
+    return row
+
+
+def check_in(venv: Path, release: ReleaseSet, log) -> dict[str, str]:
     row = {"set": release.name, "date": datetime.date.today().isoformat()}
     environment = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    with open(log_path, "w") as log:
-        print(f"[{release.name}] building {venv} (log: {log_path})", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        python = venv / "bin" / "python"
-        pip = [str(python), "-m", "pip", "install"]
-        stack = run(pip + [f"torch=={release.torch}", f"lightning=={release.lightning}"], log, env=environment)
-        if stack.returncode != 0:
-            return row | {"installed": "install failed, see the log", "kept": "-", "passed": "0", "failed": "-"}
-        before = installed_versions(python)
-        package = run(pip + ["-e", f"{ROOT}[test]"], log, env=environment)
-        after = installed_versions(python)
-        changed = [f"{name} {before[name]} → {after[name]}" for name in STACK if before[name] != after[name]]
-        row["installed"] = ", ".join(f"{name} {after[name]}" for name in STACK)
-        row["kept"] = "yes" if package.returncode == 0 and not changed else "NO: " + (", ".join(changed) or "failed")
-        print(f"[{release.name}] {row['installed']}; installing lightning-pipe kept them: {row['kept']}", flush=True)
-        start = time.monotonic()
-        tests = run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", *TESTS], log,
-                    env=environment, cwd=ROOT)
-        counts = test_counts(tests.stdout)
-        row |= {"passed": str(counts.get("passed", 0)), "failed": str(counts["failed"]),
-                "minutes": f"{(time.monotonic() - start) / 60:.1f}"}
-        if tests.returncode not in (0, 1):  # 1: some tests failed (counted); anything else: pytest itself failed
-            row["failed"] += f" (pytest exit {tests.returncode})"
-        print(f"[{release.name}] {row['passed']} passed, {row['failed']} failed", flush=True)
-    if not keep:
-        shutil.rmtree(venv)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    pip = [str(python), "-m", "pip", "install"]
+    stack = run(pip + [f"torch=={release.torch}", f"lightning=={release.lightning}"], log, env=environment)
+    if stack.returncode != 0:
+        return row | {"installed": "install failed, see the log", "kept": "-", "passed": "0", "failed": "-"}
+    before = installed_versions(python)
+    package = run(pip + ["-e", f"{ROOT}[test]"], log, env=environment)
+    after = installed_versions(python)
+    changed = [f"{name} {before[name]} → {after[name]}" for name in STACK if before[name] != after[name]]
+    row["installed"] = ", ".join(f"{name} {after[name]}" for name in STACK)
+    row["kept"] = "yes" if package.returncode == 0 and not changed else "NO: " + (", ".join(changed) or "failed")
+    print(f"[{release.name}] {row['installed']}; installing lightning-pipe kept them: {row['kept']}", flush=True)
+    start = time.monotonic()
+    tests = run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", *TESTS], log,
+                env=environment, cwd=ROOT)
+    counts = pytest_counts(tests.stdout)
+    row |= {"passed": str(counts.get("passed", 0)), "failed": str(counts["failed"]),
+            "minutes": f"{(time.monotonic() - start) / 60:.1f}"}
+    if tests.returncode not in (0, 1):  # 1: some tests failed (counted); anything else: pytest itself failed
+        row["failed"] += f" (pytest exit {tests.returncode})"
     return row
 
 
