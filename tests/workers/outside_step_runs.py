@@ -15,9 +15,9 @@ from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 
 import lightning_pipe  # noqa: E402
 from helpers.models import PipeClassifier, loaders  # noqa: E402
-from lightning_pipe import strategy as strategy_module  # noqa: E402
+from lightning_pipe import runtime as runtime_module  # noqa: E402
 
-strategy_module._OUTSIDE_STEP_TIMEOUT = timedelta(seconds=5)  # the test need not wait the default minute
+runtime_module._OUTSIDE_STEP_TIMEOUT = timedelta(seconds=5)  # the test need not wait the default minute
 
 
 class CallsTheModel(Callback):
