@@ -77,7 +77,7 @@ def test_default_run_trains_two_stages_with_progress_bar_and_summary(single_run)
     assert report["num_stages"] == 2 and report["num_micro_batches"] == 8 and report["steps"] == 4
     assert report["val_loss"] < math.log(256)  # better than guessing bytes uniformly
     assert report["samples_per_second"] > 0
-    # Lightning's progress bar: tqdm's "Epoch 0: 100%" or, when `rich` is installed, RichProgressBar's "Epoch 0/0 ... 4/4"
+    # Lightning's progress bar: tqdm's "Epoch 0: 100%" or, when `rich` is installed, RichProgressBar's "Epoch 0/-2 ━━━ 4/4"
     assert re.search(r"Epoch 0(: 100%|/-?\d+ .* 4/4)", result.stdout), result.stdout
     summary = result.stdout[result.stdout.index("Summary: 2 stage(s)") :]
     assert f"final val_loss    {report['val_loss']:.4f}" in summary
