@@ -11,10 +11,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_pipe.config import CheckpointMode, PipelineParallelConfig
+from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.engine import HandedOff, PipelineEngine
 from lightning_pipe.microbatch import Activation
 from lightning_pipe.p2p import Link
+from lightning_pipe.settings import RecomputeMode
 from lightning_pipe.stage import PipelineStage
 from lightning_pipe.topology import PipelineLayout
 
@@ -26,7 +27,7 @@ class EngineStep:
         self,
         sequential: nn.Sequential,
         num_micro_batches: int,
-        checkpoint: CheckpointMode,
+        checkpoint: RecomputeMode,
         group: dist.ProcessGroup,
     ) -> None:
         num_stages = dist.get_world_size(group)

@@ -30,12 +30,12 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_pipe import microbatch
 from lightning_pipe.batchnorm import DeferredBatchNorm
-from lightning_pipe.config import CheckpointMode
 from lightning_pipe.microbatch import Activation
 from lightning_pipe.p2p import ACTIVATION, SKIP, Header, Link, PendingHeader, PostedTensors, TensorMeta
 from lightning_pipe.schedule import gpipe_actions
+from lightning_pipe.settings import RecomputeMode
 from lightning_pipe.stage import PipelineStage
-from lightning_pipe.timeline import BACKWARD, FORWARD, SEND, WAIT, Stamp, StepTimeline
+from lightning_pipe.trace.timeline import BACKWARD, FORWARD, SEND, WAIT, Stamp, StepTimeline
 
 
 class HandedOff(BaseException):
@@ -84,7 +84,7 @@ class PipelineEngine:
         self,
         stage: PipelineStage,
         num_micro_batches: int,
-        checkpoint_mode: CheckpointMode,
+        checkpoint_mode: RecomputeMode,
         previous: Link | None,
         next: Link | None,
         share_last_output: Callable[[Activation | None], Activation],

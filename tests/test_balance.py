@@ -13,8 +13,7 @@ from torch import nn
 from helpers.compare import launch
 from helpers.models import PipeClassifier
 from lightning_pipe import GPipeStrategy, PipelineParallelConfig
-from lightning_pipe.balance import min_max_partition, plan_partition, stage_costs
-from lightning_pipe.config import ranges_from_sizes
+from lightning_pipe.balance import min_max_partition, plan_partition, ranges_from_sizes, stage_costs
 from lightning_pipe.profile import pipelined_input, profile_layers
 from lightning_pipe.summary import build_stage_summary, stage_devices
 
@@ -157,7 +156,7 @@ def test_summary_reports_imbalance_of_the_split():
     model = Wrapper(unbalanced_layers())
     config = PipelineParallelConfig(num_stages=2, num_micro_batches=2)
     plan = plan_partition(model, model.layers, config, [4, 4])
-    summary = build_stage_summary(plan, "layers", [1, 0], ["cpu", "cpu"], 64, 2, "never", 0.0)
+    summary = build_stage_summary(plan, "layers", [1, 0], ["cpu", "cpu"], 64, 2, "never")
     wide = 4 * (32 * 512 + 512 + 512 * 32 + 32)
     assert [row.parameters for row in summary.rows] == [wide, 4 * (32 * 32 + 32)]
     assert summary.imbalance == pytest.approx(wide / ((wide + 4 * 1056) / 2))
