@@ -118,7 +118,10 @@ def validate_strategy_config(strategy: Mapping[str, Any], key: str = "strategy")
         raise ValueError(
             f"{key}.{unknown[0]} is not a GPipeStrategy setting; the settings are {', '.join(known[1:])}."
         )
-    return PipelineSettings.from_options(strategy, key=f"{key}.").pipeline_config(num_processes=1)
+    settings = PipelineSettings.from_options(strategy, key=f"{key}.")
+    if settings.num_stages is None:  # the schema's default is 2; only a node made by hand can lack it
+        raise ValueError(f"{key}.num_stages is missing; set it to the number of pipeline stages.")
+    return settings.pipeline_config(num_processes=settings.num_stages)
 
 
 def _check_process_count(trainer: Mapping[str, Any], num_stages: int) -> None:

@@ -48,6 +48,7 @@ from torch.optim import Optimizer
 from torchmetrics import Metric
 
 from lightning_pipe.balance import (
+    Balance,
     PartitionPlan,
     check_one_count_per_stage,
     needs_sample,
@@ -82,15 +83,15 @@ from lightning_pipe.mirror import (
 )
 from lightning_pipe.p2p import Link, PipelineCommunicationError, failed_wait
 from lightning_pipe.partition import find_pipelined_module, replace_submodule
+from lightning_pipe.settings import PipelineSettings, RecomputeMode, check_process_count
 from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
 from lightning_pipe.sharded import load as load_sharded
-from lightning_pipe.settings import PipelineSettings, RecomputeMode, check_process_count
 from lightning_pipe.sharded import save as save_sharded
 from lightning_pipe.stage import PipelineStage
 from lightning_pipe.summary import StageSummary, build_stage_summary, stage_devices
+from lightning_pipe.topology import PipelineLayout
 from lightning_pipe.trace.timeline import StepTimeline
 from lightning_pipe.trace.tracer import TRACE_FILE_NAME, PipelineTracer, StepObservation, observe_step
-from lightning_pipe.topology import PipelineLayout
 from lightning_pipe.whole_model import (
     PipelinedModule,
     group_names,
