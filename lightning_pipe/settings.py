@@ -45,7 +45,7 @@ class PipelineSettings:
     recompute: RecomputeMode = "except_last"  # the public option `checkpoint`
     balance: list[int] | BalanceMode | None = None
     module_name: str | None = None
-    sample: Any = field(default=None, compare=False)
+    sample: Any = field(default=None, compare=False, repr=False)
     trace_steps: tuple[int, ...] = ()
     trace_dir: Path | None = None
     log_bubble_fraction: bool = True

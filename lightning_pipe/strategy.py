@@ -134,7 +134,8 @@ class GPipeStrategy(ParallelStrategy):
         sample: an input of the LightningModule's ``forward`` (as ``example_input_array``, which is used when this
             is ``None``) to profile the layers with for ``balance="time"`` or ``"memory"``.
         trace_steps: training steps (``trainer.global_step`` values) whose timeline of every stage is written as a
-            Chrome trace to ``trace_dir/gpipe_trace.json`` (see :mod:`lightning_pipe.trace`).
+            Chrome trace to ``trace_dir/gpipe_trace.json``, whose absolute path is printed when it is first written
+            (see :mod:`lightning_pipe.trace`).
         trace_dir: where the trace goes; defaults to the Trainer's ``default_root_dir``.
         log_bubble_fraction: send ``pipeline/bubble_fraction`` (the measured idle share of a step's compute window)
             and ``pipeline/ideal_bubble_fraction`` (``(S-1)/(M+S-1)``) to the loggers every ``log_every_n_steps``.

@@ -119,7 +119,7 @@ class PipelineTracer:
             observation = StepObservation(
                 step,
                 bubble_fraction(extents),
-                ideal_bubble_fraction(self.num_stages, max(m, 1)),
+                ideal_bubble_fraction(self.num_stages, m),
                 [0.0 if math.isnan(row[4]) else row[4] for row in rows],
             )
         if step in self.trace_steps and observation is not None:
