@@ -31,7 +31,7 @@ PROFILED_MODES = ("time", "memory")
 Balance = Union[Sequence[int], BalanceMode, None]
 
 
-# ---- the split -----------------------------------------------------------------------------------------------------
+# ---- the split -------------------------------------------------------------------------------------------------------
 
 
 def split_evenly(num_layers: int, num_stages: int) -> list[range]:
@@ -103,6 +103,9 @@ def check_one_count_per_stage(
         )
 
 
+# ---- balancing by a cost per layer -----------------------------------------------------------------------------------
+
+
 def min_max_partition(costs: Sequence[float], num_stages: int) -> list[int]:
     """Layers per stage of the contiguous split of ``costs`` into ``num_stages`` non-empty stages whose most
     expensive stage is cheapest.
@@ -171,6 +174,9 @@ def imbalance(stage_totals: Sequence[float]) -> float:
     than a balanced one with the same total work (ignoring the bubble)."""
     mean = sum(stage_totals) / len(stage_totals)
     return max(stage_totals) / mean if mean > 0 else 1.0
+
+
+# ---- the plan every rank applies -------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

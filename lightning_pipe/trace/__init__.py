@@ -26,6 +26,7 @@ __all__ = ["TracedStep", "chrome_trace", "main", "render_png", "write_chrome_tra
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """The command line: ``python -m lightning_pipe.trace render TRACE.json OUT.png [--title TITLE]``."""
     parser = argparse.ArgumentParser(prog="python -m lightning_pipe.trace", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     render = commands.add_parser("render", help="draw a trace file as a PNG Gantt chart")
