@@ -32,8 +32,8 @@ from torch import Tensor, nn
 
 from launch import launch
 from lightning_pipe import GPipeStrategy
-from lightning_pipe.balance import min_max_partition, stage_costs
-from lightning_pipe.config import PipelineParallelConfig, ranges_from_sizes
+from lightning_pipe.balance import min_max_partition, ranges_from_sizes, stage_costs
+from lightning_pipe.config import PipelineParallelConfig
 from report import markdown_table, verdict
 from stack import he_block, repeated_batch_loader
 from summarize import median, median_ratio

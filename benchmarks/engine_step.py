@@ -11,12 +11,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_pipe.config import CheckpointMode, PipelineParallelConfig
+from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.engine import PipelineEngine
 from lightning_pipe.groups import init_pipeline_groups
 from lightning_pipe.microbatch import Activation
 from lightning_pipe.runtime import StageRuntime
 from lightning_pipe.schedule import gpipe
+from lightning_pipe.settings import RecomputeMode
 from lightning_pipe.stage import StageLayers
 from lightning_pipe.topology import PipelineLayout
 
@@ -24,7 +25,7 @@ from lightning_pipe.topology import PipelineLayout
 class EngineStep:
     """This rank's stage of ``sequential`` split over every rank of the (initialised) default group, and its step."""
 
-    def __init__(self, sequential: nn.Sequential, num_micro_batches: int, checkpoint: CheckpointMode) -> None:
+    def __init__(self, sequential: nn.Sequential, num_micro_batches: int, checkpoint: RecomputeMode) -> None:
         num_stages = dist.get_world_size()
         device = next(sequential.parameters()).device
         groups = init_pipeline_groups(

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, Trainer
 
 if TYPE_CHECKING:
-    from lightning_pipe.trace import StepObservation
+    from lightning_pipe.trace.tracer import StepObservation
 
 
 def timed(step: Callable[[], object], group: dist.ProcessGroup | None = None) -> float:

@@ -119,7 +119,7 @@ def test_summary_says_what_deferred_construction_would_save():
     plan = plan_partition(nn.Module(), sequential, PipelineParallelConfig(4, 4), None)
     stage_bytes = [sum(p.numel() * 4 for i in r for p in sequential[i].parameters()) for r in plan.ranges]
     kwargs = dict(plan=plan, module_name="layers", ranks=[3, 2, 1, 0], devices=["cpu"] * 4, replicated_parameters=0,
-                  num_micro_batches=4, checkpoint="except_last", recompute_fraction=0.75)
+                  num_micro_batches=4, recompute="except_last")
     whole = str(build_stage_summary(**kwargs, built_whole=True))
     said = re.search(r"building it in configure_model\(\) would save up to ([\d.]+) MB of parameters per rank", whole)
     assert said, whole

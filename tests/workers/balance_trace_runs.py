@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 import lightning_pipe  # noqa: E402
 from helpers.models import PipeClassifier, loaders  # noqa: E402
-from lightning_pipe import trace  # noqa: E402
+from lightning_pipe.trace import tracer  # noqa: E402
 
 
 class BubbleRecorder(Callback):
@@ -41,7 +41,7 @@ def main(spec_path):
         out = Path(spec["out"]) / run["name"]
         # Each rank pretends to be on its own host: clocks are then aligned by ping-pong, as across machines.
         host = f"host{os.environ.get('LOCAL_RANK', '0')}" if run.get("one_host_per_rank") else os.uname().nodename
-        trace.socket.gethostname = lambda host=host: host
+        tracer.socket.gethostname = lambda host=host: host
         seed_everything(0)
         model = PipeClassifier(depth=run.get("depth", 8))
         if run.get("example_input_array", True):

@@ -19,7 +19,7 @@ import torch
 
 FORWARD = "forward"
 BACKWARD = "backward"
-RECOMPUTE = "recompute"  # nested inside a backward: the forward run again by activation checkpointing
+RECOMPUTE = "recompute"  # nested inside a backward: the forward run again to re-compute its activations
 SEND = "send"  # posting a send; the transfer itself completes asynchronously
 WAIT = "wait"  # from asking for a micro-batch's activations (or gradients) until they are there
 KINDS = (FORWARD, BACKWARD, RECOMPUTE, SEND, WAIT)
@@ -46,7 +46,7 @@ class StepTimeline:
     """The intervals of this stage in the current step. One per process, owned by the strategy, fed by the engine.
 
     ``offset`` is subtracted from every time read, so that the timelines of all ranks share one clock (see
-    :func:`lightning_pipe.trace.align_clocks`).
+    :func:`lightning_pipe.trace.tracer.align_clocks`).
     """
 
     def __init__(self, device: torch.device, enabled: bool = True) -> None:
@@ -81,17 +81,13 @@ class StepTimeline:
         if self.enabled:
             self._records.append((kind, micro_batch, start, self.now()))
 
-    def add_between(self, kind: str, micro_batch: int, start: Stamp, end: Stamp) -> None:
-        if self.enabled:
-            self._records.append((kind, micro_batch, start, end))
-
     @contextlib.contextmanager
     def recomputing(self, micro_batch: int) -> Iterator[None]:
         """Records the re-computation of ``micro_batch`` (entered by ``torch.utils.checkpoint`` in backward)."""
         start = self.now()
         try:
             yield
-        finally:  # checkpoint stops the re-computation early by raising once every saved tensor exists again
+        finally:  # torch's checkpoint stops the re-computation early by raising once every saved tensor exists again
             self.add(RECOMPUTE, micro_batch, start)
 
     def intervals(self) -> list[Interval]:
