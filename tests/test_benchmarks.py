@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers.launch import REPO, run_python
 
 
 def test_quick_benchmarks_write_every_section(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )
+    result = run_python(REPO / "benchmarks" / "run.py", "--quick", "--out", tmp_path, cwd=tmp_path, check=False)
     assert result.returncode == 0, f"benchmarks failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
     report = json.loads((tmp_path / "benchmarks.json").read_text())
     markdown = (tmp_path / "benchmarks.md").read_text()
