@@ -67,7 +67,8 @@ def run_with_faults(
     tmp_path: Path, devices: int, faults: list[dict], launcher: str = "gpipe", timeout_s: float | None = None,
     **spec_items,
 ) -> FaultRun:
-    """Launch ``reliability_faults_worker.py`` under ``launcher`` (``gpipe``, ``gpipe_spawn`` or ``torchrun``) and watch it end."""
+    """Launch ``reliability_faults_worker.py`` under ``launcher`` (``gpipe``, ``gpipe_spawn`` or ``torchrun``) and
+    watch it end."""
     spec = {"devices": devices, "out": str(tmp_path), "faults": faults, "timeout_s": timeout_s,
             "strategy": "gpipe_spawn" if launcher == "gpipe_spawn" else "gpipe", **spec_items}
     run = launch_marked("reliability_faults_worker.py", spec, tmp_path,

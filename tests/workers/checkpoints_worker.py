@@ -1,6 +1,7 @@
 """Worker: train, or resume from a checkpoint, under the gpipe strategy; each rank saves its final weights.
 
-Usage: python checkpoints_worker.py SPEC.json   (SPEC: {"devices": N, "out": DIR, "epochs": E, "ckpt_path": PATH or null})
+Usage: python checkpoints_worker.py SPEC.json
+SPEC: {"devices": N, "out": DIR, "epochs": E, "ckpt_path": PATH or null}
 """
 
 import json

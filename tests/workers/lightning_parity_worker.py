@@ -1,6 +1,7 @@
 """Worker: the Lightning-parity scenarios under the gpipe strategy; each rank saves what it saw.
 
-Usage: python lightning_parity_worker.py SPEC.json   (SPEC: {"devices": N, "out": DIR, "runs": [{"name":..., "scheduler":...}]})
+Usage: python lightning_parity_worker.py SPEC.json
+SPEC: {"devices": N, "out": DIR, "runs": [{"name":..., "scheduler":...}]}
 """
 
 import json
