@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers.compare import launch
+from helpers.launch import launch
 from helpers.models import PipeClassifier
 from lightning_pipe import GPipeStrategy, PipelineParallelConfig
 from lightning_pipe.balance import min_max_partition, plan_partition, ranges_from_sizes, recompute_fraction, stage_costs
@@ -217,7 +217,7 @@ BALANCE_RUNS = [
 @pytest.fixture(scope="module")
 def balanced_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("balance")
-    launch("balance_trace_runs.py", {"devices": 2, "out": str(tmp), "runs": BALANCE_RUNS}, tmp)
+    launch("balance_trace_worker.py", {"devices": 2, "out": str(tmp), "runs": BALANCE_RUNS}, tmp)
     return tmp
 
 

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torchmetrics import MeanMetric
 
-from helpers.compare import launch
 from helpers.deferred_models import DEPTH, DeferredClassifier, EagerClassifier, fit, layers
+from helpers.launch import launch
 from lightning_pipe import GPipeStrategy, PipelineParallelConfig, init_weights
 from lightning_pipe.balance import plan_partition
 from lightning_pipe.materialize import holds_meta_tensors, layer_seed, mark_held_elsewhere, materialize
@@ -135,7 +135,7 @@ def two_stages(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("memory2")
     runs = [{"name": "deferred"}, {"name": "init_module", "model": "init_module"}, {"name": "eager", "model": "eager"},
             {"name": "profiled", "balance": "time", "fails": True}]
-    launch("memory_setup_runs.py", {"devices": 2, "out": str(tmp), "runs": runs}, tmp)
+    launch("memory_setup_worker.py", {"devices": 2, "out": str(tmp), "runs": runs}, tmp)
     return {run["name"]: ranks(tmp / run["name"], 2) for run in runs}
 
 
@@ -144,7 +144,7 @@ def four_stages(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("memory4")
     last = str(tmp / "deferred" / "ckpt" / "last.ckpt")  # written by the first run, after its one epoch
     runs = [{"name": "deferred"}, {"name": "resumed", "epochs": 2, "ckpt_path": last}]
-    launch("memory_setup_runs.py", {"devices": 4, "out": str(tmp), "runs": runs}, tmp)
+    launch("memory_setup_worker.py", {"devices": 4, "out": str(tmp), "runs": runs}, tmp)
     return {run["name"]: ranks(tmp / run["name"], 4) for run in runs} | {"checkpoint": last}
 
 

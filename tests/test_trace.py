@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import pytest
 
-from helpers.compare import launch
+from helpers.launch import launch
 from lightning_pipe.schedule import clock_cycles, ideal_bubble_fraction
 from lightning_pipe.trace.timeline import BACKWARD, FORWARD, RECOMPUTE, Interval, bubble_fraction, stage_extent
 from lightning_pipe.trace import TracedStep, chrome_trace, main, write_chrome_trace
@@ -60,7 +60,7 @@ LAUNCH = {
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trace")
-    result = launch("balance_trace_runs.py", {**LAUNCH, "out": str(tmp)}, tmp)
+    result = launch("balance_trace_worker.py", {**LAUNCH, "out": str(tmp)}, tmp)
     (tmp / "output.txt").write_text(result.stdout + result.stderr)
     return tmp
 

@@ -1,6 +1,6 @@
 """Worker: train with a last checkpoint at every epoch end and have one rank killed mid-epoch; or resume that run.
 
-Usage: python crash_resume_runs.py SPEC.json
+Usage: python reliability_crash_worker.py SPEC.json
 SPEC: {"devices": N, "out": DIR, "epochs": E, "mode": "crash" | "resume", "kill": {"epoch": e, "batch": b}}
 
 ``crash`` trains into DIR/ckpt until the rank holding the first pipelined layer (the first stage) SIGKILLs itself
@@ -16,16 +16,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
 
-import torch  # noqa: E402
-from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from torch import nn  # noqa: E402
-
-import lightning_pipe  # noqa: E402
-from helpers.models import ProjectModule  # noqa: E402
-from helpers.scenarios import data  # noqa: E402
+import lightning_pipe
+from helpers.models import ProjectModule
+from helpers.scenarios import data
 
 
 def kill_inside(layer: nn.Module, model: LightningModule, epoch: int, batch: int, out: Path) -> None:

@@ -1,6 +1,6 @@
 """Worker: a callback calls the model outside a step, on every rank or (wrongly) on rank 0 only.
 
-Usage: python outside_step_runs.py SPEC.json   (SPEC: {"out": DIR, "where": "everywhere" | "rank_zero"})
+Usage: python outside_step_worker.py SPEC.json   (SPEC: {"out": DIR, "where": "everywhere" | "rank_zero"})
 """
 
 import json
@@ -8,14 +8,12 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
 
-import torch  # noqa: E402
-from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
-
-import lightning_pipe  # noqa: E402
-from helpers.models import PipeClassifier, loaders  # noqa: E402
-from lightning_pipe import runtime as runtime_module  # noqa: E402
+import lightning_pipe
+from helpers.models import PipeClassifier, loaders
+from lightning_pipe import runtime as runtime_module
 
 runtime_module._OUTSIDE_STEP_TIMEOUT = timedelta(seconds=5)  # the test need not wait the default minute
 

@@ -1,6 +1,6 @@
 """Worker: several `Trainer.fit` runs with the gpipe strategy in one launch, results written per rank.
 
-Usage: python fit_runs.py SPEC.json   (SPEC: {"devices": N, "out": DIR, "runs": [{"name": ..., ...}, ...]})
+Usage: python fits_worker.py SPEC.json   (SPEC: {"devices": N, "out": DIR, "runs": [{"name": ..., ...}, ...]})
 Each run writes DIR/NAME/rank{R}.pt (the rank's state dict) and DIR/NAME/rank{R}.json (losses, metrics).
 """
 
@@ -9,16 +9,14 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
+import torch
 from lightning.pytorch import Trainer, seed_everything
-from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
+from lightning.pytorch.plugins import MixedPrecision
 
-import lightning_pipe  # noqa: E402
-from helpers.models import MODELS, loaders  # noqa: E402
-from helpers.recording import MetricRecorder  # noqa: E402
-from lightning_pipe import engine  # noqa: E402
+import lightning_pipe
+from helpers.models import MODELS, loaders
+from helpers.recording import MetricRecorder
+from lightning_pipe import engine
 
 
 def drop_gradient_of(micro_batch):

@@ -1,7 +1,7 @@
-"""Worker for the speed benchmarks: one process, lightning_pipe's engine and the peer, measured in one launch.
+"""One rank of the speed sections (pipeline, peer): lightning_pipe's engine and the peer, measured in one launch.
 
 Every configuration takes one step per round, in turn, so that drift on a shared machine hits them all alike; the
-first ``warmup`` rounds are discarded; the sections summarise the rest (see :mod:`summarize`).
+first ``warmup`` rounds are discarded; the sections summarise the rest (see :mod:`harness.summarize`).
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from typing import Any
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from engine_step import EngineStep
-from peer_step import PeerStep
-from stack import make_batch, make_stack
-from timing import timed, timed_on
-from workload import Workload
+from harness.rank import run_rank
+from harness.stack import make_batch, make_stack
+from harness.timing import timed, timed_on
+from harness.workload import Workload
+from ranks.engine_step import EngineStep
+from ranks.peer_step import PeerStep
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
@@ -51,3 +52,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             if round_index >= work.warmup:
                 samples.append(elapsed)
     return {name: samples for name, _, samples in runs}
+
+
+if __name__ == "__main__":
+    run_rank(measure)

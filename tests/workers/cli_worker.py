@@ -1,14 +1,9 @@
 """A LightningCLI script, as a user would write one; the strategy is chosen on the command line."""
 
-import sys
-from pathlib import Path
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.cli import LightningCLI
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from lightning.pytorch import LightningDataModule  # noqa: E402
-from lightning.pytorch.cli import LightningCLI  # noqa: E402
-
-from helpers.models import PipeClassifier, loaders  # noqa: E402
+from helpers.models import PipeClassifier, loaders
 
 
 class ClassificationData(LightningDataModule):

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from workload import Workload
+from harness.workload import Workload
 
 
 def make_stack(work: Workload) -> nn.Sequential:

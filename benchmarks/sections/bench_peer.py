@@ -1,17 +1,17 @@
 """Against the peer: lightning_pipe's step time over torch.distributed.pipelining's (``ScheduleGPipe``).
 
 Same model, stages, micro-batches, processes and threads, measured in the same launch as the pipeline section
-(see :mod:`measurements`). A ratio below 1 means lightning_pipe is faster.
+(see :mod:`harness.measurements`). A ratio below 1 means lightning_pipe is faster.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from measurements import NUM_STAGES, speed, stage_counts
-from report import markdown_table, verdict
-from summarize import median, median_ratio
-from workload import workload
+from harness.measurements import NUM_STAGES, speed, stage_counts
+from harness.report import markdown_table, verdict
+from harness.summarize import median, median_ratio
+from harness.workload import workload
 
 TARGET_RATIO = 0.95
 

@@ -1,4 +1,4 @@
-"""Worker for the Lightning overhead benchmark: ``Trainer(strategy="gpipe")`` against a plain loop over the engine.
+"""One rank of the Lightning overhead section: ``Trainer(strategy="gpipe")`` against a plain loop over the engine.
 
 Both train the same model on the same batches with the same optimizer; the plain loop is what the strategy does per
 batch without Lightning (the engine's step, ``optimizer.step()``, ``zero_grad``). The two take turns: a plain loop,
@@ -19,11 +19,12 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from engine_step import EngineStep
+from harness.rank import run_rank
+from harness.stack import RepeatedBatch, make_batch, make_stack
+from harness.timing import StepEnds, step_intervals
+from harness.workload import Workload
 from lightning_pipe import GPipeStrategy
-from stack import RepeatedBatch, make_batch, make_stack
-from timing import StepEnds, step_intervals
-from workload import Workload
+from ranks.engine_step import EngineStep
 
 LEARNING_RATE = 1e-4  # small: the weights should stay in a normal range over many steps
 
@@ -90,3 +91,7 @@ def _lightning_fit(work: Workload, m: int, loader: DataLoader) -> list[float]:
     dist.barrier()
     trainer.fit(StackModule(work), loader)
     return clock.times
+
+
+if __name__ == "__main__":
+    run_rank(measure)

@@ -1,18 +1,17 @@
 """Worker: the Lightning-parity scenarios under the gpipe strategy; each rank saves what it saw.
 
-Usage: python parity_runs.py SPEC.json   (SPEC: {"devices": N, "out": DIR, "runs": [{"name":..., "scheduler":...}]})
+Usage: python lightning_parity_worker.py SPEC.json
+SPEC: {"devices": N, "out": DIR, "runs": [{"name":..., "scheduler":...}]}
 """
 
 import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-import lightning_pipe  # noqa: E402
-from helpers.scenarios import fit_test_predict  # noqa: E402
+import lightning_pipe
+from helpers.scenarios import fit_test_predict
 
 
 def main(spec_path):

@@ -1,6 +1,6 @@
 """Worker: short `Trainer.fit` runs with each balance mode and with tracing, in one launch; results written per rank.
 
-Usage: python balance_trace_runs.py SPEC.json
+Usage: python balance_trace_worker.py SPEC.json
 SPEC: {"devices": N, "out": DIR, "runs": [{"name": ..., "balance": ..., "sample": bool, "trace_steps": [...],
 "num_micro_batches": M, "checkpoint": ..., "csv_logger": bool, "one_host_per_rank": bool}, ...]}
 Each run writes DIR/NAME/rank{R}.json: the split this rank applied, its stage summary and the logged bubble
@@ -12,15 +12,13 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.loggers import CSVLogger
 
-import torch  # noqa: E402
-from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
-from lightning.pytorch.loggers import CSVLogger  # noqa: E402
-
-import lightning_pipe  # noqa: E402
-from helpers.models import PipeClassifier, loaders  # noqa: E402
-from lightning_pipe.trace import tracer  # noqa: E402
+import lightning_pipe
+from helpers.models import PipeClassifier, loaders
+from lightning_pipe.trace import tracer
 
 
 class BubbleRecorder(Callback):

@@ -1,4 +1,4 @@
-"""Worker for the memory benchmark: what each stage keeps for backward, per checkpoint mode, and what it costs.
+"""One rank of the memory section: what each stage keeps for backward, per checkpoint mode, and what it costs.
 
 What a stage keeps between its forward and its backward is counted in two ways, and their storages joined:
 
@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from engine_step import EngineStep
-from stack import make_batch, make_stack
-from timing import timed
-from workload import Workload
+from harness.rank import run_rank
+from harness.stack import make_batch, make_stack
+from harness.timing import timed
+from harness.workload import Workload
+from ranks.engine_step import EngineStep
 
 MODES = ("never", "except_last", "always")
 
@@ -112,3 +113,7 @@ def _one_micro_batch(step: EngineStep, x: Tensor, num_micro_batches: int) -> tup
     with SavedStorages(parameters | storages_of([stage_input])) as saved:
         step.stage.run_layers(False, stage_input)
     return sum(saved.sizes.values()), stage_input.untyped_storage().nbytes()
+
+
+if __name__ == "__main__":
+    run_rank(measure)

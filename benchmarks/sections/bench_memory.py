@@ -4,17 +4,17 @@ With re-computation a stage needs, at its peak, the inputs of its ``M`` micro-ba
 backward) plus one micro-batch's activations inside the stage (rebuilt during that micro-batch's backward): the
 bound of the GPipe paper. The peak here is what the stage keeps after its forward, plus one micro-batch's
 re-computed activations when the first micro-batch to go backward (the last one) is checkpointed. How it is counted:
-see :mod:`memory_worker`. Re-computation's time cost is reported separately, as step times per mode.
+see :mod:`ranks.memory`. Re-computation's time cost is reported separately, as step times per mode.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from measurements import NUM_STAGES, measured
-from report import markdown_table, verdict
-from summarize import median, median_ratio
-from workload import workload
+from harness.measurements import NUM_STAGES, measured
+from harness.report import markdown_table, verdict
+from harness.summarize import median, median_ratio
+from harness.workload import workload
 
 TARGET_RATIO = 1.1
 

@@ -1,6 +1,6 @@
 """The benchmark sizes: a compute-bound deep stack of equal blocks, and the tiny ``--quick`` variant.
 
-Kept free of torch so that the launching process stays light; the workers build the model in :mod:`stack`.
+Kept free of torch so that the launching process stays light; the workers build the model in :mod:`harness.stack`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
 """Lightning overhead: a ``Trainer(strategy="gpipe")`` step against the engine's own step on the same model.
 
 The difference is what Lightning and the strategy add per step around the engine: the training loop, hooks,
-logging and the broadcast of the step's outcome to the other stages. See :mod:`overhead_worker` for the method.
+logging and the broadcast of the step's outcome to the other stages. See :mod:`ranks.overhead` for the method.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from measurements import NUM_STAGES, measured
-from report import markdown_table, verdict
-from summarize import median, median_ratio
-from workload import workload
+from harness.measurements import NUM_STAGES, measured
+from harness.report import markdown_table, verdict
+from harness.summarize import median, median_ratio
+from harness.workload import workload
 
 TARGET_OVERHEAD = 0.05
 

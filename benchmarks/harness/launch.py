@@ -1,7 +1,8 @@
 """Starting a benchmark's processes: one fresh Python per rank, joined by torch.distributed over gloo.
 
-Each rank runs ``worker.py``, which calls ``FUNCTION(spec)`` from a benchmark module and writes what it returns as
-JSON; :func:`launch` gathers those answers. Fresh processes (rather than forking this one) keep every measurement
+Each rank runs the module of ``ranks/`` that holds the function (``python -m ranks.MODULE``), which calls it on
+the spec through :func:`harness.rank.run_rank` and writes what it returns as JSON; :func:`launch` gathers those
+answers. Fresh processes (rather than forking this one) keep every measurement
 free of the launching process's threads and memory, and let a worker start Lightning's ``Trainer`` as a user's
 script would.
 """
@@ -14,15 +15,19 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-BENCHMARKS = Path(__file__).resolve().parent
+BENCHMARKS = Path(__file__).resolve().parents[1]
 REPO = BENCHMARKS.parent
 
 
-def launch(module: str, function: str, world_size: int, spec: dict[str, Any], timeout: float = 600) -> list[dict[str, Any]]:
-    """Run ``module.function(spec)`` on ``world_size`` ranks; the answers, ordered by rank."""
+def launch(
+    function: Callable[[dict[str, Any]], Any], world_size: int, spec: dict[str, Any], timeout: float = 600
+) -> list[dict[str, Any]]:
+    """Run ``function(spec)``, a function of a ``ranks/`` module, on ``world_size`` ranks; the answers, by rank."""
+    module, name = function.__module__, function.__name__
     with tempfile.TemporaryDirectory(prefix="lightning_pipe_bench_") as tmp:
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(spec))
@@ -30,7 +35,7 @@ def launch(module: str, function: str, world_size: int, spec: dict[str, Any], ti
         processes = []
         for rank in range(world_size):
             rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0"}
-            command = [sys.executable, str(BENCHMARKS / "worker.py"), module, function, str(spec_path), tmp]
+            command = [sys.executable, "-m", module, name, str(spec_path), tmp]
             processes.append(
                 subprocess.Popen(command, env=rank_env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             )
@@ -45,7 +50,7 @@ def launch(module: str, function: str, world_size: int, spec: dict[str, Any], ti
         failed = [(rank, p.returncode) for rank, p in enumerate(processes) if p.returncode != 0]
         if failed:
             tails = "\n".join(f"--- rank {rank} ---\n{log[-4000:]}" for rank, log in enumerate(logs))
-            raise RuntimeError(f"benchmark {module}.{function} failed on ranks {failed}:\n{tails}")
+            raise RuntimeError(f"benchmark {module}.{name} failed on ranks {failed}:\n{tails}")
         return [json.loads((Path(tmp) / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 

@@ -1,6 +1,6 @@
 """Worker: a short fit under the gpipe strategy in which one stage fails, is killed or stalls at a chosen step.
 
-Usage: python fault_runs.py SPEC.json   (directly, or under ``python -m torch.distributed.run``)
+Usage: python reliability_faults_worker.py SPEC.json   (directly, or under ``python -m torch.distributed.run``)
 SPEC: {"devices": N, "out": DIR, "strategy": "gpipe" | "gpipe_spawn", "timeout_s": null | seconds,
        "runs": [{"name": NAME, <any of the keys below>}, ...] (optional: several fits in turn, each into DIR/NAME),
        "hidden_by_rank": {"R": width, ...} (optional: rank R builds its layers that wide; the others 16),
@@ -31,16 +31,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from torch import nn
+from torch.utils.data import DataLoader
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
-
-import lightning_pipe  # noqa: E402
-from helpers.models import classification_data  # noqa: E402
+import lightning_pipe
+from helpers.models import classification_data
 
 FAULT_MESSAGE = "injected fault"
 MISUSES = ("non_tensor", "batch_dim", "dtype", "nan", "skip")

@@ -1,7 +1,7 @@
 """Pipeline speedup: one process holding the whole model against S stages, and the engine's own efficiency.
 
 For each S and M the pipelined step is compared with references measured in the same launch (see
-:mod:`measurements`):
+:mod:`harness.measurements`):
 
 * one process running the whole model on the whole batch: ``speedup = t_one / t_pipeline``, shown next to the
   textbook ideal ``S * M / (M + S - 1)``;
@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from measurements import NUM_STAGES, speed, stage_counts
-from report import markdown_table, verdict
-from summarize import median, median_ratio
-from workload import Workload, workload
+from harness.measurements import NUM_STAGES, speed, stage_counts
+from harness.report import markdown_table, verdict
+from harness.summarize import median, median_ratio
+from harness.workload import Workload, workload
 
 TARGET_EFFICIENCY = 0.9
 

@@ -12,8 +12,10 @@ import os
 from functools import cache
 from typing import Any
 
-from launch import launch
-from workload import workload
+import ranks.speed
+import ranks.suite
+from harness.launch import launch
+from harness.workload import workload
 
 NUM_STAGES = 2
 PARTS = ("speed", "memory", "overhead")
@@ -23,7 +25,7 @@ MORE_STAGES = 4
 
 @cache
 def _all_ranks(quick: bool) -> list[dict[str, Any]]:
-    return launch("suite_worker", "measure", NUM_STAGES, {"workload": workload(quick).to_spec(), "parts": PARTS})
+    return launch(ranks.suite.measure, NUM_STAGES, {"workload": workload(quick).to_spec(), "parts": PARTS})
 
 
 def measured(part: str, quick: bool) -> list[dict[str, Any]]:
@@ -43,7 +45,7 @@ def stage_counts() -> tuple[int, ...]:
 
 @cache
 def speed(num_stages: int, quick: bool) -> dict[str, list[float]]:
-    """Step times per round of the speed measurement with ``num_stages`` processes (see ``speed_worker``)."""
+    """Step times per round of the speed measurement with ``num_stages`` processes (see :mod:`ranks.speed`)."""
     if num_stages == NUM_STAGES:
         return measured("speed", quick)[0]
-    return launch("speed_worker", "measure", num_stages, {"workload": workload(quick).to_spec()})[0]
+    return launch(ranks.speed.measure, num_stages, {"workload": workload(quick).to_spec()})[0]

@@ -1,18 +1,17 @@
 """Worker: train, or resume from a checkpoint, under the gpipe strategy; each rank saves its final weights.
 
-Usage: python resume_runs.py SPEC.json   (SPEC: {"devices": N, "out": DIR, "epochs": E, "ckpt_path": PATH or null})
+Usage: python checkpoints_worker.py SPEC.json
+SPEC: {"devices": N, "out": DIR, "epochs": E, "ckpt_path": PATH or null}
 """
 
 import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-import lightning_pipe  # noqa: E402
-from helpers.scenarios import fit_epochs  # noqa: E402
+import lightning_pipe
+from helpers.scenarios import fit_epochs
 
 
 def main(spec_path):

@@ -1,6 +1,6 @@
 """Worker: fits of models built in configure_model, under init_module, or eagerly, under the gpipe strategy.
 
-Usage: python memory_setup_runs.py SPEC.json   (SPEC: {"devices": N, "out": DIR, "runs": [{"name": ..., ...}]})
+Usage: python memory_setup_worker.py SPEC.json   (SPEC: {"devices": N, "out": DIR, "runs": [{"name": ..., ...}]})
 A run is ``{"name", "model": "deferred"|"init_module"|"eager", "epochs", "ckpt_path", "balance", "fails"}``
 (``fails``: the run must raise, on rank 0 a ValueError, elsewhere the RuntimeError that relays it; the message is
 saved instead). Each writes
@@ -12,12 +12,10 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-import lightning_pipe  # noqa: E402
-from helpers.deferred_models import fit  # noqa: E402
+import lightning_pipe
+from helpers.deferred_models import fit
 
 
 def resident_bytes_of(path: Path) -> int:
