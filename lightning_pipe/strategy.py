@@ -93,6 +93,8 @@ from lightning_pipe.topology import PipelineLayout
 from lightning_pipe.whole_model import (
     PipelinedModule,
     group_names,
+    held_state_dict,
+    refuse_checkpoint_without_stages,
     load_stage_optimizer_state,
     load_stage_state_dict,
     restore_whole_model,
@@ -146,8 +148,17 @@ class GPipeStrategy(ParallelStrategy):
             gradient all-reduce on the fast links inside a node and sends only activations across nodes.
         save_distributed_checkpoint: write checkpoints sharded with ``torch.distributed.checkpoint`` (a directory):
             every rank writes its own stage, nothing is gathered on one host. Such a checkpoint resumes with any
-            stage count (only the local share is read); it does not load with ``load_from_checkpoint``. By default
-            the whole model is gathered to rank 0, which writes one file that loads anywhere.
+            stage count (only the local share is read); ``python -m lightning_pipe.consolidate DIR FILE`` turns it
+            into one file that loads anywhere. ``False``: the whole model is gathered to rank 0, which writes one
+            file that loads anywhere (with ``load_from_checkpoint``, on one device). By default (``None``) sharded
+            for a model built on the meta device (in ``configure_model()`` or under ``init_module(empty_init=True)``),
+            one file otherwise.
+        gather_model_after_run: after ``fit``, ``validate``, ``test`` or ``predict`` of a model built on the meta
+            device, send every stage's layers to global rank 0 (the last stage, the launching process), so that the
+            user's model object there holds the whole trained model, as on one device. Costs rank 0 the whole model
+            in host memory. By default each rank keeps only its own stage (the other layers stay on the meta
+            device) and the trained model lives in the checkpoints. A model built the usual way always comes back
+            whole on every rank.
         deferred_batch_norm: update BatchNorm running statistics once per mini-batch, from the whole mini-batch's
             statistics, so that they equal one device's. By default (GPipe's semantics) each micro-batch updates
             them with its own statistics. Either way each micro-batch is normalised by its own statistics.
@@ -176,7 +187,8 @@ class GPipeStrategy(ParallelStrategy):
         log_bubble_fraction: bool = True,
         deferred_batch_norm: bool = False,
         mesh_order: tuple[str, str] = ("pp", "dp"),
-        save_distributed_checkpoint: bool = False,
+        save_distributed_checkpoint: bool | None = None,
+        gather_model_after_run: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -226,6 +238,7 @@ class GPipeStrategy(ParallelStrategy):
         self._deferred_batch_norm = deferred_batch_norm
         self._mesh_order = tuple(mesh_order)
         self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._gather_model_after_run = gather_model_after_run
         if self._mesh_order not in (("pp", "dp"), ("dp", "pp")):
             raise ValueError(
                 f"mesh_order={mesh_order!r} must be ('pp', 'dp') (pipeline outermost: a replica's gradient"
@@ -785,7 +798,9 @@ class GPipeStrategy(ParallelStrategy):
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     # A checkpoint holds the whole model, numbered as on one device, so it loads anywhere. It is loaded after `setup`
     # has split the model, memory-mapped: each rank copies out only its stage's weights and optimizer state, and
-    # the rest of the file is never read into its memory.
+    # the rest of the file is never read into its memory. A model built on the meta device is saved sharded by
+    # default: each rank writes its own stage. After a run the split is remembered (`_pipelined`), so that a
+    # checkpoint saved then still holds every stage's optimizer state.
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -797,7 +812,7 @@ class GPipeStrategy(ParallelStrategy):
         if is_sharded_checkpoint(checkpoint_path):
             assert self.lightning_module is not None
             names = [group_names(self.lightning_module, optimizer) for optimizer in self.optimizers]
-            return load_sharded(checkpoint_path, set(self.lightning_module.state_dict()), names)
+            return load_sharded(checkpoint_path, set(self.lightning_module.state_dict()), names, weights_only)
         local_file = "://" not in str(checkpoint_path) and Path(checkpoint_path).is_file()
         default_io = type(self.checkpoint_io).load_checkpoint is TorchCheckpointIO.load_checkpoint
         if not (local_file and default_io and self.layout.num_stages > 1):
@@ -816,11 +831,11 @@ class GPipeStrategy(ParallelStrategy):
         """The whole model's state dict on the rank that writes checkpoints (global rank 0); a share elsewhere."""
         module = self.lightning_module
         assert module is not None
-        if self._pipelined is None or self.layout.num_stages == 1 or self._save_distributed_checkpoint:
+        if self._pipelined is None or self.layout.num_stages == 1:
             return module.state_dict()
-        return whole_state_dict(
-            module, self._pipelined.state_keys, self._stage_ranks, self.global_rank, self._meta_group
-        )
+        if self._saves_sharded:  # written by `save_checkpoint`: this rank's own weights
+            return held_state_dict(module)
+        return whole_state_dict(module, self._pipelined, self._stage_ranks, self.global_rank, self._meta_group)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The whole model's optimizer state on the checkpoint writer, numbered as a single-device optimizer's."""
@@ -829,21 +844,31 @@ class GPipeStrategy(ParallelStrategy):
         if self._pipelined is None or self.layout.num_stages == 1:
             return optimizer.state_dict()
         assert module is not None
-        if self._save_distributed_checkpoint:  # written by `save_checkpoint`
+        if self._saves_sharded:  # written by `save_checkpoint`
             return name_optimizer_state(optimizer.state_dict(), group_names(module, optimizer))
         return whole_optimizer_state(
             optimizer, module, self._pipelined.parameter_order, self._stage_ranks, self.global_rank, self._meta_group
         )
 
+    @property
+    def _saves_sharded(self) -> bool:
+        """Checkpoints go sharded when asked, and by default for a model built on the meta device."""
+        if self._save_distributed_checkpoint is not None:
+            return self._save_distributed_checkpoint
+        return self._deferred
+
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
-        if not (self._save_distributed_checkpoint and self._pipelined is not None and self.layout.num_stages > 1):
+        if self._pipelined is None and "optimizer_states" in checkpoint:
+            refuse_checkpoint_without_stages(self.launcher, filepath)
+        if not (self._saves_sharded and self._pipelined is not None and self.layout.num_stages > 1):
             return super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0 writes the whole model
         if storage_options is not None:
-            raise TypeError("save_distributed_checkpoint=True writes with torch.distributed.checkpoint, which takes"
-                            f" no storage_options (got {storage_options!r}).")
-        save_sharded(checkpoint, filepath)
+            raise TypeError("sharded checkpoints are written with torch.distributed.checkpoint, which takes no"
+                            f" storage_options (got {storage_options!r}); pass save_distributed_checkpoint=False to"
+                            " write one file through the checkpoint IO plugin.")
+        save_sharded(checkpoint, filepath, self._pipelined.state_keys, self._pipelined.parameter_order)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self._pipelined is None or self.layout.num_stages == 1 or checkpoint.get(SHARDED):
@@ -904,10 +929,12 @@ class GPipeStrategy(ParallelStrategy):
             if self._pipelined is not None and not self._failed:
                 restore_whole_model(
                     module, self._pipelined, self._stage_ranks, self.global_rank, self._pipeline_group,
-                    self.root_device, self._deferred,
+                    self.root_device, self._deferred, self._gather_model_after_run,
                 )
         self._wrapped_hooks = []
-        self._pipelined = None
+        if self._failed:  # another stage may be gone: no checkpoint can gather the stages any more
+            self._pipelined = None
+        # Otherwise `_pipelined` stays: a checkpoint saved after the run gathers every stage's optimizer state.
         with _meta_tensors_left_in_place(module):
             super().teardown()
 
