@@ -1,22 +1,24 @@
-"""Memory-efficient setup: peak resident memory per rank with and without deferred construction.
+"""Memory-efficient setup: peak resident memory per rank with and without deferred construction, through ``fit``,
+``test`` and checkpointing.
 
 A stack of ``depth`` × (Linear(W, W) + ReLU), about 2 GiB of parameters at full size, trains for a few steps on 4
 stages (2 in quick mode), with SGD with momentum, so that each stage's share is its parameters, their gradients and
-one optimizer buffer of the same size. The processes (one per stage) run three fits in turn: a tiny model first,
-whose peak is the fixed footprint of a process (Python, torch, Lightning, the process group, the Trainer); then the
-model built in ``__init__`` (every rank builds all of it); then built in ``configure_model()`` (every rank
-materialises only its stage). Before each of the later fits the previous model is freed and the kernel's peak-RSS
-mark reset (``/proc/self/clear_refs``), so each peak is that fit's own, over the footprint already there; whatever
-the earlier fits left behind counts against the deferred run, the last. Each rank reports its peak resident set
-(``ru_maxrss``) at the end of training, before teardown: setup and training, the phase that must fit. After ``fit``
-a model built deferred comes whole to global rank 0, which then holds it in host memory once, as a consolidated
-checkpoint does; that peak has its own column.
+one optimizer buffer of the same size. The processes (one per stage) run three runs in turn: a tiny model first,
+whose peak is the fixed footprint of a process (Python, torch, Lightning, the process group, the Trainer, and the
+code of testing and sharded checkpointing, which it runs too); then the model built in ``__init__`` (every rank
+builds all of it; fit only); then built in ``configure_model()`` (every rank materialises only its stage). Before
+each of the later runs, and before each phase of the deferred run, the garbage is collected and the kernel's
+peak-RSS mark reset (``/proc/self/clear_refs``), so each peak is that phase's own, over the footprint already there;
+whatever the earlier runs left behind counts against the deferred run, the last. Each rank reports its peak
+resident set (``VmHWM``) in each phase of the deferred run: setup and training (read when training ends); the end of
+``fit`` (its teardown: a model built on the meta device stays distributed, nothing is gathered); ``trainer.test``;
+and ``trainer.save_checkpoint`` after them (sharded by default for such a model: each rank writes its own stage).
 """
 
 from __future__ import annotations
 
 import gc
-import resource
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +34,7 @@ from stack import he_block, repeated_batch_loader
 
 TARGET_RATIO = 1.2  # peak with deferred construction over (stage share + fixed footprint)
 GIB = 2**30
+PHASES = ("fit", "after_fit", "test", "checkpoint")
 
 
 def sizes(quick: bool) -> dict[str, int]:
@@ -48,27 +51,29 @@ def run(quick: bool) -> dict[str, Any]:
     tiny, whole, deferred = ([answer[name] for answer in answers] for name in ("tiny", "whole", "deferred"))
     rows, data_rows = [], []
     for rank in range(stages):
-        fixed = tiny[rank]["peak_bytes"]
+        fixed = max(tiny[rank]["phases"].values())
         share = deferred[rank]["share_bytes"]
+        phases = deferred[rank]["phases"]
         row = {
             "rank": rank,
             "stage": deferred[rank]["stage"],
             "share_bytes": share,
             "fixed_bytes": fixed,
-            "peak_deferred_bytes": deferred[rank]["peak_bytes"],
-            "peak_whole_bytes": whole[rank]["peak_bytes"],
-            "after_fit_deferred_bytes": deferred[rank]["after_fit_bytes"],
-            "ratio": deferred[rank]["peak_bytes"] / (share + fixed),
+            "peak_deferred_bytes": phases["fit"],
+            "phases_deferred_bytes": phases,
+            "peak_whole_bytes": whole[rank]["phases"]["fit"],
+            "after_fit_deferred_bytes": phases["after_fit"],
+            "ratio": max(phases.values()) / (share + fixed),
         }
         data_rows.append(row)
         rows.append([
-            rank, row["stage"], _gib(share), _gib(fixed), _gib(share + fixed), _gib(row["peak_deferred_bytes"]),
-            f"{row['ratio']:.2f}", _gib(row["peak_whole_bytes"]), _gib(row["after_fit_deferred_bytes"]),
+            rank, row["stage"], _gib(share), _gib(fixed), _gib(share + fixed),
+            *(_gib(phases[phase]) for phase in PHASES), f"{row['ratio']:.2f}", _gib(row["peak_whole_bytes"]),
         ])
     table = markdown_table(
         ["rank", "stage", "stage share (GiB)", "fixed footprint (GiB)", "share + fixed (GiB)",
-         "peak, configure_model (GiB)", "over share + fixed", "peak, built in __init__ (GiB)",
-         "after fit, configure_model (GiB)"],
+         "fit (GiB)", "end of fit (GiB)", "test (GiB)", "checkpoint (GiB)",
+         "worst over share + fixed", "fit, built in __init__ (GiB)"],
         rows,
     )
     worst = max(row["ratio"] for row in data_rows)
@@ -77,15 +82,17 @@ def run(quick: bool) -> dict[str, Any]:
     markdown = (
         f"{spec['depth']} × (Linear({spec['width']}, {spec['width']}) + ReLU): {parameters * 4 / GIB:.2f} GiB of"
         f" parameters on {stages} stages, batch {spec['batch']}, {spec['steps']} training steps, SGD with momentum;"
-        " one compute thread per process. Peak resident set per rank (`ru_maxrss`) through setup and training."
-        " Stage share: the rank's parameters, gradients and momentum buffers. Fixed footprint: the peak of the same"
-        " run with a 4 × Linear(16, 16) model, in fresh processes; the two large runs follow in the same processes,"
-        " the peak mark reset before each (see the module's docstring). After fit, global rank 0 (the last"
-        " stage) receives the other stages' trained layers, so that the launching process holds the whole model as"
-        " on one device.\n\n"
+        " one compute thread per process. Peak resident set per rank (`VmHWM`) in each phase of the run built in"
+        " `configure_model()`: setup and training (`fit`), the end of fit (its teardown), `trainer.test`, and"
+        " `trainer.save_checkpoint` after them (sharded: each rank writes its own stage). Stage share: the rank's"
+        " parameters, gradients and momentum buffers. Fixed footprint: the peak of the same phases with a"
+        " 4 × Linear(16, 16) model, in fresh processes; the two large runs follow in the same processes, the peak"
+        " mark reset before each phase (see the module's docstring). The model stays distributed after fit: no"
+        " rank receives another stage's layers.\n\n"
         f"{table}\n\n"
         + verdict(
-            f"peak with `configure_model()` within {TARGET_RATIO}× (stage share + fixed footprint) on every rank",
+            f"every phase's peak with `configure_model()` within {TARGET_RATIO}× (stage share + fixed footprint) on"
+            " every rank",
             worst <= TARGET_RATIO,
             f"{worst:.2f}× at worst",
         )
@@ -124,6 +131,11 @@ class Stack(LightningModule):
         assert self.layers is not None
         return F.mse_loss(self.layers(x), target)
 
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, target = batch
+        assert self.layers is not None
+        self.log("test_loss", F.mse_loss(self.layers(x), target))
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=1e-4, momentum=0.9)
 
@@ -147,26 +159,32 @@ class PeakAtTrainEnd(Callback):
 
 
 def _peak_resident_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    """The kernel's peak-RSS mark of this process (``VmHWM``), which ``_reset_peak`` resets."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024  # Linux reports KiB
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _reset_peak() -> None:
-    """Set the kernel's peak-RSS mark of this process to its current RSS (Linux's ``clear_refs``, value 5)."""
+    """Free the garbage (the previous run's model and Trainer, held in reference cycles), then set the kernel's
+    peak-RSS mark of this process to its current RSS (Linux's ``clear_refs``, value 5)."""
+    gc.collect()
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")
 
 
 def measure(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The tiny, whole and deferred fits in turn, each one's peak its own (see the module's docstring)."""
-    answers = {"tiny": _fit({**spec, "width": 16, "depth": 4, "deferred": True})}
-    for name, deferred in (("whole", False), ("deferred", True)):
-        gc.collect()  # the previous fit's model and Trainer, held in reference cycles
-        _reset_peak()
-        answers[name] = _fit({**spec, "deferred": deferred})
+    """The tiny, whole and deferred runs in turn, each phase's peak its own (see the module's docstring)."""
+    answers = {"tiny": _run({**spec, "width": 16, "depth": 4, "deferred": True, "name": "tiny"}, reset=False)}
+    answers["whole"] = _run({**spec, "deferred": False, "name": "whole"}, reset=True, fit_only=True)
+    answers["deferred"] = _run({**spec, "deferred": True, "name": "deferred"}, reset=True)
     return answers
 
 
-def _fit(spec: dict[str, Any]) -> dict[str, Any]:
+def _run(spec: dict[str, Any], reset: bool, fit_only: bool = False) -> dict[str, Any]:
+    """Fit, then (unless ``fit_only``) test and save a checkpoint; the peak of each phase, the mark reset before
+    each when ``reset`` (the tiny run keeps the process's peak since its start: the fixed footprint)."""
     torch.manual_seed(0)
     model = Stack(spec["width"], spec["depth"], spec["deferred"])
     loader = repeated_batch_loader(spec["batch"], spec["width"], spec["steps"])
@@ -177,12 +195,23 @@ def _fit(spec: dict[str, Any]) -> dict[str, Any]:
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=0, callbacks=[peak],
     )
+    if reset:
+        _reset_peak()
     trainer.fit(model, loader)
-    assert model.layers is not None
+    phases = {"fit": peak.peak_bytes, "after_fit": _peak_resident_bytes()}
+    if not fit_only:
+        # The launch's working directory, shared by the ranks (a sharded checkpoint is one directory for all).
+        for phase, action in (
+            ("test", lambda: trainer.test(model, loader, verbose=False)),
+            ("checkpoint", lambda: trainer.save_checkpoint(Path.cwd() / f"checkpoint_{spec['name']}")),
+        ):
+            if reset:
+                _reset_peak()
+            action()
+            phases[phase] = _peak_resident_bytes()
     return {
         "stage": strategy.stage_index,
-        "peak_bytes": peak.peak_bytes,
+        "phases": phases,
         "share_bytes": peak.share_bytes,
-        "after_fit_bytes": _peak_resident_bytes(),
-        "model_parameters": sum(p.numel() for p in model.layers.parameters()),
+        "model_parameters": sum(p.numel() for p in model.layers.parameters()),  # (meta tensors count too)
     }

@@ -23,10 +23,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def launch(
-    worker: str, spec: dict, tmp_path: Path, timeout: float = 300, check: bool = True
+    worker: str, spec: dict, tmp_path: Path, timeout: float = 300, check: bool = True,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run ``workers/WORKER`` on ``spec`` in a fresh Python (Lightning's launcher re-runs the script per rank)."""
-    process = start(worker, spec, tmp_path)
+    process = start(worker, spec, tmp_path, env)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     finally:
