@@ -94,9 +94,9 @@ from lightning_pipe.whole_model import (
     PipelinedModule,
     group_names,
     held_state_dict,
-    refuse_checkpoint_without_stages,
     load_stage_optimizer_state,
     load_stage_state_dict,
+    refuse_checkpoint_without_stages,
     restore_whole_model,
     whole_optimizer_state,
     whole_state_dict,
@@ -148,11 +148,11 @@ class GPipeStrategy(ParallelStrategy):
             gradient all-reduce on the fast links inside a node and sends only activations across nodes.
         save_distributed_checkpoint: write checkpoints sharded with ``torch.distributed.checkpoint`` (a directory):
             every rank writes its own stage, nothing is gathered on one host. Such a checkpoint resumes with any
-            stage count (only the local share is read); ``python -m lightning_pipe.consolidate DIR FILE`` turns it
-            into one file that loads anywhere. ``False``: the whole model is gathered to rank 0, which writes one
-            file that loads anywhere (with ``load_from_checkpoint``, on one device). By default (``None``) sharded
-            for a model built on the meta device (in ``configure_model()`` or under ``init_module(empty_init=True)``),
-            one file otherwise.
+            stage count (only the local share is read); ``python -m lightning_pipe.consolidate_checkpoint DIR
+            FILE`` turns it into one file that loads anywhere. ``False``: the whole model is gathered to rank 0,
+            which writes one file that loads anywhere (with ``load_from_checkpoint``, on one device) and holds the
+            whole model and its optimizer state while writing. By default (``None``) sharded for a model built on
+            the meta device (in ``configure_model()`` or under ``init_module(empty_init=True)``), one file otherwise.
         gather_model_after_run: after ``fit``, ``validate``, ``test`` or ``predict`` of a model built on the meta
             device, send every stage's layers to global rank 0 (the last stage, the launching process), so that the
             user's model object there holds the whole trained model, as on one device. Costs rank 0 the whole model

@@ -28,10 +28,10 @@ MICRO_BATCHES = 4
 PAGE_SLACK = 64 * 1024  # Linux maps up to 64 KiB of cached file around each page a process touches
 # The model whose peaks are measured: 32 x Linear(1024, 1024), 128 MiB of parameters, 32 MiB per stage on 4.
 PEAKS = {"width": 1024, "depth": 32}
-# What a phase may take above the stage's share and the fixed footprint: activations, buffers, allocator slack.
-# A rank holding one other stage's parameters (32 MiB) more stays within it; gathering the model (96 MiB more on
-# rank 0, 256 MiB for a gathered checkpoint) does not.
-PEAK_SLACK = 48 * 2**20
+# What a phase may take above the stage's share and the fixed footprint: activations, buffers, allocator slack
+# (measured: 4 MiB at most). Less than one stage's parameters (32 MiB): holding the whole model after the run
+# (96 MiB of other stages' parameters on rank 0) or gathering a checkpoint (256 MiB) does not fit in it.
+PEAK_SLACK = 24 * 2**20
 # Every tensor of 64 KiB or more gets its own mapping, returned to the system when freed: resident memory then
 # follows the live tensors instead of what glibc's heap keeps.
 SMALL_HEAP = {"MALLOC_MMAP_THRESHOLD_": "65536"}

@@ -82,7 +82,8 @@ def test_crafted_sharded_checkpoint_is_refused_under_weights_only(tmp_path):
     marker = tmp_path / "code_ran"
     write_sharded(tmp_path / "crafted", model, optimizer, hyper_parameters=RunsCode(str(marker)))
     names = [group_names(model, optimizer)]
-    with pytest.raises(pickle.UnpicklingError, match=r"entry 'lightning' of the sharded checkpoint .*weights_only=True"):
+    refused = r"entry 'lightning' of the sharded checkpoint .*weights_only=True"
+    with pytest.raises(pickle.UnpicklingError, match=refused):
         sharded.load(tmp_path / "crafted", set(model.state_dict()), names, weights_only=True)
     with pytest.raises(pickle.UnpicklingError, match="weights_only=True refuses"):
         sharded.consolidate(tmp_path / "crafted", tmp_path / "whole.ckpt", weights_only=True)

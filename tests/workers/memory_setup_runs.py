@@ -91,7 +91,7 @@ class StageShare(Callback):
 def peaks(out: Path, run: dict, devices: int) -> dict:
     """The peak resident set of each phase (fit, test, ``trainer.save_checkpoint`` after them) of a model built in
     configure_model, each phase's peak its own (the mark reset before it); and the fixed footprint of a process:
-    the peak of the same phases with a tiny model, run first."""
+    the peak of the same phases with a tiny model, run first (from the resident memory when it starts)."""
 
     def phases(width: int, depth: int, measured: bool) -> dict:
         seed_everything(0)
@@ -112,6 +112,7 @@ def peaks(out: Path, run: dict, devices: int) -> dict:
             peak[phase] = resident_peak_bytes()
         return {"peak": peak, "share_bytes": share.share_bytes, "global_rank": trainer.global_rank}
 
+    reset_resident_peak()  # what earlier runs in this process left is part of the footprint, not their peaks
     tiny = phases(16, 2, measured=False)
     measured = phases(run["peaks"]["width"], run["peaks"]["depth"], measured=True)
     return {**measured, "fixed_bytes": max(tiny["peak"].values())}
