@@ -143,9 +143,9 @@ def consolidate(path: str | Path, out: str | Path, weights_only: bool | None = N
         _read(path, stage, weights_only)
         with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
             target = torch.load(partial, mmap=True, map_location="cpu", weights_only=weights_only)
-        for key, tensor in stage.items():
-            _at(target, places[key]).copy_(tensor)
-        del target, stage  # unmaps the file: the written pages leave this process
+        for key in list(stage):  # each tensor freed once written: the shard is held once, not twice
+            _at(target, places[key]).copy_(stage.pop(key))
+        del target  # unmaps the file: the written pages leave this process
     os.replace(partial, out)
 
 

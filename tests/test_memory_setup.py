@@ -5,6 +5,7 @@ needs."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -274,6 +275,40 @@ def test_no_rank_holds_more_than_its_stage_in_fit_test_and_checkpointing(four_st
     gathered = four_stages["peaks_gathered"][0]  # rank 0 receives the other three stages
     bound = gathered["fixed_bytes"] + gathered["share_bytes"] + PEAK_SLACK
     assert gathered["peak"]["fit"] > bound and gathered["peak"]["checkpoint"] > bound, gathered
+
+
+# Runs the consolidate command in this Python and prints its peak resident set (VmHWM, KiB).
+CONSOLIDATE_WITH_PEAK = """
+import runpy, sys
+from pathlib import Path
+sys.argv = ["consolidate_checkpoint", *sys.argv[1:]]
+runpy.run_module("lightning_pipe.consolidate_checkpoint", run_name="__main__")
+print("VmHWM", next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines()
+                    if line.startswith("VmHWM:")))
+"""
+
+
+def consolidation_peak(sharded: Path, out: Path) -> int:
+    command = [sys.executable, "-c", CONSOLIDATE_WITH_PEAK, str(sharded), str(out)]
+    env = {**os.environ, **SMALL_HEAP, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return int(result.stdout.split("VmHWM")[-1].split()[0]) * 1024
+
+
+def test_consolidating_takes_about_one_stage_of_memory(four_stages, tmp_path):
+    """The command writes the 4-stage checkpoint of the 128 MiB model (weights and momentum: 256 MiB, 64 MiB per
+    shard) holding about one shard at a time: its peak over the same command on a tiny checkpoint stays within the
+    largest shard plus a slack, far below the whole checkpoint."""
+    run = four_stages["dir"] / "peaks"
+    shards = [path.stat().st_size for path in (run / "measured.ckpt").glob("*.distcp")]
+    assert len(shards) == 4
+    footprint = consolidation_peak(run / "tiny.ckpt", tmp_path / "tiny.ckpt")
+    peak = consolidation_peak(run / "measured.ckpt", tmp_path / "measured.ckpt")
+    assert peak - footprint <= max(shards) + PEAK_SLACK, ((peak - footprint) / 2**20, max(shards) / 2**20)
+    assert peak - footprint < sum(shards) / 2
+    consolidated = torch.load(tmp_path / "measured.ckpt", mmap=True, weights_only=True)
+    assert len(consolidated["optimizer_states"][0]["state"]) == len(consolidated["state_dict"])  # all parameters
 
 
 def test_checkpoints_are_sharded_and_consolidate_into_the_gathered_file(four_stages, tmp_path):
