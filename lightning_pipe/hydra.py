@@ -68,8 +68,12 @@ class GPipeStrategyConfig:
     mesh_order: list[str] = field(default_factory=lambda: ["pp", "dp"])
     """Rank layout over pipeline and data-parallel replicas, outermost first, when ``trainer.devices *
     trainer.num_nodes`` is a multiple of ``num_stages``: ``[pp, dp]`` keeps a replica's all-reduce within a node."""
-    save_distributed_checkpoint: bool = False
-    """Write sharded checkpoints (each rank its own stage) instead of one file gathered on rank 0."""
+    save_distributed_checkpoint: Optional[bool] = None
+    """Write sharded checkpoints (each rank its own stage) instead of one file gathered on rank 0; null: sharded
+    for a model built on the meta device (in ``configure_model``), one file otherwise."""
+    gather_model_after_run: bool = False
+    """After a run of a model built on the meta device, send the whole model to global rank 0 (costs it the whole
+    model in host memory); by default each rank keeps its own stage."""
 
 
 def register_configs() -> None:

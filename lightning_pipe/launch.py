@@ -25,8 +25,9 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_pipe.materialize import holds_meta_tensors
+from lightning_pipe.materialize import holds_meta_tensors, mark_held_elsewhere
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,9 @@ class CheckedMultiProcessingLauncher(ModelCheck, _MultiProcessingLauncher):
         """Lightning loads rank 0's weights (the whole trained model) into the launching process's module leniently:
         layers built in ``configure_model`` do not exist here, layers made under ``init_module(empty_init=True)``
         are on the meta device, and either would silently stay so. Build the missing ones on the meta device and
-        take the trained tensors in place of the meta ones, so that this process holds the whole model as after a
-        fit on one device. The weights are loaded here, once; Lightning does the rest of its recovery."""
+        take the trained tensors in place of the meta ones, so that this process holds what rank 0 holds: the whole
+        model as after a fit on one device, or, for a model built on the meta device (which stays distributed unless
+        ``gather_model_after_run``), the last stage. The weights are loaded here, once; Lightning does the rest."""
         path = worker_output.weights_path
         if path is not None:
             module = trainer.lightning_module
@@ -66,14 +68,26 @@ class CheckedMultiProcessingLauncher(ModelCheck, _MultiProcessingLauncher):
             deferred = holds_meta_tensors(module)
             module.load_state_dict(weights, strict=False, assign=deferred)
             if deferred and holds_meta_tensors(module):
-                left = [name for name, t in module.state_dict().items() if t.is_meta]
-                raise RuntimeError(
-                    f"after fit, {len(left)} tensors of the model ({left[0]}, ...) did not come back to the"
-                    " launching process; build them in __init__ or use the default start method (strategy='gpipe')"
-                )
+                self._keep_distributed(module)
             self._strategy.checkpoint_io.remove_checkpoint(path)
             worker_output = worker_output._replace(weights_path=None)
         super()._recover_results_in_main_process(worker_output, trainer)
+
+    def _keep_distributed(self, module: LightningModule) -> None:
+        """A model built on the meta device stays distributed after the run: this process received rank 0's stage.
+        Its other layers stay on the meta device, marked so that no later run starts them afresh."""
+        left = [name for name, t in module.state_dict().items() if t.is_meta]
+        if getattr(self._strategy, "_gather_model_after_run", False):
+            raise RuntimeError(
+                f"after fit, {len(left)} tensors of the model ({left[0]}, ...) did not come back to the"
+                " launching process; build them in __init__ or use the default start method (strategy='gpipe')"
+            )
+        mark_held_elsewhere([m for m in module.modules() if holds_meta_tensors(m, recurse=False)])
+        rank_zero_info(
+            f"The model was built on the meta device and stays distributed: this process holds the last stage's"
+            f" trained layers, {len(left)} tensors ({left[0]}, ...) stay on the meta device. The trained model is in"
+            " the run's checkpoints; pass GPipeStrategy(gather_model_after_run=True) to receive it whole here."
+        )
 
 
 def note_sigterm(

@@ -23,6 +23,7 @@ from lightning_pipe.balance import (
     check_one_count_per_stage,
 )
 from lightning_pipe.config import PipelineParallelConfig, require_positive_int
+from lightning_pipe.schedule import SCHEDULES, Schedule
 
 # Which micro-batches run their stage's forward again in backward instead of keeping its activations (the public
 # option ``checkpoint``; :func:`lightning_pipe.schedule.recomputes` decides it per micro-batch).
@@ -52,7 +53,9 @@ class PipelineSettings:
     deferred_batch_norm: bool = False
     mesh_order: tuple[str, str] = ("pp", "dp")
     start_method: str = "popen"
-    save_distributed_checkpoint: bool = False
+    save_distributed_checkpoint: bool | None = None  # None: sharded for a model built on the meta device
+    gather_model_after_run: bool = False
+    schedule: str | Schedule = field(default="gpipe", compare=False)
     key: InitVar[str] = ""
 
     def __post_init__(self, key: str) -> None:
@@ -72,10 +75,14 @@ class PipelineSettings:
             "trace_dir": _checked_trace_dir(self.trace_dir, key),
             "mesh_order": _checked_mesh_order(self.mesh_order, key),
             "start_method": _checked_start_method(self.start_method, key),
+            "schedule": _checked_schedule(self.schedule, key),
         }
-        for name in ("log_bubble_fraction", "deferred_batch_norm", "save_distributed_checkpoint"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{key}{name}={getattr(self, name)!r} is invalid; use True or False.")
+        for name in ("log_bubble_fraction", "deferred_batch_norm", "save_distributed_checkpoint",
+                     "gather_model_after_run"):
+            value = getattr(self, name)
+            if not (isinstance(value, bool) or (value is None and name == "save_distributed_checkpoint")):
+                choices = "True, False or None (the default)" if name == "save_distributed_checkpoint" else "True or False"
+                raise ValueError(f"{key}{name}={value!r} is invalid; use {choices}.")
         for name, value in checked.items():  # the checked, normalised values (a frozen dataclass)
             object.__setattr__(self, name, value)
 
@@ -93,6 +100,18 @@ class PipelineSettings:
         ``MICRO_BATCHES_PER_STAGE`` micro-batches per stage."""
         num_stages = self.num_stages or num_processes
         return PipelineParallelConfig(num_stages, self.num_micro_batches or MICRO_BATCHES_PER_STAGE * num_stages)
+
+
+def _checked_schedule(schedule: object, key: str) -> Schedule:
+    """The schedule function: one named in ``SCHEDULES``, or the user's own."""
+    if isinstance(schedule, str) and schedule in SCHEDULES:
+        return SCHEDULES[schedule]
+    if isinstance(schedule, str) or not callable(schedule):
+        raise ValueError(
+            f"{key}schedule={schedule!r} is not a schedule; use one of {', '.join(map(repr, SCHEDULES))} or a function"
+            " (stage, num_stages, num_micro_batches, checkpoint) -> list[Action] (see lightning_pipe.schedule)."
+        )
+    return schedule  # type: ignore[return-value]
 
 
 def validate_recompute_mode(mode: object, key: str = "") -> RecomputeMode:

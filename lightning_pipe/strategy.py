@@ -77,7 +77,7 @@ from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
 from lightning_pipe.sharded import load as load_sharded
 from lightning_pipe.sharded import save as save_sharded
 from lightning_pipe.runtime import StageRuntime
-from lightning_pipe.schedule import SCHEDULES, Schedule
+from lightning_pipe.schedule import Schedule
 from lightning_pipe.stage import StageLayers
 from lightning_pipe.summary import StageSummary, build_stage_summary, stage_devices
 from lightning_pipe.topology import PipelineLayout
@@ -86,8 +86,10 @@ from lightning_pipe.trace.tracer import TRACE_FILE_NAME, PipelineTracer, StepObs
 from lightning_pipe.whole_model import (
     PipelinedModule,
     group_names,
+    held_state_dict,
     load_stage_optimizer_state,
     load_stage_state_dict,
+    refuse_checkpoint_without_stages,
     restore_whole_model,
     whole_optimizer_state,
     whole_state_dict,
@@ -136,8 +138,17 @@ class GPipeStrategy(ParallelStrategy):
             gradient all-reduce on the fast links inside a node and sends only activations across nodes.
         save_distributed_checkpoint: write checkpoints sharded with ``torch.distributed.checkpoint`` (a directory):
             every rank writes its own stage, nothing is gathered on one host. Such a checkpoint resumes with any
-            stage count (only the local share is read); it does not load with ``load_from_checkpoint``. By default
-            the whole model is gathered to rank 0, which writes one file that loads anywhere.
+            stage count (only the local share is read); ``python -m lightning_pipe.consolidate_checkpoint DIR
+            FILE`` turns it into one file that loads anywhere. ``False``: the whole model is gathered to rank 0,
+            which writes one file that loads anywhere (with ``load_from_checkpoint``, on one device) and holds the
+            whole model and its optimizer state while writing. By default (``None``) sharded for a model built on
+            the meta device (in ``configure_model()`` or under ``init_module(empty_init=True)``), one file otherwise.
+        gather_model_after_run: after ``fit``, ``validate``, ``test`` or ``predict`` of a model built on the meta
+            device, send every stage's layers to global rank 0 (the last stage, the launching process), so that the
+            user's model object there holds the whole trained model, as on one device. Costs rank 0 the whole model
+            in host memory. By default each rank keeps only its own stage (the other layers stay on the meta
+            device) and the trained model lives in the checkpoints. A model built the usual way always comes back
+            whole on every rank.
         schedule: the order of each stage's forwards, backwards, sends and receives in a step: ``"gpipe"`` or a
             function ``(stage, num_stages, num_micro_batches, checkpoint) -> list[Action]`` (see
             :mod:`lightning_pipe.schedule`). Every forward comes before the first backward, since the loss is computed
@@ -170,7 +181,8 @@ class GPipeStrategy(ParallelStrategy):
         log_bubble_fraction: bool = True,
         deferred_batch_norm: bool = False,
         mesh_order: tuple[str, str] = ("pp", "dp"),
-        save_distributed_checkpoint: bool = False,
+        save_distributed_checkpoint: bool | None = None,
+        gather_model_after_run: bool = False,
         schedule: str | Schedule = "gpipe",
     ) -> None:
         super().__init__(
@@ -196,6 +208,8 @@ class GPipeStrategy(ParallelStrategy):
             mesh_order=mesh_order,
             start_method=start_method,
             save_distributed_checkpoint=save_distributed_checkpoint,
+            gather_model_after_run=gather_model_after_run,
+            schedule=schedule,
         )
         # The settings the process-group, setup, step and checkpoint sections read.
         self._module_name = self._settings.module_name
@@ -219,10 +233,8 @@ class GPipeStrategy(ParallelStrategy):
         self._pipelined: PipelinedModule | None = None
         self._failed = False
         self._ending_started_ranks = False
+        self._gather_model_after_run = self._settings.gather_model_after_run
         self._deferred = False  # the pipelined module was built on the meta device (see `model_sharded_context`)
-        if isinstance(schedule, str) and schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r} is not a schedule; use one of {', '.join(map(repr, SCHEDULES))}.")
-        self._schedule: Schedule = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
 
     # ---- configuration -------------------------------------------------------------------------------------------
 
@@ -415,7 +427,7 @@ class GPipeStrategy(ParallelStrategy):
             stage, config.num_micro_batches, self._settings.recompute,
             previous=groups.link(index - 1) if not groups.is_first else None,
             next=groups.link(index + 1) if not groups.is_last else None,
-            schedule=self._schedule,
+            schedule=self._settings.schedule,
             timeline=timeline,
         )
         self._runtime = StageRuntime(groups, engine, stage)
@@ -640,7 +652,9 @@ class GPipeStrategy(ParallelStrategy):
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     # A checkpoint holds the whole model, numbered as on one device, so it loads anywhere. It is loaded after `setup`
     # has split the model, memory-mapped: each rank copies out only its stage's weights and optimizer state, and
-    # the rest of the file is never read into its memory.
+    # the rest of the file is never read into its memory. A model built on the meta device is saved sharded by
+    # default: each rank writes its own stage. After a run the split is remembered (`_pipelined`), so that a
+    # checkpoint saved then still holds every stage's optimizer state.
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -652,7 +666,7 @@ class GPipeStrategy(ParallelStrategy):
         if is_sharded_checkpoint(checkpoint_path):
             assert self.lightning_module is not None
             names = [group_names(self.lightning_module, optimizer) for optimizer in self.optimizers]
-            return load_sharded(checkpoint_path, set(self.lightning_module.state_dict()), names)
+            return load_sharded(checkpoint_path, set(self.lightning_module.state_dict()), names, weights_only)
         local_file = "://" not in str(checkpoint_path) and Path(checkpoint_path).is_file()
         default_io = type(self.checkpoint_io).load_checkpoint is TorchCheckpointIO.load_checkpoint
         if not (local_file and default_io and self.layout.num_stages > 1):
@@ -671,11 +685,11 @@ class GPipeStrategy(ParallelStrategy):
         """The whole model's state dict on the rank that writes checkpoints (global rank 0); a share elsewhere."""
         module = self.lightning_module
         assert module is not None
-        if self._pipelined is None or self.layout.num_stages == 1 or self._save_distributed_checkpoint:
+        if self._pipelined is None or self.layout.num_stages == 1:
             return module.state_dict()
-        return whole_state_dict(
-            module, self._pipelined.state_keys, self.groups.stage_ranks, self.global_rank, self.groups.meta
-        )
+        if self._saves_sharded:  # written by `save_checkpoint`: this rank's own weights
+            return held_state_dict(module)
+        return whole_state_dict(module, self._pipelined, self.groups.stage_ranks, self.global_rank, self.groups.meta)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The whole model's optimizer state on the checkpoint writer, numbered as a single-device optimizer's."""
@@ -684,21 +698,31 @@ class GPipeStrategy(ParallelStrategy):
         if self._pipelined is None or self.layout.num_stages == 1:
             return optimizer.state_dict()
         assert module is not None
-        if self._save_distributed_checkpoint:  # written by `save_checkpoint`
+        if self._saves_sharded:  # written by `save_checkpoint`
             return name_optimizer_state(optimizer.state_dict(), group_names(module, optimizer))
         return whole_optimizer_state(
             optimizer, module, self._pipelined.parameter_order, self.groups.stage_ranks, self.global_rank, self.groups.meta
         )
 
+    @property
+    def _saves_sharded(self) -> bool:
+        """Checkpoints go sharded when asked, and by default for a model built on the meta device."""
+        if self._save_distributed_checkpoint is not None:
+            return self._save_distributed_checkpoint
+        return self._deferred
+
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
-        if not (self._save_distributed_checkpoint and self._pipelined is not None and self.layout.num_stages > 1):
+        if self._pipelined is None and "optimizer_states" in checkpoint:
+            refuse_checkpoint_without_stages(self.launcher, filepath)
+        if not (self._saves_sharded and self._pipelined is not None and self.layout.num_stages > 1):
             return super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0 writes the whole model
         if storage_options is not None:
-            raise TypeError("save_distributed_checkpoint=True writes with torch.distributed.checkpoint, which takes"
-                            f" no storage_options (got {storage_options!r}).")
-        save_sharded(checkpoint, filepath)
+            raise TypeError("sharded checkpoints are written with torch.distributed.checkpoint, which takes no"
+                            f" storage_options (got {storage_options!r}); pass save_distributed_checkpoint=False to"
+                            " write one file through the checkpoint IO plugin.")
+        save_sharded(checkpoint, filepath, self._pipelined.state_keys, self._pipelined.parameter_order)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self._pipelined is None or self.layout.num_stages == 1 or checkpoint.get(SHARDED):
@@ -759,10 +783,12 @@ class GPipeStrategy(ParallelStrategy):
             if self._pipelined is not None and not self._failed:
                 restore_whole_model(
                     module, self._pipelined, self.groups.stage_ranks, self.global_rank, self.groups.pipeline,
-                    self.root_device, self._deferred,
+                    self.root_device, self._deferred, self._gather_model_after_run,
                 )
         self._wrapped_hooks = []
-        self._pipelined = None
+        if self._failed:  # another stage may be gone: no checkpoint can gather the stages any more
+            self._pipelined = None
+        # Otherwise `_pipelined` stays: a checkpoint saved after the run gathers every stage's optimizer state.
         with _meta_tensors_left_in_place(module):
             super().teardown()
 

@@ -58,8 +58,13 @@ INVALID = {
     ),
     "deferred_batch_norm": ({"deferred_batch_norm": 1}, "{key}deferred_batch_norm=1 is invalid; use True or False."),
     "save_distributed_checkpoint": (
-        {"save_distributed_checkpoint": None}, "{key}save_distributed_checkpoint=None is invalid; use True or False."
+        {"save_distributed_checkpoint": "yes"},
+        "{key}save_distributed_checkpoint='yes' is invalid; use True, False or None (the default).",
     ),
+    "gather_model_after_run": (
+        {"gather_model_after_run": None}, "{key}gather_model_after_run=None is invalid; use True or False."
+    ),
+    "schedule": ({"schedule": "1f1b"}, "{key}schedule='1f1b' is not a schedule; use one of 'gpipe' or a function"),
 }
 
 

@@ -1,10 +1,10 @@
 """One rank of the memory-efficient setup section (:mod:`sections.bench_memory_setup`): the tiny, whole and
-deferred fits in turn, each one's peak resident memory its own."""
+deferred runs in turn (fit, then test and a checkpoint), each phase's peak resident memory its own."""
 
 from __future__ import annotations
 
 import gc
-import resource
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +37,11 @@ class Stack(LightningModule):
         assert self.layers is not None
         return F.mse_loss(self.layers(x), target)
 
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, target = batch
+        assert self.layers is not None
+        self.log("test_loss", F.mse_loss(self.layers(x), target))
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=1e-4, momentum=0.9)
 
@@ -60,26 +65,32 @@ class PeakAtTrainEnd(Callback):
 
 
 def _peak_resident_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    """The kernel's peak-RSS mark of this process (``VmHWM``), which ``_reset_peak`` resets."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024  # Linux reports KiB
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _reset_peak() -> None:
-    """Set the kernel's peak-RSS mark of this process to its current RSS (Linux's ``clear_refs``, value 5)."""
+    """Free the garbage (the previous run's model and Trainer, held in reference cycles), then set the kernel's
+    peak-RSS mark of this process to its current RSS (Linux's ``clear_refs``, value 5)."""
+    gc.collect()
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")
 
 
 def measure(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The tiny, whole and deferred fits in turn, each one's peak its own (see the module's docstring)."""
-    answers = {"tiny": _fit({**spec, "width": 16, "depth": 4, "deferred": True})}
-    for name, deferred in (("whole", False), ("deferred", True)):
-        gc.collect()  # the previous fit's model and Trainer, held in reference cycles
-        _reset_peak()
-        answers[name] = _fit({**spec, "deferred": deferred})
+    """The tiny, whole and deferred runs in turn, each phase's peak its own (see the module's docstring)."""
+    answers = {"tiny": _run({**spec, "width": 16, "depth": 4, "deferred": True, "name": "tiny"}, reset=False)}
+    answers["whole"] = _run({**spec, "deferred": False, "name": "whole"}, reset=True, fit_only=True)
+    answers["deferred"] = _run({**spec, "deferred": True, "name": "deferred"}, reset=True)
     return answers
 
 
-def _fit(spec: dict[str, Any]) -> dict[str, Any]:
+def _run(spec: dict[str, Any], reset: bool, fit_only: bool = False) -> dict[str, Any]:
+    """Fit, then (unless ``fit_only``) test and save a checkpoint; the peak of each phase, the mark reset before
+    each when ``reset`` (the tiny run keeps the process's peak since its start: the fixed footprint)."""
     torch.manual_seed(0)
     model = Stack(spec["width"], spec["depth"], spec["deferred"])
     loader = repeated_batch_loader(spec["batch"], spec["width"], spec["steps"])
@@ -90,14 +101,25 @@ def _fit(spec: dict[str, Any]) -> dict[str, Any]:
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=0, callbacks=[peak],
     )
+    if reset:
+        _reset_peak()
     trainer.fit(model, loader)
-    assert model.layers is not None
+    phases = {"fit": peak.peak_bytes, "after_fit": _peak_resident_bytes()}
+    if not fit_only:
+        # The launch's working directory, shared by the ranks (a sharded checkpoint is one directory for all).
+        for phase, action in (
+            ("test", lambda: trainer.test(model, loader, verbose=False)),
+            ("checkpoint", lambda: trainer.save_checkpoint(Path.cwd() / f"checkpoint_{spec['name']}")),
+        ):
+            if reset:
+                _reset_peak()
+            action()
+            phases[phase] = _peak_resident_bytes()
     return {
         "stage": strategy.stage_index,
-        "peak_bytes": peak.peak_bytes,
+        "phases": phases,
         "share_bytes": peak.share_bytes,
-        "after_fit_bytes": _peak_resident_bytes(),
-        "model_parameters": sum(p.numel() for p in model.layers.parameters()),
+        "model_parameters": sum(p.numel() for p in model.layers.parameters()),  # (meta tensors count too)
     }
 
 

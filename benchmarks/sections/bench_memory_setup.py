@@ -1,16 +1,18 @@
-"""Memory-efficient setup: peak resident memory per rank with and without deferred construction.
+"""Memory-efficient setup: peak resident memory per rank with and without deferred construction, through ``fit``,
+``test`` and checkpointing.
 
 A stack of ``depth`` × (Linear(W, W) + ReLU), about 2 GiB of parameters at full size, trains for a few steps on 4
 stages (2 in quick mode), with SGD with momentum, so that each stage's share is its parameters, their gradients and
-one optimizer buffer of the same size. The processes (one per stage) run three fits in turn: a tiny model first,
-whose peak is the fixed footprint of a process (Python, torch, Lightning, the process group, the Trainer); then the
-model built in ``__init__`` (every rank builds all of it); then built in ``configure_model()`` (every rank
-materialises only its stage). Before each of the later fits the previous model is freed and the kernel's peak-RSS
-mark reset (``/proc/self/clear_refs``), so each peak is that fit's own, over the footprint already there; whatever
-the earlier fits left behind counts against the deferred run, the last. Each rank reports its peak resident set
-(``ru_maxrss``) at the end of training, before teardown: setup and training, the phase that must fit. After ``fit``
-a model built deferred comes whole to global rank 0, which then holds it in host memory once, as a consolidated
-checkpoint does; that peak has its own column.
+one optimizer buffer of the same size. The processes (one per stage) run three runs in turn: a tiny model first,
+whose peak is the fixed footprint of a process (Python, torch, Lightning, the process group, the Trainer, and the
+code of testing and sharded checkpointing, which it runs too); then the model built in ``__init__`` (every rank
+builds all of it; fit only); then built in ``configure_model()`` (every rank materialises only its stage). Before
+each of the later runs, and before each phase of the deferred run, the garbage is collected and the kernel's
+peak-RSS mark reset (``/proc/self/clear_refs``), so each peak is that phase's own, over the footprint already there;
+whatever the earlier runs left behind counts against the deferred run, the last. Each rank reports its peak
+resident set (``VmHWM``) in each phase of the deferred run: setup and training (read when training ends); the end of
+``fit`` (its teardown: a model built on the meta device stays distributed, nothing is gathered); ``trainer.test``;
+and ``trainer.save_checkpoint`` after them (sharded by default for such a model: each rank writes its own stage).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ranks import memory_setup
 
 TARGET_RATIO = 1.2  # peak with deferred construction over (stage share + fixed footprint)
 GIB = 2**30
+PHASES = ("fit", "after_fit", "test", "checkpoint")
 
 
 def sizes(quick: bool) -> dict[str, int]:
@@ -40,27 +43,29 @@ def run(quick: bool) -> dict[str, Any]:
     tiny, whole, deferred = ([answer[name] for answer in answers] for name in ("tiny", "whole", "deferred"))
     rows, data_rows = [], []
     for rank in range(stages):
-        fixed = tiny[rank]["peak_bytes"]
+        fixed = max(tiny[rank]["phases"].values())
         share = deferred[rank]["share_bytes"]
+        phases = deferred[rank]["phases"]
         row = {
             "rank": rank,
             "stage": deferred[rank]["stage"],
             "share_bytes": share,
             "fixed_bytes": fixed,
-            "peak_deferred_bytes": deferred[rank]["peak_bytes"],
-            "peak_whole_bytes": whole[rank]["peak_bytes"],
-            "after_fit_deferred_bytes": deferred[rank]["after_fit_bytes"],
-            "ratio": deferred[rank]["peak_bytes"] / (share + fixed),
+            "peak_deferred_bytes": phases["fit"],
+            "phases_deferred_bytes": phases,
+            "peak_whole_bytes": whole[rank]["phases"]["fit"],
+            "after_fit_deferred_bytes": phases["after_fit"],
+            "ratio": max(phases.values()) / (share + fixed),
         }
         data_rows.append(row)
         rows.append([
-            rank, row["stage"], _gib(share), _gib(fixed), _gib(share + fixed), _gib(row["peak_deferred_bytes"]),
-            f"{row['ratio']:.2f}", _gib(row["peak_whole_bytes"]), _gib(row["after_fit_deferred_bytes"]),
+            rank, row["stage"], _gib(share), _gib(fixed), _gib(share + fixed),
+            *(_gib(phases[phase]) for phase in PHASES), f"{row['ratio']:.2f}", _gib(row["peak_whole_bytes"]),
         ])
     table = markdown_table(
         ["rank", "stage", "stage share (GiB)", "fixed footprint (GiB)", "share + fixed (GiB)",
-         "peak, configure_model (GiB)", "over share + fixed", "peak, built in __init__ (GiB)",
-         "after fit, configure_model (GiB)"],
+         "fit (GiB)", "end of fit (GiB)", "test (GiB)", "checkpoint (GiB)",
+         "worst over share + fixed", "fit, built in __init__ (GiB)"],
         rows,
     )
     worst = max(row["ratio"] for row in data_rows)
@@ -69,15 +74,17 @@ def run(quick: bool) -> dict[str, Any]:
     markdown = (
         f"{spec['depth']} × (Linear({spec['width']}, {spec['width']}) + ReLU): {parameters * 4 / GIB:.2f} GiB of"
         f" parameters on {stages} stages, batch {spec['batch']}, {spec['steps']} training steps, SGD with momentum;"
-        " one compute thread per process. Peak resident set per rank (`ru_maxrss`) through setup and training."
-        " Stage share: the rank's parameters, gradients and momentum buffers. Fixed footprint: the peak of the same"
-        " run with a 4 × Linear(16, 16) model, in fresh processes; the two large runs follow in the same processes,"
-        " the peak mark reset before each (see the module's docstring). After fit, global rank 0 (the last"
-        " stage) receives the other stages' trained layers, so that the launching process holds the whole model as"
-        " on one device.\n\n"
+        " one compute thread per process. Peak resident set per rank (`VmHWM`) in each phase of the run built in"
+        " `configure_model()`: setup and training (`fit`), the end of fit (its teardown), `trainer.test`, and"
+        " `trainer.save_checkpoint` after them (sharded: each rank writes its own stage). Stage share: the rank's"
+        " parameters, gradients and momentum buffers. Fixed footprint: the peak of the same phases with a"
+        " 4 × Linear(16, 16) model, in fresh processes; the two large runs follow in the same processes, the peak"
+        " mark reset before each phase (see the module's docstring). The model stays distributed after fit: no"
+        " rank receives another stage's layers.\n\n"
         f"{table}\n\n"
         + verdict(
-            f"peak with `configure_model()` within {TARGET_RATIO}× (stage share + fixed footprint) on every rank",
+            f"every phase's peak with `configure_model()` within {TARGET_RATIO}× (stage share + fixed footprint) on"
+            " every rank",
             worst <= TARGET_RATIO,
             f"{worst:.2f}× at worst",
         )

@@ -72,6 +72,12 @@ def main(spec_path):
         out.mkdir(parents=True, exist_ok=True)
         rank = trainer.global_rank
         torch.save(model.state_dict(), out / f"rank{rank}.pt")
+        if run.get("save_after_fit"):  # in the launching process of spawn/fork: the stages' optimizers are gone
+            try:
+                trainer.save_checkpoint(out / "after_fit.ckpt")
+            except RuntimeError as error:
+                (out / "save_error.txt").write_text(str(error))
+            trainer.save_checkpoint(out / "weights.ckpt", weights_only=True)
         (out / f"rank{rank}.json").write_text(json.dumps(recorder.summary()))
         if rank == 0:  # which of Lightning's cluster environments set up the ranks
             (out / "environment.txt").write_text(type(trainer.strategy.cluster_environment).__name__)
