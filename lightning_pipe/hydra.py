@@ -74,6 +74,8 @@ class GPipeStrategyConfig:
     gather_model_after_run: bool = False
     """After a run of a model built on the meta device, send the whole model to global rank 0 (costs it the whole
     model in host memory); by default each rank keeps its own stage."""
+    schedule: str = "gpipe"
+    """The order of each stage's forwards, backwards, sends and receives in a step (``lightning_pipe.schedule``)."""
 
 
 def register_configs() -> None:
