@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -116,6 +117,30 @@ def note_sigterm(
     if not connector.received_sigterm and launcher is not None:
         launcher.kill(signum)
     connector.received_sigterm = True
+
+
+# Whether this process destroys its process groups at exit: set up with the groups, withdrawn after a failure.
+_process_groups_at_exit = {"registered": False, "destroy": True}
+
+
+def end_process_groups_at_exit() -> None:
+    """Destroy the process groups when this rank's interpreter exits, unless a run failed (see
+    :func:`keep_process_groups_at_exit`).
+
+    A process group left to the interpreter's final clean-up can abort the process after a successful run
+    (``terminate called without an active exception``, exit code -6): gloo's worker threads may release tensors
+    when the interpreter is already gone. torch asks applications to destroy their groups before exiting; this does
+    it at exit, so that a later ``trainer.test`` in the same process still finds them.
+    """
+    if not _process_groups_at_exit["registered"]:
+        _process_groups_at_exit["registered"] = True
+        atexit.register(lambda: _destroy_dist_connection() if _process_groups_at_exit["destroy"] else None)
+
+
+def keep_process_groups_at_exit() -> None:
+    """After a failed run, leave the groups alone at exit: a gloo group would wait there for receives from peers
+    that may never answer, and the process must end."""
+    _process_groups_at_exit["destroy"] = False
 
 
 def end_started_ranks_at_exit(launcher: _Launcher | None) -> bool:

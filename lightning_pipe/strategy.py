@@ -65,7 +65,9 @@ from lightning_pipe.gradients import agree_on_gradient_overflow, clip_grad_norm_
 from lightning_pipe.launch import (
     CheckedMultiProcessingLauncher,
     CheckedSubprocessScriptLauncher,
+    end_process_groups_at_exit,
     end_started_ranks_at_exit,
+    keep_process_groups_at_exit,
     note_sigterm,
 )
 from lightning_pipe.materialize import global_seed, holds_meta_tensors, materialize
@@ -340,6 +342,7 @@ class GPipeStrategy(ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
+        end_process_groups_at_exit()
         self._groups = init_pipeline_groups(
             self.layout, self.global_rank, self.root_device, self._process_group_backend, self._timeout,
             self._mesh_order,
@@ -771,6 +774,7 @@ class GPipeStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         # Another stage may be gone: teardown must not wait on it to gather the model.
         self._failed = True
+        keep_process_groups_at_exit()
         if not self._ending_started_ranks:
             self._ending_started_ranks = end_started_ranks_at_exit(self._launcher)
 

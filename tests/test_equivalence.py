@@ -72,6 +72,13 @@ def pipelined(request, tmp_path_factory):
     return devices, tmp, {run["name"]: run for run in runs}
 
 
+def test_every_rank_destroys_its_process_groups_at_exit(pipelined):
+    """A group left to the interpreter's final clean-up can abort a finished run (exit code -6)."""
+    devices, tmp, _ = pipelined
+    states = [path.read_text() for path in (tmp / "exits").iterdir()]
+    assert states == ["False"] * devices
+
+
 _references: dict[tuple, tuple] = {}
 
 

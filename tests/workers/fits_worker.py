@@ -4,12 +4,15 @@ Usage: python fits_worker.py SPEC.json   (SPEC: {"devices": N, "out": DIR, "runs
 Each run writes DIR/NAME/rank{R}.pt (the rank's state dict) and DIR/NAME/rank{R}.json (losses, metrics).
 """
 
+import atexit
 import json
+import os
 import sys
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.plugins import MixedPrecision
 
@@ -34,6 +37,10 @@ def drop_gradient_of(micro_batch):
 
 def main(spec_path):
     spec = json.loads(Path(spec_path).read_text())
+    # Registered before any run: it runs after lightning_pipe's own exit handler, and records what that left.
+    exits = Path(spec["out"], "exits")
+    exits.mkdir(exist_ok=True)
+    atexit.register(lambda: (exits / str(os.getpid())).write_text(str(dist.is_initialized())))
     for run in spec["runs"]:
         train, val = loaders(
             run.get("train_samples", 80), run.get("val_samples", 40), run.get("batch_size", 16), run.get("shuffle", False)
