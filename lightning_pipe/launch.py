@@ -20,13 +20,15 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_pipe.materialize import holds_meta_tensors
+from lightning_pipe.materialize import holds_meta_tensors, mark_held_elsewhere
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +56,9 @@ class CheckedMultiProcessingLauncher(ModelCheck, _MultiProcessingLauncher):
         """Lightning loads rank 0's weights (the whole trained model) into the launching process's module leniently:
         layers built in ``configure_model`` do not exist here, layers made under ``init_module(empty_init=True)``
         are on the meta device, and either would silently stay so. Build the missing ones on the meta device and
-        take the trained tensors in place of the meta ones, so that this process holds the whole model as after a
-        fit on one device. The weights are loaded here, once; Lightning does the rest of its recovery."""
+        take the trained tensors in place of the meta ones, so that this process holds what rank 0 holds: the whole
+        model as after a fit on one device, or, for a model built on the meta device (which stays distributed unless
+        ``gather_model_after_run``), the last stage. The weights are loaded here, once; Lightning does the rest."""
         path = worker_output.weights_path
         if path is not None:
             module = trainer.lightning_module
@@ -66,14 +69,26 @@ class CheckedMultiProcessingLauncher(ModelCheck, _MultiProcessingLauncher):
             deferred = holds_meta_tensors(module)
             module.load_state_dict(weights, strict=False, assign=deferred)
             if deferred and holds_meta_tensors(module):
-                left = [name for name, t in module.state_dict().items() if t.is_meta]
-                raise RuntimeError(
-                    f"after fit, {len(left)} tensors of the model ({left[0]}, ...) did not come back to the"
-                    " launching process; build them in __init__ or use the default start method (strategy='gpipe')"
-                )
+                self._keep_distributed(module)
             self._strategy.checkpoint_io.remove_checkpoint(path)
             worker_output = worker_output._replace(weights_path=None)
         super()._recover_results_in_main_process(worker_output, trainer)
+
+    def _keep_distributed(self, module: LightningModule) -> None:
+        """A model built on the meta device stays distributed after the run: this process received rank 0's stage.
+        Its other layers stay on the meta device, marked so that no later run starts them afresh."""
+        left = [name for name, t in module.state_dict().items() if t.is_meta]
+        if getattr(self._strategy, "_gather_model_after_run", False):
+            raise RuntimeError(
+                f"after fit, {len(left)} tensors of the model ({left[0]}, ...) did not come back to the"
+                " launching process; build them in __init__ or use the default start method (strategy='gpipe')"
+            )
+        mark_held_elsewhere([m for m in module.modules() if holds_meta_tensors(m, recurse=False)])
+        rank_zero_info(
+            f"The model was built on the meta device and stays distributed: this process holds the last stage's"
+            f" trained layers, {len(left)} tensors ({left[0]}, ...) stay on the meta device. The trained model is in"
+            " the run's checkpoints; pass GPipeStrategy(gather_model_after_run=True) to receive it whole here."
+        )
 
 
 def note_sigterm(
@@ -102,6 +117,30 @@ def note_sigterm(
     if not connector.received_sigterm and launcher is not None:
         launcher.kill(signum)
     connector.received_sigterm = True
+
+
+# Whether this process destroys its process groups at exit: set up with the groups, withdrawn after a failure.
+_process_groups_at_exit = {"registered": False, "destroy": True}
+
+
+def end_process_groups_at_exit() -> None:
+    """Destroy the process groups when this rank's interpreter exits, unless a run failed (see
+    :func:`keep_process_groups_at_exit`).
+
+    A process group left to the interpreter's final clean-up can abort the process after a successful run
+    (``terminate called without an active exception``, exit code -6): gloo's worker threads may release tensors
+    when the interpreter is already gone. torch asks applications to destroy their groups before exiting; this does
+    it at exit, so that a later ``trainer.test`` in the same process still finds them.
+    """
+    if not _process_groups_at_exit["registered"]:
+        _process_groups_at_exit["registered"] = True
+        atexit.register(lambda: _destroy_dist_connection() if _process_groups_at_exit["destroy"] else None)
+
+
+def keep_process_groups_at_exit() -> None:
+    """After a failed run, leave the groups alone at exit: a gloo group would wait there for receives from peers
+    that may never answer, and the process must end."""
+    _process_groups_at_exit["destroy"] = False
 
 
 def end_started_ranks_at_exit(launcher: _Launcher | None) -> bool:
