@@ -17,6 +17,7 @@ import os
 import pickle
 import signal
 import subprocess
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.multiprocessing.spawn import ProcessRaisedException
 
 from lightning_pipe.materialize import holds_meta_tensors
 from lightning_pipe.p2p import PipelineCommunicationError
@@ -49,12 +51,15 @@ class ModelCheck:
     the trainer's function on every rank under :func:`raising_the_root_cause`."""
 
     check_model: Callable[[LightningModule, Trainer | None], None] | None = None
+    _exceptions_dir: str | None = None  # where ranks started by spawn or fork leave the exception they end with
 
     def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
         if self.check_model is not None and args and isinstance(args[0], LightningModule):
             self.check_model(args[0], trainer)
         # Every rank makes the same trainer calls in the same order: the n-th launch has the same key on every rank.
         function = partial(raising_the_root_cause, function, trainer, f"{_FAILURE_KEY}/{next(_launches)}")
+        if self._exceptions_dir is not None:
+            function = partial(_leaving_the_exception, self._exceptions_dir, function)
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
 
@@ -63,6 +68,22 @@ class CheckedSubprocessScriptLauncher(ModelCheck, _SubprocessScriptLauncher):
 
 
 class CheckedMultiProcessingLauncher(ModelCheck, _MultiProcessingLauncher):
+    def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        """torch raises a failed rank's traceback in the launching process as text (``ProcessRaisedException``):
+        raise the rank's exception itself, as under the default launcher, with torch's text as its cause."""
+        with tempfile.TemporaryDirectory(prefix="lightning_pipe_exceptions_") as directory:
+            self._exceptions_dir = directory
+            try:
+                return super().launch(function, *args, trainer=trainer, **kwargs)
+            except ProcessRaisedException as error:
+                path = os.path.join(directory, str(error.error_index))
+                exception = _unpickled(path) if os.path.exists(path) else None
+                if exception is None:
+                    raise
+                raise exception from error
+            finally:
+                self._exceptions_dir = None
+
     def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: Trainer) -> None:
         """Lightning loads rank 0's weights (the whole trained model) into the launching process's module leniently:
         layers built in ``configure_model`` do not exist here, layers made under ``init_module(empty_init=True)``
@@ -197,6 +218,32 @@ def raising_the_root_cause(function: Callable, trainer: Trainer | None, key: str
         if recorded is None or recorded.rank == _rank():
             raise
         raise _recreated(recorded, error, trainer) from StageTraceback(recorded)
+
+
+def _leaving_the_exception(directory: str, function: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Run ``function`` in a rank started by spawn or fork; leave the exception it ends with in ``directory``, for
+    the launching process (the rank's index names the file, as torch's error names the rank)."""
+    try:
+        return function(*args, **kwargs)
+    except Exception as error:
+        with suppress(Exception):  # an exception that does not pickle stays torch's text
+            with open(os.path.join(directory, os.environ.get("LOCAL_RANK", "0")), "wb") as file:
+                pickle.dump(error, file)
+        raise
+
+
+class _LaunchingProcessUnpickler(pickle.Unpickler):
+    """Classes of the script a spawned rank ran as ``__mp_main__`` are the launching process's ``__main__``."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        return super().find_class("__main__" if module == "__mp_main__" else module, name)
+
+
+def _unpickled(path: str) -> BaseException | None:
+    with suppress(Exception), open(path, "rb") as file:
+        exception = _LaunchingProcessUnpickler(file).load()
+        return exception if isinstance(exception, BaseException) else None
+    return None
 
 
 def _lost_a_peer(error: BaseException) -> bool:
