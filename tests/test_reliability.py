@@ -214,10 +214,25 @@ def check_failure_surfaced(run: FaultRun, faults: list[dict]) -> None:
         assert expected in run.stderr, run.stderr[-6000:]
         if first["where"] == "layer":  # the note the engine adds: where in the pipeline it happened
             assert f"raised by pipeline stage {first['stage']} (layers" in run.stderr, run.stderr[-6000:]
+        check_every_rank_ended_with_the_cause(run, expected)
     else:
         killed = f"stage {first['stage']} \\(rank \\d\\)"
         said = [rf"lost {killed}", r"terminated with signal SIGKILL", r"Signal 9 \(SIGKILL\)", r"exitcode\s*:\s*-9"]
         assert any(re.search(pattern, run.stderr) for pattern in said), run.stderr[-6000:]
+
+
+def check_every_rank_ended_with_the_cause(run: FaultRun, expected: str) -> None:
+    """The launching process's final error, and that of every rank that got to record its end, is the user's
+    exception (re-raised by the ranks that lost the stage which raised it), not a lost-peer error."""
+    launching = "launcher" if "launcher" in run.ends else "rank0"
+    assert launching in run.ends, f"the launching process (or rank 0 under torchrun) recorded no end: {run.ends}"
+    for name, end in run.ends.items():  # under spawn, the launcher raises the rank's exception, not torch's text
+        assert end["ended"] == "InjectedFault", f"{name} ended with {end['ended']}: {end['traceback']}"
+        assert expected.removeprefix("InjectedFault: ") in end["message"], end["message"]
+    rank0, stage = run.ends.get("rank0", {}).get("traceback", ""), re.search(r"on stage (\d+)", expected)
+    if "then lost that stage" in rank0:  # rank 0 lost the stage that raised: its error says where it came from
+        said = rf"raised on stage {stage.group(1) if stage else '?'} \(rank [1-9]\); stage \d \(rank 0\) then lost"
+        assert re.search(said, rank0), rank0
 
 
 def test_killed_rank_ends_every_process_fast_and_is_named(pooled_runs):
