@@ -10,7 +10,7 @@ import traceback
 import pytest
 import torch.distributed as dist
 
-from lightning_pipe.launch import PipelineStageError, RecordedFailure, StageTraceback, raising_the_root_cause
+from lightning_pipe.root_cause import PipelineStageError, RecordedFailure, StageTraceback, raising_the_root_cause
 from lightning_pipe.p2p import PipelineCommunicationError
 
 KEY = "lightning_pipe/first_failure/test"
