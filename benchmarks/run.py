@@ -5,6 +5,7 @@ Usage::
     python benchmarks/run.py            # full sizes; writes docs/benchmarks.md and docs/benchmarks.json
     python benchmarks/run.py --quick    # tiny sizes, to check that every benchmark works (under a minute)
     python benchmarks/run.py --out DIR  # write DIR/benchmarks.md and DIR/benchmarks.json instead
+    python benchmarks/run.py --only bench_memory_setup  # re-measure that section, keep the others' last results
 
 Every ``benchmarks/sections/bench_*.py`` module is one section, listed in :data:`SECTIONS`: its
 ``run(quick: bool)`` returns ``{"title": str, "markdown": str, "data": dict}``. A section that fails is reported as
@@ -52,14 +53,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that every benchmark runs")
     parser.add_argument("--out", type=Path, default=None, help="write benchmarks.md and benchmarks.json here")
+    parser.add_argument(
+        "--only", nargs="+", metavar="SECTION", choices=[_name(s) for s in SECTIONS], default=None,
+        help="re-measure these sections (bench_*); the others keep their results from the last benchmarks.json",
+    )
     args = parser.parse_args(argv)
-    command = "python benchmarks/run.py" + (" --quick" if args.quick else "")
+    command = "python benchmarks/run.py" + (" --quick" if args.quick else "") + (f" --only {' '.join(args.only)}" if args.only else "")
+    out = args.out or DOCS
+    kept = _last_results(out / "benchmarks.json", args.quick) if args.only else {}
     machine = _machine()
     started = time.perf_counter()
     sections, failed = [], False
     for section in SECTIONS:
-        name = section.__name__.rpartition(".")[2]
+        name = _name(section)
+        if args.only and name not in args.only and name in kept:
+            sections.append(kept[name])
+            continue
         start = time.perf_counter()
+        load_before = _load_average()
         print(f"[benchmarks] {name} ...", flush=True)
         try:
             result = section.run(args.quick)
@@ -68,14 +79,16 @@ def main(argv: list[str] | None = None) -> int:
             error = traceback.format_exc()
             print(error, file=sys.stderr, flush=True)
             result = {"title": name, "markdown": f"**Failed:**\n\n```\n{error}```", "data": {"error": error}}
-        result = {"module": name, "seconds": time.perf_counter() - start, **result}
+        result = {
+            "module": name, "seconds": time.perf_counter() - start, "date": _now(),
+            "load_average": [load_before, _load_average()], **result,
+        }
         print(f"[benchmarks] {name} done in {result['seconds']:.0f} s", flush=True)
         sections.append(result)
     machine["load_average_after"] = _load_average()
     machine["run_seconds"] = round(time.perf_counter() - started)
-    out = args.out or DOCS
     out.mkdir(parents=True, exist_ok=True)
-    report = {"command": command, "quick": args.quick, "machine": machine, "sections": sections}
+    report = {"command": command, "quick": args.quick, "machine": machine, "only": args.only, "sections": sections}
     (out / "benchmarks.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "benchmarks.md").write_text(render(report))
     print(f"[benchmarks] wrote {out / 'benchmarks.md'} and {out / 'benchmarks.json'}", flush=True)
@@ -96,7 +109,10 @@ def render(report: dict[str, Any]) -> str:
         "",
         f"- machine: {machine['cpu']}, {machine['cores']} cores ({machine['platform']})",
         f"- torch {machine['torch']}, lightning {machine['lightning']}, Python {machine['python']}",
-        f"- date: {machine['date']}, {machine['run_seconds']} s for the whole run",
+        f"- date: {machine['date']}, {machine['run_seconds']} s for the whole run"
+        if not report.get("only")
+        else f"- date: {machine['date']}, {machine['run_seconds']} s to re-measure {', '.join(report['only'])}; the other"
+        " sections are kept from earlier runs (each section says when it was measured)",
         f"- load average (1 min) before / after the run: {machine['load_average_before']} /"
         f" {machine['load_average_after']} (other work on a shared machine skews the absolute times; the ratios"
         " are measured side by side)",
@@ -108,7 +124,11 @@ def render(report: dict[str, Any]) -> str:
     if targets:
         lines += ["Targets at a glance (each is explained in its section):", "", *(f"- {line}" for line in targets), ""]
     for section in report["sections"]:
-        source = f"*Source: `benchmarks/sections/{section['module']}.py`.*"
+        source = f"*Source: `benchmarks/sections/{section['module']}.py`"
+        if "date" in section:  # when and under what load this section was measured (sections may be re-run alone)
+            before, after = section["load_average"]
+            source += f"; measured {section['date']}, load average {before} before, {after} after"
+        source += ".*"
         lines += [f"## {section['title']}", "", section["markdown"].strip(), "", source, ""]
     if OPTIMISATIONS.exists():
         lines += [OPTIMISATIONS.read_text().strip(), ""]
@@ -123,9 +143,31 @@ def _machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": version("torch"),
         "lightning": version("lightning"),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": _now(),
         "load_average_before": _load_average(),
     }
+
+
+def _name(section: ModuleType) -> str:
+    return section.__name__.rpartition(".")[2]
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _last_results(path: Path, quick: bool) -> dict[str, dict[str, Any]]:
+    """The sections of the last report at ``path``, by module, to keep beside re-measured ones."""
+    if not path.exists():
+        return {}
+    report = json.loads(path.read_text())
+    if report.get("quick") != quick:
+        raise SystemExit(f"{path} holds a {'quick' if report.get('quick') else 'full'} run; --only would mix sizes")
+    machine = report["machine"]
+    for section in report["sections"]:  # a report written before sections carried their own date has the run's
+        section.setdefault("date", machine["date"])
+        section.setdefault("load_average", [machine["load_average_before"], machine["load_average_after"]])
+    return {section["module"]: section for section in report["sections"]}
 
 
 def _cpu_name() -> str:

@@ -52,3 +52,26 @@ def test_speedup_without_contention_shrinks_only_the_overlapped_time(benchmark_m
     assert speedup_without_contention(round_, 1.0) == pytest.approx(0.360 / 0.280)
     # c = 1.5: each step loses a third of its least busy stage's time (the overlap runs 1.5 times faster).
     assert speedup_without_contention(round_, 1.5) == pytest.approx((0.360 - 0.015) / (0.280 - 0.230 / 3))
+
+
+def test_a_section_re_measured_alone_keeps_the_others_with_their_dates(benchmark_modules, tmp_path):
+    import run
+
+    old = {"date": "2026-11-29 22:19 UTC", "load_average_before": 0.5, "load_average_after": 2.5}
+    machine = {"cpu": "cpu", "cores": 2, "platform": "linux", "torch": "2.13", "lightning": "2.6", "python": "3.11",
+               "run_seconds": 9, **old}
+    section = {"title": "Kept", "markdown": "kept text", "data": {}, "module": "bench_bubble", "seconds": 1.0}
+    (tmp_path / "benchmarks.json").write_text(json.dumps({"quick": False, "machine": machine, "sections": [section]}))
+    kept = run._last_results(tmp_path / "benchmarks.json", quick=False)
+    assert kept["bench_bubble"]["date"] == old["date"] and kept["bench_bubble"]["load_average"] == [0.5, 2.5]
+    with pytest.raises(SystemExit, match="would mix sizes"):
+        run._last_results(tmp_path / "benchmarks.json", quick=True)
+    fresh = {**section, "title": "Fresh", "module": "bench_memory_setup", "date": "2026-12-01 05:00 UTC",
+             "load_average": [0.1, 1.2]}
+    report = {"command": "python benchmarks/run.py --only bench_memory_setup", "quick": False,
+              "machine": {**machine, "date": "2026-12-01 05:00 UTC"}, "only": ["bench_memory_setup"],
+              "sections": [kept["bench_bubble"], fresh]}
+    page = run.render(report)
+    assert "to re-measure bench_memory_setup; the other sections are kept" in page
+    assert "measured 2026-11-29 22:19 UTC, load average 0.5 before, 2.5 after" in page
+    assert "measured 2026-12-01 05:00 UTC, load average 0.1 before, 1.2 after" in page
