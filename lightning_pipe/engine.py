@@ -32,6 +32,7 @@ from lightning_pipe import microbatch
 from lightning_pipe.batchnorm import DeferredBatchNorm
 from lightning_pipe.microbatch import Activation
 from lightning_pipe.p2p import ACTIVATION, SKIP, Header, Link, PendingHeader, PostedTensors, TensorMeta
+from lightning_pipe.random_streams import StageRandomStreams
 from lightning_pipe.schedule import Action, Schedule, phases
 from lightning_pipe.settings import RecomputeMode
 from lightning_pipe.stage import StageLayers
@@ -77,6 +78,7 @@ class PipelineEngine:
     """Runs one stage's share of each step; one instance per process.
 
     ``previous`` and ``next`` are the links to the neighbouring stages (``None`` at the ends of the pipeline).
+    ``random_streams``, given with more than one stage, runs each micro-batch's forward on a random stream of its own.
     """
 
     def __init__(
@@ -88,6 +90,7 @@ class PipelineEngine:
         next: Link | None,
         schedule: Schedule,
         timeline: StepTimeline | None = None,
+        random_streams: StageRandomStreams | None = None,
     ) -> None:
         self.layers = layers
         self.num_micro_batches = num_micro_batches
@@ -95,6 +98,7 @@ class PipelineEngine:
         self.previous = previous
         self.next = next
         self.schedule = schedule
+        self.random_streams = random_streams
         self._step = _StepState()
         self._batch_norms = [m for m in layers.modules() if isinstance(m, _BatchNorm)]
         self._deferred_batch_norms = [m for m in self._batch_norms if isinstance(m, DeferredBatchNorm)]
@@ -115,6 +119,8 @@ class PipelineEngine:
         self._wait_sends()
         self._step = _StepState()
         self.timeline.begin_step()
+        if self.random_streams is not None:
+            self.random_streams.begin_step()
 
     def _actions(self, num_micro_batches: int) -> list[Action]:
         """This step's forward phase; its backward phase is kept for :meth:`backward`."""
@@ -263,6 +269,8 @@ class PipelineEngine:
         """This stage's layers on one micro-batch, re-computed in backward when the action says so."""
         m = action.micro_batch
         run = partial(self.layers.run_layers, is_tuple)
+        if self.random_streams is not None:  # inside what re-computation re-runs: its dropout draws the same mask
+            run = self.random_streams.seeded_run(run, m)
         start = self.timeline.now()
         try:
             if torch.is_grad_enabled() and action.recompute:

@@ -15,24 +15,20 @@ without this strategy (one device, ``strategy="auto"``) starts from the same wei
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
 
-# Seeds are drawn from [0, 2**63): what `torch.manual_seed` accepts on every device.
-_SEED_BITS = 63
+from lightning_pipe.random_streams import hashed_seed, seeded
 
 
 def layer_seed(seed: int, name: str) -> int:
     """The seed that initialises the module called ``name`` (its qualified name in the LightningModule) when the
     run's global seed is ``seed``. A hash, so that neighbouring layers get unrelated random streams."""
-    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> (64 - _SEED_BITS)
+    return hashed_seed(f"{seed}/{name}".encode())
 
 
 def global_seed() -> int:
@@ -70,7 +66,7 @@ def materialize(root: nn.Module, device: torch.device, seed: int) -> list[str]:
             )
         _check_resettable(module, name)
         module.to_empty(device=device, recurse=False)
-        with _seeded(device, layer_seed(seed, name)):
+        with seeded(device, layer_seed(seed, name)):
             module.reset_parameters()
         initialised.append(name)
     _retie(holders)
@@ -103,7 +99,7 @@ def init_weights(module: nn.Module, seed: int | None = None) -> list[str]:
         own = list(_tensors(submodule, recurse=False))
         if not own or any(t.is_meta for t in own) or not callable(getattr(submodule, "reset_parameters", None)):
             continue
-        with _seeded(own[0].device, layer_seed(seed, name)):
+        with seeded(own[0].device, layer_seed(seed, name)):
             submodule.reset_parameters()
         reset.append(name)
     return reset
@@ -132,23 +128,6 @@ def _check_resettable(module: nn.Module, name: str) -> None:
             f" define `{type(module).__name__}.reset_parameters(self)` that fills them (as nn.Linear's does), or"
             " create them outside configure_model()."
         )
-
-
-@contextmanager
-def _seeded(device: torch.device, seed: int) -> Iterator[None]:
-    """The default random generators of the CPU and of ``device`` seeded with ``seed``; their states restored after,
-    so that initialisation neither depends on nor disturbs the global random stream."""
-    if device.type in ("cpu", "meta"):
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(seed)
-            yield
-        return
-    backend = torch.get_device_module(device.type)
-    index = device.index if device.index is not None else backend.current_device()
-    with torch.random.fork_rng(devices=[index], device_type=device.type), backend.device(index):
-        torch.default_generator.manual_seed(seed)
-        backend.manual_seed(seed)  # the current device's generator: this stage's
-        yield
 
 
 # Set on modules left on the meta device after a run because another rank holds their trained weights (see

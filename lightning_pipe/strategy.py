@@ -74,6 +74,7 @@ from lightning_pipe.materialize import global_seed, holds_meta_tensors, material
 from lightning_pipe.groups import PipelineGroups, init_pipeline_groups
 from lightning_pipe.outcome import StepOutcome
 from lightning_pipe.partition import find_pipelined_module, replace_submodule
+from lightning_pipe.random_streams import StageRandomStreams
 from lightning_pipe.settings import PipelineSettings, RecomputeMode, check_process_count
 from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
 from lightning_pipe.sharded import load as load_sharded
@@ -426,12 +427,15 @@ class GPipeStrategy(ParallelStrategy):
         rank_zero_info(str(self.stage_summary()))
         groups, index = self.groups, self.stage_index
         timeline = StepTimeline(self.root_device, enabled=self._log_bubble_fraction or bool(self._trace_steps))
+        # One stage draws from the global stream, as one device does; several need streams of their own.
+        streams = StageRandomStreams(self.root_device, index, groups.replica) if config.num_stages > 1 else None
         engine = PipelineEngine(
             stage, config.num_micro_batches, self._settings.recompute,
             previous=groups.link(index - 1) if not groups.is_first else None,
             next=groups.link(index + 1) if not groups.is_last else None,
             schedule=self._settings.schedule,
             timeline=timeline,
+            random_streams=streams,
         )
         self._runtime = StageRuntime(groups, engine, stage)
         self._tracer = None

@@ -152,6 +152,15 @@ class DropoutClassifier(PipeClassifier):
         self.net.model[1] = nn.Sequential(nn.Tanh(), nn.Dropout(0.3))
 
 
+class TwoDropoutsClassifier(PipeClassifier):
+    """``Linear, Dropout(0.5), Linear, Dropout(0.5)``: on 2 stages a dropout layer per stage, on 4 one on stages 1 and 3;
+    the two layers see inputs of the same shape, so their masks can be compared element by element."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        self.net.model = nn.Sequential(nn.Linear(12, 16), nn.Dropout(0.5), nn.Linear(16, 16), nn.Dropout(0.5))
+
+
 class ResettablePipeClassifier(PipeClassifier):
     """Can be created on the meta device (``init_module(empty_init=True)``): its own parameter has an initialiser."""
 
@@ -174,7 +183,7 @@ class DeferredPipeClassifier(PipeClassifier):
             lightning_pipe.init_weights(self)  # seeded by each layer's name in the whole model
 
 
-MODELS = {"dropout": DropoutClassifier, "synced": SyncedLogging, "batchnorm": BatchNormClassifier, "one_batchnorm": OneBatchNormClassifier, "classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "poisoned": PoisonedGradient, "deferred": DeferredPipeClassifier, "resettable": ResettablePipeClassifier}
+MODELS = {"dropout": DropoutClassifier, "two_dropouts": TwoDropoutsClassifier, "synced": SyncedLogging, "batchnorm": BatchNormClassifier, "one_batchnorm": OneBatchNormClassifier, "classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "poisoned": PoisonedGradient, "deferred": DeferredPipeClassifier, "resettable": ResettablePipeClassifier}
 
 
 class ProjectModule(LightningModule):

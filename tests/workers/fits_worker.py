@@ -1,7 +1,8 @@
 """Worker: several `Trainer.fit` runs with the gpipe strategy in one launch, results written per rank.
 
 Usage: python fits_worker.py SPEC.json   (SPEC: {"devices": N, "out": DIR, "runs": [{"name": ..., ...}, ...]})
-Each run writes DIR/NAME/rank{R}.pt (the rank's state dict) and DIR/NAME/rank{R}.json (losses, metrics).
+Each run writes DIR/NAME/rank{R}.pt (the rank's state dict) and DIR/NAME/rank{R}.json (losses, metrics); with
+"record_dropout_masks", DIR/NAME/masks{R}.pt too (see `record_dropout_masks`).
 """
 
 import atexit
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.plugins import MixedPrecision
+from torch import nn
 
 import lightning_pipe
 from helpers.models import MODELS, loaders
@@ -33,6 +35,24 @@ def drop_gradient_of(micro_batch):
 
     engine._OrderedGradientSender._ready = ready
     return lambda: setattr(engine._OrderedGradientSender, "_ready", original)
+
+
+def record_dropout_masks(model):
+    """``{name: [mask, ...]}``: which elements each ``nn.Dropout`` of ``model`` kept, one mask per call in training
+    mode, in call order (with re-computation: a step's forwards, then their re-computations in backward)."""
+    masks = {}
+
+    def recorder(name):
+        def record(module, inputs, output):
+            if module.training:  # (in eval mode dropout keeps everything)
+                masks.setdefault(name, []).append(output != 0)
+
+        return record
+
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Dropout):
+            module.register_forward_hook(recorder(name))
+    return masks
 
 
 def main(spec_path):
@@ -72,13 +92,18 @@ def main(spec_path):
         seed_everything(0)
         with trainer.init_module(empty_init=True) if run.get("empty_init") else nullcontext():
             model = MODELS[run.get("model", "classifier")](lr=run.get("lr", 0.5))
-        trainer.fit(model, train, val)
+        masks = record_dropout_masks(model) if run.get("record_dropout_masks") else None
+        # Re-computations then run to the end (not only as far as backward needs), so the hooks record them too.
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False) if masks is not None else nullcontext():
+            trainer.fit(model, train, val)
         if restore:
             restore()
         out = Path(spec["out"]) / run["name"]
         out.mkdir(parents=True, exist_ok=True)
         rank = trainer.global_rank
         torch.save(model.state_dict(), out / f"rank{rank}.pt")
+        if masks is not None:
+            torch.save(masks, out / f"masks{rank}.pt")
         if run.get("save_after_fit"):  # in the launching process of spawn/fork: the stages' optimizers are gone
             try:
                 trainer.save_checkpoint(out / "after_fit.ckpt")
