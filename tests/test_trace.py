@@ -11,7 +11,7 @@ import pytest
 from helpers.launch import launch
 from lightning_pipe.schedule import clock_cycles, ideal_bubble_fraction
 from lightning_pipe.trace.timeline import BACKWARD, FORWARD, RECOMPUTE, Interval, bubble_fraction, stage_extent
-from lightning_pipe.trace import TracedStep, chrome_trace, main, write_chrome_trace
+from lightning_pipe.trace import TracedStep, main, write_chrome_trace
 
 # One host: every process reads one clock (only the microsecond rounding differs). Hosts apart: clocks aligned by
 # ping-pong, off by at most half the shortest round trip.
