@@ -9,12 +9,14 @@ And every rank ends with the run's cause (:mod:`~lightning_pipe.root_cause`).
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import signal
 import subprocess
 import tempfile
 import time
+import weakref
 from collections.abc import Callable
 from contextlib import suppress
 from functools import partial
@@ -145,22 +147,35 @@ def note_sigterm(
     connector.received_sigterm = True
 
 
-# Whether this process destroys its process groups at exit: set up with the groups, withdrawn after a failure.
+# Whether this process destroys its process groups at exit: set up with the groups, withdrawn after a failure; and
+# what holds references to them (strategies), released first.
 _process_groups_at_exit = {"registered": False, "destroy": True}
+_group_holders: weakref.WeakSet = weakref.WeakSet()
 
 
-def end_process_groups_at_exit() -> None:
+def end_process_groups_at_exit(holder: Any) -> None:
     """Destroy the process groups when this rank's interpreter exits, unless a run failed (see
-    :func:`keep_process_groups_at_exit`).
+    :func:`keep_process_groups_at_exit`); ``holder.release_process_groups()`` drops its references to them first.
 
     A process group left to the interpreter's final clean-up can abort the process after a successful run
     (``terminate called without an active exception``, exit code -6): gloo's worker threads may release tensors
     when the interpreter is already gone. torch asks applications to destroy their groups before exiting; this does
-    it at exit, so that a later ``trainer.test`` in the same process still finds them.
+    it at exit, so that a later ``trainer.test`` in the same process still finds them. A group is destroyed (its
+    threads joined) only when nothing references it any more: hence the holders' release.
     """
+    _group_holders.add(holder)
     if not _process_groups_at_exit["registered"]:
         _process_groups_at_exit["registered"] = True
-        atexit.register(lambda: _destroy_dist_connection() if _process_groups_at_exit["destroy"] else None)
+        atexit.register(_end_process_groups)
+
+
+def _end_process_groups() -> None:
+    if not _process_groups_at_exit["destroy"]:
+        return
+    for holder in list(_group_holders):
+        holder.release_process_groups()
+    gc.collect()  # references in cycles (a module and its stand-in) go now, not at the interpreter's end
+    _destroy_dist_connection()
 
 
 def keep_process_groups_at_exit() -> None:

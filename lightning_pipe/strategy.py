@@ -343,11 +343,15 @@ class GPipeStrategy(ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
-        end_process_groups_at_exit()
+        end_process_groups_at_exit(self)
         self._groups = init_pipeline_groups(
             self.layout, self.global_rank, self.root_device, self._process_group_backend, self._timeout,
             self._mesh_order,
         )
+
+    def release_process_groups(self) -> None:
+        """Drop every reference to the process groups (at the interpreter's exit, before they are destroyed)."""
+        self._groups = self._runtime = self._tracer = None
 
     @property
     def groups(self) -> PipelineGroups:

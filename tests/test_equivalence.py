@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -87,8 +88,8 @@ def pipelined(request, tmp_path_factory):
 def test_every_rank_destroys_its_process_groups_at_exit(pipelined):
     """A group left to the interpreter's final clean-up can abort a finished run (exit code -6)."""
     devices, tmp, _ = pipelined
-    states = [path.read_text() for path in (tmp / "exits").iterdir()]
-    assert states == ["False"] * devices
+    states = [json.loads(path.read_text()) for path in (tmp / "exits").iterdir()]
+    assert states == [{"initialized": False, "gloo_threads": 0}] * devices
 
 
 _references: dict[tuple, tuple] = {}

@@ -55,12 +55,18 @@ def record_dropout_masks(model):
     return masks
 
 
+def process_groups_left():
+    """Whether torch.distributed is still initialised, and how many of gloo's threads still run in this process."""
+    names = [Path(f"/proc/self/task/{task}/comm").read_text().strip() for task in os.listdir("/proc/self/task")]
+    return {"initialized": dist.is_initialized(), "gloo_threads": sum(name.startswith(("gloo", "pt_gloo")) for name in names)}
+
+
 def main(spec_path):
     spec = json.loads(Path(spec_path).read_text())
     # Registered before any run: it runs after lightning_pipe's own exit handler, and records what that left.
     exits = Path(spec["out"], "exits")
     exits.mkdir(exist_ok=True)
-    atexit.register(lambda: (exits / str(os.getpid())).write_text(str(dist.is_initialized())))
+    atexit.register(lambda: (exits / str(os.getpid())).write_text(json.dumps(process_groups_left())))
     for run in spec["runs"]:
         train, val = loaders(
             run.get("train_samples", 80), run.get("val_samples", 40), run.get("batch_size", 16), run.get("shuffle", False)
