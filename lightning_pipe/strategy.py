@@ -58,6 +58,7 @@ from lightning_pipe.balance import (
 )
 from lightning_pipe.batchnorm import defer as defer_batch_norms
 from lightning_pipe.batchnorm import revert as revert_batch_norms
+from lightning_pipe.compile import check_compiled, compile_options, compile_stage, uncompiled_name
 from lightning_pipe.config import CheckpointMode, PipelineParallelConfig, counts_from_config, validate_checkpoint_mode
 from lightning_pipe.consolidate import name_optimizer_state
 from lightning_pipe.engine import HandedOff, PipelineEngine
@@ -87,6 +88,7 @@ from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
 from lightning_pipe.sharded import load as load_sharded
 from lightning_pipe.sharded import save as save_sharded
 from lightning_pipe.stage import PipelineStage
+from lightning_pipe.tied import TiedParameters, parameters_shared_across_stages, replicated_parameters
 from lightning_pipe.summary import StageSummary, build_stage_summary, stage_devices
 from lightning_pipe.timeline import StepTimeline
 from lightning_pipe.topology import PipelineLayout
@@ -151,6 +153,10 @@ class GPipeStrategy(ParallelStrategy):
         deferred_batch_norm: update BatchNorm running statistics once per mini-batch, from the whole mini-batch's
             statistics, so that they equal one device's. By default (GPipe's semantics) each micro-batch updates
             them with its own statistics. Either way each micro-batch is normalised by its own statistics.
+        compile: compile each stage's layers with ``torch.compile`` (``True``), or with these keyword arguments of
+            ``torch.compile`` (``{"mode": "max-autotune"}``): every layer separately, as torchtitan compiles each
+            block. A ``torch.compile`` wrapper around the pipelined module is honoured the same way, with its settings
+            (see :mod:`lightning_pipe.compile`).
     """
 
     strategy_name = "gpipe"
@@ -177,6 +183,7 @@ class GPipeStrategy(ParallelStrategy):
         deferred_batch_norm: bool = False,
         mesh_order: tuple[str, str] = ("pp", "dp"),
         save_distributed_checkpoint: bool = False,
+        compile: bool | Mapping[str, Any] = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -233,6 +240,8 @@ class GPipeStrategy(ParallelStrategy):
                 " neighbouring ranks)."
             )
         self._deferred = False  # the pipelined module was built on the meta device (see `model_sharded_context`)
+        self._compile = compile_options(compile)
+        self._tied: TiedParameters | None = None  # parameters shared by layers of several stages
 
     # ---- configuration -------------------------------------------------------------------------------------------
 
@@ -320,7 +329,8 @@ class GPipeStrategy(ParallelStrategy):
             _require_automatic_optimization(model)
         if is_overridden("configure_model", model):
             return  # the layers may exist only once configure_model has run, in each process: `setup` checks them
-        _, sequential = find_pipelined_module(model, self._module_name)
+        name, sequential = find_pipelined_module(model, uncompiled_name(model, self._module_name))
+        check_compiled(model, name, sequential)
         stage_ranges(self.config, len(sequential), self._balance if isinstance(self._balance, list) else None)
         if needs_sample(self._balance) and self._sample is None and getattr(model, "example_input_array", None) is None:
             raise ValueError(missing_sample_message(str(self._balance)))
@@ -442,7 +452,8 @@ class GPipeStrategy(ParallelStrategy):
         """Replace the pipelined ``nn.Sequential`` by this rank's :class:`PipelineStage` and build its engine."""
         config = self.config
         self._check_every_rank_built_the_same_model(module)
-        name, sequential = find_pipelined_module(module, self._module_name)
+        name, sequential = find_pipelined_module(module, uncompiled_name(module, self._module_name))
+        check_compiled(module, name, sequential)
         self._plan, self._plan_module_name = self._decide_partition(module, sequential), name
         ranges = self._plan.ranges
         stage = PipelineStage(sequential, ranges[self.stage_index], self.stage_index, config.num_stages)
@@ -455,8 +466,12 @@ class GPipeStrategy(ParallelStrategy):
         if self._deferred_batch_norm:
             defer_batch_norms(stage)
         self._pipelined = PipelinedModule(name, sequential, ranges, whole_model_state, whole_model_parameters)
-        stage_parameters = {id(p) for p in stage.parameters()}
-        self._replicated = [p for p in module.parameters() if id(p) not in stage_parameters]
+        self._replicated = replicated_parameters(module, name)
+        self._tied = TiedParameters(
+            parameters_shared_across_stages(list(sequential), ranges), stage, self.stage_index, self.layout,
+            self._replicated, self._timeout,
+        )
+        compile_stage(module, name, stage, self._compile)
         rank_zero_info(str(self.stage_summary()))
         index = self.stage_index
         previous = self._link(index - 1) if index > 0 else None
@@ -537,6 +552,8 @@ class GPipeStrategy(ParallelStrategy):
         with torch.no_grad():
             for tensor in self._replicated:
                 dist.broadcast(tensor.data, src=0)
+            assert self._tied is not None
+            self._tied.start_identical()
             if self.layout.num_replicas > 1:
                 source = self.layout.rank(self.stage_index, replica=0)
                 for tensor in [*self._engine.stage.parameters(), *self._engine.stage.buffers()]:
@@ -772,6 +789,8 @@ class GPipeStrategy(ParallelStrategy):
     def _reduce_gradients(self) -> None:
         """Sum the replicated parameters' gradients over the pipeline, then average every gradient over replicas."""
         reduce_gradients(self._replicated, self._pipeline_group, average=False)
+        assert self._tied is not None
+        self._tied.sum_gradients()
         if self.layout.num_replicas > 1:
             assert self.lightning_module is not None
             trainable = [p for p in self.lightning_module.parameters() if p.requires_grad]
@@ -780,7 +799,10 @@ class GPipeStrategy(ParallelStrategy):
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """``clip_grad_norm_`` over the whole model (see :func:`clip_grad_norm_over_pipeline`)."""
         params = self.precision_plugin.main_params(optimizer)
-        clip_grad_norm_over_pipeline(params, self._replicated, clip_val, self._pipeline_group, self.root_device)
+        assert self._tied is not None
+        clip_grad_norm_over_pipeline(
+            params, self._replicated, clip_val, self._pipeline_group, self.root_device, self._tied.counted_elsewhere
+        )
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     # A checkpoint holds the whole model, numbered as on one device, so it loads anywhere. It is loaded after `setup`

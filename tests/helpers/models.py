@@ -174,7 +174,138 @@ class DeferredPipeClassifier(PipeClassifier):
             lightning_pipe.init_weights(self)  # seeded by each layer's name in the whole model
 
 
-MODELS = {"dropout": DropoutClassifier, "synced": SyncedLogging, "batchnorm": BatchNormClassifier, "one_batchnorm": OneBatchNormClassifier, "classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "poisoned": PoisonedGradient, "deferred": DeferredPipeClassifier, "resettable": ResettablePipeClassifier}
+class TiedAcrossStages(PipeClassifier):
+    """Layer 6 (the last stage) uses layer 2's weight (the first stage): one parameter on two stages."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        self.net.model[6].weight = self.net.model[2].weight
+
+
+class TiedToOutside(PipeClassifier):
+    """A module outside the pipelined one (run on every stage) shares layer 2's weight (the first stage)."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        self.project = nn.Linear(16, 16)
+        self.project.weight = self.net.model[2].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.project(self.net(x * self.input_scale))))
+
+
+class TiedOutsideOnly(PipeClassifier):
+    """GPT-2's tie: an input projection and an output projection outside the pipelined module share a weight."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        self.embed = nn.Linear(12, 12, bias=False)
+        self.unembed = nn.Linear(12, 12, bias=False)
+        self.unembed.weight = self.embed.weight
+        self.to_embedding = nn.Linear(16, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.net(self.embed(x.view(len(x), 12) * self.input_scale.view(12)))
+        return self.unembed(self.to_embedding(hidden))[:, :3]
+
+
+COMPILE_BACKEND = "aot_eager"  # traces forward and backward as inductor does, without its C++ compilation
+
+
+class CompiledPipelined(PipeClassifier):
+    """The pipelined module wrapped by ``torch.compile``."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        self.net.model = torch.compile(self.net.model, backend=COMPILE_BACKEND)
+
+
+class CompiledLayers(PipeClassifier):
+    """Layers compiled one by one: wrapped by ``torch.compile`` (layer 0) and compiled in place (the others)."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        self.net.model[0] = torch.compile(self.net.model[0], backend=COMPILE_BACKEND)
+        for layer in list(self.net.model)[1:]:
+            layer.compile(backend=COMPILE_BACKEND)
+
+
+class CompiledInPlace(PipeClassifier):
+    """The pipelined module compiled in place: refused under the gpipe strategy."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        self.net.model.compile(backend=COMPILE_BACKEND)
+
+
+class CompiledAroundThePipeline(PipeClassifier):
+    """A compiled module holding the pipelined one: refused under the gpipe strategy."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        self.net = torch.compile(self.net, backend=COMPILE_BACKEND)
+
+
+class Counted(nn.Module):
+    """``tanh`` that counts its calls in training mode (forwards and their re-computations)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += int(self.training)
+        return torch.tanh(x)
+
+
+class CountsForwards(PipeClassifier):
+    """Every activation of the pipelined module counts how often it runs in training."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        for index in range(1, 8, 2):
+            self.net.model[index] = Counted()
+
+    def forward_counts(self) -> dict[str, int]:
+        """Training calls per counted layer that this process holds."""
+        return {name: module.calls for name, module in self.named_modules() if isinstance(module, Counted)}
+
+
+class SequenceClassifier(PipeClassifier):
+    """Per-position layers over a sequence (batch, length, 4) whose length changes from batch to batch."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        self.input_scale = nn.Parameter(torch.ones(4))
+        self.net.model[0] = nn.Linear(4, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.net.model(x * self.input_scale).mean(dim=1))
+
+
+SEQUENCE_LENGTHS = (5, 2, 9, 3, 7)
+
+
+def sequence_loaders(train_samples: int, val_samples: int, batch_size: int) -> tuple[DataLoader, DataLoader]:
+    """Batches of sequences whose length cycles through ``SEQUENCE_LENGTHS`` (a loader of ready-made batches)."""
+
+    def batches(samples: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        generator = torch.Generator().manual_seed(seed)
+        made = []
+        for number, start in enumerate(range(0, samples, batch_size)):
+            size, length = min(batch_size, samples - start), SEQUENCE_LENGTHS[number % len(SEQUENCE_LENGTHS)]
+            x = torch.randn(size, length, 4, generator=generator)
+            made.append((x, (x.mean(dim=(1, 2)) > 0).long() + (x[:, 0, 0] > 1).long()))
+        return made
+
+    return (DataLoader(batches(train_samples, 0), batch_size=None),
+            DataLoader(batches(val_samples, 1), batch_size=None))
+
+
+MODELS = {"dropout": DropoutClassifier, "synced": SyncedLogging, "batchnorm": BatchNormClassifier, "one_batchnorm": OneBatchNormClassifier, "classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "poisoned": PoisonedGradient, "deferred": DeferredPipeClassifier, "resettable": ResettablePipeClassifier,
+          "tied": TiedAcrossStages, "tied_outside": TiedToOutside, "tied_outside_only": TiedOutsideOnly,
+          "compiled": CompiledPipelined, "compiled_layers": CompiledLayers, "counts": CountsForwards,
+          "sequences": SequenceClassifier}
 
 
 class ProjectModule(LightningModule):

@@ -14,11 +14,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
 
 import lightning_pipe  # noqa: E402
-from helpers.models import MODELS, loaders  # noqa: E402
+from helpers.models import MODELS, loaders, sequence_loaders  # noqa: E402
 from helpers.recording import MetricRecorder  # noqa: E402
-from lightning_pipe import engine  # noqa: E402
+from lightning_pipe import engine, tied  # noqa: E402
 
 
 def drop_gradient_of(micro_batch):
@@ -34,13 +35,26 @@ def drop_gradient_of(micro_batch):
     return lambda: setattr(engine._OrderedGradientSender, "_ready", original)
 
 
+def leave_tied_gradients_unsummed():
+    """Negative control: each stage updates its copy of a parameter shared between stages with its own gradient."""
+    original = tied.TiedParameters.sum_gradients
+    tied.TiedParameters.sum_gradients = lambda self: None
+    return lambda: setattr(tied.TiedParameters, "sum_gradients", original)
+
+
 def main(spec_path):
     spec = json.loads(Path(spec_path).read_text())
     for run in spec["runs"]:
-        train, val = loaders(
-            run.get("train_samples", 80), run.get("val_samples", 40), run.get("batch_size", 16), run.get("shuffle", False)
-        )
+        if run.get("data") == "sequences":
+            train, val = sequence_loaders(run.get("train_samples", 80), run.get("val_samples", 40), 16)
+        else:
+            train, val = loaders(
+                run.get("train_samples", 80), run.get("val_samples", 40), run.get("batch_size", 16),
+                run.get("shuffle", False),
+            )
         restore = drop_gradient_of(run["drop_gradient_of"]) if run.get("drop_gradient_of") is not None else None
+        if run.get("unsummed_ties"):
+            restore = leave_tied_gradients_unsummed()
         recorder = MetricRecorder()
         trainer = Trainer(
             strategy=lightning_pipe.GPipeStrategy(
@@ -70,7 +84,12 @@ def main(spec_path):
         out.mkdir(parents=True, exist_ok=True)
         rank = trainer.global_rank
         torch.save(model.state_dict(), out / f"rank{rank}.pt")
-        (out / f"rank{rank}.json").write_text(json.dumps(recorder.summary()))
+        summary = recorder.summary()
+        summary["compiled_graphs"] = counters["stats"]["unique_graphs"]  # graphs torch.compile made in this run
+        counters.clear()
+        if hasattr(model, "forward_counts"):
+            summary["forward_counts"] = model.forward_counts()
+        (out / f"rank{rank}.json").write_text(json.dumps(summary))
         if rank == 0:  # which of Lightning's cluster environments set up the ranks
             (out / "environment.txt").write_text(type(trainer.strategy.cluster_environment).__name__)
 
