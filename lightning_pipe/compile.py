@@ -19,8 +19,10 @@ unsplit ``seq`` on every rank: training that silently differs from one device. T
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
+import torch
 from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 
@@ -86,12 +88,18 @@ def compile_stage(model: nn.Module, name: str, stage: nn.Module, options: dict[s
         # The wrapper's compiled call is bound to the unsplit module: call the stand-in, uncompiled (it drives the
         # pipeline's communication), and compile its layers with the user's settings below.
         wrapper.forward = stage.__call__
+    if options is None and wrapper is None:
+        return
+    compiler = wrapper.dynamo_ctx if options is None else partial(torch.compile, **options)
     for layer in stage.children():
-        if options is not None:
-            layer.compile(**options)
-        elif wrapper is not None:
-            # What `nn.Module.compile` does, with the settings the user gave `torch.compile`.
-            layer._compiled_call_impl = wrapper.dynamo_ctx(layer._call_impl)
+        # What `nn.Module.compile` does (the module's calls go to the compiled function, its state-dict keys stay),
+        # through a function of this file: dynamo does not compile a top frame inside torch.nn (a bare Linear's
+        # `_call_impl`), but inlines torch.nn code called from elsewhere.
+        layer._compiled_call_impl = compiler(partial(_call, layer))
+
+
+def _call(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return layer._call_impl(*args, **kwargs)
 
 
 def _is_own_wrapper(ancestor_name: str, name: str) -> bool:

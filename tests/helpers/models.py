@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
+from torch._dynamo import register_backend
+from torch._dynamo.backends.registry import lookup_backend
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -209,7 +211,16 @@ class TiedOutsideOnly(PipeClassifier):
         return self.unembed(self.to_embedding(hidden))[:, :3]
 
 
-COMPILE_BACKEND = "aot_eager"  # traces forward and backward as inductor does, without its C++ compilation
+COMPILE_BACKEND = "counted_aot_eager"
+compiled_graphs = 0  # graphs compiled with COMPILE_BACKEND in this process
+
+
+@register_backend(name=COMPILE_BACKEND)
+def _counted_aot_eager(graph: torch.fx.GraphModule, example_inputs: list, **kwargs):
+    """``aot_eager`` (which traces forward and backward as inductor does, without its C++ compilation), counted."""
+    global compiled_graphs
+    compiled_graphs += 1
+    return lookup_backend("aot_eager")(graph, example_inputs, **kwargs)
 
 
 class CompiledPipelined(PipeClassifier):
@@ -220,14 +231,26 @@ class CompiledPipelined(PipeClassifier):
         self.net.model = torch.compile(self.net.model, backend=COMPILE_BACKEND)
 
 
+class DenseTanh(nn.Module):
+    """A block of the model's own (``nn.Module.compile`` leaves a bare ``nn.Linear`` uncompiled)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(features, features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
 class CompiledLayers(PipeClassifier):
-    """Layers compiled one by one: wrapped by ``torch.compile`` (layer 0) and compiled in place (the others)."""
+    """Layers compiled one by one: wrapped by ``torch.compile`` (layer 0) and compiled in place (the blocks)."""
 
     def __init__(self, lr: float = 0.5) -> None:
         super().__init__(lr=lr)
-        self.net.model[0] = torch.compile(self.net.model[0], backend=COMPILE_BACKEND)
-        for layer in list(self.net.model)[1:]:
-            layer.compile(backend=COMPILE_BACKEND)
+        blocks = [DenseTanh(16) for _ in range(4)]
+        for block in blocks:
+            block.compile(backend=COMPILE_BACKEND)
+        self.net.model = nn.Sequential(torch.compile(nn.Linear(12, 16), backend=COMPILE_BACKEND), nn.Tanh(), *blocks)
 
 
 class CompiledInPlace(PipeClassifier):

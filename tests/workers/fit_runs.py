@@ -14,9 +14,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
-from torch._dynamo.utils import counters  # noqa: E402
 
 import lightning_pipe  # noqa: E402
+from helpers import models  # noqa: E402
 from helpers.models import MODELS, loaders, sequence_loaders  # noqa: E402
 from helpers.recording import MetricRecorder  # noqa: E402
 from lightning_pipe import engine, tied  # noqa: E402
@@ -56,6 +56,8 @@ def main(spec_path):
         if run.get("unsummed_ties"):
             restore = leave_tied_gradients_unsummed()
         recorder = MetricRecorder()
+        torch._dynamo.reset()  # an earlier run's compiled code would serve this run's layers of the same types
+        graphs_before = models.compiled_graphs
         trainer = Trainer(
             strategy=lightning_pipe.GPipeStrategy(
                 num_micro_batches=run["num_micro_batches"],
@@ -85,8 +87,7 @@ def main(spec_path):
         rank = trainer.global_rank
         torch.save(model.state_dict(), out / f"rank{rank}.pt")
         summary = recorder.summary()
-        summary["compiled_graphs"] = counters["stats"]["unique_graphs"]  # graphs torch.compile made in this run
-        counters.clear()
+        summary["compiled_graphs"] = models.compiled_graphs - graphs_before  # by torch.compile in this run
         if hasattr(model, "forward_counts"):
             summary["forward_counts"] = model.forward_counts()
         (out / f"rank{rank}.json").write_text(json.dumps(summary))
