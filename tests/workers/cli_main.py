@@ -5,6 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
 from lightning.pytorch import LightningDataModule  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
@@ -28,6 +29,7 @@ class ReportingCLI(LightningCLI):
         strategy = self.trainer.strategy
         print(f"RESULT rank={self.trainer.global_rank} strategy={type(strategy).__name__}"
               f" micro_batches={strategy.config.num_micro_batches} steps={self.trainer.global_step}", flush=True)
+        torch.save(self.model.state_dict(), f"rank{self.trainer.global_rank}.pt")  # the whole model, on every rank
 
 
 if __name__ == "__main__":
