@@ -123,9 +123,10 @@ def run_with_faults(
     tmp_path: Path, devices: int, faults: list[dict], launcher: str = "gpipe", timeout_s: float | None = None,
     **spec_items,
 ) -> FaultRun:
-    """Launch ``fault_runs.py`` under ``launcher`` (``gpipe``, ``gpipe_spawn`` or ``torchrun``) and watch it end."""
+    """Launch ``fault_runs.py`` under ``launcher`` (``gpipe``, ``gpipe_spawn``, ``gpipe_fork`` or ``torchrun``) and
+    watch it end."""
     spec = {"devices": devices, "out": str(tmp_path), "faults": faults, "timeout_s": timeout_s,
-            "strategy": "gpipe_spawn" if launcher == "gpipe_spawn" else "gpipe", **spec_items}
+            "strategy": launcher if launcher in ("gpipe_spawn", "gpipe_fork") else "gpipe", **spec_items}
     returncode, gone, leftovers = run_marked(
         "fault_runs.py", spec, tmp_path, torchrun_processes=devices if launcher == "torchrun" else None
     )
@@ -157,7 +158,7 @@ def fault(kind: str, where: str, stage: int, phase: str = "train", batch: int = 
 
 # ---- 1. failures surface fast; 2. stalls are caught -------------------------------------------------------------
 # Under the default launcher the last stage is rank 0 (the launching process) and the first stage the highest rank.
-# Under spawn, every rank is a child of the launching process; under torchrun, of torchrun's agent.
+# Under spawn and fork, every rank is a child of the launching process; under torchrun, of torchrun's agent.
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,8 @@ FAILURES = {
     # Under spawn, torch sends SIGTERM to the other ranks; they must end without its SIGKILL 30 s later.
     "spawn-first-step-val": Case("gpipe_spawn", 3, [fault("raise", "step", 0, "val")]),
     "torchrun-last-step-train": Case("torchrun", 2, [fault("raise", "step", 1)]),
+    # Under fork, as under spawn: the ranks are children that torch ends with SIGTERM.
+    "fork-first-layer-train": Case("gpipe_fork", 2, [fault("raise", "layer", 0)]),
 }
 # A child rank SIGKILLed inside a pipelined layer of the first stage, in epoch 2 of 3 (with a last checkpoint at
 # every epoch end): section 3 resumes this run.
