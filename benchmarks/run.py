@@ -33,6 +33,8 @@ REPO = BENCHMARKS.parent
 DOCS = REPO / "docs"
 # Sections in reading order; any other bench_*.py module follows, alphabetically.
 FIRST_SECTIONS = ("bench_pipeline", "bench_peer", "bench_overhead", "bench_memory")
+# Written by `benchmarks/gpu_check.py` when it runs on a GPU; the page shows it (or says that CUDA is untested).
+GPU_CHECK_SUMMARY = BENCHMARKS / "gpu_check_summary.txt"
 # Hand-written record of the engine's optimisations, appended to the generated page (the runner never edits it).
 OPTIMISATIONS = BENCHMARKS / "optimisations.md"
 
@@ -94,6 +96,7 @@ def render(report: dict[str, Any]) -> str:
         f"- load average (1 min) before / after the run: {machine['load_average_before']} /"
         f" {machine['load_average_after']} (other work on a shared machine skews the absolute times; the ratios"
         " are measured side by side)",
+        f"- CUDA: {_cuda_status()}",
         "",
         "Sections: " + ", ".join(f"[{s['title']}](#{_anchor(s['title'])})" for s in report["sections"]) + ".",
         "",
@@ -106,6 +109,18 @@ def render(report: dict[str, Any]) -> str:
     if OPTIMISATIONS.exists():
         lines += [OPTIMISATIONS.read_text().strip(), ""]
     return "\n".join(lines)
+
+
+def _cuda_status() -> str:
+    """Whether the GPU check ran, with its summary; until it has, the page says that CUDA is untested."""
+    if not GPU_CHECK_SUMMARY.exists():
+        return (
+            "untested. Every number on this page is from CPU processes; no run of the pipeline on a GPU has happened"
+            " yet. `python benchmarks/gpu_check.py` checks CUDA placement, `bf16-mixed` and `16-mixed` with the"
+            " gradient scaler, a traced step and the engine's per-micro-batch overhead on one GPU in under 5 minutes,"
+            " and records its summary here."
+        )
+    return "the summary of `python benchmarks/gpu_check.py`:\n\n```text\n" + GPU_CHECK_SUMMARY.read_text().strip() + "\n```"
 
 
 def _machine() -> dict[str, Any]:
