@@ -185,7 +185,8 @@ def run_engine_overhead(device: str, out: Path) -> None:
         engine_s = _seconds_per_call(lambda: engine.step(x, target), device, repeats=repeats)
         plain_s = _seconds_per_call(plain_step, device, repeats=repeats)
         results["by_micro_batches"][m] = {
-            "engine_ms": 1e3 * engine_s, "plain_ms": 1e3 * plain_s, "overhead_us_per_micro_batch": 1e6 * (engine_s - plain_s) / m,
+            "engine_ms": 1e3 * engine_s, "plain_ms": 1e3 * plain_s,
+            "overhead_us_per_micro_batch": 1e6 * (engine_s - plain_s) / m,
         }
     dist.destroy_process_group()
     _write(out / "rank0.json", results)
@@ -243,8 +244,10 @@ def run_check(check: str, device: str, out: Path) -> dict[str, Any]:
 
 
 def _last_error(output: str) -> str:
-    lines = [line for line in str(output).splitlines() if "Error" in line or "error" in line or "Exception" in line]
-    return lines[-1].strip()[:300] if lines else str(output).strip().splitlines()[-1][:300] if str(output).strip() else ""
+    """The last line of ``output`` that names an error (else its last line): what the summary shows of a failure."""
+    lines = str(output).strip().splitlines()
+    errors = [line for line in lines if "Error" in line or "error" in line or "Exception" in line]
+    return (errors or lines or [""])[-1].strip()[:300]
 
 
 def summarize(device: str, environment: dict[str, Any], results: dict[str, dict[str, Any]], out: Path) -> str:

@@ -120,7 +120,8 @@ def _cuda_status() -> str:
             " gradient scaler, a traced step and the engine's per-micro-batch overhead on one GPU in under 5 minutes,"
             " and records its summary here."
         )
-    return "the summary of `python benchmarks/gpu_check.py`:\n\n```text\n" + GPU_CHECK_SUMMARY.read_text().strip() + "\n```"
+    summary = GPU_CHECK_SUMMARY.read_text().strip()
+    return f"the summary of `python benchmarks/gpu_check.py`:\n\n```text\n{summary}\n```"
 
 
 def _machine() -> dict[str, Any]:

@@ -79,7 +79,7 @@ def test_predict_returns_the_same_predictions_in_the_launching_process(pipelined
 
 def test_plateau_learning_rate_cut_reaches_the_weights_as_on_one_device(pipelined, single_device):
     """ReduceLROnPlateau halves the rate after a worse validation loss; the epochs after it train at the cut rate on
-    every stage, and the weights at the end equal one device's (`test_model_after_fit_is_whole_and_equal_on_every_rank`)."""
+    every stage, and the weights at the end equal one device's (see `test_model_after_fit_is_whole_and_equal_...`)."""
     expected = single_device["plateau_cut"]["epoch_learning_rates"]
     assert expected[0] > expected[-1] and len(expected) == 5, expected  # the cut came before the last epochs
     for result in pipelined["plateau_cut"]:
