@@ -469,7 +469,7 @@ class GPipeStrategy(ParallelStrategy):
         self._replicated = replicated_parameters(module, name)
         self._tied = TiedParameters(
             parameters_shared_across_stages(list(sequential), ranges), stage, self.stage_index, self.layout,
-            self._replicated, self._timeout,
+            self._replicated, name, self._timeout,
         )
         compile_stage(module, name, stage, self._compile)
         rank_zero_info(str(self.stage_summary()))

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pipe.consolidate import ONE_DEVICE_NAME
 from lightning_pipe.gradients import reduce_gradients
 from lightning_pipe.topology import PipelineLayout
 
@@ -75,6 +76,7 @@ class TiedParameters:
         stage_index: int,
         layout: PipelineLayout,
         replicated: list[nn.Parameter],
+        pipelined_name: str,
         timeout: timedelta | None,
     ) -> None:
         replicated_ids = {id(p) for p in replicated}
@@ -97,6 +99,9 @@ class TiedParameters:
             self._held.append((parameter, group, source))
             if stage_index != tie.stages[0]:
                 self._counted_elsewhere.append(parameter)
+                # Checkpoints name optimizer state by parameter: this copy goes by the name one device gives it.
+                first_index, first_name = tie.places[0]
+                setattr(parameter, ONE_DEVICE_NAME, f"{pipelined_name}.{first_index}.{first_name}")
 
     @property
     def counted_elsewhere(self) -> list[nn.Parameter]:

@@ -18,6 +18,9 @@ RUNS = [
     {"name": "tied", "model": "tied", "num_micro_batches": M},
     {"name": "tied_clip", "model": "tied", "num_micro_batches": M, "trainer": {"gradient_clip_val": 0.05}},
     {"name": "tied_unsummed", "model": "tied", "num_micro_batches": M, "unsummed_ties": True},  # negative control
+    # Checkpointed after epoch 1 (the shared weight's momentum under its one-device name), resumed for epoch 2.
+    {"name": "tied_resumed", "model": "tied_momentum", "num_micro_batches": M, "max_epochs": 2,
+     "resume_after_epoch": True, "lr": 0.2},
     {"name": "tied_outside", "model": "tied_outside", "num_micro_batches": M, "trainer": {"gradient_clip_val": 0.05}},
     {"name": "tied_outside_only", "model": "tied_outside_only", "num_micro_batches": M},
     {"name": "compiled", "model": "compiled", "num_micro_batches": 2},
@@ -47,6 +50,11 @@ def test_parameter_shared_by_layers_of_two_stages_trains_as_on_one_device(pipeli
     clipping counts it once."""
     tmp, runs = pipelined
     assert weight_error(tmp, runs[name]) < TOLERANCE  # merged_state_dict also checks that both copies are equal
+
+
+def test_checkpoint_with_a_shared_parameter_resumes_as_uninterrupted_training_on_one_device(pipelined):
+    tmp, runs = pipelined
+    assert weight_error(tmp, runs["tied_resumed"]) < TOLERANCE
 
 
 def test_comparison_detects_shared_parameter_gradients_left_unsummed(pipelined):

@@ -184,6 +184,13 @@ class TiedAcrossStages(PipeClassifier):
         self.net.model[6].weight = self.net.model[2].weight
 
 
+class TiedWithMomentum(TiedAcrossStages):
+    """The shared weight has optimizer state (momentum) to checkpoint."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
 class TiedToOutside(PipeClassifier):
     """A module outside the pipelined one (run on every stage) shares layer 2's weight (the first stage)."""
 
@@ -326,7 +333,7 @@ def sequence_loaders(train_samples: int, val_samples: int, batch_size: int) -> t
 
 
 MODELS = {"dropout": DropoutClassifier, "synced": SyncedLogging, "batchnorm": BatchNormClassifier, "one_batchnorm": OneBatchNormClassifier, "classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "poisoned": PoisonedGradient, "deferred": DeferredPipeClassifier, "resettable": ResettablePipeClassifier,
-          "tied": TiedAcrossStages, "tied_outside": TiedToOutside, "tied_outside_only": TiedOutsideOnly,
+          "tied": TiedAcrossStages, "tied_momentum": TiedWithMomentum, "tied_outside": TiedToOutside, "tied_outside_only": TiedOutsideOnly,
           "compiled": CompiledPipelined, "compiled_layers": CompiledLayers, "counts": CountsForwards,
           "sequences": SequenceClassifier}
 

@@ -58,31 +58,43 @@ def main(spec_path):
         recorder = MetricRecorder()
         torch._dynamo.reset()  # an earlier run's compiled code would serve this run's layers of the same types
         graphs_before = models.compiled_graphs
-        trainer = Trainer(
-            strategy=lightning_pipe.GPipeStrategy(
-                num_micro_batches=run["num_micro_batches"],
-                checkpoint=run.get("checkpoint", "except_last"),
-                start_method=run.get("start_method", "popen"),
-                **run.get("strategy", {}),
-            ),
-            accelerator="cpu",
-            devices=spec["devices"],
-            max_epochs=run.get("max_epochs", 1),
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[recorder],
-            **run.get("trainer", {}),
-        plugins=[MixedPrecision("16-mixed", "cpu")] if run.get("fp16") else None,
-        )
-        seed_everything(0)
+        out = Path(spec["out"]) / run["name"]
+
+        def trainer_for(max_epochs: int, checkpoints: bool) -> Trainer:
+            return Trainer(
+                strategy=lightning_pipe.GPipeStrategy(
+                    num_micro_batches=run["num_micro_batches"],
+                    checkpoint=run.get("checkpoint", "except_last"),
+                    start_method=run.get("start_method", "popen"),
+                    **run.get("strategy", {}),
+                ),
+                accelerator="cpu",
+                devices=spec["devices"],
+                max_epochs=max_epochs,
+                logger=False,
+                enable_checkpointing=checkpoints,
+                default_root_dir=str(out),
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                callbacks=[recorder],
+                **run.get("trainer", {}),
+                plugins=[MixedPrecision("16-mixed", "cpu")] if run.get("fp16") else None,
+            )
+
+        checkpoint_path = None
+        if run.get("resume_after_epoch"):  # train one epoch, writing a checkpoint; the run resumes from it below
+            seed_everything(0)
+            first = MODELS[run.get("model", "classifier")](lr=run.get("lr", 0.5))
+            trainer_for(1, checkpoints=True).fit(first, train, val)
+            checkpoint_path = next((out / "checkpoints").glob("*.ckpt"))
+            recorder = MetricRecorder()
+        trainer = trainer_for(run.get("max_epochs", 1), checkpoints=False)
+        seed_everything(0 if checkpoint_path is None else 1)  # a resumed run must take its weights from the file
         with trainer.init_module(empty_init=True) if run.get("empty_init") else nullcontext():
             model = MODELS[run.get("model", "classifier")](lr=run.get("lr", 0.5))
-        trainer.fit(model, train, val)
+        trainer.fit(model, train, val, ckpt_path=checkpoint_path)
         if restore:
             restore()
-        out = Path(spec["out"]) / run["name"]
         out.mkdir(parents=True, exist_ok=True)
         rank = trainer.global_rank
         torch.save(model.state_dict(), out / f"rank{rank}.pt")
