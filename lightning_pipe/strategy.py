@@ -88,8 +88,8 @@ from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
 from lightning_pipe.sharded import load as load_sharded
 from lightning_pipe.sharded import save as save_sharded
 from lightning_pipe.stage import PipelineStage
-from lightning_pipe.tied import TiedParameters, parameters_shared_across_stages, replicated_parameters
 from lightning_pipe.summary import StageSummary, build_stage_summary, stage_devices
+from lightning_pipe.tied import TiedParameters, parameters_shared_across_stages, replicated_parameters
 from lightning_pipe.timeline import StepTimeline
 from lightning_pipe.topology import PipelineLayout
 from lightning_pipe.whole_model import (

@@ -5,7 +5,8 @@ into stages, each process holds its own copy. Two kinds:
 
 * used by layers of several stages (:class:`TiedParameter`): each stage that holds it computes part of its
   gradient. Those stages start from the same values, sum their gradients over a group of just those stages, and
-  apply the same update, as DeepSpeed's ``TiedLayerSpec`` does.
+  apply the same update, as DeepSpeed's ``TiedLayerSpec`` does. Gradient clipping counts it once, and checkpoints
+  name every copy's optimizer state by the parameter's name on one device.
 * used by a layer and by a module outside the pipelined one (an embedding tied to a head that runs on every
   stage): every stage holds it, so it is one of the replicated parameters (:func:`replicated_parameters`), whose
   gradients are summed over the whole pipeline.
