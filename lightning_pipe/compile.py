@@ -18,7 +18,9 @@ unsplit ``seq`` on every rank: training that silently differs from one device. T
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import types
+from collections.abc import Callable, Mapping
+import functools
 from functools import partial
 from typing import Any
 
@@ -92,14 +94,25 @@ def compile_stage(model: nn.Module, name: str, stage: nn.Module, options: dict[s
         return
     compiler = wrapper.dynamo_ctx if options is None else partial(torch.compile, **options)
     for layer in stage.children():
+        if isinstance(layer, OptimizedModule) or getattr(layer, "_compiled_call_impl", None) is not None:
+            continue  # compiled by the user already
         # What `nn.Module.compile` does (the module's calls go to the compiled function, its state-dict keys stay),
         # through a function of this file: dynamo does not compile a top frame inside torch.nn (a bare Linear's
         # `_call_impl`), but inlines torch.nn code called from elsewhere.
-        layer._compiled_call_impl = compiler(partial(_call, layer))
+        layer._compiled_call_impl = compiler(partial(_call_for(type(layer)), layer))
 
 
 def _call(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return layer._call_impl(*args, **kwargs)
+
+
+@functools.cache
+def _call_for(layer_type: type) -> Callable[..., Any]:
+    """``_call`` with a code object per layer type. Dynamo keeps compiled code per code object, with a limit of
+    recompilations (8) on each: layers of one type share their compiled code (twelve equal blocks compile once),
+    and the types of a stage do not share the limit."""
+    code = _call.__code__.replace(co_name=f"_call_{layer_type.__name__}")
+    return types.FunctionType(code, _call.__globals__, code.co_name)
 
 
 def _is_own_wrapper(ancestor_name: str, name: str) -> bool:
