@@ -456,6 +456,7 @@ class GPipeStrategy(ParallelStrategy):
         check_compiled(module, name, sequential)
         self._plan, self._plan_module_name = self._decide_partition(module, sequential), name
         ranges = self._plan.ranges
+        ties = parameters_shared_across_stages(list(sequential), ranges)  # before materialising replaces parameters
         stage = PipelineStage(sequential, ranges[self.stage_index], self.stage_index, config.num_stages)
         whole_model_state = list(module.state_dict().keys())
         whole_model_parameters = [parameter_name for parameter_name, _ in module.named_parameters()]
@@ -467,10 +468,7 @@ class GPipeStrategy(ParallelStrategy):
             defer_batch_norms(stage)
         self._pipelined = PipelinedModule(name, sequential, ranges, whole_model_state, whole_model_parameters)
         self._replicated = replicated_parameters(module, name)
-        self._tied = TiedParameters(
-            parameters_shared_across_stages(list(sequential), ranges), stage, self.stage_index, self.layout,
-            self._replicated, name, self._timeout,
-        )
+        self._tied = TiedParameters(ties, stage, self.stage_index, self.layout, self._replicated, name, self._timeout)
         compile_stage(module, name, stage, self._compile)
         rank_zero_info(str(self.stage_summary()))
         index = self.stage_index

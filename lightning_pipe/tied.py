@@ -96,7 +96,9 @@ class TiedParameters:
                 continue  # also used outside the pipelined module: summed over the whole pipeline already
             group = groups[tie.stages]
             assert group is not None
-            source = layout.rank(tie.stages[0], layout.replica(dist.get_rank()))
+            # The last holder's values: on one device, the last module holding a tied parameter initialises it last
+            # (see `materialize.init_weights`); a model built whole has the same values on every stage anyway.
+            source = layout.rank(tie.stages[-1], layout.replica(dist.get_rank()))
             self._held.append((parameter, group, source))
             if stage_index != tie.stages[0]:
                 self._counted_elsewhere.append(parameter)
@@ -110,7 +112,7 @@ class TiedParameters:
         return self._counted_elsewhere
 
     def start_identical(self) -> None:
-        """Every copy takes the values of the first stage's copy, as the one tensor of one device."""
+        """Every copy takes the values of the last holding stage's copy, as the one tensor of one device."""
         with torch.no_grad():
             for parameter, group, source in self._held:
                 dist.broadcast(parameter.data, src=source, group=group)

@@ -17,6 +17,7 @@ M = 4
 RUNS = [
     {"name": "tied", "model": "tied", "num_micro_batches": M},
     {"name": "tied_clip", "model": "tied", "num_micro_batches": M, "trainer": {"gradient_clip_val": 0.05}},
+    {"name": "tied_deferred", "model": "tied_deferred", "num_micro_batches": M},
     {"name": "tied_unsummed", "model": "tied", "num_micro_batches": M, "unsummed_ties": True},  # negative control
     # Checkpointed after epoch 1 (the shared weight's momentum under its one-device name), resumed for epoch 2.
     {"name": "tied_resumed", "model": "tied_momentum", "num_micro_batches": M, "max_epochs": 2,
@@ -44,10 +45,10 @@ def weight_error(tmp, run: dict, reference: dict | None = None) -> float:
     return relative_weight_error(initial, expected, merged_state_dict(tmp / run["name"]))
 
 
-@pytest.mark.parametrize("name", ["tied", "tied_clip"])
+@pytest.mark.parametrize("name", ["tied", "tied_clip", "tied_deferred"])
 def test_parameter_shared_by_layers_of_two_stages_trains_as_on_one_device(pipelined, name):
-    """Both stages hold layer 2's weight (layer 6 uses it too): gradients summed, the same update on both, and
-    clipping counts it once."""
+    """Both stages hold layer 2's weight (layer 6 uses it too): gradients summed, the same update on both, clipping
+    counts it once; built on the meta device, both copies start from the value one device initialises."""
     tmp, runs = pipelined
     assert weight_error(tmp, runs[name]) < TOLERANCE  # merged_state_dict also checks that both copies are equal
 

@@ -55,11 +55,14 @@ def start(worker: str, spec: dict, tmp_path: Path, env: dict[str, str] | None = 
 def merged_state_dict(run_dir: Path) -> dict[str, torch.Tensor]:
     """The whole model from the per-rank state dicts (each rank holds its stage plus the replicated parameters).
 
-    A tensor held by several ranks (a replicated parameter) must be identical on all of them.
+    A tensor held by several ranks (a replicated parameter) must be identical on all of them. A tensor on the meta
+    device (another stage's layer of a model built on the meta device) is not held.
     """
     merged: dict[str, torch.Tensor] = {}
     for path in sorted(run_dir.glob("rank*.pt")):
         for key, value in torch.load(path).items():
+            if value.is_meta:
+                continue
             if key in merged:
                 assert torch.equal(merged[key], value), f"replicated tensor {key} differs between ranks"
             merged[key] = value

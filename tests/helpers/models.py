@@ -184,6 +184,18 @@ class TiedAcrossStages(PipeClassifier):
         self.net.model[6].weight = self.net.model[2].weight
 
 
+class DeferredTiedAcrossStages(DeferredPipeClassifier):
+    """Built in ``configure_model`` (on the meta device under the gpipe strategy), layer 6 using layer 2's weight."""
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            import lightning_pipe
+
+            self.net = Component()
+            self.net.model[6].weight = self.net.model[2].weight
+            lightning_pipe.init_weights(self)  # on one device, layer 6 initialises the shared weight last
+
+
 class TiedWithMomentum(TiedAcrossStages):
     """The shared weight has optimizer state (momentum) to checkpoint."""
 
@@ -333,7 +345,8 @@ def sequence_loaders(train_samples: int, val_samples: int, batch_size: int) -> t
 
 
 MODELS = {"dropout": DropoutClassifier, "synced": SyncedLogging, "batchnorm": BatchNormClassifier, "one_batchnorm": OneBatchNormClassifier, "classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "poisoned": PoisonedGradient, "deferred": DeferredPipeClassifier, "resettable": ResettablePipeClassifier,
-          "tied": TiedAcrossStages, "tied_momentum": TiedWithMomentum, "tied_outside": TiedToOutside, "tied_outside_only": TiedOutsideOnly,
+          "tied": TiedAcrossStages, "tied_momentum": TiedWithMomentum,
+          "tied_deferred": DeferredTiedAcrossStages, "tied_outside": TiedToOutside, "tied_outside_only": TiedOutsideOnly,
           "compiled": CompiledPipelined, "compiled_layers": CompiledLayers, "counts": CountsForwards,
           "sequences": SequenceClassifier}
 
