@@ -161,7 +161,7 @@ def run_engine_overhead(device: str, out: Path) -> None:
     """Seconds per step of the engine (one stage, M micro-batches) and of a plain loop over the same M chunks."""
     import torch.distributed as dist
 
-    from engine_step import EngineStep
+    from ranks.engine_step import EngineStep
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -175,7 +175,7 @@ def run_engine_overhead(device: str, out: Path) -> None:
     x, target = torch.randn(batch, width, device=device), torch.randn(batch, width, device=device)
     results = {"width": width, "depth": depth, "batch": batch, "by_micro_batches": {}}
     for m in (1, 4, 16):
-        engine = EngineStep(sequential, m, "never", dist.group.WORLD)
+        engine = EngineStep(sequential, m, "never")
 
         def plain_step(m: int = m) -> None:
             outputs = [sequential(chunk) for chunk in x.chunk(m)]

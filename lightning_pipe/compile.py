@@ -13,14 +13,15 @@ unsplit ``seq`` on every rank: training that silently differs from one device. T
   pipelined one (``torch.compile(model_part)``, ``lightning_module.compile()``): refused before training, naming
   the fix, because their compiled code would span the stages.
 * ``GPipeStrategy(compile=True)`` or ``compile={...}`` (``torch.compile``'s keyword arguments): compiles every
-  layer of each stage, as torchtitan compiles each transformer block.
+  layer of each stage, as torchtitan compiles each transformer block (the setting is checked in
+  :mod:`lightning_pipe.settings`).
 """
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable, Mapping
 import functools
+import types
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -29,19 +30,6 @@ from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 
 _WRAPPED = "_orig_mod"  # the attribute under which an OptimizedModule holds the module it compiled
-
-
-def compile_options(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None:
-    """The keyword arguments of ``torch.compile`` for each stage's layers, or ``None`` when not compiling; validates
-    the strategy's ``compile`` setting where it enters."""
-    if isinstance(compile, bool):
-        return {} if compile else None
-    if isinstance(compile, Mapping):
-        return dict(compile)
-    raise TypeError(
-        f"compile={compile!r} must be True, False or a mapping of torch.compile's keyword arguments (for example"
-        " {'mode': 'max-autotune'} or {'backend': 'aot_eager'})."
-    )
 
 
 def uncompiled_name(model: nn.Module, module_name: str | None) -> str | None:

@@ -1,15 +1,15 @@
-"""Runs this process's share of a GPipe step: micro-batch forwards and backwards with their sends and receives.
+"""Executes a stage's schedule: micro-batch forwards and backwards with their sends and receives.
 
-Roles (``S`` stages, ``M`` micro-batches):
+The engine knows nothing of Lightning or of the user's step: :mod:`lightning_pipe.runtime` decides which of its
+phases this rank runs, and when. A stage's actions come from a schedule (:mod:`lightning_pipe.schedule`); the
+forward phase runs inside the pipelined call, the backward phase when the loss's backward reaches this stage:
 
-* first stage: the user's step calls the pipelined module; its input is split into micro-batches, each runs
-  through the local layers and is sent on. Then :class:`HandedOff` ends the user's step here.
-* middle stages: :meth:`PipelineEngine.relay` receives, computes and sends ``M`` times; no user code runs.
-* last stage: the user's step calls the pipelined module; the call receives the ``M`` micro-batches, runs them and
-  returns their concatenation, so the user's loss sees the whole mini-batch. ``loss.backward()`` then reaches each
-  micro-batch's received activations, whose gradient hooks send the gradients upstream as soon as they exist.
-* backward on the other stages (:meth:`PipelineEngine.backward`): receive gradients in reverse micro-batch order,
-  back-propagate through the stored outputs, send the input gradients on upstream.
+* :meth:`PipelineEngine.forward_first`, :meth:`~PipelineEngine.relay`, :meth:`~PipelineEngine.forward_last` and
+  :meth:`~PipelineEngine.forward_local` execute the forward phase as the first, a middle, the last or the only stage.
+* :meth:`PipelineEngine.backward` executes the backward phase on the first and middle stages: receive each
+  micro-batch's output gradients, back-propagate, send the input gradients upstream. On the last stage the user's
+  ``loss.backward()`` runs the backwards; the gradients caught at the stage's inputs are sent upstream in the
+  schedule's order (:class:`_OrderedGradientSender`).
 """
 
 from __future__ import annotations
@@ -30,19 +30,12 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_pipe import microbatch
 from lightning_pipe.batchnorm import DeferredBatchNorm
-from lightning_pipe.config import CheckpointMode
 from lightning_pipe.microbatch import Activation
 from lightning_pipe.p2p import ACTIVATION, SKIP, Header, Link, PendingHeader, PostedTensors, TensorMeta
-from lightning_pipe.schedule import gpipe_actions
-from lightning_pipe.stage import PipelineStage
-from lightning_pipe.timeline import BACKWARD, FORWARD, SEND, WAIT, Stamp, StepTimeline
-
-
-class HandedOff(BaseException):
-    """Ends the user's step on the first stage once the pipelined call's micro-batches have been sent on.
-
-    A ``BaseException`` so that a user's ``except Exception`` around the model call does not swallow it.
-    """
+from lightning_pipe.schedule import Action, Schedule, phases
+from lightning_pipe.settings import RecomputeMode
+from lightning_pipe.stage import StageLayers
+from lightning_pipe.trace.timeline import BACKWARD, FORWARD, SEND, WAIT, Stamp, StepTimeline
 
 
 class PipelineMismatchError(RuntimeError):
@@ -53,6 +46,7 @@ class PipelineMismatchError(RuntimeError):
 # sent outputs they hold). The next stage receives micro-batch m before it asks for m + 1, so waiting for the send
 # of m - 1 after computing m + 1 costs nothing unless that stage is far behind.
 _SENDS_IN_FLIGHT = 2
+_WHERE_INPUT = "the input of the pipelined module"
 
 
 @dataclass
@@ -62,50 +56,51 @@ class _MicroBatch:
     inputs: tuple[Tensor, ...]  # the stage's inputs as autograd leaves (detached from the sender's graph)
     # Where the outputs that need a gradient enter the stage's graph, and their shapes: their data is not kept (once
     # sent, an output's values are not needed by backward unless its own graph saved them).
-    outputs: tuple[GradientEdge, ...]
-    output_metas: tuple[TensorMeta, ...]
+    outputs: tuple[GradientEdge, ...] = ()
+    output_metas: tuple[TensorMeta, ...] = ()
 
 
 @dataclass
 class _StepState:
-    micro_batches: list[_MicroBatch] = field(default_factory=list)
+    """What one step leaves for the next phase: the micro-batches backward needs, the sends still in flight."""
+
+    micro_batches: dict[int, _MicroBatch] = field(default_factory=dict)
+    backwards: list[Action] = field(default_factory=list)  # the backward phase of this step's schedule
     sends: list[dist.Work] = field(default_factory=list)  # to the previous stage; kept until the sends complete
     activation_sends: deque[list[dist.Work]] = field(default_factory=deque)  # to the next stage, oldest first
     sent_metas: tuple[TensorMeta, ...] | None = None  # shapes of the last micro-batch sent on in this step
     user_input: tuple[Tensor, ...] = ()  # first stage: the pipelined call's input, to back-propagate into
-    called: bool = False  # whether the pipelined module was called in this step
     gradient_sender: _OrderedGradientSender | None = None
 
 
 class PipelineEngine:
-    """Drives one stage of a pipeline; one instance per process, attached to its :class:`PipelineStage`."""
+    """Runs one stage's share of each step; one instance per process.
+
+    ``previous`` and ``next`` are the links to the neighbouring stages (``None`` at the ends of the pipeline).
+    """
 
     def __init__(
         self,
-        stage: PipelineStage,
+        layers: StageLayers,
         num_micro_batches: int,
-        checkpoint_mode: CheckpointMode,
+        recompute: RecomputeMode,
         previous: Link | None,
         next: Link | None,
-        share_last_output: Callable[[Activation | None], Activation],
+        schedule: Schedule,
         timeline: StepTimeline | None = None,
-        rendezvous: Callable[[], None] = lambda: None,
     ) -> None:
-        self.stage = stage
+        self.layers = layers
         self.num_micro_batches = num_micro_batches
-        self.checkpoint_mode = checkpoint_mode
+        self.recompute = recompute
         self.previous = previous
         self.next = next
-        self.share_last_output = share_last_output  # broadcast from the last stage to its pipeline
-        self.rendezvous = rendezvous  # fails fast unless every stage of the pipeline makes the call
+        self.schedule = schedule
         self._step = _StepState()
-        self._in_step = False
-        self._batch_norms = [m for m in stage.modules() if isinstance(m, _BatchNorm)]
+        self._batch_norms = [m for m in layers.modules() if isinstance(m, _BatchNorm)]
         self._deferred_batch_norms = [m for m in self._batch_norms if isinstance(m, DeferredBatchNorm)]
         # Intervals of forward, backward, sends and waits, for the bubble metric and traces (off: no-op calls).
         self.timeline = timeline if timeline is not None else StepTimeline(torch.device("cpu"), enabled=False)
         self._wait_start: Stamp = 0.0
-        stage.attach(self)
 
     @property
     def is_first(self) -> bool:
@@ -115,58 +110,75 @@ class PipelineEngine:
     def is_last(self) -> bool:
         return self.next is None
 
-    @property
-    def called(self) -> bool:
-        """Whether the pipelined module was called in the current step."""
-        return self._step.called
-
     def begin_step(self) -> None:
         """Forget the previous step (its backward may have been skipped)."""
         self._wait_sends()
         self._step = _StepState()
         self.timeline.begin_step()
 
-    @contextlib.contextmanager
-    def user_step(self) -> Iterator[None]:
-        """Marks the user's step: a pipelined call inside it is one micro-batched pipeline step."""
-        self.begin_step()
-        self._in_step = True
-        try:
-            yield
-        finally:
-            self._in_step = False
+    def _actions(self, num_micro_batches: int) -> list[Action]:
+        """This step's forward phase; its backward phase is kept for :meth:`backward`."""
+        stage, num_stages = self.layers.stage_index, self.layers.num_stages
+        forwards, backwards = phases(self.schedule(stage, num_stages, num_micro_batches, self.recompute), num_micro_batches)
+        self._step.backwards = backwards if torch.is_grad_enabled() else []
+        return forwards
 
-    # ---- forward -------------------------------------------------------------------------------------------------
+    # ---- forward phase -------------------------------------------------------------------------------------------
 
-    def forward(self, value: Activation) -> Activation:
-        """The pipelined module's call on the first or the last stage (middle stages use :meth:`relay`)."""
-        if not self._in_step:
-            return self._forward_outside_step(value)
-        if self._step.called:
-            raise RuntimeError(
-                "the pipelined module was called twice in one step; the gpipe strategy pipelines one call per"
-                " step. Call it once (concatenate inputs along the batch dimension if needed)."
-            )
-        self._step.called = True
-        if self.is_first and self.is_last:
-            return self._forward_local(value)
-        if self.is_first:
-            self._forward_first(value)
-            raise HandedOff
-        return self._forward_last()
+    def forward_local(self, value: Activation) -> Activation:
+        """The only stage: micro-batching and re-computation still apply, with nothing to send."""
+        chunks = microbatch.split(value, self.num_micro_batches)
+        is_tuple = isinstance(value, tuple)
+        outputs: dict[int, Activation] = {}
+        for action in self._actions(len(chunks)):
+            m = action.micro_batch
+            outputs[m] = self._run(microbatch.as_tensors(chunks[m], _WHERE_INPUT), is_tuple, action, len(chunks))
+        return microbatch.join([outputs[m] for m in range(len(chunks))])
+
+    def forward_first(self, value: Activation) -> None:
+        """The first stage: split the pipelined call's input into micro-batches, run and send each one."""
+        chunks = microbatch.split(value, self.num_micro_batches)
+        is_tuple = isinstance(value, tuple)
+        self._step.user_input = microbatch.as_tensors(value, _WHERE_INPUT)
+        inputs = {m: tuple(_leaf(t, t.requires_grad) for t in microbatch.as_tensors(c, _WHERE_INPUT)) for m, c in enumerate(chunks)}
+        self._execute_forwards(self._actions(len(chunks)), inputs, is_tuple, len(chunks))
+        # Free: nothing is left to do before the gradients come back. The sent outputs are released now, so that
+        # between forward and backward this stage keeps only what backward needs.
+        self._wait_sends()
 
     def relay(self) -> bool:
-        """Middle stage: receive, compute and send every micro-batch. False when the step has no pipelined call."""
-        assert self.previous is not None and self.next is not None
+        """A middle stage: receive, run and send every micro-batch. False when the step has no pipelined call."""
+        assert self.next is not None
         header = self._recv_header()
         if header.kind == SKIP:
             self._step.activation_sends.append([self.next.send_header(Header(SKIP))])
             return False
-        self._step.called = True
-        for header, inputs in self._received(header):
-            self._run_and_send(inputs, header.is_tuple, header.micro_batch, header.num_micro_batches)
-        self._wait_sends()  # see _forward_first
+        self._execute_forwards(self._actions(header.num_micro_batches), {}, header.is_tuple, header.num_micro_batches, header)
+        self._wait_sends()  # see forward_first
         return True
+
+    def forward_last(self) -> Activation:
+        """The last stage: receive and run every micro-batch; their joined output is the pipelined call's result."""
+        assert self.previous is not None
+        header = self._recv_header()
+        if header.kind == SKIP:
+            raise PipelineMismatchError(
+                "the last stage called the pipelined module in this step but the first stage's step returned"
+                " before calling it; the step must take the same path on every stage (do not branch on random"
+                " numbers or on per-process state before the pipelined call)."
+            )
+        num = header.num_micro_batches
+        forwards = self._actions(num)
+        sender = None
+        if torch.is_grad_enabled():
+            order = [a.micro_batch for a in self._step.backwards if a.kind == "backward"]
+            sender = _OrderedGradientSender(self.previous, order, self._step.sends, self.timeline)
+            self._step.gradient_sender = sender
+        outputs = self._execute_forwards(forwards, {}, header.is_tuple, num, header, sender)
+        joined = microbatch.join([outputs[m] for m in range(num)])
+        if sender is not None and self.timeline.enabled:
+            sender.watch_output(joined)
+        return joined
 
     def send_skip(self) -> None:
         """First stage: this step made no pipelined call; tell the stages downstream."""
@@ -179,7 +191,7 @@ class PipelineEngine:
         header = self.previous.recv_header()
         if header.kind == SKIP:
             return
-        for _ in self._received(header):
+        for _ in self._receiving(header, list(range(header.num_micro_batches))):
             pass
         raise PipelineMismatchError(
             "the first stage called the pipelined module in this step but the last stage's step returned without"
@@ -187,73 +199,33 @@ class PipelineEngine:
             " on per-process state before the pipelined call)."
         )
 
-    def _forward_outside_step(self, value: Activation) -> Activation:
-        """A call outside a step (Lightning's ModelSummary, a callback calling ``pl_module(x)`` on every rank).
-
-        Every stage of the pipeline must make the call: the input flows through the stages without gradients and
-        every stage gets the output, so the caller's code runs on as on one device.
-        """
-        if self.is_first and self.is_last:
-            return self._forward_local(value)
-        self.rendezvous()
-        with torch.no_grad():
-            self.begin_step()
-            output = None
-            if self.is_first:
-                self._forward_first(value)
-            elif self.is_last:
-                output = self._forward_last()
+    def _execute_forwards(
+        self,
+        actions: list[Action],
+        inputs: dict[int, tuple[Tensor, ...]],
+        is_tuple: bool,
+        num: int,
+        header: Header | None = None,
+        sender: _OrderedGradientSender | None = None,
+    ) -> dict[int, Activation]:
+        """Run the forward phase's actions; ``inputs`` holds the first stage's micro-batches, the others arrive with
+        ``recv`` actions (from ``header``, the first micro-batch's, on). The outputs that were not sent on."""
+        received = None
+        if header is not None:
+            received = self._receiving(header, [a.micro_batch for a in actions if a.kind == "recv"])
+        outputs: dict[int, Activation] = {}
+        for action in actions:
+            m = action.micro_batch
+            if action.kind == "recv":
+                assert received is not None
+                header_m, tensors = next(received)
+                is_tuple = header_m.is_tuple
+                inputs[m] = sender.watch(m, tensors) if sender is not None else tensors
+            elif action.kind == "forward":
+                outputs[m] = self._run(inputs.pop(m), is_tuple, action, num)
             else:
-                self.relay()
-            self.end_step()
-        return self.share_last_output(output)
-
-    def _forward_local(self, value: Activation) -> Activation:
-        """A single stage: micro-batching and re-computation still apply, with nothing to send."""
-        chunks = microbatch.split(value, self.num_micro_batches)
-        is_tuple = isinstance(value, tuple)
-        where = "the input of the pipelined module"
-        outputs = [
-            self._run(microbatch.as_tensors(chunk, where), is_tuple, m, len(chunks)) for m, chunk in enumerate(chunks)
-        ]
-        return microbatch.join(outputs)
-
-    def _forward_first(self, value: Activation) -> None:
-        chunks = microbatch.split(value, self.num_micro_batches)
-        is_tuple = isinstance(value, tuple)
-        where = "the input of the pipelined module"
-        self._step.user_input = microbatch.as_tensors(value, where)
-        for action in gpipe_actions(len(chunks), training=False):
-            chunk = microbatch.as_tensors(chunks[action.micro_batch], where)
-            inputs = tuple(_leaf(t, t.requires_grad) for t in chunk)
-            self._run_and_send(inputs, is_tuple, action.micro_batch, len(chunks))
-        # Free: nothing is left to do before the gradients come back. The sent outputs are released now, so that
-        # between forward and backward this stage keeps only what backward needs.
-        self._wait_sends()
-
-    def _forward_last(self) -> Activation:
-        assert self.previous is not None
-        header = self._recv_header()
-        if header.kind == SKIP:
-            raise PipelineMismatchError(
-                "the last stage called the pipelined module in this step but the first stage's step returned"
-                " before calling it; the step must take the same path on every stage (do not branch on random"
-                " numbers or on per-process state before the pipelined call)."
-            )
-        num = header.num_micro_batches
-        sender = None
-        if torch.is_grad_enabled():
-            sender = _OrderedGradientSender(self.previous, num, self._step.sends, self.timeline)
-            self._step.gradient_sender = sender
-        outputs: list[Activation] = []
-        for header, inputs in self._received(header):
-            if sender is not None:
-                inputs = sender.watch(header.micro_batch, inputs)
-            outputs.append(self._run(inputs, header.is_tuple, header.micro_batch, num))
-        joined = microbatch.join(outputs)
-        if sender is not None and self.timeline.enabled:
-            sender.watch_output(joined)
-        return joined
+                self._send(outputs.pop(m), m, num)
+        return outputs
 
     def _recv_header(self) -> Header:
         """The next activation header from the previous stage; the wait for it starts now."""
@@ -261,8 +233,8 @@ class PipelineEngine:
         self._wait_start = self.timeline.now()
         return self.previous.recv_header()
 
-    def _received(self, header: Header) -> Iterator[tuple[Header, tuple[Tensor, ...]]]:
-        """Each micro-batch's header and inputs as they arrive, starting from the first micro-batch's header.
+    def _receiving(self, header: Header, order: list[int]) -> Iterator[tuple[Header, tuple[Tensor, ...]]]:
+        """Each micro-batch's header and inputs as they arrive, in ``order``, from the first one's ``header`` on.
 
         The next micro-batch's header and tensors are received while this stage computes: their receives are posted
         before a micro-batch is handed out, the tensors' with this micro-batch's shapes (the sender corrects a wrong
@@ -272,28 +244,28 @@ class PipelineEngine:
         link = self.previous
         assert link is not None
         grad = torch.is_grad_enabled()
-        num = header.num_micro_batches
         pending: PendingHeader | None = None
         posted: PostedTensors | None = None
-        for m in range(num):
+        for i, m in enumerate(order):
             if pending is not None:
                 self._wait_start = self.timeline.now()
                 header = pending.wait()
             received = link.recv_activation(header, m, posted)
-            if m + 1 < num:
-                pending = link.post_header(m + 1)
-                posted = link.post_activation(header.tensors, m + 1)
+            if i + 1 < len(order):
+                pending = link.post_header(order[i + 1])
+                posted = link.post_activation(header.tensors, order[i + 1])
             link.wait(received.works, "the activation", m)
             self.timeline.add(WAIT, m, self._wait_start)
             inputs = tuple(_leaf(t, grad and meta.requires_grad) for t, meta in zip(received.buffers, header.tensors))
             yield header, inputs
 
-    def _run(self, inputs: tuple[Tensor, ...], is_tuple: bool, m: int, num: int) -> Activation:
-        """This stage's layers on micro-batch ``m`` of ``num``, re-computed in backward when the mode says so."""
-        run = partial(self.stage.run_layers, is_tuple)
+    def _run(self, inputs: tuple[Tensor, ...], is_tuple: bool, action: Action, num: int) -> Activation:
+        """This stage's layers on one micro-batch, re-computed in backward when the action says so."""
+        m = action.micro_batch
+        run = partial(self.layers.run_layers, is_tuple)
         start = self.timeline.now()
         try:
-            if torch.is_grad_enabled() and self._checkpointed(m, num):
+            if torch.is_grad_enabled() and action.recompute:
                 if self._batch_norms or self.timeline.enabled:
                     context_fn = partial(self._recomputation_contexts, m)
                     out = checkpoint(run, *inputs, use_reentrant=False, context_fn=context_fn)
@@ -305,22 +277,34 @@ class PipelineEngine:
             error.add_note(self._where_it_failed(error, inputs, m, num))
             raise
         self.timeline.add(FORWARD, m, start)
+        if not self.is_last:  # the output is sent on: check it, and keep what its backward needs
+            stage = self.layers.stage_index
+            outputs = microbatch.as_tensors(out, f"the output of pipeline stage {stage} for micro-batch {m}")
+            microbatch.check_batch_kept(inputs, outputs, stage, m)
+            if torch.is_grad_enabled():
+                self._keep_for_backward(m, inputs, outputs)
         if m == num - 1:
             for batch_norm in self._deferred_batch_norms:
                 batch_norm.commit()  # the mini-batch is complete: update the running statistics once
         return out
 
+    def _keep_for_backward(self, m: int, inputs: tuple[Tensor, ...], outputs: tuple[Tensor, ...]) -> None:
+        """Where the outputs' gradients re-enter this stage's graph: all that backward needs of micro-batch ``m``."""
+        edges = tuple(get_gradient_edge(t) for t in outputs if t.requires_grad)
+        metas = tuple(TensorMeta(tuple(t.shape), t.dtype, False) for t in outputs if t.requires_grad)
+        self._step.micro_batches[m] = _MicroBatch(inputs, edges, metas)
+
     def _where_it_failed(self, error: Exception, inputs: tuple[Tensor, ...], m: int, num: int) -> str:
         """A note for an error raised by this stage's layers: the stage, its layers, the micro-batch, and, for a dtype
         error on a received input, the stage that sent that dtype."""
-        stage = self.stage
-        layers = f"{stage.layer_range.start}..{stage.layer_range.stop - 1}"
-        note = f"raised by pipeline stage {stage.stage_index} (layers {layers}) on micro-batch {m} of {num}"
+        layers = self.layers
+        span = f"{layers.layer_range.start}..{layers.layer_range.stop - 1}"
+        note = f"raised by pipeline stage {layers.stage_index} (layers {span}) on micro-batch {m} of {num}"
         received = sorted({str(t.dtype) for t in inputs if t.is_floating_point()})
-        own = sorted({str(p.dtype) for p in stage.parameters() if p.is_floating_point()})
+        own = sorted({str(p.dtype) for p in layers.parameters() if p.is_floating_point()})
         if not self.is_first and ("dtype" in str(error) or "scalar type" in str(error)) and received != own:
             note += (
-                f"; it received {', '.join(received)} from stage {stage.stage_index - 1} but its parameters are"
+                f"; it received {', '.join(received)} from stage {layers.stage_index - 1} but its parameters are"
                 f" {', '.join(own)}: give every stage the same dtype (convert the whole model, e.g. model.double(),"
                 " or set the Trainer's precision)"
             )
@@ -338,67 +322,56 @@ class PipelineEngine:
         with self.timeline.recomputing(m), _unchanged_running_stats(self._batch_norms):
             yield
 
-    def _run_and_send(self, inputs: tuple[Tensor, ...], is_tuple: bool, m: int, num: int) -> None:
-        """First and middle stages: run micro-batch ``m``, keep what its backward needs, send the output on."""
+    def _send(self, out: Activation, m: int, num: int) -> None:
+        """Send micro-batch ``m``'s output to the next stage, keeping at most ``_SENDS_IN_FLIGHT`` sends in flight."""
         assert self.next is not None
-        out = self._run(inputs, is_tuple, m, num)
-        stage = self.stage.stage_index
-        outputs = microbatch.as_tensors(out, f"the output of pipeline stage {stage} for micro-batch {m}")
-        microbatch.check_batch_kept(inputs, outputs, stage, m)
+        outputs = microbatch.as_tensors(out, "a stage output")  # checked in _run
         metas = tuple(TensorMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in outputs)
-        if torch.is_grad_enabled():
-            edges = tuple(get_gradient_edge(t) for t in outputs if t.requires_grad)
-            grad_metas = tuple(TensorMeta(meta.shape, meta.dtype, False) for meta in metas if meta.requires_grad)
-            self._step.micro_batches.append(_MicroBatch(inputs, edges, grad_metas))
         start = self.timeline.now()
         sends = self._step.activation_sends
         header = Header(ACTIVATION, m, num, metas, isinstance(out, tuple))
-        # The next stage posted this micro-batch's receive with the previous micro-batch's shapes (see _received).
+        # The next stage posted this micro-batch's receive with the previous micro-batch's shapes (see _receiving).
         sends.append(self.next.send_activation(header, tuple(t.detach() for t in outputs), self._step.sent_metas))
         self._step.sent_metas = metas
         while len(sends) > _SENDS_IN_FLIGHT:
             self.next.wait(sends.popleft(), "the activations", sending=True)
         self.timeline.add(SEND, m, start)
 
-    def _checkpointed(self, m: int, num: int) -> bool:
-        if self.checkpoint_mode == "always":
-            return True
-        if self.checkpoint_mode == "except_last":
-            return m < num - 1
-        return False
-
-    # ---- backward ------------------------------------------------------------------------------------------------
+    # ---- backward phase ------------------------------------------------------------------------------------------
 
     def backward(self) -> None:
-        """First and middle stages: back-propagate every micro-batch with the gradients the next stage sends."""
+        """First and middle stages: the backward phase, with the gradients the next stage sends."""
         assert self.next is not None
         step = self._step
         self._wait_sends()  # the activations were received long ago: release the sent outputs
-        # Gradients come in the order the next stage sends them (reverse micro-batch order). Each receive is posted
-        # one micro-batch ahead, into one of two buffers used in turn, so it arrives during the previous backward.
-        backwards = [a.micro_batch for a in gpipe_actions(len(step.micro_batches)) if a.kind == "backward"]
+        link, timeline = self.next, self.timeline
+        # Each gradient receive is posted one ahead, into one of two buffers used in turn, so that it arrives during
+        # the previous micro-batch's backward.
+        # (A buffer is reused two receives later: each micro-batch's backward runs before the receive after next.)
+        receives = [a.micro_batch for a in step.backwards if a.kind == "recv_grad"]
+        posted: dict[int, tuple[tuple[Tensor, ...], list[dist.Work]]] = {}
 
-        link = self.next
+        def post(i: int) -> None:
+            if i < len(receives):
+                m = receives[i]
+                posted[m] = link.recv_tensors(step.micro_batches[m].output_metas, slot=i % 2)
 
-        def post(i: int) -> tuple[tuple[Tensor, ...], list[dist.Work]]:
-            return link.recv_tensors(step.micro_batches[backwards[i]].output_metas, slot=i % 2)
-
-        pending = post(0) if backwards else None
-        timeline = self.timeline
-        for i, m in enumerate(backwards):
-            assert pending is not None
-            grads, works = pending
-            pending = post(i + 1) if i + 1 < len(backwards) else None
-            start = timeline.now()
-            link.wait(works, "the gradient", m)
-            timeline.add(WAIT, m, start)
-            start = timeline.now()
-            if step.micro_batches[m].outputs:
-                torch.autograd.backward(step.micro_batches[m].outputs, list(grads))
-            timeline.add(BACKWARD, m, start)
-            if not self.is_first:
+        post(0)
+        grads: dict[int, tuple[Tensor, ...]] = {}
+        for action in step.backwards:
+            m, start = action.micro_batch, timeline.now()
+            if action.kind == "recv_grad":
+                post(receives.index(m) + 1)
+                tensors, works = posted.pop(m)
+                link.wait(works, "the gradient", m)
+                grads[m] = tensors
+                timeline.add(WAIT, m, start)
+            elif action.kind == "backward":
+                if step.micro_batches[m].outputs:
+                    torch.autograd.backward(step.micro_batches[m].outputs, list(grads.pop(m)))
+                timeline.add(BACKWARD, m, start)
+            else:
                 assert self.previous is not None
-                start = timeline.now()
                 step.sends.extend(self.previous.send_tensors(_input_gradients(step.micro_batches[m].inputs)))
                 timeline.add(SEND, m, start)
         if self.is_first:
@@ -430,9 +403,10 @@ class PipelineEngine:
         """First stage: carry the micro-batch input gradients into the user's code before the pipelined call."""
         step = self._step
         targets, grads = [], []
+        micro_batches = [step.micro_batches[m] for m in sorted(step.micro_batches)]
         for i, original in enumerate(step.user_input):
             if original.requires_grad:
-                parts = [_grad_or_zeros(mb.inputs[i]) for mb in step.micro_batches]
+                parts = [_grad_or_zeros(mb.inputs[i]) for mb in micro_batches]
                 targets.append(original)
                 grads.append(torch.cat(parts) if len(parts) > 1 else parts[0])
         if targets:
@@ -440,20 +414,21 @@ class PipelineEngine:
 
 
 class _OrderedGradientSender:
-    """Last stage: sends each micro-batch's input gradients upstream in reverse micro-batch order.
+    """Last stage: sends each micro-batch's input gradients upstream in the schedule's backward order.
 
-    Autograd fires the gradient hooks as it reaches each micro-batch (normally in reverse order, since the loss is
-    computed on the concatenation); a fixed order lets the receiver post its receives before anything arrives.
+    Autograd fires the gradient hooks as it reaches each micro-batch (in reverse order, since the loss is computed on
+    the concatenation); a fixed order lets the receiver post its receives before anything arrives, and a gradient
+    that arrives before its turn waits here.
     """
 
-    def __init__(self, link: Link, num_micro_batches: int, sends: list[dist.Work], timeline: StepTimeline) -> None:
+    def __init__(self, link: Link, order: list[int], sends: list[dist.Work], timeline: StepTimeline) -> None:
         self.link = link
         self.sends = sends
         self.timeline = timeline
         self.mark: Stamp | None = None  # where the backward of the next micro-batch to finish began
         self.inputs: dict[int, tuple[Tensor, ...]] = {}
         self.grads: dict[int, tuple[Tensor, ...]] = {}
-        self.next_to_send = num_micro_batches - 1
+        self.order = deque(order)
 
     def watch(self, m: int, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         """Micro-batch ``m``'s inputs as the layers should use them: their gradients all reach :meth:`_ready`.
@@ -489,15 +464,14 @@ class _OrderedGradientSender:
         self.mark = self.timeline.now() if self.mark is not None else None
 
     def flush(self, force: bool = False) -> None:
-        while self.next_to_send >= 0 and (force or self.next_to_send in self.grads):
-            m = self.next_to_send
+        while self.order and (force or self.order[0] in self.grads):
+            m = self.order.popleft()
             grads = self.grads.pop(m, None)
             if grads is None:  # the loss did not reach this micro-batch: its gradient is zero
                 grads = tuple(torch.zeros_like(t) for t in self._needing(m))
             start = self.timeline.now()
             self.sends.extend(self.link.send_tensors(grads))
             self.timeline.add(SEND, m, start)
-            self.next_to_send -= 1
 
     def _needing(self, m: int) -> list[Tensor]:
         return [t for t in self.inputs.get(m, ()) if t.requires_grad]
@@ -549,4 +523,3 @@ def _input_gradients(inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
 
 def _grad_or_zeros(tensor: Tensor) -> Tensor:
     return tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
-

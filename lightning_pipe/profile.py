@@ -130,10 +130,13 @@ def _profile_layer(
                 saved[(tensor.data_ptr(), tuple(tensor.shape))] = tensor.numel() * tensor.element_size()
             return tensor
 
+        # A layer that works in place (``nn.ReLU(inplace=True)``) may not modify a leaf that requires grad, and must
+        # not modify the input the next run reuses: it gets a copy, made outside the timed span.
+        copies = tuple(t.clone() for t in inputs)
         sync()
         start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            output = layer(inputs if is_tuple else inputs[0])
+            output = layer(copies if is_tuple else copies[0])
         sync()
         middle = time.perf_counter()
         outputs = microbatch.as_tensors(output, f"the output of layer {index} of the pipelined module")

@@ -2,11 +2,11 @@
 
 Sections follow the order in which Lightning calls them: construction, launch, process groups, model setup,
 the steps, backward and the optimizer step, checkpoints, collectives, teardown. The work behind them lives in the
-modules named for it: :mod:`~lightning_pipe.launch` (starting and ending the ranks), :mod:`~lightning_pipe.engine`
-(running this rank's stage), :mod:`~lightning_pipe.mirror` (the last stage's step results on every stage),
+modules named for it: :mod:`~lightning_pipe.launch` (starting and ending the ranks), :mod:`~lightning_pipe.groups` (the process groups
+and this rank's place), :mod:`~lightning_pipe.runtime` (running a step on this rank's stage),
 :mod:`~lightning_pipe.gradients` (reductions, clipping, overflow), :mod:`~lightning_pipe.whole_model` and
-:mod:`~lightning_pipe.sharded` (checkpoints, and the trained model after a run), :mod:`~lightning_pipe.observe`
-(the bubble and traces).
+:mod:`~lightning_pipe.sharded` (checkpoints, and the trained model after a run), :mod:`~lightning_pipe.trace`
+(the bubble and traces). Every setting is checked once, by :class:`~lightning_pipe.settings.PipelineSettings`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -40,72 +40,65 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.optim import Optimizer
 from torchmetrics import Metric
 
 from lightning_pipe.balance import (
     Balance,
     PartitionPlan,
-    missing_sample_message,
+    check_one_count_per_stage,
     needs_sample,
     plan_partition,
+    profiling_sample,
     recompute_fraction,
-    validate_balance,
+    stage_ranges,
 )
 from lightning_pipe.batchnorm import defer as defer_batch_norms
 from lightning_pipe.batchnorm import revert as revert_batch_norms
-from lightning_pipe.compile import check_compiled, compile_options, compile_stage, uncompiled_name
-from lightning_pipe.config import CheckpointMode, PipelineParallelConfig, counts_from_config, validate_checkpoint_mode
+from lightning_pipe.compile import check_compiled, compile_stage, uncompiled_name
+from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.consolidate import name_optimizer_state
-from lightning_pipe.engine import HandedOff, PipelineEngine
+from lightning_pipe.engine import PipelineEngine
 from lightning_pipe.fingerprint import different_models_message, fingerprint_digest, model_fingerprint
 from lightning_pipe.gradients import agree_on_gradient_overflow, clip_grad_norm_over_pipeline, reduce_gradients
 from lightning_pipe.launch import (
     CheckedMultiProcessingLauncher,
     CheckedSubprocessScriptLauncher,
+    end_process_groups_at_exit,
     end_started_ranks_at_exit,
+    keep_process_groups_at_exit,
     note_sigterm,
 )
 from lightning_pipe.materialize import global_seed, holds_meta_tensors, materialize
-from lightning_pipe.mirror import (
-    StepOutcome,
-    adopt_random_states,
-    random_states,
-    load_metric_states,
-    logged_metric_states,
-    metric_states,
-    recording_logs,
-    replay_logs,
-)
-from lightning_pipe.observe import make_tracer, observe_step
-from lightning_pipe.p2p import Link, PipelineCommunicationError, failed_wait
-from lightning_pipe.partition import find_pipelined_module, replace_submodule, stage_ranges
+from lightning_pipe.groups import PipelineGroups, init_pipeline_groups
+from lightning_pipe.outcome import StepOutcome
+from lightning_pipe.partition import find_pipelined_module, replace_submodule
+from lightning_pipe.settings import PipelineSettings, RecomputeMode, check_process_count
 from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
 from lightning_pipe.sharded import load as load_sharded
 from lightning_pipe.sharded import save as save_sharded
-from lightning_pipe.stage import PipelineStage
+from lightning_pipe.runtime import StageRuntime
+from lightning_pipe.schedule import Schedule
+from lightning_pipe.stage import StageLayers
 from lightning_pipe.summary import StageSummary, build_stage_summary, stage_devices
 from lightning_pipe.tied import TiedParameters, parameters_shared_across_stages, replicated_parameters
-from lightning_pipe.timeline import StepTimeline
 from lightning_pipe.topology import PipelineLayout
+from lightning_pipe.trace.timeline import StepTimeline
+from lightning_pipe.trace.tracer import TRACE_FILE_NAME, PipelineTracer, StepObservation, observe_step
 from lightning_pipe.whole_model import (
     PipelinedModule,
     group_names,
+    held_state_dict,
     load_stage_optimizer_state,
     load_stage_state_dict,
+    refuse_checkpoint_without_stages,
     restore_whole_model,
     whole_optimizer_state,
     whole_state_dict,
 )
 
-if TYPE_CHECKING:  # imported when tracing starts, so that `python -m lightning_pipe.trace` finds it unimported
-    from lightning_pipe.trace import PipelineTracer, StepObservation
-
-_OUTSIDE_STEP_TIMEOUT = timedelta(seconds=60)
 # Lightning's warning for epoch-level values logged without sync_dist=True under a distributed run.
 _SYNC_DIST_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)"
 
@@ -137,7 +130,8 @@ class GPipeStrategy(ParallelStrategy):
         sample: an input of the LightningModule's ``forward`` (as ``example_input_array``, which is used when this
             is ``None``) to profile the layers with for ``balance="time"`` or ``"memory"``.
         trace_steps: training steps (``trainer.global_step`` values) whose timeline of every stage is written as a
-            Chrome trace to ``trace_dir/gpipe_trace.json`` (see :mod:`lightning_pipe.trace`).
+            Chrome trace to ``trace_dir/gpipe_trace.json``, whose absolute path is printed when it is first written
+            (see :mod:`lightning_pipe.trace`).
         trace_dir: where the trace goes; defaults to the Trainer's ``default_root_dir``.
         log_bubble_fraction: send ``pipeline/bubble_fraction`` (the measured idle share of a step's compute window)
             and ``pipeline/ideal_bubble_fraction`` (``(S-1)/(M+S-1)``) to the loggers every ``log_every_n_steps``.
@@ -148,8 +142,21 @@ class GPipeStrategy(ParallelStrategy):
             gradient all-reduce on the fast links inside a node and sends only activations across nodes.
         save_distributed_checkpoint: write checkpoints sharded with ``torch.distributed.checkpoint`` (a directory):
             every rank writes its own stage, nothing is gathered on one host. Such a checkpoint resumes with any
-            stage count (only the local share is read); it does not load with ``load_from_checkpoint``. By default
-            the whole model is gathered to rank 0, which writes one file that loads anywhere.
+            stage count (only the local share is read); ``python -m lightning_pipe.consolidate_checkpoint DIR
+            FILE`` turns it into one file that loads anywhere. ``False``: the whole model is gathered to rank 0,
+            which writes one file that loads anywhere (with ``load_from_checkpoint``, on one device) and holds the
+            whole model and its optimizer state while writing. By default (``None``) sharded for a model built on
+            the meta device (in ``configure_model()`` or under ``init_module(empty_init=True)``), one file otherwise.
+        gather_model_after_run: after ``fit``, ``validate``, ``test`` or ``predict`` of a model built on the meta
+            device, send every stage's layers to global rank 0 (the last stage, the launching process), so that the
+            user's model object there holds the whole trained model, as on one device. Costs rank 0 the whole model
+            in host memory. By default each rank keeps only its own stage (the other layers stay on the meta
+            device) and the trained model lives in the checkpoints. A model built the usual way always comes back
+            whole on every rank.
+        schedule: the order of each stage's forwards, backwards, sends and receives in a step: ``"gpipe"`` or a
+            function ``(stage, num_stages, num_micro_batches, checkpoint) -> list[Action]`` (see
+            :mod:`lightning_pipe.schedule`). Every forward comes before the first backward, since the loss is computed
+            on the whole mini-batch.
         deferred_batch_norm: update BatchNorm running statistics once per mini-batch, from the whole mini-batch's
             statistics, so that they equal one device's. By default (GPipe's semantics) each micro-batch updates
             them with its own statistics. Either way each micro-batch is normalised by its own statistics.
@@ -165,7 +172,7 @@ class GPipeStrategy(ParallelStrategy):
         self,
         num_stages: int | PipelineParallelConfig | Mapping[str, Any] | None = None,
         num_micro_batches: int | None = None,
-        checkpoint: CheckpointMode = "except_last",
+        checkpoint: RecomputeMode = "except_last",
         balance: Balance = None,
         module_name: str | None = None,
         accelerator: Accelerator | None = None,
@@ -182,7 +189,9 @@ class GPipeStrategy(ParallelStrategy):
         log_bubble_fraction: bool = True,
         deferred_batch_norm: bool = False,
         mesh_order: tuple[str, str] = ("pp", "dp"),
-        save_distributed_checkpoint: bool = False,
+        save_distributed_checkpoint: bool | None = None,
+        gather_model_after_run: bool = False,
+        schedule: str | Schedule = "gpipe",
         compile: bool | Mapping[str, Any] = False,
     ) -> None:
         super().__init__(
@@ -192,37 +201,41 @@ class GPipeStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if isinstance(num_stages, (PipelineParallelConfig, Mapping)):
-            num_stages, num_micro_batches = counts_from_config(num_stages, num_micro_batches)
-        # Validate what can be validated before any process starts.
-        PipelineParallelConfig(
-            num_stages if num_stages is not None else 1, num_micro_batches if num_micro_batches is not None else 1
+        # Every setting is checked here, before any process starts; what needs the process count or the model is
+        # checked at launch (`_configure_launcher`, `_check_partition`).
+        self._settings = PipelineSettings(
+            num_stages,  # type: ignore[arg-type]  (a PipelineParallelConfig or a mapping holds both counts)
+            num_micro_batches,
+            recompute=checkpoint,
+            balance=balance,  # type: ignore[arg-type]
+            module_name=module_name,
+            sample=sample,
+            trace_steps=trace_steps,  # type: ignore[arg-type]
+            trace_dir=trace_dir,  # type: ignore[arg-type]
+            log_bubble_fraction=log_bubble_fraction,
+            deferred_batch_norm=deferred_batch_norm,
+            mesh_order=mesh_order,
+            start_method=start_method,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            gather_model_after_run=gather_model_after_run,
+            schedule=schedule,
+            compile=compile,
         )
-        self._num_stages = num_stages
-        self._num_micro_batches = num_micro_batches
-        self._checkpoint = validate_checkpoint_mode(checkpoint)
-        self._balance = validate_balance(balance)
-        if isinstance(self._balance, list) and num_stages is not None and len(self._balance) != num_stages:
-            raise ValueError(
-                f"balance={self._balance} has {len(self._balance)} entries but num_stages={num_stages};"
-                " give one layer count per stage."
-            )
-        self._module_name = module_name
+        # The settings the process-group, setup, step and checkpoint sections read.
+        self._module_name = self._settings.module_name
+        self._deferred_batch_norm = self._settings.deferred_batch_norm
+        self._log_bubble_fraction = self._settings.log_bubble_fraction
+        self._trace_steps = self._settings.trace_steps
+        self._mesh_order = self._settings.mesh_order
+        self._save_distributed_checkpoint = self._settings.save_distributed_checkpoint
         self._process_group_backend = process_group_backend
         self._timeout = timeout
-        self._start_method = start_method
         self._num_nodes = 1
         self._layout: PipelineLayout | None = None
-        self._mesh: DeviceMesh | None = None
-        self._meta_group: dist.ProcessGroup | None = None
-        self._engine: PipelineEngine | None = None
+        self._groups: PipelineGroups | None = None
+        self._runtime: StageRuntime | None = None
         self._replicated: list[nn.Parameter] = []
         self._wrapped_hooks: list[str] = []
-        self._step_skipped = False
-        self._sample = sample
-        self._trace_steps = list(trace_steps)
-        self._trace_dir = Path(trace_dir) if trace_dir is not None else None
-        self._log_bubble_fraction = log_bubble_fraction
         self._plan: PartitionPlan | None = None
         self._plan_module_name = ""
         self._tracer: PipelineTracer | None = None
@@ -230,17 +243,8 @@ class GPipeStrategy(ParallelStrategy):
         self._pipelined: PipelinedModule | None = None
         self._failed = False
         self._ending_started_ranks = False
-        self._deferred_batch_norm = deferred_batch_norm
-        self._mesh_order = tuple(mesh_order)
-        self._save_distributed_checkpoint = save_distributed_checkpoint
-        if self._mesh_order not in (("pp", "dp"), ("dp", "pp")):
-            raise ValueError(
-                f"mesh_order={mesh_order!r} must be ('pp', 'dp') (pipeline outermost: a replica's gradient"
-                " all-reduce stays among neighbouring ranks, one node) or ('dp', 'pp') (a pipeline's stages on"
-                " neighbouring ranks)."
-            )
+        self._gather_model_after_run = self._settings.gather_model_after_run
         self._deferred = False  # the pipelined module was built on the meta device (see `model_sharded_context`)
-        self._compile = compile_options(compile)
         self._tied: TiedParameters | None = None  # parameters shared by layers of several stages
 
     # ---- configuration -------------------------------------------------------------------------------------------
@@ -248,8 +252,7 @@ class GPipeStrategy(ParallelStrategy):
     @property
     def config(self) -> PipelineParallelConfig:
         """The resolved stage and micro-batch counts (known once the device count is)."""
-        num_stages = self._num_stages or self.num_processes * self.num_nodes
-        return PipelineParallelConfig(num_stages, self._num_micro_batches or 4 * num_stages)
+        return self._settings.pipeline_config(self.num_processes * self.num_nodes)
 
     @property
     def layout(self) -> PipelineLayout:
@@ -300,27 +303,18 @@ class GPipeStrategy(ParallelStrategy):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        world_size = self.num_processes * self.num_nodes
-        if self._num_stages is not None and world_size % self._num_stages != 0:
-            raise ValueError(
-                f"GPipeStrategy(num_stages={self._num_stages}) needs devices * num_nodes to be a multiple of the stage"
-                f" count (one process per stage of each pipeline replica), but the Trainer starts {world_size}"
-                f" (devices={self.num_processes}, num_nodes={self.num_nodes}); set Trainer(devices=...) so that"
-                f" devices * num_nodes is {self._num_stages} x replicas, or choose num_stages dividing {world_size}."
-            )
-        num_stages = self.config.num_stages
-        if isinstance(self._balance, list) and len(self._balance) != num_stages:
-            raise ValueError(
-                f"balance={self._balance} has {len(self._balance)} entries but there are {num_stages} stages;"
-                " give one layer count per stage."
-            )
+        settings = self._settings
+        if settings.num_stages is not None:
+            check_process_count(settings.num_stages, self.num_processes, self.num_nodes)
+        elif isinstance(settings.balance, list):  # with num_stages set, `PipelineSettings` compared the two
+            check_one_count_per_stage(settings.balance, self.config.num_stages)
         self.config  # noqa: B018  (validates the resolved counts before any process starts)
-        if self._start_method == "popen":
+        if settings.start_method == "popen":
             self._launcher = CheckedSubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
         else:
-            self._launcher = CheckedMultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = CheckedMultiProcessingLauncher(self, start_method=settings.start_method)
         self._launcher.check_model = self._check_partition
 
     def _check_partition(self, model: LightningModule, trainer: Trainer | None = None) -> None:
@@ -329,11 +323,11 @@ class GPipeStrategy(ParallelStrategy):
             _require_automatic_optimization(model)
         if is_overridden("configure_model", model):
             return  # the layers may exist only once configure_model has run, in each process: `setup` checks them
-        name, sequential = find_pipelined_module(model, uncompiled_name(model, self._module_name))
+        settings = self._settings
+        name, sequential = find_pipelined_module(model, uncompiled_name(model, settings.module_name))
         check_compiled(model, name, sequential)
-        stage_ranges(self.config, len(sequential), self._balance if isinstance(self._balance, list) else None)
-        if needs_sample(self._balance) and self._sample is None and getattr(model, "example_input_array", None) is None:
-            raise ValueError(missing_sample_message(str(self._balance)))
+        stage_ranges(self.config, len(sequential), settings.balance if isinstance(settings.balance, list) else None)
+        profiling_sample(settings.balance, settings.sample, model)
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -358,45 +352,17 @@ class GPipeStrategy(ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
-        layout = self.layout
-        sizes = {"pp": layout.num_stages, "dp": layout.num_replicas}
-        self._mesh = init_device_mesh(
-            self.root_device.type, tuple(sizes[name] for name in self._mesh_order), mesh_dim_names=self._mesh_order,
-            backend_override=self._mesh_backends(),
+        end_process_groups_at_exit()
+        self._groups = init_pipeline_groups(
+            self.layout, self.global_rank, self.root_device, self._process_group_backend, self._timeout,
+            self._mesh_order,
         )
-        # Headers and step outcomes travel on a CPU group, so that reading them never waits on a GPU stream.
-        if self._process_group_backend == "gloo":
-            self._meta_group = self._mesh.get_group("pp")
-        else:
-            pipelines = [layout.pipeline_ranks(replica) for replica in range(layout.num_replicas)]
-            self._meta_group, _ = dist.new_subgroups_by_enumeration(pipelines, backend="gloo", timeout=self._timeout)
-
-    def _mesh_backends(self) -> dict[str, tuple[str, Any]] | None:
-        """The mesh's groups with the strategy's timeout. With replicas, the mesh creates a group per pipeline and
-        per stage, which torch would give its default timeout (30 minutes) rather than the world's: a stalled stage
-        would go unnoticed that long. With one replica the pipeline's group is the world's, which has the timeout."""
-        if self._timeout is None or self.layout.num_replicas == 1:
-            return None
-        backend = self._process_group_backend
-        assert backend is not None
-        options = dist.ProcessGroupGloo._Options() if backend == "gloo" else dist.ProcessGroupNCCL.Options()
-        options._timeout = self._timeout
-        return {name: (backend, options) for name in self._mesh_order}
 
     @property
-    def _replica_group(self) -> dist.ProcessGroup:
-        assert self._mesh is not None
-        return self._mesh.get_group("dp")
-
-    @property
-    def _pipeline_group(self) -> dist.ProcessGroup:
-        assert self._mesh is not None
-        return self._mesh.get_group("pp")
-
-    @property
-    def _stage_ranks(self) -> list[int]:
-        """The global ranks of this rank's pipeline, by stage."""
-        return self.layout.pipeline_ranks(self.layout.replica(self.global_rank))
+    def groups(self) -> PipelineGroups:
+        """The process groups and this rank's place in them (available once the ranks have started)."""
+        assert self._groups is not None, "the process groups exist once the strategy has set up the environment"
+        return self._groups
 
     # ---- model setup ---------------------------------------------------------------------------------------------
 
@@ -420,7 +386,7 @@ class GPipeStrategy(ParallelStrategy):
         self._broadcast_replicated_state()
         self._sync_metrics_within_replicas(module)
         self._wrap_epoch_end_hooks(module)
-        self._share_outcome(StepOutcome())  # every stage starts from the last stage's random state
+        self._runtime.share_outcome(module, StepOutcome())  # every stage starts from the last stage's random state
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -431,7 +397,7 @@ class GPipeStrategy(ParallelStrategy):
         # With a gradient scaler (16-mixed), an overflow on one stage must skip the step on every stage.
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None and self.layout.num_stages > 1:
-            agree_on_gradient_overflow(scaler, self._pipeline_group, self.root_device)
+            agree_on_gradient_overflow(scaler, self.groups.pipeline, self.root_device)
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
@@ -449,7 +415,7 @@ class GPipeStrategy(ParallelStrategy):
             yield
 
     def _partition(self, module: LightningModule) -> None:
-        """Replace the pipelined ``nn.Sequential`` by this rank's :class:`PipelineStage` and build its engine."""
+        """Replace the pipelined ``nn.Sequential`` by this rank's :class:`StageLayers` and build its runtime."""
         config = self.config
         self._check_every_rank_built_the_same_model(module)
         name, sequential = find_pipelined_module(module, uncompiled_name(module, self._module_name))
@@ -457,7 +423,7 @@ class GPipeStrategy(ParallelStrategy):
         self._plan, self._plan_module_name = self._decide_partition(module, sequential), name
         ranges = self._plan.ranges
         ties = parameters_shared_across_stages(list(sequential), ranges)  # before materialising replaces parameters
-        stage = PipelineStage(sequential, ranges[self.stage_index], self.stage_index, config.num_stages)
+        stage = StageLayers(sequential, ranges[self.stage_index], self.stage_index, config.num_stages)
         whole_model_state = list(module.state_dict().keys())
         whole_model_parameters = [parameter_name for parameter_name, _ in module.named_parameters()]
         replace_submodule(module, name, stage)
@@ -469,22 +435,24 @@ class GPipeStrategy(ParallelStrategy):
         self._pipelined = PipelinedModule(name, sequential, ranges, whole_model_state, whole_model_parameters)
         self._replicated = replicated_parameters(module, name)
         self._tied = TiedParameters(ties, stage, self.stage_index, self.layout, self._replicated, name, self._timeout)
-        compile_stage(module, name, stage, self._compile)
+        compile_stage(module, name, stage, self._settings.compile_options)
         rank_zero_info(str(self.stage_summary()))
-        index = self.stage_index
-        previous = self._link(index - 1) if index > 0 else None
-        next_link = self._link(index + 1) if index < config.num_stages - 1 else None
+        groups, index = self.groups, self.stage_index
         timeline = StepTimeline(self.root_device, enabled=self._log_bubble_fraction or bool(self._trace_steps))
-        self._engine = PipelineEngine(
-            stage, config.num_micro_batches, self._checkpoint, previous, next_link, self._share_last_output,
+        engine = PipelineEngine(
+            stage, config.num_micro_batches, self._settings.recompute,
+            previous=groups.link(index - 1) if not groups.is_first else None,
+            next=groups.link(index + 1) if not groups.is_last else None,
+            schedule=self._settings.schedule,
             timeline=timeline,
-            rendezvous=self._all_stages_call_the_model,
         )
+        self._runtime = StageRuntime(groups, engine, stage)
         self._tracer = None
         if timeline.enabled and config.num_stages > 1:
-            trace_dir = self._trace_dir or Path(module.trainer.default_root_dir)
-            self._tracer = make_tracer(
-                timeline, self._meta_group, index, config.num_stages, self.global_rank, self._trace_steps, trace_dir
+            trace_dir = self._settings.trace_dir or Path(module.trainer.default_root_dir)
+            self._tracer = PipelineTracer(
+                timeline, groups.meta, index, config.num_stages, self.global_rank, self._settings.trace_steps,
+                trace_path=trace_dir / TRACE_FILE_NAME if self.global_rank == 0 else None,
             )
 
     def _check_every_rank_built_the_same_model(self, module: LightningModule) -> None:
@@ -501,33 +469,24 @@ class GPipeStrategy(ParallelStrategy):
         describe = lambda rank: f"rank {rank} (stage {self.layout.stage(rank)})"  # noqa: E731
         raise ValueError(different_models_message(every, describe))
 
-    def _link(self, stage: int) -> Link:
-        assert self._meta_group is not None
-        return Link(
-            self._stage_ranks[stage], self._pipeline_group, self._meta_group, self.root_device,
-            stage=self.stage_index, peer_stage=stage, timeout=self._timeout,
-        )
-
     def _decide_partition(self, module: LightningModule, sequential: nn.Sequential) -> PartitionPlan:
         """The split, decided on global rank 0 (profiling there when ``balance`` asks) and broadcast, so that every
         rank applies the same split even where measurements differ between ranks."""
-        sample = self._sample if self._sample is not None else getattr(module, "example_input_array", None)
-        if sample is None and needs_sample(self._balance):
-            raise ValueError(missing_sample_message(str(self._balance)))
+        settings, config = self._settings, self.config
         decided: PartitionPlan | str | None = None
         error: Exception | None = None
         if self.global_rank == 0:
-            fraction = recompute_fraction(self._checkpoint, self.config.num_micro_batches)
+            fraction = recompute_fraction(settings.recompute, config.num_micro_batches)
             try:
-                if needs_sample(self._balance) and holds_meta_tensors(sequential):
+                if needs_sample(settings.balance) and holds_meta_tensors(sequential):
                     raise ValueError(
-                        f"balance={self._balance!r} profiles every layer with its weights, but the pipelined module"
+                        f"balance={settings.balance!r} profiles every layer with its weights, but the pipelined module"
                         " was built on the meta device (in configure_model() or under init_module(empty_init=True)),"
                         " where it has none yet; use balance='parameters' or a list of layers per stage, or build"
                         " the model in __init__."
                     )
                 decided = plan_partition(
-                    module, sequential, self.config, self._balance, sample, self.root_device, fraction
+                    module, sequential, config, settings.balance, settings.sample, self.root_device, fraction
                 )
             except Exception as exception:  # the other ranks wait in the broadcast: tell them, then raise
                 error, decided = exception, f"{type(exception).__name__}: {exception}"
@@ -546,7 +505,7 @@ class GPipeStrategy(ParallelStrategy):
     def _broadcast_replicated_state(self) -> None:
         """Start identical where training keeps things identical: parameters outside the pipelined module on every
         rank (from rank 0), and each stage's parameters and buffers on its replicas (from replica 0)."""
-        assert self._engine is not None
+        assert self._runtime is not None
         with torch.no_grad():
             for tensor in self._replicated:
                 dist.broadcast(tensor.data, src=0)
@@ -554,14 +513,14 @@ class GPipeStrategy(ParallelStrategy):
             self._tied.start_identical()
             if self.layout.num_replicas > 1:
                 source = self.layout.rank(self.stage_index, replica=0)
-                for tensor in [*self._engine.stage.parameters(), *self._engine.stage.buffers()]:
-                    dist.broadcast(tensor.data, src=source, group=self._replica_group)
+                for tensor in [*self._runtime.layers.parameters(), *self._runtime.layers.buffers()]:
+                    dist.broadcast(tensor.data, src=source, group=self.groups.replicas)
 
     def _sync_metrics_within_replicas(self, module: LightningModule) -> None:
         """torchmetrics syncs over the whole world by default; only a stage's replicas hold the same metric."""
         for metric in module.modules():
             if isinstance(metric, Metric):
-                metric.process_group = self._replica_group
+                metric.process_group = self.groups.replicas
 
     def _wrap_epoch_end_hooks(self, module: LightningModule) -> None:
         """Run the user's epoch-end hooks on the last stage only, replaying what they log on the other stages."""
@@ -571,7 +530,8 @@ class GPipeStrategy(ParallelStrategy):
             user_hook = getattr(module, hook)
 
             def wrapped(user_hook: Callable[[], None] = user_hook) -> None:
-                self._run_on_last_stage(user_hook)
+                assert self._runtime is not None
+                self._runtime.run_on_last_stage(module, user_hook)
 
             setattr(module, hook, wrapped)
             self._wrapped_hooks.append(hook)
@@ -600,8 +560,7 @@ class GPipeStrategy(ParallelStrategy):
             devices,
             sum(p.numel() for p in self._replicated),
             self.config.num_micro_batches,
-            self._checkpoint,
-            recompute_fraction(self._checkpoint, self.config.num_micro_batches),
+            self._settings.recompute,
             busy,
             built_whole=not self._deferred,
         )
@@ -625,146 +584,57 @@ class GPipeStrategy(ParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context():
-            outcome, output = self._pipelined_step("training_step", args, kwargs)
-        self._step_skipped = outcome.skipped
+            outcome, output = self._run_step("training_step", args, kwargs)
         if outcome.skipped:
             # Lightning refuses `None` from a distributed training_step. A placeholder loss that `backward` ignores,
             # and that the optimizer-step closure reports as None, gives one device's behaviour: no update.
             return torch.zeros((), device=self.root_device)
-        if self._engine_is_last:
+        if self._holds_step_output:
             return output
         # Lightning calls backward on this; the pipeline's own backward runs instead (see `backward`).
         return torch.tensor(outcome.loss, device=self.root_device)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
-            _, output = self._pipelined_step("validation_step", args, kwargs)
-        return output if self._engine_is_last else None
+            _, output = self._run_step("validation_step", args, kwargs)
+        return output if self._holds_step_output else None
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
-            _, output = self._pipelined_step("test_step", args, kwargs)
-        return output if self._engine_is_last else None
+            _, output = self._run_step("test_step", args, kwargs)
+        return output if self._holds_step_output else None
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
-            _, output = self._pipelined_step("predict_step", args, kwargs)
-        return output if self._engine_is_last else None
+            _, output = self._run_step("predict_step", args, kwargs)
+        return output if self._holds_step_output else None
+
+    def _run_step(self, hook: str, args: tuple, kwargs: dict) -> tuple[StepOutcome, Any]:
+        assert self._runtime is not None and self.lightning_module is not None
+        return self._runtime.run_step(self.lightning_module, hook, args, kwargs)
 
     @property
-    def _engine_is_last(self) -> bool:
-        assert self._engine is not None
-        return self._engine.is_last
-
-    def _pipelined_step(self, hook: str, args: tuple, kwargs: dict) -> tuple[StepOutcome, Any]:
-        """Run one step of the user's ``hook`` through the pipeline; every stage learns the outcome."""
-        engine, module = self._engine, self.lightning_module
-        assert engine is not None and module is not None
-        user_step = getattr(module, hook)
-        output, outcome = None, StepOutcome()
-        with engine.user_step():
-            if engine.is_last:
-                with recording_logs(module) as records:
-                    output = user_step(*args, **kwargs)
-                if not engine.called and not engine.is_first:
-                    engine.drain()
-                loss = _loss_value(output) if hook == "training_step" else None
-                outcome = StepOutcome(output is None, loss, records, logged_metric_states(module, records))
-            elif engine.is_first:
-                try:
-                    user_step(*args, **kwargs)
-                except HandedOff:
-                    pass
-                else:
-                    engine.send_skip()  # the step returned before the pipelined call: nothing flows this step
-            else:
-                engine.relay()
-        outcome = self._share_outcome(outcome)
-        if outcome.skipped:
-            engine.begin_step()  # no backward will come: drop the stored micro-batches
-        return outcome, output
-
-    def _run_on_last_stage(self, user_hook: Callable[[], None]) -> None:
-        module = self.lightning_module
-        assert module is not None
-        outcome = StepOutcome()
-        if self._engine_is_last:
-            with recording_logs(module) as records:
-                user_hook()
-            outcome.logs = records
-            # Lightning computes the epoch value of each logged metric next, on every rank: from equal states.
-            outcome.metric_states = metric_states(module)
-        self._share_outcome(outcome)
-
-    def _all_stages_call_the_model(self) -> None:
-        """A model call outside a step (a callback's ``pl_module(x)``) runs through the whole pipeline, so every
-        stage must make it. Fail within a minute, naming the stages that did not, rather than wait forever."""
-        try:
-            dist.monitored_barrier(group=self._meta_group, timeout=_OUTSIDE_STEP_TIMEOUT, wait_all_ranks=True)
-        except RuntimeError as error:
-            raise RuntimeError(
-                f"the model was called outside a training/validation/test/predict step on stage {self.stage_index}"
-                f" (rank {self.global_rank}), but not on every pipeline stage within"
-                f" {_OUTSIDE_STEP_TIMEOUT.total_seconds():.0f} s. Outside a step the call runs through the whole"
-                " pipeline, so call the model on every rank (not only under `trainer.is_global_zero`), or call it"
-                f" inside a step. ({error})"
-            ) from error
-
-    def _share_last_output(self, output: Any) -> Any:
-        """Broadcast the last stage's output of a call made outside a step to every stage of its pipeline."""
-        holder = [apply_to_collection(output, Tensor, lambda t: t.to("cpu"))]
-        dist.broadcast_object_list(holder, src=self._stage_ranks[-1], group=self._meta_group)
-        return apply_to_collection(holder[0], Tensor, lambda t: t.to(self.root_device))
-
-    def _share_outcome(self, outcome: StepOutcome) -> StepOutcome:
-        """Broadcast the last stage's outcome to its pipeline; the other stages replay its logs."""
-        if self.layout.num_stages == 1:
-            return outcome
-        if self._engine_is_last:
-            outcome.random_states = random_states(self.root_device)
-        holder = [outcome]
-        try:
-            dist.broadcast_object_list(holder, src=self._stage_ranks[-1], group=self._meta_group)
-        except RuntimeError as error:
-            raise self._outcome_not_shared(error) from error
-        outcome = holder[0]
-        if not self._engine_is_last:
-            assert self.lightning_module is not None
-            if outcome.metric_states:
-                load_metric_states(self.lightning_module, outcome.metric_states)
-            replay_logs(self.lightning_module, outcome.logs)
-            assert outcome.random_states is not None
-            adopt_random_states(outcome.random_states, self.root_device)
-        return outcome
-
-    def _outcome_not_shared(self, error: RuntimeError) -> PipelineCommunicationError:
-        """The error when the last stage's results could not be shared: which stage waited for which."""
-        me, last = f"stage {self.stage_index} (rank {self.global_rank})", self.layout.num_stages - 1
-        if self.stage_index == last:
-            waited = "sending the step's results (loss, logs) to the other stages"
-            return failed_wait(me, waited, "another stage of its pipeline", self._timeout, error)
-        peer = f"stage {last} (rank {self._stage_ranks[last]})"
-        return failed_wait(me, "waiting for the last stage's step results (loss, logs)", peer, self._timeout, error)
+    def _holds_step_output(self) -> bool:
+        assert self._runtime is not None
+        return self._runtime.is_last
 
     # ---- backward and optimizer step -----------------------------------------------------------------------------
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        engine, module = self._engine, self.lightning_module
-        assert engine is not None and module is not None
-        if self._step_skipped:
+        runtime, module = self._runtime, self.lightning_module
+        assert runtime is not None and module is not None
+        if runtime.step_skipped:
             return closure_loss
-        if engine.is_last:
+        if runtime.holds_loss:
             closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-            if not engine.is_first:
-                engine.finish_last_backward()
-            self._observe_step()
-            return closure_loss
-        # The loss lives on the last stage; here the gradients arrive from the next stage instead.
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        engine.backward()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
-        self.post_backward(closure_loss)
+        else:
+            # The loss lives on the last stage; here the gradients arrive from the next stage instead.
+            self.pre_backward(closure_loss)
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+            runtime.backward_from_next_stage()
+            closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+            self.post_backward(closure_loss)
+        runtime.end_backward()
         self._observe_step()
         return closure_loss
 
@@ -777,7 +647,7 @@ class GPipeStrategy(ParallelStrategy):
     ) -> Any:
         def closure_then_reduce_gradients() -> Any:
             result = closure()
-            if self._step_skipped:  # training_step returned None: tell the precision plugin, as one device would
+            if self._runtime is not None and self._runtime.step_skipped:  # training_step returned None: tell the precision plugin, as one device would
                 return None
             self._reduce_gradients()
             return result
@@ -786,26 +656,28 @@ class GPipeStrategy(ParallelStrategy):
 
     def _reduce_gradients(self) -> None:
         """Sum the replicated parameters' gradients over the pipeline, then average every gradient over replicas."""
-        reduce_gradients(self._replicated, self._pipeline_group, average=False)
+        reduce_gradients(self._replicated, self.groups.pipeline, average=False)
         assert self._tied is not None
         self._tied.sum_gradients()
         if self.layout.num_replicas > 1:
             assert self.lightning_module is not None
             trainable = [p for p in self.lightning_module.parameters() if p.requires_grad]
-            reduce_gradients(trainable, self._replica_group, average=True)
+            reduce_gradients(trainable, self.groups.replicas, average=True)
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """``clip_grad_norm_`` over the whole model (see :func:`clip_grad_norm_over_pipeline`)."""
         params = self.precision_plugin.main_params(optimizer)
         assert self._tied is not None
         clip_grad_norm_over_pipeline(
-            params, self._replicated, clip_val, self._pipeline_group, self.root_device, self._tied.counted_elsewhere
+            params, self._replicated, clip_val, self.groups.pipeline, self.root_device, self._tied.counted_elsewhere
         )
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     # A checkpoint holds the whole model, numbered as on one device, so it loads anywhere. It is loaded after `setup`
     # has split the model, memory-mapped: each rank copies out only its stage's weights and optimizer state, and
-    # the rest of the file is never read into its memory.
+    # the rest of the file is never read into its memory. A model built on the meta device is saved sharded by
+    # default: each rank writes its own stage. After a run the split is remembered (`_pipelined`), so that a
+    # checkpoint saved then still holds every stage's optimizer state.
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -817,7 +689,7 @@ class GPipeStrategy(ParallelStrategy):
         if is_sharded_checkpoint(checkpoint_path):
             assert self.lightning_module is not None
             names = [group_names(self.lightning_module, optimizer) for optimizer in self.optimizers]
-            return load_sharded(checkpoint_path, set(self.lightning_module.state_dict()), names)
+            return load_sharded(checkpoint_path, set(self.lightning_module.state_dict()), names, weights_only)
         local_file = "://" not in str(checkpoint_path) and Path(checkpoint_path).is_file()
         default_io = type(self.checkpoint_io).load_checkpoint is TorchCheckpointIO.load_checkpoint
         if not (local_file and default_io and self.layout.num_stages > 1):
@@ -836,11 +708,11 @@ class GPipeStrategy(ParallelStrategy):
         """The whole model's state dict on the rank that writes checkpoints (global rank 0); a share elsewhere."""
         module = self.lightning_module
         assert module is not None
-        if self._pipelined is None or self.layout.num_stages == 1 or self._save_distributed_checkpoint:
+        if self._pipelined is None or self.layout.num_stages == 1:
             return module.state_dict()
-        return whole_state_dict(
-            module, self._pipelined.state_keys, self._stage_ranks, self.global_rank, self._meta_group
-        )
+        if self._saves_sharded:  # written by `save_checkpoint`: this rank's own weights
+            return held_state_dict(module)
+        return whole_state_dict(module, self._pipelined, self.groups.stage_ranks, self.global_rank, self.groups.meta)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The whole model's optimizer state on the checkpoint writer, numbered as a single-device optimizer's."""
@@ -849,21 +721,31 @@ class GPipeStrategy(ParallelStrategy):
         if self._pipelined is None or self.layout.num_stages == 1:
             return optimizer.state_dict()
         assert module is not None
-        if self._save_distributed_checkpoint:  # written by `save_checkpoint`
+        if self._saves_sharded:  # written by `save_checkpoint`
             return name_optimizer_state(optimizer.state_dict(), group_names(module, optimizer))
         return whole_optimizer_state(
-            optimizer, module, self._pipelined.parameter_order, self._stage_ranks, self.global_rank, self._meta_group
+            optimizer, module, self._pipelined.parameter_order, self.groups.stage_ranks, self.global_rank, self.groups.meta
         )
+
+    @property
+    def _saves_sharded(self) -> bool:
+        """Checkpoints go sharded when asked, and by default for a model built on the meta device."""
+        if self._save_distributed_checkpoint is not None:
+            return self._save_distributed_checkpoint
+        return self._deferred
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
-        if not (self._save_distributed_checkpoint and self._pipelined is not None and self.layout.num_stages > 1):
+        if self._pipelined is None and "optimizer_states" in checkpoint:
+            refuse_checkpoint_without_stages(self.launcher, filepath)
+        if not (self._saves_sharded and self._pipelined is not None and self.layout.num_stages > 1):
             return super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0 writes the whole model
         if storage_options is not None:
-            raise TypeError("save_distributed_checkpoint=True writes with torch.distributed.checkpoint, which takes"
-                            f" no storage_options (got {storage_options!r}).")
-        save_sharded(checkpoint, filepath)
+            raise TypeError("sharded checkpoints are written with torch.distributed.checkpoint, which takes no"
+                            f" storage_options (got {storage_options!r}); pass save_distributed_checkpoint=False to"
+                            " write one file through the checkpoint IO plugin.")
+        save_sharded(checkpoint, filepath, self._pipelined.state_keys, self._pipelined.parameter_order)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self._pipelined is None or self.layout.num_stages == 1 or checkpoint.get(SHARDED):
@@ -871,7 +753,7 @@ class GPipeStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
             load_stage_optimizer_state(
-                optimizer, saved, self.lightning_module, self._pipelined.parameter_order, self._meta_group,
+                optimizer, saved, self.lightning_module, self._pipelined.parameter_order, self.groups.meta,
                 self.root_device,
             )
 
@@ -883,13 +765,13 @@ class GPipeStrategy(ParallelStrategy):
         """Reduce across data-parallel replicas of this stage (logged values are already the same on every stage)."""
         if not isinstance(tensor, Tensor):
             return tensor
-        group = group if group is not None else self._replica_group
+        group = group if group is not None else self.groups.replicas
         if dist.get_world_size(group) == 1:
             return tensor
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        return super().all_gather(tensor, group if group is not None else self._replica_group, sync_grads)
+        return super().all_gather(tensor, group if group is not None else self.groups.replicas, sync_grads)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         flag = torch.tensor(int(decision), device=self.root_device)
@@ -912,6 +794,7 @@ class GPipeStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         # Another stage may be gone: teardown must not wait on it to gather the model.
         self._failed = True
+        keep_process_groups_at_exit()
         if not self._ending_started_ranks:
             self._ending_started_ranks = end_started_ranks_at_exit(self._launcher)
 
@@ -923,11 +806,13 @@ class GPipeStrategy(ParallelStrategy):
             revert_batch_norms(module)
             if self._pipelined is not None and not self._failed:
                 restore_whole_model(
-                    module, self._pipelined, self._stage_ranks, self.global_rank, self._pipeline_group,
-                    self.root_device, self._deferred,
+                    module, self._pipelined, self.groups.stage_ranks, self.global_rank, self.groups.pipeline,
+                    self.root_device, self._deferred, self._gather_model_after_run,
                 )
         self._wrapped_hooks = []
-        self._pipelined = None
+        if self._failed:  # another stage may be gone: no checkpoint can gather the stages any more
+            self._pipelined = None
+        # Otherwise `_pipelined` stays: a checkpoint saved after the run gathers every stage's optimizer state.
         with _meta_tensors_left_in_place(module):
             super().teardown()
 
@@ -940,11 +825,6 @@ class GPipeStrategy(ParallelStrategy):
                 description=f"GPipe pipeline parallelism with start_method={start_method!r}",
                 start_method=start_method,
             )
-
-
-def _loss_value(output: Any) -> float | None:
-    loss = output.get("loss") if isinstance(output, Mapping) else output
-    return float(loss.detach()) if isinstance(loss, Tensor) else None
 
 
 @contextmanager

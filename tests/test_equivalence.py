@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.compare import launch, merged_state_dict, rank_results, relative_weight_error, single_device_run
+from helpers.compare import merged_state_dict, rank_results, relative_weight_error, single_device_run
+from helpers.launch import launch
+from lightning_pipe.schedule import Action, gpipe
 
 TOLERANCE = 1e-5  # of the total weight change during training
 MICRO_BATCHES = (1, 3, 4, 8)
@@ -45,9 +47,20 @@ def runs_for(devices: int) -> list[dict]:
     # Shuffled data and dropout on one stage only: the stages must still read the same batches every epoch.
     runs.append({"name": "shuffled_dropout", "model": "dropout", "num_micro_batches": 2, "shuffle": True,
                  "max_epochs": 3, "train_samples": 48})
+    # A second schedule, defined in this test module and passed as the `schedule` setting (see below).
+    runs.append({"name": "backwards_in_forward_order", "num_micro_batches": 4, "schedule": "backwards_in_forward_order"})
     # Negative control: one micro-batch's gradient dropped; the comparison must see it.
     runs.append({"name": "dropped", "num_micro_batches": 4, "drop_gradient_of": 1})
     return runs
+
+
+def backwards_in_forward_order(stage: int, num_stages: int, num_micro_batches: int, recompute: str) -> list[Action]:
+    """A test-only schedule: GPipe, with every stage running the backwards in forward order (0 first). Adding it
+    took this function and the `schedule` setting, nothing else."""
+    actions = gpipe(stage, num_stages, num_micro_batches, recompute)
+    forwards = [a for a in actions if a.kind in ("recv", "forward", "send")]
+    backwards = [a for a in actions if a not in forwards]
+    return forwards + sorted(backwards, key=lambda action: action.micro_batch)  # stable: recv, run, send per m
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}procs")
@@ -55,8 +68,15 @@ def pipelined(request, tmp_path_factory):
     devices = request.param
     tmp = tmp_path_factory.mktemp(f"equivalence{devices}")
     runs = runs_for(devices)
-    launch("fit_runs.py", {"devices": devices, "out": str(tmp), "runs": runs}, tmp)
+    launch("fits_worker.py", {"devices": devices, "out": str(tmp), "runs": runs}, tmp)
     return devices, tmp, {run["name"]: run for run in runs}
+
+
+def test_every_rank_destroys_its_process_groups_at_exit(pipelined):
+    """A group left to the interpreter's final clean-up can abort a finished run (exit code -6)."""
+    devices, tmp, _ = pipelined
+    states = [path.read_text() for path in (tmp / "exits").iterdir()]
+    assert states == ["False"] * devices
 
 
 _references: dict[tuple, tuple] = {}
@@ -148,6 +168,13 @@ def test_every_stage_reads_the_same_shuffled_batches(pipelined):
     assert results[0]["batches"][:3] != results[0]["batches"][3:6]  # the data really is reshuffled each epoch
     for result in results[1:]:
         assert result["batches"] == results[0]["batches"]
+
+
+def test_a_second_schedule_runs_unchanged_and_matches_single_device(pipelined):
+    """The engine executes the schedule's actions: a schedule with the backwards in forward order is one function."""
+    _, tmp, runs = pipelined
+    assert [str(a) for a in backwards_in_forward_order(1, 3, 2, "never")][6:] == ["r0", "B0", "s0", "r1", "B1", "s1"]
+    assert_matches_single_device(tmp, runs["backwards_in_forward_order"])
 
 
 def test_comparison_detects_a_dropped_micro_batch_gradient(pipelined):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from lightning.pytorch import Trainer
 
-from helpers.compare import launch, merged_state_dict, rank_results, relative_weight_error, single_device_run
+from helpers.compare import merged_state_dict, rank_results, relative_weight_error, single_device_run
+from helpers.launch import launch
 from helpers.models import COMPILE_BACKEND, CompiledAroundThePipeline, CompiledInPlace, TiedAcrossStages, loaders
 from lightning_pipe import GPipeStrategy
 from lightning_pipe.tied import TiedParameter, parameters_shared_across_stages
@@ -36,7 +37,7 @@ RUNS = [
 @pytest.fixture(scope="module")
 def pipelined(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("exactness")
-    launch("fit_runs.py", {"devices": 2, "out": str(tmp), "runs": RUNS}, tmp)
+    launch("fits_worker.py", {"devices": 2, "out": str(tmp), "runs": RUNS}, tmp)
     return tmp, {run["name"]: run for run in RUNS}
 
 
@@ -103,11 +104,6 @@ def test_compilation_spanning_the_stages_is_refused_before_launch(model, message
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ValueError, match=message):  # in the launching process: no rank was started
         trainer.fit(model(), *loaders(32, 16, 16))
-
-
-def test_compile_setting_of_the_wrong_type_is_refused():
-    with pytest.raises(TypeError, match="compile='yes' must be True, False or a mapping"):
-        GPipeStrategy(compile="yes")
 
 
 @pytest.mark.parametrize(("mode", "recomputed"), [("always", M), ("except_last", M - 1)])

@@ -2,12 +2,40 @@
 
 import pytest
 
-from lightning_pipe.schedule import Action, clock_cycles, gpipe_actions, ideal_bubble_fraction, render_timeline
+from lightning_pipe.schedule import (
+    Action,
+    clock_cycles,
+    gpipe,
+    ideal_bubble_fraction,
+    phases,
+    recomputes,
+    render_timeline,
+)
 
 
 def test_gpipe_runs_all_forwards_then_backwards_in_reverse():
-    assert [str(a) for a in gpipe_actions(3)] == ["F0", "F1", "F2", "B2", "B1", "B0"]
-    assert [str(a) for a in gpipe_actions(3, training=False)] == ["F0", "F1", "F2"]
+    compute = lambda actions: [str(a) for a in actions if a.kind in ("forward", "backward")]  # noqa: E731
+    assert compute(gpipe(0, 1, 3, "never")) == ["F0", "F1", "F2", "B2", "B1", "B0"]
+    # A middle stage receives, runs and sends each micro-batch, then the same for gradients in reverse.
+    assert [str(a) for a in gpipe(1, 3, 2, "never")] == ["R0", "F0", "S0", "R1", "F1", "S1", "r1", "B1", "s1", "r0", "B0", "s0"]
+    assert [str(a) for a in gpipe(0, 2, 2, "never")] == ["F0", "S0", "F1", "S1", "r1", "B1", "r0", "B0"]
+    assert [str(a) for a in gpipe(1, 2, 2, "never")] == ["R0", "F0", "R1", "F1", "B1", "s1", "B0", "s0"]
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("always", [True] * 4), ("except_last", [True] * 3 + [False]), ("never", [False] * 4)])
+def test_checkpoint_mode_decides_which_forwards_recompute(mode, expected):
+    assert [recomputes(mode, m, 4) for m in range(4)] == expected
+    assert [a.recompute for a in gpipe(1, 3, 4, mode) if a.kind == "forward"] == expected
+
+
+def test_a_schedule_must_run_every_forward_before_the_first_backward():
+    forwards, backwards = phases(gpipe(0, 2, 3, "never"), 3)
+    assert [str(a) for a in forwards] == ["F0", "S0", "F1", "S1", "F2", "S2"]
+    interleaved = [Action("forward", 0), Action("backward", 0), Action("forward", 1), Action("backward", 1)]
+    with pytest.raises(ValueError, match="every forward must come before the first backward"):
+        phases(interleaved, 2)
+    with pytest.raises(ValueError, match="backwards cover micro-batches \\[0\\], not each of 0..1 once"):
+        phases([Action("forward", 0), Action("forward", 1), Action("backward", 0)], 2)
 
 
 @pytest.mark.parametrize(("stages", "micro_batches"), [(1, 1), (2, 4), (3, 4), (4, 8)])

@@ -1,0 +1,246 @@
+"""One rank's stage at run time: the role it plays in a step, the user's step up to the hand-off, and backward.
+
+Roles in one step (``S`` stages):
+
+* the first stage runs the user's step until the pipelined call, pushes the micro-batches through its layers and
+  sends them on; :class:`HandedOff` then ends the user's step there;
+* a middle stage runs no user code: it relays every micro-batch;
+* the last stage runs the user's step in full: its pipelined call returns the joined output of all micro-batches,
+  so the loss, metrics and ``self.log`` see the whole mini-batch. Its outcome (skipped or not, the loss, the logs,
+  metric and random states) is then shared with the other stages, which replay it (:mod:`lightning_pipe.outcome`).
+
+Backward: the last stage's ``loss.backward()`` reaches each micro-batch; the other stages run the backward phase
+with the gradients that arrive from the next stage (:meth:`PipelineEngine.backward`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+
+from lightning_pipe.engine import PipelineEngine
+from lightning_pipe.groups import PipelineGroups
+from lightning_pipe.microbatch import Activation
+from lightning_pipe.outcome import (
+    StepOutcome,
+    adopt_random_states,
+    load_metric_states,
+    logged_metric_states,
+    metric_states,
+    random_states,
+    recording_logs,
+    replay_logs,
+)
+from lightning_pipe.p2p import PipelineCommunicationError, failed_wait
+from lightning_pipe.stage import StageLayers
+
+_OUTSIDE_STEP_TIMEOUT = timedelta(seconds=60)
+
+
+class HandedOff(BaseException):
+    """Ends the user's step on the first stage once the pipelined call's micro-batches have been sent on.
+
+    A ``BaseException`` so that a user's ``except Exception`` around the model call does not swallow it.
+    """
+
+
+class StageRuntime:
+    """Runs steps on this rank's stage: ``run_step`` for the user's step hooks, ``backward_from_next_stage`` and
+    ``end_backward`` around Lightning's backward, ``run_on_last_stage`` for hooks that consume step results."""
+
+    def __init__(self, groups: PipelineGroups, engine: PipelineEngine, layers: StageLayers) -> None:
+        self.groups = groups
+        self.engine = engine
+        self.layers = layers
+        self.step_skipped = False  # the last training step returned None: no backward, no optimizer step
+        self._in_step = False
+        self._called = False  # whether the pipelined module was called in the current step
+        layers.pipelined_call = self.pipelined_call
+
+    @property
+    def is_first(self) -> bool:
+        return self.groups.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.groups.is_last
+
+    # ---- the step ------------------------------------------------------------------------------------------------
+
+    def run_step(self, module: LightningModule, hook: str, args: tuple, kwargs: dict) -> tuple[StepOutcome, Any]:
+        """Run one step of the user's ``hook`` (``"training_step"``, ...) through the pipeline; every stage learns
+        the outcome. The step's output is the user's on the last stage, ``None`` elsewhere."""
+        user_step = partial(getattr(module, hook), *args, **kwargs)
+        outcome = StepOutcome()
+        if self.is_last:
+            with recording_logs(module) as records:
+                output = self.forward_step(user_step)
+            loss = _loss_value(output) if hook == "training_step" else None
+            outcome = StepOutcome(output is None, loss, records, logged_metric_states(module, records))
+        else:
+            output = self.forward_step(user_step)
+        outcome = self.share_outcome(module, outcome)
+        if hook == "training_step":
+            self.step_skipped = outcome.skipped
+        if outcome.skipped:
+            self.engine.begin_step()  # no backward will come: drop the stored micro-batches
+        return outcome, output
+
+    def forward_step(self, user_step: Callable[[], Any]) -> Any:
+        """Run ``user_step`` (code that calls the pipelined module once) in this stage's role; its result on the
+        last stage, ``None`` elsewhere. Nothing is shared: :meth:`run_step` adds that for Lightning's steps."""
+        with self._user_step():
+            if self.is_last:
+                output = user_step()
+                if not self._called and not self.is_first:
+                    self.engine.drain()
+                return output
+            if self.is_first:
+                try:
+                    user_step()
+                except HandedOff:
+                    pass
+                else:
+                    self.engine.send_skip()  # the step returned before the pipelined call: nothing flows this step
+            else:
+                self.engine.relay()
+            return None
+
+    @contextlib.contextmanager
+    def _user_step(self) -> Iterator[None]:
+        """Marks the user's step: a pipelined call inside it is one micro-batched pipeline step."""
+        self.engine.begin_step()
+        self._in_step, self._called = True, False
+        try:
+            yield
+        finally:
+            self._in_step = False
+
+    def pipelined_call(self, value: Activation) -> Activation:
+        """The user's call of the pipelined module, on the first or the last stage (middle stages relay)."""
+        if not self._in_step:
+            return self._call_outside_step(value)
+        if self._called:
+            raise RuntimeError(
+                "the pipelined module was called twice in one step; the gpipe strategy pipelines one call per"
+                " step. Call it once (concatenate inputs along the batch dimension if needed)."
+            )
+        self._called = True
+        if self.is_first and self.is_last:
+            return self.engine.forward_local(value)
+        if self.is_first:
+            self.engine.forward_first(value)
+            raise HandedOff
+        return self.engine.forward_last()
+
+    def _call_outside_step(self, value: Activation) -> Activation:
+        """A call outside a step (Lightning's ModelSummary, a callback calling ``pl_module(x)`` on every rank).
+
+        Every stage of the pipeline must make the call: the input flows through the stages without gradients and
+        every stage gets the output, so the caller's code runs on as on one device.
+        """
+        if self.is_first and self.is_last:
+            return self.engine.forward_local(value)
+        self._all_stages_call_the_model()
+        engine, output = self.engine, None
+        with torch.no_grad():
+            engine.begin_step()
+            if self.is_first:
+                engine.forward_first(value)
+            elif self.is_last:
+                output = engine.forward_last()
+            else:
+                engine.relay()
+            engine.end_step()
+        return self._share_last_output(output)
+
+    def _all_stages_call_the_model(self) -> None:
+        """Fail within a minute, naming the stage, unless every stage makes the call, rather than wait forever."""
+        try:
+            dist.monitored_barrier(group=self.groups.meta, timeout=_OUTSIDE_STEP_TIMEOUT, wait_all_ranks=True)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"the model was called outside a training/validation/test/predict step on {self.groups.describe()},"
+                f" but not on every pipeline stage within {_OUTSIDE_STEP_TIMEOUT.total_seconds():.0f} s. Outside a"
+                " step the call runs through the whole pipeline, so call the model on every rank (not only under"
+                f" `trainer.is_global_zero`), or call it inside a step. ({error})"
+            ) from error
+
+    def _share_last_output(self, output: Any) -> Any:
+        """Broadcast the last stage's output of a call made outside a step to every stage of its pipeline."""
+        holder = [apply_to_collection(output, Tensor, lambda t: t.to("cpu"))]
+        dist.broadcast_object_list(holder, src=self.groups.last_stage_rank, group=self.groups.meta)
+        return apply_to_collection(holder[0], Tensor, lambda t: t.to(self.groups.device))
+
+    def run_on_last_stage(self, module: LightningModule, user_hook: Callable[[], None]) -> None:
+        """Run a hook that consumes step results (``on_*_epoch_end``) where they are; replay what it logs."""
+        outcome = StepOutcome()
+        if self.is_last:
+            with recording_logs(module) as records:
+                user_hook()
+            outcome.logs = records
+            # Lightning computes the epoch value of each logged metric next, on every rank: from equal states.
+            outcome.metric_states = metric_states(module)
+        self.share_outcome(module, outcome)
+
+    def share_outcome(self, module: LightningModule, outcome: StepOutcome) -> StepOutcome:
+        """Broadcast the last stage's outcome to its pipeline; the other stages replay its logs and continue from
+        its random state."""
+        groups = self.groups
+        if groups.num_stages == 1:
+            return outcome
+        if self.is_last:
+            outcome.random_states = random_states(groups.device)
+        holder = [outcome]
+        try:
+            dist.broadcast_object_list(holder, src=groups.last_stage_rank, group=groups.meta)
+        except RuntimeError as error:
+            raise self._outcome_not_shared(error) from error
+        outcome = holder[0]
+        if not self.is_last:
+            if outcome.metric_states:
+                load_metric_states(module, outcome.metric_states)
+            replay_logs(module, outcome.logs)
+            assert outcome.random_states is not None
+            adopt_random_states(outcome.random_states, groups.device)
+        return outcome
+
+    def _outcome_not_shared(self, error: RuntimeError) -> PipelineCommunicationError:
+        """The error when the last stage's results could not be shared: which stage waited for which."""
+        groups, timeout = self.groups, self.groups.timeout
+        if self.is_last:
+            waited = "sending the step's results (loss, logs) to the other stages"
+            return failed_wait(groups.describe(), waited, "another stage of its pipeline", timeout, error)
+        last = groups.describe(groups.num_stages - 1)
+        waited = "waiting for the last stage's step results (loss, logs)"
+        return failed_wait(groups.describe(), waited, last, timeout, error)
+
+    # ---- backward ------------------------------------------------------------------------------------------------
+
+    @property
+    def holds_loss(self) -> bool:
+        """Whether backward starts here from the loss (the last stage) rather than from gradients that arrive."""
+        return self.is_last
+
+    def backward_from_next_stage(self) -> None:
+        """First and middle stages: back-propagate with the gradients the next stage sends."""
+        self.engine.backward()
+
+    def end_backward(self) -> None:
+        """Last stage, after the loss's backward: send the gradients autograd did not reach."""
+        if self.is_last and not self.is_first:
+            self.engine.finish_last_backward()
+
+
+def _loss_value(output: Any) -> float | None:
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    return float(loss.detach()) if isinstance(loss, Tensor) else None

@@ -1,0 +1,126 @@
+"""Worker: several `Trainer.fit` runs with the gpipe strategy in one launch, results written per rank.
+
+Usage: python fits_worker.py SPEC.json   (SPEC: {"devices": N, "out": DIR, "runs": [{"name": ..., ...}, ...]})
+Each run writes DIR/NAME/rank{R}.pt (the rank's state dict) and DIR/NAME/rank{R}.json (losses, metrics).
+"""
+
+import atexit
+import json
+import os
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.plugins import MixedPrecision
+
+import lightning_pipe
+from helpers import models
+from helpers.models import MODELS, loaders, sequence_loaders
+from helpers.recording import MetricRecorder
+from lightning_pipe import engine, tied
+
+
+def drop_gradient_of(micro_batch):
+    """Negative control: the last stage sends zeros instead of one micro-batch's input gradient."""
+    original = engine._OrderedGradientSender._ready
+
+    def ready(self, m, grads):
+        if m == micro_batch:
+            grads = tuple(torch.zeros_like(g) if g is not None else None for g in grads)
+        original(self, m, grads)
+
+    engine._OrderedGradientSender._ready = ready
+    return lambda: setattr(engine._OrderedGradientSender, "_ready", original)
+
+
+def leave_tied_gradients_unsummed():
+    """Negative control: each stage updates its copy of a parameter shared between stages with its own gradient."""
+    original = tied.TiedParameters.sum_gradients
+    tied.TiedParameters.sum_gradients = lambda self: None
+    return lambda: setattr(tied.TiedParameters, "sum_gradients", original)
+
+
+def main(spec_path):
+    spec = json.loads(Path(spec_path).read_text())
+    # Registered before any run: it runs after lightning_pipe's own exit handler, and records what that left.
+    exits = Path(spec["out"], "exits")
+    exits.mkdir(exist_ok=True)
+    atexit.register(lambda: (exits / str(os.getpid())).write_text(str(dist.is_initialized())))
+    for run in spec["runs"]:
+        if run.get("data") == "sequences":
+            train, val = sequence_loaders(run.get("train_samples", 80), run.get("val_samples", 40), 16)
+        else:
+            train, val = loaders(
+                run.get("train_samples", 80), run.get("val_samples", 40), run.get("batch_size", 16),
+                run.get("shuffle", False),
+            )
+        restore = drop_gradient_of(run["drop_gradient_of"]) if run.get("drop_gradient_of") is not None else None
+        if run.get("unsummed_ties"):
+            restore = leave_tied_gradients_unsummed()
+        recorder = MetricRecorder()
+        if run.get("schedule") == "backwards_in_forward_order":  # a test-only schedule, defined in its test
+            from test_equivalence import backwards_in_forward_order
+
+            run.setdefault("strategy", {})["schedule"] = backwards_in_forward_order
+        torch._dynamo.reset()  # an earlier run's compiled code would serve this run's layers of the same types
+        graphs_before = models.compiled_graphs
+        out = Path(spec["out"]) / run["name"]
+
+        def trainer_for(max_epochs: int, checkpoints: bool) -> Trainer:
+            return Trainer(
+                strategy=lightning_pipe.GPipeStrategy(
+                    num_micro_batches=run["num_micro_batches"],
+                    checkpoint=run.get("checkpoint", "except_last"),
+                    start_method=run.get("start_method", "popen"),
+                    **run.get("strategy", {}),
+                ),
+                accelerator="cpu",
+                devices=spec["devices"],
+                max_epochs=max_epochs,
+                logger=False,
+                enable_checkpointing=checkpoints,
+                default_root_dir=str(out),
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                callbacks=[recorder],
+                **run.get("trainer", {}),
+                plugins=[MixedPrecision("16-mixed", "cpu")] if run.get("fp16") else None,
+            )
+
+        checkpoint_path = None
+        if run.get("resume_after_epoch"):  # train one epoch, writing a checkpoint; the run resumes from it below
+            seed_everything(0)
+            first = MODELS[run.get("model", "classifier")](lr=run.get("lr", 0.5))
+            trainer_for(1, checkpoints=True).fit(first, train, val)
+            checkpoint_path = next((out / "checkpoints").glob("*.ckpt"))
+            recorder = MetricRecorder()
+        trainer = trainer_for(run.get("max_epochs", 1), checkpoints=False)
+        seed_everything(0 if checkpoint_path is None else 1)  # a resumed run must take its weights from the file
+        with trainer.init_module(empty_init=True) if run.get("empty_init") else nullcontext():
+            model = MODELS[run.get("model", "classifier")](lr=run.get("lr", 0.5))
+        trainer.fit(model, train, val, ckpt_path=checkpoint_path)
+        if restore:
+            restore()
+        out.mkdir(parents=True, exist_ok=True)
+        rank = trainer.global_rank
+        torch.save(model.state_dict(), out / f"rank{rank}.pt")
+        if run.get("save_after_fit"):  # in the launching process of spawn/fork: the stages' optimizers are gone
+            try:
+                trainer.save_checkpoint(out / "after_fit.ckpt")
+            except RuntimeError as error:
+                (out / "save_error.txt").write_text(str(error))
+            trainer.save_checkpoint(out / "weights.ckpt", weights_only=True)
+        summary = recorder.summary()
+        summary["compiled_graphs"] = models.compiled_graphs - graphs_before  # by torch.compile in this run
+        if hasattr(model, "forward_counts"):
+            summary["forward_counts"] = model.forward_counts()
+        (out / f"rank{rank}.json").write_text(json.dumps(summary))
+        if rank == 0:  # which of Lightning's cluster environments set up the ranks
+            (out / "environment.txt").write_text(type(trainer.strategy.cluster_environment).__name__)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
