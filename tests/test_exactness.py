@@ -10,6 +10,7 @@ from helpers.compare import merged_state_dict, rank_results, relative_weight_err
 from helpers.launch import launch
 from helpers.models import COMPILE_BACKEND, CompiledAroundThePipeline, CompiledInPlace, TiedAcrossStages, loaders
 from lightning_pipe import GPipeStrategy
+from lightning_pipe.sharded import is_sharded_checkpoint
 from lightning_pipe.tied import TiedParameter, parameters_shared_across_stages
 
 TOLERANCE = 1e-5  # of the total weight change during training
@@ -23,6 +24,9 @@ RUNS = [
     # Checkpointed after epoch 1 (the shared weight's momentum under its one-device name), resumed for epoch 2.
     {"name": "tied_resumed", "model": "tied_momentum", "num_micro_batches": M, "max_epochs": 2,
      "resume_after_epoch": True, "lr": 0.2},
+    # The same through a sharded checkpoint: both stages write the shared weight's momentum under one name.
+    {"name": "tied_resumed_sharded", "model": "tied_momentum", "num_micro_batches": M, "max_epochs": 2,
+     "resume_after_epoch": True, "lr": 0.2, "strategy": {"save_distributed_checkpoint": True}},
     {"name": "tied_outside", "model": "tied_outside", "num_micro_batches": M, "trainer": {"gradient_clip_val": 0.05}},
     {"name": "tied_outside_only", "model": "tied_outside_only", "num_micro_batches": M},
     {"name": "compiled", "model": "compiled", "num_micro_batches": 2},
@@ -54,9 +58,12 @@ def test_parameter_shared_by_layers_of_two_stages_trains_as_on_one_device(pipeli
     assert weight_error(tmp, runs[name]) < TOLERANCE  # merged_state_dict also checks that both copies are equal
 
 
-def test_checkpoint_with_a_shared_parameter_resumes_as_uninterrupted_training_on_one_device(pipelined):
+@pytest.mark.parametrize("name", ["tied_resumed", "tied_resumed_sharded"])
+def test_checkpoint_with_a_shared_parameter_resumes_as_uninterrupted_training_on_one_device(pipelined, name):
     tmp, runs = pipelined
-    assert weight_error(tmp, runs["tied_resumed"]) < TOLERANCE
+    (checkpoint,) = (tmp / name / "checkpoints").glob("*.ckpt")
+    assert is_sharded_checkpoint(checkpoint) == (name == "tied_resumed_sharded")
+    assert weight_error(tmp, runs[name]) < TOLERANCE
 
 
 def test_comparison_detects_shared_parameter_gradients_left_unsummed(pipelined):
