@@ -45,6 +45,8 @@ DOCS = REPO / "docs"
 SECTIONS: tuple[ModuleType, ...] = (
     bench_pipeline, bench_peer, bench_overhead, bench_memory, bench_balance, bench_bubble, bench_memory_setup,
 )
+# Written by `benchmarks/gpu_check.py` when it runs on a GPU; the page shows it (or says that CUDA is untested).
+GPU_CHECK_SUMMARY = BENCHMARKS / "gpu_check_summary.txt"
 # Hand-written record of the engine's optimisations, appended to the generated page (the runner never edits it).
 OPTIMISATIONS = BENCHMARKS / "optimisations.md"
 
@@ -116,6 +118,7 @@ def render(report: dict[str, Any]) -> str:
         f"- load average (1 min) before / after the run: {machine['load_average_before']} /"
         f" {machine['load_average_after']} (other work on a shared machine skews the absolute times; the ratios"
         " are measured side by side)",
+        f"- CUDA: {_cuda_status()}",
         "",
         "Sections: " + ", ".join(f"[{s['title']}](#{_anchor(s['title'])})" for s in report["sections"]) + ".",
         "",
@@ -133,6 +136,19 @@ def render(report: dict[str, Any]) -> str:
     if OPTIMISATIONS.exists():
         lines += [OPTIMISATIONS.read_text().strip(), ""]
     return "\n".join(lines)
+
+
+def _cuda_status() -> str:
+    """Whether the GPU check ran, with its summary; until it has, the page says that CUDA is untested."""
+    if not GPU_CHECK_SUMMARY.exists():
+        return (
+            "untested. Every number on this page is from CPU processes; no run of the pipeline on a GPU has happened"
+            " yet. `python benchmarks/gpu_check.py` checks CUDA placement, `bf16-mixed` and `16-mixed` with the"
+            " gradient scaler, a traced step and the engine's per-micro-batch overhead on one GPU in under 5 minutes,"
+            " and records its summary here."
+        )
+    summary = GPU_CHECK_SUMMARY.read_text().strip()
+    return f"the summary of `python benchmarks/gpu_check.py`:\n\n```text\n{summary}\n```"
 
 
 def _machine() -> dict[str, Any]:

@@ -16,6 +16,8 @@ from typing import Any
 
 from torch import nn
 
+# The attribute under which a stage's copy of a parameter shared with an earlier stage holds its one-device name.
+ONE_DEVICE_NAME = "_lightning_pipe_one_device_name"
 OptimizerStateDict = dict[str, Any]  # torch's format: {"state": {index: {...}}, "param_groups": [{"params": [...]}]}
 
 
@@ -28,8 +30,9 @@ class NamedOptimizerState:
 
 
 def parameter_names(module: nn.Module) -> dict[int, str]:
-    """``id(parameter) -> name`` for every parameter of ``module``."""
-    return {id(parameter): name for name, parameter in module.named_parameters()}
+    """``id(parameter) -> name`` for every parameter of ``module``: its name on one device (a stage's copy of a
+    parameter that an earlier stage also holds carries that name, see :mod:`lightning_pipe.tied`)."""
+    return {id(parameter): getattr(parameter, ONE_DEVICE_NAME, name) for name, parameter in module.named_parameters()}
 
 
 def name_optimizer_state(state_dict: OptimizerStateDict, group_names: list[list[str]]) -> NamedOptimizerState:

@@ -46,12 +46,15 @@ def clip_grad_norm_over_pipeline(
     clip_val: float,
     group: dist.ProcessGroup,
     device: torch.device,
+    counted_elsewhere: Iterable[nn.Parameter] = (),
 ) -> None:
     """``clip_grad_norm_`` over the whole model: this stage's norm combined with the others' over the pipeline's
-    ``group``, the ``replicated`` parameters (identical on every stage after the gradient sum) counted once."""
+    ``group``, the ``replicated`` parameters (identical on every stage after the gradient sum) counted once, and
+    the ``counted_elsewhere`` ones (copies of a parameter that another stage also holds) not here."""
     replicated_ids = {id(p) for p in replicated}
+    elsewhere_ids = {id(p) for p in counted_elsewhere}
     params = [p for p in parameters if p.grad is not None]
-    own = [p.grad for p in params if id(p) not in replicated_ids]
+    own = [p.grad for p in params if id(p) not in replicated_ids and id(p) not in elsewhere_ids]
     shared = [p.grad for p in params if id(p) in replicated_ids]
     zero = torch.zeros((), device=device)
     own_sq = torch.nn.utils.get_total_norm(own).square() if own else zero

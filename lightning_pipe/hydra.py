@@ -76,6 +76,10 @@ class GPipeStrategyConfig:
     model in host memory); by default each rank keeps its own stage."""
     schedule: str = "gpipe"
     """The order of each stage's forwards, backwards, sends and receives in a step (``lightning_pipe.schedule``)."""
+    compile: Any = False
+    """Compile each stage's layers with ``torch.compile``: ``true``, or its keyword arguments (``{mode:
+    max-autotune}``); every layer separately, so no compiled code spans two stages. (``Any``: a bool or a mapping;
+    :func:`validate_config` checks it.)"""
 
 
 def register_configs() -> None:

@@ -10,11 +10,14 @@ at set-up for models built in ``configure_model``).
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
+
+import torch
 
 from lightning_pipe.balance import (
     BALANCE_MODES,
@@ -56,6 +59,7 @@ class PipelineSettings:
     save_distributed_checkpoint: bool | None = None  # None: sharded for a model built on the meta device
     gather_model_after_run: bool = False
     schedule: str | Schedule = field(default="gpipe", compare=False)
+    compile: bool | dict[str, Any] = False  # True, or torch.compile's keyword arguments, for each stage's layers
     key: InitVar[str] = ""
 
     def __post_init__(self, key: str) -> None:
@@ -76,6 +80,7 @@ class PipelineSettings:
             "mesh_order": _checked_mesh_order(self.mesh_order, key),
             "start_method": _checked_start_method(self.start_method, key),
             "schedule": _checked_schedule(self.schedule, key),
+            "compile": _checked_compile(self.compile, key),
         }
         for name in ("log_bubble_fraction", "deferred_batch_norm", "save_distributed_checkpoint",
                      "gather_model_after_run"):
@@ -94,6 +99,13 @@ class PipelineSettings:
         if "checkpoint" in options:
             options["recompute"] = options.pop("checkpoint")
         return cls(**options, key=key)
+
+    @property
+    def compile_options(self) -> dict[str, Any] | None:
+        """The keyword arguments of ``torch.compile`` for each layer of a stage, or ``None`` when not compiling."""
+        if isinstance(self.compile, bool):
+            return {} if self.compile else None
+        return self.compile
 
     def pipeline_config(self, num_processes: int) -> PipelineParallelConfig:
         """The stage and micro-batch counts; without settings, one stage per process of ``num_processes`` and
@@ -226,6 +238,33 @@ def _checked_start_method(start_method: Any, key: str) -> str:
             f" {', '.join(map(repr, START_METHODS))}, or leave it out for the default."
         )
     return start_method  # type: ignore[no-any-return]
+
+
+def _checked_compile(compile: Any, key: str) -> bool | dict[str, Any]:
+    """``True``, ``False`` or a plain dict of ``torch.compile``'s keyword arguments (a mapping's keys checked)."""
+    if isinstance(compile, bool):
+        return compile
+    if not isinstance(compile, Mapping):
+        raise ValueError(
+            f"{key}compile={compile!r} is invalid; use True, False or a mapping of torch.compile's keyword arguments"
+            " (e.g. {'mode': 'max-autotune'} or {'backend': 'aot_eager'})."
+        )
+    accepted = [
+        name for name, parameter in inspect.signature(torch.compile).parameters.items()
+        if parameter.kind == inspect.Parameter.KEYWORD_ONLY
+    ]
+    unknown = [name for name in compile if name not in accepted]
+    if unknown:
+        raise ValueError(
+            f"{key}compile={dict(compile)!r} is invalid; {unknown[0]!r} is not a keyword argument of torch.compile,"
+            f" whose arguments are {', '.join(accepted)}."
+        )
+    return _plain(compile)
+
+
+def _plain(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    """``mapping`` as nested plain dicts (torch.compile's ``options`` from a Hydra node is an OmegaConf mapping)."""
+    return {name: _plain(value) if isinstance(value, Mapping) else value for name, value in mapping.items()}
 
 
 def _is_list_like(value: Any) -> bool:

@@ -57,6 +57,7 @@ from lightning_pipe.balance import (
 )
 from lightning_pipe.batchnorm import defer as defer_batch_norms
 from lightning_pipe.batchnorm import revert as revert_batch_norms
+from lightning_pipe.compile import check_compiled, compile_stage, uncompiled_name
 from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.consolidate import name_optimizer_state
 from lightning_pipe.engine import PipelineEngine
@@ -83,6 +84,7 @@ from lightning_pipe.runtime import StageRuntime
 from lightning_pipe.schedule import Schedule
 from lightning_pipe.stage import StageLayers
 from lightning_pipe.summary import StageSummary, build_stage_summary, stage_devices
+from lightning_pipe.tied import TiedParameters, parameters_shared_across_stages, replicated_parameters
 from lightning_pipe.topology import PipelineLayout
 from lightning_pipe.trace.timeline import StepTimeline
 from lightning_pipe.trace.tracer import TRACE_FILE_NAME, PipelineTracer, StepObservation, observe_step
@@ -159,6 +161,10 @@ class GPipeStrategy(ParallelStrategy):
         deferred_batch_norm: update BatchNorm running statistics once per mini-batch, from the whole mini-batch's
             statistics, so that they equal one device's. By default (GPipe's semantics) each micro-batch updates
             them with its own statistics. Either way each micro-batch is normalised by its own statistics.
+        compile: compile each stage's layers with ``torch.compile`` (``True``), or with these keyword arguments of
+            ``torch.compile`` (``{"mode": "max-autotune"}``): every layer separately, as torchtitan compiles each
+            block. A ``torch.compile`` wrapper around the pipelined module is honoured the same way, with its settings
+            (see :mod:`lightning_pipe.compile`).
     """
 
     strategy_name = "gpipe"
@@ -187,6 +193,7 @@ class GPipeStrategy(ParallelStrategy):
         save_distributed_checkpoint: bool | None = None,
         gather_model_after_run: bool = False,
         schedule: str | Schedule = "gpipe",
+        compile: bool | Mapping[str, Any] = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -213,6 +220,7 @@ class GPipeStrategy(ParallelStrategy):
             save_distributed_checkpoint=save_distributed_checkpoint,
             gather_model_after_run=gather_model_after_run,
             schedule=schedule,
+            compile=compile,
         )
         # The settings the process-group, setup, step and checkpoint sections read.
         self._module_name = self._settings.module_name
@@ -238,6 +246,7 @@ class GPipeStrategy(ParallelStrategy):
         self._ending_started_ranks = False
         self._gather_model_after_run = self._settings.gather_model_after_run
         self._deferred = False  # the pipelined module was built on the meta device (see `model_sharded_context`)
+        self._tied: TiedParameters | None = None  # parameters shared by layers of several stages
 
     # ---- configuration -------------------------------------------------------------------------------------------
 
@@ -316,7 +325,8 @@ class GPipeStrategy(ParallelStrategy):
         if is_overridden("configure_model", model):
             return  # the layers may exist only once configure_model has run, in each process: `setup` checks them
         settings = self._settings
-        _, sequential = find_pipelined_module(model, settings.module_name)
+        name, sequential = find_pipelined_module(model, uncompiled_name(model, settings.module_name))
+        check_compiled(model, name, sequential)
         stage_ranges(self.config, len(sequential), settings.balance if isinstance(settings.balance, list) else None)
         profiling_sample(settings.balance, settings.sample, model)
 
@@ -413,9 +423,11 @@ class GPipeStrategy(ParallelStrategy):
         """Replace the pipelined ``nn.Sequential`` by this rank's :class:`StageLayers` and build its runtime."""
         config = self.config
         self._check_every_rank_built_the_same_model(module)
-        name, sequential = find_pipelined_module(module, self._module_name)
+        name, sequential = find_pipelined_module(module, uncompiled_name(module, self._module_name))
+        check_compiled(module, name, sequential)
         self._plan, self._plan_module_name = self._decide_partition(module, sequential), name
         ranges = self._plan.ranges
+        ties = parameters_shared_across_stages(list(sequential), ranges)  # before materialising replaces parameters
         stage = StageLayers(sequential, ranges[self.stage_index], self.stage_index, config.num_stages)
         whole_model_state = list(module.state_dict().keys())
         whole_model_parameters = [parameter_name for parameter_name, _ in module.named_parameters()]
@@ -426,8 +438,9 @@ class GPipeStrategy(ParallelStrategy):
         if self._deferred_batch_norm:
             defer_batch_norms(stage)
         self._pipelined = PipelinedModule(name, sequential, ranges, whole_model_state, whole_model_parameters)
-        stage_parameters = {id(p) for p in stage.parameters()}
-        self._replicated = [p for p in module.parameters() if id(p) not in stage_parameters]
+        self._replicated = replicated_parameters(module, name)
+        self._tied = TiedParameters(ties, stage, self.stage_index, self.layout, self._replicated, name, self._timeout)
+        compile_stage(module, name, stage, self._settings.compile_options)
         rank_zero_info(str(self.stage_summary()))
         groups, index = self.groups, self.stage_index
         timeline = StepTimeline(self.root_device, enabled=self._log_bubble_fraction or bool(self._trace_steps))
@@ -504,6 +517,8 @@ class GPipeStrategy(ParallelStrategy):
         with torch.no_grad():
             for tensor in self._replicated:
                 dist.broadcast(tensor.data, src=0)
+            assert self._tied is not None
+            self._tied.start_identical()
             if self.layout.num_replicas > 1:
                 source = self.layout.rank(self.stage_index, replica=0)
                 for tensor in [*self._runtime.layers.parameters(), *self._runtime.layers.buffers()]:
@@ -650,6 +665,8 @@ class GPipeStrategy(ParallelStrategy):
     def _reduce_gradients(self) -> None:
         """Sum the replicated parameters' gradients over the pipeline, then average every gradient over replicas."""
         reduce_gradients(self._replicated, self.groups.pipeline, average=False)
+        assert self._tied is not None
+        self._tied.sum_gradients()
         if self.layout.num_replicas > 1:
             assert self.lightning_module is not None
             trainable = [p for p in self.lightning_module.parameters() if p.requires_grad]
@@ -658,7 +675,10 @@ class GPipeStrategy(ParallelStrategy):
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """``clip_grad_norm_`` over the whole model (see :func:`clip_grad_norm_over_pipeline`)."""
         params = self.precision_plugin.main_params(optimizer)
-        clip_grad_norm_over_pipeline(params, self._replicated, clip_val, self.groups.pipeline, self.root_device)
+        assert self._tied is not None
+        clip_grad_norm_over_pipeline(
+            params, self._replicated, clip_val, self.groups.pipeline, self.root_device, self._tied.counted_elsewhere
+        )
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     # A checkpoint holds the whole model, numbered as on one device, so it loads anywhere. It is loaded after `setup`

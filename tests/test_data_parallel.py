@@ -28,10 +28,14 @@ def assert_matches_single_device(run_dir):
 
 def test_two_stages_times_two_replicas_match_one_device_with_twice_the_batch(tmp_path):
     runs = [{**REPLICATED, "name": "pp_outer"},
-            {**REPLICATED, "name": "dp_outer", "strategy": {"num_stages": 2, "mesh_order": ["dp", "pp"]}}]
+            {**REPLICATED, "name": "dp_outer", "strategy": {"num_stages": 2, "mesh_order": ["dp", "pp"]}},
+            # A weight shared by both stages: summed within each replica's pair of stages, then averaged.
+            {**REPLICATED, "name": "tied", "model": "tied"}]
     launch("fits_worker.py", {"devices": 4, "out": str(tmp_path), "runs": runs}, tmp_path)
-    for run in runs:
+    for run in runs[:2]:
         assert_matches_single_device(tmp_path / run["name"])
+    initial, expected, _ = single_device_run({**SINGLE_DEVICE, "model": "tied"})
+    assert relative_weight_error(initial, expected, merged_state_dict(tmp_path / "tied")) < 1e-5
 
 
 def free_port() -> int:

@@ -8,13 +8,16 @@ import torch
 from helpers.launch import launch
 from helpers.scenarios import fit_test_predict
 
-SCHEDULERS = {"plain": None, "step": "step", "epoch": "epoch", "plateau": "plateau"}
+SCHEDULERS = {"plain": None, "step": "step", "epoch": "epoch", "plateau": "plateau", "plateau_cut": "plateau"}
+# Early stopping ends "plateau" in the epoch whose validation would cut the learning rate; "plateau_cut" trains on.
+TRAINS_ON = {"plateau_cut"}
 
 
 @pytest.fixture(scope="module")
 def pipelined(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parity")
-    runs = [{"name": name, "scheduler": scheduler} for name, scheduler in SCHEDULERS.items()]
+    runs = [{"name": name, "scheduler": scheduler, "early_stopping": name not in TRAINS_ON}
+            for name, scheduler in SCHEDULERS.items()]
     launch("lightning_parity_worker.py", {"devices": 2, "out": str(tmp), "runs": runs}, tmp)
     return {name: [torch.load(tmp / name / f"rank{r}.pt", weights_only=False) for r in range(2)] for name in SCHEDULERS}
 
@@ -22,7 +25,8 @@ def pipelined(tmp_path_factory):
 @pytest.fixture(scope="module")
 def single_device(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("single")
-    return {name: fit_test_predict(tmp / name, scheduler, devices=1) for name, scheduler in SCHEDULERS.items()}
+    return {name: fit_test_predict(tmp / name, scheduler, name not in TRAINS_ON, devices=1)
+            for name, scheduler in SCHEDULERS.items()}
 
 
 def relative_error(initial_free_expected: dict, actual: dict) -> float:
@@ -71,3 +75,21 @@ def test_test_loop_logs_the_same_metrics_for_the_model_and_the_best_checkpoint(p
 def test_predict_returns_the_same_predictions_in_the_launching_process(pipelined, single_device):
     rank_zero = pipelined["plain"][0]
     torch.testing.assert_close(rank_zero["predictions"], single_device["plain"]["predictions"], rtol=1e-5, atol=1e-6)
+
+
+def test_plateau_learning_rate_cut_reaches_the_weights_as_on_one_device(pipelined, single_device):
+    """ReduceLROnPlateau halves the rate after a worse validation loss; the epochs after it train at the cut rate on
+    every stage, and the weights at the end equal one device's (see `test_model_after_fit_is_whole_and_equal_...`)."""
+    expected = single_device["plateau_cut"]["epoch_learning_rates"]
+    assert expected[0] > expected[-1] and len(expected) == 5, expected  # the cut came before the last epochs
+    for result in pipelined["plateau_cut"]:
+        assert result["epoch_learning_rates"] == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["plain", "plateau_cut"])
+def test_validate_after_fit_logs_the_same_metrics_as_one_device(pipelined, single_device, name):
+    expected = single_device[name]["validated"]
+    for result in pipelined[name]:
+        assert result["validated"][0].keys() == expected[0].keys()
+        for metric, value in expected[0].items():
+            assert result["validated"][0][metric] == pytest.approx(value, rel=1e-5), metric

@@ -3,7 +3,7 @@ no process left behind; a crash loses no training; misuse gets an error that nam
 runs do not grow.
 
 The multi-process cases launch ``workers/reliability_faults_worker.py`` and follow every process of the run through
-``/proc``: each carries a unique marker in its environment, which the launchers (popen, spawn, torchrun) pass on to
+``/proc``: each carries a unique marker in its environment, which the launchers (popen, spawn, fork, torchrun) pass on to
 the ranks.
 """
 
@@ -71,10 +71,10 @@ def run_with_faults(
     tmp_path: Path, devices: int, faults: list[dict], launcher: str = "gpipe", timeout_s: float | None = None,
     **spec_items,
 ) -> FaultRun:
-    """Launch ``reliability_faults_worker.py`` under ``launcher`` (``gpipe``, ``gpipe_spawn`` or ``torchrun``) and
-    watch it end."""
+    """Launch ``reliability_faults_worker.py`` under ``launcher`` (``gpipe``, ``gpipe_spawn``, ``gpipe_fork`` or
+    ``torchrun``) and watch it end."""
     spec = {"devices": devices, "out": str(tmp_path), "faults": faults, "timeout_s": timeout_s,
-            "strategy": "gpipe_spawn" if launcher == "gpipe_spawn" else "gpipe", **spec_items}
+            "strategy": launcher if launcher in ("gpipe_spawn", "gpipe_fork") else "gpipe", **spec_items}
     run = launch_marked("reliability_faults_worker.py", spec, tmp_path,
                         torchrun_processes=devices if launcher == "torchrun" else None)
     return collect(tmp_path, run.returncode, run.gone, run.leftovers)
@@ -105,7 +105,7 @@ def fault(kind: str, where: str, stage: int, phase: str = "train", batch: int = 
 
 # ---- 1. failures surface fast; 2. stalls are caught -------------------------------------------------------------
 # Under the default launcher the last stage is rank 0 (the launching process) and the first stage the highest rank.
-# Under spawn, every rank is a child of the launching process; under torchrun, of torchrun's agent.
+# Under spawn and fork, every rank is a child of the launching process; under torchrun, of torchrun's agent.
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,8 @@ FAILURES = {
     # Under spawn, torch sends SIGTERM to the other ranks; they must end without its SIGKILL 30 s later.
     "spawn-first-step-val": Case("gpipe_spawn", 3, [fault("raise", "step", 0, "val")]),
     "torchrun-last-step-train": Case("torchrun", 2, [fault("raise", "step", 1)]),
+    # Under fork, as under spawn: the ranks are children that torch ends with SIGTERM.
+    "fork-first-layer-train": Case("gpipe_fork", 2, [fault("raise", "layer", 0)]),
 }
 # A child rank SIGKILLed inside a pipelined layer of the first stage, in epoch 2 of 3 (with a last checkpoint at
 # every epoch end): section 3 resumes this run.

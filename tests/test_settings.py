@@ -65,6 +65,14 @@ INVALID = {
         {"gather_model_after_run": None}, "{key}gather_model_after_run=None is invalid; use True or False."
     ),
     "schedule": ({"schedule": "1f1b"}, "{key}schedule='1f1b' is not a schedule; use one of 'gpipe' or a function"),
+    "compile type": (
+        {"compile": "yes"},
+        "{key}compile='yes' is invalid; use True, False or a mapping of torch.compile's keyword arguments",
+    ),
+    "compile arguments": (
+        {"compile": {"mdoe": "max-autotune"}},
+        "{key}compile={{'mdoe': 'max-autotune'}} is invalid; 'mdoe' is not a keyword argument of torch.compile,",
+    ),
 }
 
 
@@ -121,6 +129,15 @@ def test_valid_settings_are_kept_in_one_form():
     node = OmegaConf.create({"num_stages": 2, "checkpoint": "always", "balance": [1, 3], "mesh_order": ["pp", "dp"]})
     from_hydra = PipelineSettings.from_options(node, key="strategy.")
     assert from_hydra.recompute == "always" and from_hydra.balance == [1, 3] and type(from_hydra.balance) is list
+
+
+def test_compile_setting_becomes_torch_compile_arguments_or_none():
+    assert PipelineSettings().compile_options is None
+    assert PipelineSettings(compile=True).compile_options == {}
+    node = OmegaConf.create({"num_stages": 2, "compile": {"backend": "aot_eager", "options": {"trace.enabled": True}}})
+    from_hydra = PipelineSettings.from_options(node, key="strategy.")
+    assert from_hydra.compile_options == {"backend": "aot_eager", "options": {"trace.enabled": True}}
+    assert type(from_hydra.compile_options["options"]) is dict  # torch.compile gets plain dicts, not OmegaConf nodes
 
 
 def test_a_config_or_mapping_passed_as_num_stages_holds_both_counts():

@@ -12,18 +12,21 @@ from lightning.pytorch.plugins import MixedPrecision
 
 import lightning_pipe
 
-from helpers.models import MODELS, loaders
+from helpers.models import MODELS, loaders, sequence_loaders
 from helpers.recording import MetricRecorder
 
 
 def merged_state_dict(run_dir: Path) -> dict[str, torch.Tensor]:
     """The whole model from the per-rank state dicts (each rank holds its stage plus the replicated parameters).
 
-    A tensor held by several ranks (a replicated parameter) must be identical on all of them.
+    A tensor held by several ranks (a replicated parameter) must be identical on all of them. A tensor on the meta
+    device (another stage's layer of a model built on the meta device) is not held.
     """
     merged: dict[str, torch.Tensor] = {}
     for path in sorted(run_dir.glob("rank*.pt")):
         for key, value in torch.load(path).items():
+            if value.is_meta:
+                continue
             if key in merged:
                 assert torch.equal(merged[key], value), f"replicated tensor {key} differs between ranks"
             merged[key] = value
@@ -42,7 +45,10 @@ def single_device_run(run: dict) -> tuple[dict[str, torch.Tensor], dict[str, tor
     if run.get("empty_init"):  # the weights the gpipe strategy gives a model created on the meta device
         lightning_pipe.init_weights(model)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    train, val = loaders(run.get("train_samples", 80), run.get("val_samples", 40), run.get("batch_size", 16))
+    if run.get("data") == "sequences":
+        train, val = sequence_loaders(run.get("train_samples", 80), run.get("val_samples", 40), 16)
+    else:
+        train, val = loaders(run.get("train_samples", 80), run.get("val_samples", 40), run.get("batch_size", 16))
     if run.get("shuffled_like_distributed_sampler"):
         # The samples of one step of all replicas of a shuffling DistributedSampler (seed 0, epoch 0), in one batch.
         order = torch.randperm(len(train.dataset), generator=torch.Generator().manual_seed(0)).tolist()
@@ -55,7 +61,10 @@ def single_device_run(run: dict) -> tuple[dict[str, torch.Tensor], dict[str, tor
         plugins=[MixedPrecision("16-mixed", "cpu")] if run.get("fp16") else None,
     )
     trainer.fit(model, train, val)
-    return initial, model.state_dict(), recorder.summary()
+    summary = recorder.summary()
+    if hasattr(model, "forward_counts"):
+        summary["forward_counts"] = model.forward_counts()
+    return initial, model.state_dict(), summary
 
 
 def relative_weight_error(initial: dict, expected: dict, actual: dict) -> float:

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
+from torch._dynamo import register_backend
+from torch._dynamo.backends.registry import lookup_backend
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -183,7 +185,179 @@ class DeferredPipeClassifier(PipeClassifier):
             lightning_pipe.init_weights(self)  # seeded by each layer's name in the whole model
 
 
-MODELS = {"dropout": DropoutClassifier, "two_dropouts": TwoDropoutsClassifier, "synced": SyncedLogging, "batchnorm": BatchNormClassifier, "one_batchnorm": OneBatchNormClassifier, "classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "poisoned": PoisonedGradient, "deferred": DeferredPipeClassifier, "resettable": ResettablePipeClassifier}
+class TiedAcrossStages(PipeClassifier):
+    """Layer 6 (the last stage) uses layer 2's weight (the first stage): one parameter on two stages."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        self.net.model[6].weight = self.net.model[2].weight
+
+
+class DeferredTiedAcrossStages(DeferredPipeClassifier):
+    """Built in ``configure_model`` (on the meta device under the gpipe strategy), layer 6 using layer 2's weight."""
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            import lightning_pipe
+
+            self.net = Component()
+            self.net.model[6].weight = self.net.model[2].weight
+            lightning_pipe.init_weights(self)  # on one device, layer 6 initialises the shared weight last
+
+
+class TiedWithMomentum(TiedAcrossStages):
+    """The shared weight has optimizer state (momentum) to checkpoint."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class TiedToOutside(PipeClassifier):
+    """A module outside the pipelined one (run on every stage) shares layer 2's weight (the first stage)."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        self.project = nn.Linear(16, 16)
+        self.project.weight = self.net.model[2].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.project(self.net(x * self.input_scale))))
+
+
+class TiedOutsideOnly(PipeClassifier):
+    """GPT-2's tie: an input projection and an output projection outside the pipelined module share a weight."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        self.embed = nn.Linear(12, 12, bias=False)
+        self.unembed = nn.Linear(12, 12, bias=False)
+        self.unembed.weight = self.embed.weight
+        self.to_embedding = nn.Linear(16, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.net(self.embed(x.view(len(x), 12) * self.input_scale.view(12)))
+        return self.unembed(self.to_embedding(hidden))[:, :3]
+
+
+COMPILE_BACKEND = "counted_aot_eager"
+compiled_graphs = 0  # graphs compiled with COMPILE_BACKEND in this process
+
+
+@register_backend(name=COMPILE_BACKEND)
+def _counted_aot_eager(graph: torch.fx.GraphModule, example_inputs: list, **kwargs):
+    """``aot_eager`` (which traces forward and backward as inductor does, without its C++ compilation), counted."""
+    global compiled_graphs
+    compiled_graphs += 1
+    return lookup_backend("aot_eager")(graph, example_inputs, **kwargs)
+
+
+class CompiledPipelined(PipeClassifier):
+    """The pipelined module wrapped by ``torch.compile``."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        self.net.model = torch.compile(self.net.model, backend=COMPILE_BACKEND)
+
+
+class DenseTanh(nn.Module):
+    """A block of the model's own (``nn.Module.compile`` leaves a bare ``nn.Linear`` uncompiled)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(features, features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+class CompiledLayers(PipeClassifier):
+    """Layers compiled one by one: wrapped by ``torch.compile`` (layer 0) and compiled in place (the blocks)."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        blocks = [DenseTanh(16) for _ in range(4)]
+        for block in blocks:
+            block.compile(backend=COMPILE_BACKEND)
+        self.net.model = nn.Sequential(torch.compile(nn.Linear(12, 16), backend=COMPILE_BACKEND), nn.Tanh(), *blocks)
+
+
+class CompiledInPlace(PipeClassifier):
+    """The pipelined module compiled in place: refused under the gpipe strategy."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        self.net.model.compile(backend=COMPILE_BACKEND)
+
+
+class CompiledAroundThePipeline(PipeClassifier):
+    """A compiled module holding the pipelined one: refused under the gpipe strategy."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        self.net = torch.compile(self.net, backend=COMPILE_BACKEND)
+
+
+class Counted(nn.Module):
+    """``tanh`` that counts its calls in training mode (forwards and their re-computations)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += int(self.training)
+        return torch.tanh(x)
+
+
+class CountsForwards(PipeClassifier):
+    """Every activation of the pipelined module counts how often it runs in training."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        for index in range(1, 8, 2):
+            self.net.model[index] = Counted()
+
+    def forward_counts(self) -> dict[str, int]:
+        """Training calls per counted layer that this process holds."""
+        return {name: module.calls for name, module in self.named_modules() if isinstance(module, Counted)}
+
+
+class SequenceClassifier(PipeClassifier):
+    """Per-position layers over a sequence (batch, length, 4) whose length changes from batch to batch."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        self.input_scale = nn.Parameter(torch.ones(4))
+        self.net.model[0] = nn.Linear(4, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.net.model(x * self.input_scale).mean(dim=1))
+
+
+SEQUENCE_LENGTHS = (5, 2, 9, 3, 7)
+
+
+def sequence_loaders(train_samples: int, val_samples: int, batch_size: int) -> tuple[DataLoader, DataLoader]:
+    """Batches of sequences whose length cycles through ``SEQUENCE_LENGTHS`` (a loader of ready-made batches)."""
+
+    def batches(samples: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        generator = torch.Generator().manual_seed(seed)
+        made = []
+        for number, start in enumerate(range(0, samples, batch_size)):
+            size, length = min(batch_size, samples - start), SEQUENCE_LENGTHS[number % len(SEQUENCE_LENGTHS)]
+            x = torch.randn(size, length, 4, generator=generator)
+            made.append((x, (x.mean(dim=(1, 2)) > 0).long() + (x[:, 0, 0] > 1).long()))
+        return made
+
+    return (DataLoader(batches(train_samples, 0), batch_size=None),
+            DataLoader(batches(val_samples, 1), batch_size=None))
+
+
+MODELS = {"dropout": DropoutClassifier, "two_dropouts": TwoDropoutsClassifier, "synced": SyncedLogging, "batchnorm": BatchNormClassifier, "one_batchnorm": OneBatchNormClassifier, "classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "poisoned": PoisonedGradient, "deferred": DeferredPipeClassifier, "resettable": ResettablePipeClassifier,
+          "tied": TiedAcrossStages, "tied_momentum": TiedWithMomentum,
+          "tied_deferred": DeferredTiedAcrossStages, "tied_outside": TiedToOutside, "tied_outside_only": TiedOutsideOnly,
+          "compiled": CompiledPipelined, "compiled_layers": CompiledLayers, "counts": CountsForwards,
+          "sequences": SequenceClassifier}
 
 
 class ProjectModule(LightningModule):

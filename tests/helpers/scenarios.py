@@ -18,6 +18,10 @@ class ParityRecorder(Callback):
     def __init__(self) -> None:
         self.step_losses: list[float] = []
         self.validation_metrics: list[dict[str, float]] = []
+        self.epoch_learning_rates: list[float] = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.epoch_learning_rates.append(trainer.optimizers[0].param_groups[0]["lr"])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.is_global_zero:
@@ -33,16 +37,18 @@ def data(samples: int, seed: int) -> DataLoader:
     return DataLoader(classification_data(samples, seed=seed), batch_size=16)
 
 
-def fit_test_predict(out: Path, scheduler: str | None, **trainer_kwargs) -> dict:
-    """Fit with ModelCheckpoint and EarlyStopping, then test the model, test the best checkpoint, and predict."""
+def fit_test_predict(out: Path, scheduler: str | None, early_stopping: bool = True, **trainer_kwargs) -> dict:
+    """Fit with ModelCheckpoint and EarlyStopping (unless told not to stop early), then validate and test the model,
+    test the best checkpoint, and predict."""
     seed_everything(0)
     model = ProjectModule(scheduler=scheduler)
     recorder = ParityRecorder()
     checkpoint = ModelCheckpoint(dirpath=out / "ckpt", monitor="val_loss", save_top_k=2, filename="{epoch}")
-    stopping = EarlyStopping(monitor="val_loss", min_delta=0.02, patience=0)
+    stopping = EarlyStopping(monitor="val_loss", min_delta=0.02, patience=0 if early_stopping else 99)
     trainer = Trainer(accelerator="cpu", max_epochs=5, logger=False, enable_progress_bar=False,
                       callbacks=[recorder, checkpoint, stopping], **trainer_kwargs)
     trainer.fit(model, data(64, 0), data(32, 1))
+    validated = trainer.validate(model, data(32, 1), verbose=False)
     tested = trainer.test(model, data(32, 2), verbose=False)
     tested_best = trainer.test(ckpt_path="best", dataloaders=data(32, 2), verbose=False)
     predictions = trainer.predict(model, data(20, 3))
@@ -50,6 +56,8 @@ def fit_test_predict(out: Path, scheduler: str | None, **trainer_kwargs) -> dict
         "state_dict": {k: v.clone() for k, v in model.state_dict().items()},
         "step_losses": recorder.step_losses,
         "validation_metrics": recorder.validation_metrics,
+        "epoch_learning_rates": recorder.epoch_learning_rates,
+        "validated": validated,
         "stopped_epoch": stopping.stopped_epoch,
         "best_k": sorted(Path(p).name for p in checkpoint.best_k_models),
         "best_score": float(checkpoint.best_model_score),

@@ -1,5 +1,6 @@
 """A LightningCLI script, as a user would write one; the strategy is chosen on the command line."""
 
+import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 
@@ -23,6 +24,7 @@ class ReportingCLI(LightningCLI):
         strategy = self.trainer.strategy
         print(f"RESULT rank={self.trainer.global_rank} strategy={type(strategy).__name__}"
               f" micro_batches={strategy.config.num_micro_batches} steps={self.trainer.global_step}", flush=True)
+        torch.save(self.model.state_dict(), f"rank{self.trainer.global_rank}.pt")  # the whole model, on every rank
 
 
 if __name__ == "__main__":

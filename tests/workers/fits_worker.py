@@ -19,9 +19,10 @@ from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
 import lightning_pipe
-from helpers.models import MODELS, loaders
+from helpers import models
+from helpers.models import MODELS, loaders, sequence_loaders
 from helpers.recording import MetricRecorder
-from lightning_pipe import engine
+from lightning_pipe import engine, tied
 
 
 def drop_gradient_of(micro_batch):
@@ -61,6 +62,13 @@ def process_groups_left():
     return {"initialized": dist.is_initialized(), "gloo_threads": sum(name.startswith(("gloo", "pt_gloo")) for name in names)}
 
 
+def leave_tied_gradients_unsummed():
+    """Negative control: each stage updates its copy of a parameter shared between stages with its own gradient."""
+    original = tied.TiedParameters.sum_gradients
+    tied.TiedParameters.sum_gradients = lambda self: None
+    return lambda: setattr(tied.TiedParameters, "sum_gradients", original)
+
+
 def main(spec_path):
     spec = json.loads(Path(spec_path).read_text())
     # Registered before any run: it runs after lightning_pipe's own exit handler, and records what that left.
@@ -68,43 +76,63 @@ def main(spec_path):
     exits.mkdir(exist_ok=True)
     atexit.register(lambda: (exits / str(os.getpid())).write_text(json.dumps(process_groups_left())))
     for run in spec["runs"]:
-        train, val = loaders(
-            run.get("train_samples", 80), run.get("val_samples", 40), run.get("batch_size", 16), run.get("shuffle", False)
-        )
+        if run.get("data") == "sequences":
+            train, val = sequence_loaders(run.get("train_samples", 80), run.get("val_samples", 40), 16)
+        else:
+            train, val = loaders(
+                run.get("train_samples", 80), run.get("val_samples", 40), run.get("batch_size", 16),
+                run.get("shuffle", False),
+            )
         restore = drop_gradient_of(run["drop_gradient_of"]) if run.get("drop_gradient_of") is not None else None
+        if run.get("unsummed_ties"):
+            restore = leave_tied_gradients_unsummed()
         recorder = MetricRecorder()
         if run.get("schedule") == "backwards_in_forward_order":  # a test-only schedule, defined in its test
             from test_equivalence import backwards_in_forward_order
 
             run.setdefault("strategy", {})["schedule"] = backwards_in_forward_order
-        trainer = Trainer(
-            strategy=lightning_pipe.GPipeStrategy(
-                num_micro_batches=run["num_micro_batches"],
-                checkpoint=run.get("checkpoint", "except_last"),
-                start_method=run.get("start_method", "popen"),
-                **run.get("strategy", {}),
-            ),
-            accelerator="cpu",
-            devices=spec["devices"],
-            max_epochs=run.get("max_epochs", 1),
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[recorder],
-            **run.get("trainer", {}),
-        plugins=[MixedPrecision("16-mixed", "cpu")] if run.get("fp16") else None,
-        )
-        seed_everything(0)
+        torch._dynamo.reset()  # an earlier run's compiled code would serve this run's layers of the same types
+        graphs_before = models.compiled_graphs
+        out = Path(spec["out"]) / run["name"]
+
+        def trainer_for(max_epochs: int, checkpoints: bool) -> Trainer:
+            return Trainer(
+                strategy=lightning_pipe.GPipeStrategy(
+                    num_micro_batches=run["num_micro_batches"],
+                    checkpoint=run.get("checkpoint", "except_last"),
+                    start_method=run.get("start_method", "popen"),
+                    **run.get("strategy", {}),
+                ),
+                accelerator="cpu",
+                devices=spec["devices"],
+                max_epochs=max_epochs,
+                logger=False,
+                enable_checkpointing=checkpoints,
+                default_root_dir=str(out),
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                callbacks=[recorder],
+                **run.get("trainer", {}),
+                plugins=[MixedPrecision("16-mixed", "cpu")] if run.get("fp16") else None,
+            )
+
+        checkpoint_path = None
+        if run.get("resume_after_epoch"):  # train one epoch, writing a checkpoint; the run resumes from it below
+            seed_everything(0)
+            first = MODELS[run.get("model", "classifier")](lr=run.get("lr", 0.5))
+            trainer_for(1, checkpoints=True).fit(first, train, val)
+            checkpoint_path = next((out / "checkpoints").glob("*.ckpt"))
+            recorder = MetricRecorder()
+        trainer = trainer_for(run.get("max_epochs", 1), checkpoints=False)
+        seed_everything(0 if checkpoint_path is None else 1)  # a resumed run must take its weights from the file
         with trainer.init_module(empty_init=True) if run.get("empty_init") else nullcontext():
             model = MODELS[run.get("model", "classifier")](lr=run.get("lr", 0.5))
         masks = record_dropout_masks(model) if run.get("record_dropout_masks") else None
         # Re-computations then run to the end (not only as far as backward needs), so the hooks record them too.
         with torch.utils.checkpoint.set_checkpoint_early_stop(False) if masks is not None else nullcontext():
-            trainer.fit(model, train, val)
+            trainer.fit(model, train, val, ckpt_path=checkpoint_path)
         if restore:
             restore()
-        out = Path(spec["out"]) / run["name"]
         out.mkdir(parents=True, exist_ok=True)
         rank = trainer.global_rank
         torch.save(model.state_dict(), out / f"rank{rank}.pt")
@@ -116,7 +144,11 @@ def main(spec_path):
             except RuntimeError as error:
                 (out / "save_error.txt").write_text(str(error))
             trainer.save_checkpoint(out / "weights.ckpt", weights_only=True)
-        (out / f"rank{rank}.json").write_text(json.dumps(recorder.summary()))
+        summary = recorder.summary()
+        summary["compiled_graphs"] = models.compiled_graphs - graphs_before  # by torch.compile in this run
+        if hasattr(model, "forward_counts"):
+            summary["forward_counts"] = model.forward_counts()
+        (out / f"rank{rank}.json").write_text(json.dumps(summary))
         if rank == 0:  # which of Lightning's cluster environments set up the ranks
             (out / "environment.txt").write_text(type(trainer.strategy.cluster_environment).__name__)
 

@@ -19,7 +19,9 @@ def main(spec_path):
     for run in spec["runs"]:
         out = Path(spec["out"]) / run["name"]
         strategy = lightning_pipe.GPipeStrategy(num_micro_batches=run.get("num_micro_batches", 4))
-        result = fit_test_predict(out, run.get("scheduler"), strategy=strategy, devices=spec["devices"])
+        result = fit_test_predict(
+            out, run.get("scheduler"), run.get("early_stopping", True), strategy=strategy, devices=spec["devices"]
+        )
         torch.save(result, out / f"rank{result['global_rank']}.pt")
 
 

@@ -1,7 +1,7 @@
 """Worker: a short fit under the gpipe strategy in which one stage fails, is killed or stalls at a chosen step.
 
 Usage: python reliability_faults_worker.py SPEC.json   (directly, or under ``python -m torch.distributed.run``)
-SPEC: {"devices": N, "out": DIR, "strategy": "gpipe" | "gpipe_spawn", "timeout_s": null | seconds,
+SPEC: {"devices": N, "out": DIR, "strategy": "gpipe" | "gpipe_spawn" | "gpipe_fork", "timeout_s": null | seconds,
        "runs": [{"name": NAME, <any of the keys below>}, ...] (optional: several fits in turn, each into DIR/NAME),
        "hidden_by_rank": {"R": width, ...} (optional: rank R builds its layers that wide; the others 16),
        "num_stages": S (optional, default N: with fewer stages than devices, the pipeline has replicas),
@@ -17,8 +17,8 @@ last stage runs) otherwise. ``where="layer"`` fires inside a pipelined layer hel
 middle ones included); ``where="hook"`` in a callback at the start of the batch, on stage ``S``.
 
 Each rank writes DIR/rank{R}.json when it ends (``"finished"`` with its logged losses, and DIR/rank{R}.pt with its
-weights; or the exception that ended it); the spawn launcher's process writes DIR/launcher.json. A faulty rank writes
-DIR/fault{R}.json (the fault and the wall-clock time) right before its fault.
+weights; or the exception that ended it); the spawn and fork launchers' process writes DIR/launcher.json. A faulty
+rank writes DIR/fault{R}.json (the fault and the wall-clock time) right before its fault.
 """
 
 import json
@@ -201,13 +201,13 @@ def fit(
 
 def run(spec: dict, out: Path) -> None:
     """One fit as ``spec`` says; this process's end (finished, or the exception) goes to OUT/{rankR|launcher}.json."""
-    spawned = spec.get("strategy", "gpipe") == "gpipe_spawn"  # the ranks are children; this is the launcher
+    spawned = spec.get("strategy", "gpipe") in ("gpipe_spawn", "gpipe_fork")  # the ranks are children; this launches
     rank = "launcher" if spawned else os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
     trainer = None
     try:
         timeout = timedelta(seconds=spec["timeout_s"]) if spec.get("timeout_s") else None
         kwargs = {"timeout": timeout} if timeout is not None else {}
-        start_method = {"gpipe": "popen", "gpipe_spawn": "spawn"}[spec.get("strategy", "gpipe")]
+        start_method = {"gpipe": "popen", "gpipe_spawn": "spawn", "gpipe_fork": "fork"}[spec.get("strategy", "gpipe")]
         stages = spec.get("num_stages")  # fewer than devices: data-parallel replicas of the pipeline
         strategy = lightning_pipe.GPipeStrategy(stages, num_micro_batches=4, start_method=start_method, **kwargs)
         # A misuse: a model size that depends on the rank (LOCAL_RANK is set in the ranks the launcher starts).
