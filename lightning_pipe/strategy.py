@@ -71,13 +71,14 @@ from lightning_pipe.materialize import global_seed, holds_meta_tensors, material
 from lightning_pipe.groups import PipelineGroups, init_pipeline_groups
 from lightning_pipe.outcome import StepOutcome
 from lightning_pipe.observe import make_tracer, observe_step
-from lightning_pipe.partition import find_pipelined_module, replace_submodule, stage_ranges
+from lightning_pipe.partition import stage_ranges
+from lightning_pipe.region import Region, find_region
 from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
 from lightning_pipe.sharded import load as load_sharded
 from lightning_pipe.sharded import save as save_sharded
 from lightning_pipe.runtime import StageRuntime
 from lightning_pipe.schedule import SCHEDULES, Schedule
-from lightning_pipe.stage import StageLayers
+from lightning_pipe.stage import StageBlocks
 from lightning_pipe.summary import StageSummary, build_stage_summary, stage_devices
 from lightning_pipe.timeline import StepTimeline
 from lightning_pipe.topology import PipelineLayout
@@ -155,7 +156,7 @@ class GPipeStrategy(ParallelStrategy):
         num_micro_batches: int | None = None,
         checkpoint: CheckpointMode = "except_last",
         balance: Balance = None,
-        module_name: str | None = None,
+        module_name: str | Sequence[str] | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -316,8 +317,8 @@ class GPipeStrategy(ParallelStrategy):
             _require_automatic_optimization(model)
         if is_overridden("configure_model", model):
             return  # the layers may exist only once configure_model has run, in each process: `setup` checks them
-        _, sequential = find_pipelined_module(model, self._module_name)
-        stage_ranges(self.config, len(sequential), self._balance if isinstance(self._balance, list) else None)
+        region = self._find_region(model)
+        stage_ranges(self.config, len(region), self._balance if isinstance(self._balance, list) else None)
         if needs_sample(self._balance) and self._sample is None and getattr(model, "example_input_array", None) is None:
             raise ValueError(missing_sample_message(str(self._balance)))
 
@@ -409,19 +410,24 @@ class GPipeStrategy(ParallelStrategy):
         """Replace the pipelined ``nn.Sequential`` by this rank's :class:`StageLayers` and build its runtime."""
         config = self.config
         self._check_every_rank_built_the_same_model(module)
-        name, sequential = find_pipelined_module(module, self._module_name)
-        self._plan, self._plan_module_name = self._decide_partition(module, sequential), name
+        region = self._find_region(module)
+        blocks = region.blocks(module)
+        layers = nn.Sequential(*blocks)  # the blocks in order, for the partition plan and the whole model
+        self._plan, self._plan_module_name = self._decide_partition(module, layers), region.label
         ranges = self._plan.ranges
-        stage = StageLayers(sequential, ranges[self.stage_index], self.stage_index, config.num_stages)
         whole_model_state = list(module.state_dict().keys())
         whole_model_parameters = [parameter_name for parameter_name, _ in module.named_parameters()]
-        replace_submodule(module, name, stage)
+        stage = StageBlocks(module, region, ranges[self.stage_index], self.stage_index, config.num_stages)
+        stage.install()
         # Built on the meta device: only what this rank runs becomes real (the stage, the replicated modules).
-        self._deferred = self.reduce_boolean_decision(holds_meta_tensors(sequential), all=False)
+        self._deferred = self.reduce_boolean_decision(holds_meta_tensors(layers), all=False)
         materialize(module, self.root_device, self.broadcast(global_seed()))
         if self._deferred_batch_norm:
-            defer_batch_norms(stage)
-        self._pipelined = PipelinedModule(name, sequential, ranges, whole_model_state, whole_model_parameters)
+            for block in stage.blocks:
+                defer_batch_norms(block)
+        self._pipelined = PipelinedModule(
+            region.label, layers, ranges, whole_model_state, whole_model_parameters, put_back=stage.uninstall
+        )
         stage_parameters = {id(p) for p in stage.parameters()}
         self._replicated = [p for p in module.parameters() if id(p) not in stage_parameters]
         rank_zero_info(str(self.stage_summary()))
@@ -455,6 +461,10 @@ class GPipeStrategy(ParallelStrategy):
         dist.all_gather_object(every, fingerprint)
         describe = lambda rank: f"rank {rank} (stage {self.layout.stage(rank)})"  # noqa: E731
         raise ValueError(different_models_message(every, describe))
+
+    def _find_region(self, module: LightningModule) -> Region:
+        sample = self._sample if self._sample is not None else getattr(module, "example_input_array", None)
+        return find_region(module, self._module_name, sample)
 
     def _decide_partition(self, module: LightningModule, sequential: nn.Sequential) -> PartitionPlan:
         """The split, decided on global rank 0 (profiling there when ``balance`` asks) and broadcast, so that every
@@ -500,7 +510,7 @@ class GPipeStrategy(ParallelStrategy):
                 dist.broadcast(tensor.data, src=0)
             if self.layout.num_replicas > 1:
                 source = self.layout.rank(self.stage_index, replica=0)
-                for tensor in [*self._runtime.layers.parameters(), *self._runtime.layers.buffers()]:
+                for tensor in [*self._runtime.stage.parameters(), *self._runtime.stage.buffers()]:
                     dist.broadcast(tensor.data, src=source, group=self.groups.replicas)
 
     def _sync_metrics_within_replicas(self, module: LightningModule) -> None:

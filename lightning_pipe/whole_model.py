@@ -10,7 +10,7 @@ a run, the user's ``nn.Sequential`` goes back into the LightningModule holding e
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,6 @@ from lightning_pipe.consolidate import (
     split_optimizer_state,
 )
 from lightning_pipe.materialize import mark_held_elsewhere
-from lightning_pipe.partition import replace_submodule
 
 
 @dataclass
@@ -42,6 +41,7 @@ class PipelinedModule:
     ranges: list[range]
     state_keys: list[str]  # the whole model's state-dict keys, in order
     parameter_order: list[str]  # the whole model's parameter names, in order
+    put_back: Callable[[], None]  # puts every block back where the model had it
 
 
 # ---- saving: the whole model on the last stage -------------------------------------------------------------------
@@ -163,7 +163,7 @@ def restore_whole_model(
     """
     if deferred:
         _gather_whole_model_to_last_stage(pipelined, stage_ranks, rank, group, device)
-        replace_submodule(module, pipelined.name, pipelined.sequential)
+        pipelined.put_back()
         return
     layers = list(pipelined.sequential)
     with torch.no_grad():
@@ -174,7 +174,7 @@ def restore_whole_model(
                     buffer = tensor.to(device)
                     dist.broadcast(buffer, src=owner, group=group)
                     tensor.copy_(buffer)
-    replace_submodule(module, pipelined.name, pipelined.sequential)
+    pipelined.put_back()
 
 
 def _gather_whole_model_to_last_stage(
