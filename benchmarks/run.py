@@ -6,16 +6,15 @@ Usage::
     python benchmarks/run.py --quick    # tiny sizes, to check that every benchmark works (under a minute)
     python benchmarks/run.py --out DIR  # write DIR/benchmarks.md and DIR/benchmarks.json instead
 
-Every ``benchmarks/bench_*.py`` module is one section: its ``run(quick: bool)`` returns
-``{"title": str, "markdown": str, "data": dict}``. A section that fails is reported as failed and the others still
-run; the command then exits with status 1.
+Every ``benchmarks/sections/bench_*.py`` module is one section, listed in :data:`SECTIONS`: its
+``run(quick: bool)`` returns ``{"title": str, "markdown": str, "data": dict}``. A section that fails is reported as
+failed and the others still run; the command then exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import json
 import os
 import platform
@@ -24,15 +23,27 @@ import time
 import traceback
 from importlib.metadata import version
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from report import TARGET_LINE
+from harness.report import TARGET_LINE
+from sections import (
+    bench_balance,
+    bench_bubble,
+    bench_memory,
+    bench_memory_setup,
+    bench_overhead,
+    bench_peer,
+    bench_pipeline,
+)
 
 BENCHMARKS = Path(__file__).resolve().parent
 REPO = BENCHMARKS.parent
 DOCS = REPO / "docs"
-# Sections in reading order; any other bench_*.py module follows, alphabetically.
-FIRST_SECTIONS = ("bench_pipeline", "bench_peer", "bench_overhead", "bench_memory")
+# The sections in reading order (tests/test_benchmarks.py checks that every module of sections/ is here).
+SECTIONS: tuple[ModuleType, ...] = (
+    bench_pipeline, bench_peer, bench_overhead, bench_memory, bench_balance, bench_bubble, bench_memory_setup,
+)
 # Hand-written record of the engine's optimisations, appended to the generated page (the runner never edits it).
 OPTIMISATIONS = BENCHMARKS / "optimisations.md"
 
@@ -42,16 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that every benchmark runs")
     parser.add_argument("--out", type=Path, default=None, help="write benchmarks.md and benchmarks.json here")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(BENCHMARKS))
     command = "python benchmarks/run.py" + (" --quick" if args.quick else "")
     machine = _machine()
     started = time.perf_counter()
     sections, failed = [], False
-    for name in section_modules():
+    for section in SECTIONS:
+        name = section.__name__.rpartition(".")[2]
         start = time.perf_counter()
         print(f"[benchmarks] {name} ...", flush=True)
         try:
-            result = importlib.import_module(name).run(args.quick)
+            result = section.run(args.quick)
         except Exception:  # noqa: BLE001  (one broken section must not hide the others' results)
             failed = True
             error = traceback.format_exc()
@@ -69,11 +80,6 @@ def main(argv: list[str] | None = None) -> int:
     (out / "benchmarks.md").write_text(render(report))
     print(f"[benchmarks] wrote {out / 'benchmarks.md'} and {out / 'benchmarks.json'}", flush=True)
     return 1 if failed else 0
-
-
-def section_modules() -> list[str]:
-    found = sorted(path.stem for path in BENCHMARKS.glob("bench_*.py"))
-    return [name for name in FIRST_SECTIONS if name in found] + [name for name in found if name not in FIRST_SECTIONS]
 
 
 def render(report: dict[str, Any]) -> str:
@@ -102,7 +108,8 @@ def render(report: dict[str, Any]) -> str:
     if targets:
         lines += ["Targets at a glance (each is explained in its section):", "", *(f"- {line}" for line in targets), ""]
     for section in report["sections"]:
-        lines += [f"## {section['title']}", "", section["markdown"].strip(), "", f"*Source: `benchmarks/{section['module']}.py`.*", ""]
+        source = f"*Source: `benchmarks/sections/{section['module']}.py`.*"
+        lines += [f"## {section['title']}", "", section["markdown"].strip(), "", source, ""]
     if OPTIMISATIONS.exists():
         lines += [OPTIMISATIONS.read_text().strip(), ""]
     return "\n".join(lines)

@@ -1,9 +1,10 @@
-"""Balancing: which contiguous layers each stage gets, so that the slowest (or fullest) stage costs the least.
+"""Which contiguous layers each stage gets: evenly, by an explicit ``balance=[...]``, or balanced by a cost per layer.
 
-A pipeline runs at the pace of its most expensive stage. Given a cost per layer (1 per layer, its parameter count,
-its profiled time or memory), :func:`min_max_partition` returns the contiguous split whose most expensive stage is
-as cheap as possible: exactly, by dynamic programming, not by a greedy fill. :func:`plan_partition` turns a
-``balance=`` choice into that split, profiling the layers when the choice asks for it.
+A pipeline runs at the pace of its most expensive stage. Given a cost per layer (its parameter count, its profiled
+time or memory), :func:`min_max_partition` returns the contiguous split whose most expensive stage is as cheap as
+possible: exactly, by dynamic programming, not by a greedy fill. :func:`plan_partition` turns a ``balance=`` choice
+into a split, profiling the layers (:mod:`lightning_pipe.profile`) when the choice asks for it. The rules a balance
+must follow are checked here, once: :mod:`lightning_pipe.settings` applies the ones it can before any process starts.
 """
 
 from __future__ import annotations
@@ -12,20 +13,97 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Union, get_args
+from typing import TYPE_CHECKING, Any, Literal, Union, get_args
 
 import torch
 from torch import nn
 
-from lightning_pipe.config import PipelineParallelConfig, ranges_from_sizes
-from lightning_pipe.partition import stage_ranges
 from lightning_pipe.profile import LayerProfile, pipelined_input, profile_layers
+from lightning_pipe.schedule import recomputes
+
+if TYPE_CHECKING:
+    from lightning_pipe.config import PipelineParallelConfig
 
 BalanceMode = Literal["uniform", "parameters", "time", "memory"]
 BALANCE_MODES: tuple[str, ...] = get_args(BalanceMode)
 PROFILED_MODES = ("time", "memory")
 
 Balance = Union[Sequence[int], BalanceMode, None]
+
+
+# ---- the split -------------------------------------------------------------------------------------------------------
+
+
+def split_evenly(num_layers: int, num_stages: int) -> list[range]:
+    """Contiguous layer ranges, one per stage, covering every layer once; sizes differ by at most one, the larger
+    ones first.
+
+    >>> split_evenly(8, 3)
+    [range(0, 3), range(3, 6), range(6, 8)]
+    """
+    check_stage_count(num_layers, num_stages)
+    base, extra = divmod(num_layers, num_stages)
+    return ranges_from_sizes([base + 1 if stage < extra else base for stage in range(num_stages)])
+
+
+def check_stage_count(num_layers: int, num_stages: int) -> None:
+    """Raise, naming the limit, unless every one of ``num_stages`` stages can get a layer."""
+    if num_stages > num_layers:
+        raise ValueError(
+            f"num_stages={num_stages} but the pipelined module has only {num_layers} layers;"
+            f" use at most {num_layers} stages, or split the model into more layers."
+            if num_layers > 0
+            else "the pipelined module has no layers; pipeline a module that holds the layers to split."
+        )
+
+
+def ranges_from_sizes(sizes: Sequence[int]) -> list[range]:
+    """Turn per-stage layer counts such as ``[3, 5]`` into contiguous ranges ``[range(0, 3), range(3, 8)]``."""
+    ranges, start = [], 0
+    for size in sizes:
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+def stage_ranges(config: PipelineParallelConfig, num_layers: int, balance: Sequence[int] | None = None) -> list[range]:
+    """Layer range of every stage: from ``balance`` (layers per stage) when given, else an even split."""
+    if balance is None:
+        return split_evenly(num_layers, config.num_stages)
+    sizes = list(balance)
+    check_layer_counts(sizes)
+    check_one_count_per_stage(sizes, config.num_stages)
+    if sum(sizes) != num_layers:
+        raise ValueError(
+            f"balance={sizes} sums to {sum(sizes)} but the pipelined module has {num_layers} layers;"
+            " make the layer counts add up to the number of layers."
+        )
+    return ranges_from_sizes(sizes)
+
+
+def check_layer_counts(sizes: Sequence[Any], key: str = "") -> None:
+    """Raise unless every entry of an explicit balance is a positive integer. ``key`` prefixes the setting's name in
+    the message (``"strategy."`` under Hydra)."""
+    if any(isinstance(size, bool) or not isinstance(size, int) or size < 1 for size in sizes):
+        raise ValueError(
+            f"{key}balance={list(sizes)} is invalid; layer counts must be positive integers: every stage needs at"
+            " least one layer."
+        )
+
+
+def check_one_count_per_stage(
+    sizes: Sequence[int], num_stages: int, key: str = "", num_stages_set: bool = False
+) -> None:
+    """Raise unless an explicit balance has one entry per stage. ``num_stages_set``: the count is the user's
+    ``num_stages`` setting (named in the message) rather than the one resolved from the process count."""
+    if len(sizes) != num_stages:
+        stages = f"{key}num_stages={num_stages}" if num_stages_set else f"there are {num_stages} stages"
+        raise ValueError(
+            f"{key}balance={list(sizes)} has {len(sizes)} entries but {stages}; give one layer count per stage."
+        )
+
+
+# ---- balancing by a cost per layer -----------------------------------------------------------------------------------
 
 
 def min_max_partition(costs: Sequence[float], num_stages: int) -> list[int]:
@@ -98,6 +176,9 @@ def imbalance(stage_totals: Sequence[float]) -> float:
     return max(stage_totals) / mean if mean > 0 else 1.0
 
 
+# ---- the plan every rank applies -------------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class LayerInfo:
     """What the summary shows of one layer, known without running it."""
@@ -123,30 +204,30 @@ class PartitionPlan:
     profiles: list[LayerProfile] | None = None
 
 
-def validate_balance(balance: Any) -> list[int] | BalanceMode | None:
-    """``balance`` as the strategy keeps it, or a ``ValueError`` naming the accepted forms."""
-    if balance is None or isinstance(balance, str):
-        if balance is not None and balance not in BALANCE_MODES:
-            raise ValueError(
-                f"balance={balance!r} is not a balancing mode; use one of {', '.join(map(repr, BALANCE_MODES))},"
-                " or a list of layers per stage such as [3, 5]."
-            )
-        return balance  # type: ignore[return-value]
-    return list(balance)
-
-
-def recompute_fraction(checkpoint: str, num_micro_batches: int) -> float:
-    """The share of micro-batches whose forward runs again in backward under the activation-checkpoint mode."""
-    if checkpoint == "always":
-        return 1.0
-    if checkpoint == "except_last":
-        return (num_micro_batches - 1) / num_micro_batches
-    return 0.0
+def recompute_fraction(mode: str, num_micro_batches: int) -> float:
+    """The share of micro-batches whose forward runs again in backward under the re-computation ``mode`` (the
+    public ``checkpoint`` option), as :func:`lightning_pipe.schedule.recomputes` decides it."""
+    return sum(recomputes(mode, m, num_micro_batches) for m in range(num_micro_batches)) / num_micro_batches
 
 
 def needs_sample(balance: Balance) -> bool:
     """Whether ``balance`` profiles the layers, which needs a sample input."""
     return isinstance(balance, str) and balance in PROFILED_MODES
+
+
+def profiling_sample(balance: Balance, sample: Any, module: nn.Module) -> Any:
+    """The input to profile the layers with: ``sample``, else ``module``'s ``example_input_array``. Raises, naming
+    the fix, when ``balance`` profiles and there is neither."""
+    if sample is None:
+        sample = getattr(module, "example_input_array", None)
+    if sample is None and needs_sample(balance):
+        raise ValueError(
+            f"balance={balance!r} profiles every layer on a sample input, but the LightningModule has no"
+            " example_input_array and GPipeStrategy got no sample; set `self.example_input_array = <one batch of"
+            " forward's input>` in the module's __init__, or pass GPipeStrategy(sample=<one batch>), or use"
+            " balance='parameters' or a list of layers per stage."
+        )
+    return sample
 
 
 def plan_partition(
@@ -160,11 +241,10 @@ def plan_partition(
 ) -> PartitionPlan:
     """The split of ``sequential``'s layers for ``balance``.
 
-    ``None`` and ``"uniform"`` split the layers evenly (as :meth:`PipelineParallelConfig.split_into_stages`); a list
-    gives layers per stage; ``"parameters"`` balances parameter counts; ``"time"`` and ``"memory"`` profile every
-    layer on ``device`` with ``sample`` (an input of ``module``'s forward) and balance forward-plus-backward time
-    (the forward counted ``1 + recompute_fraction`` times, as re-computation repeats it) or parameter-plus-activation
-    bytes.
+    ``None`` and ``"uniform"`` split the layers evenly; a list gives layers per stage; ``"parameters"`` balances
+    parameter counts; ``"time"`` and ``"memory"`` profile every layer on ``device`` with ``sample`` (an input of
+    ``module``'s forward; by default its ``example_input_array``) and balance forward-plus-backward time (the forward
+    counted ``1 + recompute_fraction`` times, as re-computation repeats it) or parameter-plus-activation bytes.
     """
     layers = [
         LayerInfo(
@@ -175,21 +255,20 @@ def plan_partition(
         for layer in sequential
     ]
     num_layers = len(layers)
-    if balance is None or balance == "uniform" or not isinstance(balance, str):
-        ranges = stage_ranges(config, num_layers, None if isinstance(balance, str) else balance)
-        method = "explicit" if balance is not None and not isinstance(balance, str) else "uniform"
-        return PartitionPlan(method, ranges, layers, [1.0] * num_layers, "layers")
-    if config.num_stages > num_layers:
-        config.split_into_stages(num_layers)  # raises the error that names the fix
+    if balance is None or balance == "uniform":
+        ranges = split_evenly(num_layers, config.num_stages)
+        return PartitionPlan("uniform", ranges, layers, [1.0] * num_layers, "layers")
+    if not isinstance(balance, str):
+        ranges = stage_ranges(config, num_layers, balance)
+        return PartitionPlan("explicit", ranges, layers, [1.0] * num_layers, "layers")
+    check_stage_count(num_layers, config.num_stages)
     profiles = None
     if balance == "parameters":
         costs, unit = [float(layer.parameters) for layer in layers], "parameters"
     else:
-        if sample is None:
-            raise ValueError(missing_sample_message(balance))
         profiles = profile_layers(
             sequential,
-            pipelined_input(module, sequential, sample),
+            pipelined_input(module, sequential, profiling_sample(balance, sample, module)),
             device or torch.device("cpu"),
             config.num_micro_batches,
         )
@@ -201,14 +280,5 @@ def plan_partition(
     if sum(costs) > 0:
         ranges = ranges_from_sizes(min_max_partition(costs, config.num_stages))
     else:  # nothing to balance (e.g. no layer has parameters): fall back to an even split
-        ranges = config.split_into_stages(num_layers)
+        ranges = split_evenly(num_layers, config.num_stages)
     return PartitionPlan(balance, ranges, layers, costs, unit, profiles)
-
-
-def missing_sample_message(balance: str) -> str:
-    return (
-        f"balance={balance!r} profiles every layer on a sample input, but the LightningModule has no"
-        " example_input_array and GPipeStrategy got no sample; set `self.example_input_array = <one batch of"
-        " forward's input>` in the module's __init__, or pass GPipeStrategy(sample=<one batch>), or use"
-        " balance='parameters' or a list of layers per stage."
-    )

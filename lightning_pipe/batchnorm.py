@@ -6,11 +6,19 @@ semantics). With ``GPipeStrategy(deferred_batch_norm=True)`` (torchgpipe's optio
 is still normalised with its own statistics, but the running statistics are updated once per mini-batch, from the
 statistics of the whole mini-batch: after training they equal one device's.
 
+A BatchNorm in training needs more than one value per channel. In a pipeline it sees a micro-batch, not the batch:
+:func:`check_micro_batches_fit_batch_norm` tells before training when a micro-batch is too small for one of them,
+from the shapes its inputs had in an observed forward (:func:`observed_batch_norm_inputs`).
+
 The conversion swaps the class of each BatchNorm module in place (as ``torch.nn.utils.parametrize`` does), so
 parameters, buffers, state-dict keys and optimizer references stay exactly as they were; :func:`revert` undoes it.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -79,3 +87,71 @@ def revert(module: nn.Module) -> None:
             for name in _ACCUMULATORS:
                 delattr(child, name)
             child.__class__ = next(base for base, deferred in _deferred_classes.items() if deferred is type(child))
+
+
+@contextmanager
+def observed_batch_norm_inputs(layers: nn.Module, batch_size: int) -> Iterator[dict[str, float]]:
+    """While open, record for every BatchNorm of ``layers`` (by its name there) that is called in a forward of
+    ``batch_size`` samples how many values per channel each sample brings it: one for (N, C), H*W for (N, C, H, W).
+
+    Only shapes are read, so the forward observed may run on the meta device.
+    """
+    values: dict[str, float] = {}
+    handles = []
+    for name, module in layers.named_modules():
+        if isinstance(module, _BatchNorm):
+            def record(module: nn.Module, args: tuple, name: str = name) -> None:
+                shape = args[0].shape
+                values[name] = math.prod(shape) / (shape[1] * batch_size)
+            handles.append(module.register_forward_pre_hook(record))
+    try:
+        yield values
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def check_micro_batches_fit_batch_norm(
+    layers: nn.Module, values_per_sample: Mapping[str, float], batch_size: int, num_micro_batches: int
+) -> None:
+    """Raise a ``ValueError`` if a micro-batch of a ``batch_size`` batch leaves a BatchNorm of ``layers`` in training
+    one value per channel, which it cannot normalise (torch raises in the middle of the step, on one stage).
+
+    ``values_per_sample`` comes from :func:`observed_batch_norm_inputs`. The micro-batches of a batch differ in size
+    by at most one (``microbatch.split``); the smallest decides.
+    """
+    chunks = max(1, min(num_micro_batches, batch_size))
+    smallest = batch_size // chunks
+    for name, module in layers.named_modules():
+        if name not in values_per_sample or not isinstance(module, _BatchNorm):
+            continue
+        if not module.training and module.track_running_stats:
+            continue  # it normalises with its running statistics: any size works
+        per_sample = values_per_sample[name]
+        if smallest * per_sample >= 2:
+            continue
+        samples_needed = math.ceil(2 / per_sample)  # per micro-batch
+        layer = f"{type(module).__name__} layer {name!r}"
+        brings = f"each sample brings it {_values(per_sample)} per channel"
+        if batch_size * per_sample < 2:
+            raise ValueError(
+                f"{layer} gets {_values(batch_size * per_sample)} per channel in training: the batch holds"
+                f" {_samples(batch_size)} and {brings}; it cannot normalise that, on one device either. Use batches"
+                f" of at least {_samples(samples_needed)} (or drop_last=True in the DataLoader when only the last"
+                " batch is this small)."
+            )
+        raise ValueError(
+            f"{layer} would get {_values(smallest * per_sample)} per channel in training: a batch of"
+            f" {_samples(batch_size)} in num_micro_batches={num_micro_batches} gives micro-batches of"
+            f" {_samples(smallest)}, and {brings}. Use num_micro_batches={batch_size // samples_needed} or fewer,"
+            f" or batches of at least {_samples(samples_needed * num_micro_batches)}. deferred_batch_norm=True does"
+            " not help: it defers only the running statistics, and each micro-batch is still normalised with its own."
+        )
+
+
+def _values(count: float) -> str:
+    return f"{count:g} value" + ("" if count == 1 else "s")
+
+
+def _samples(count: int) -> str:
+    return f"{count} sample" + ("" if count == 1 else "s")

@@ -4,6 +4,9 @@ Each stage's optimizer numbers only its own parameters. A consolidated state num
 model as one device would: group by group, in the model's parameter order. That is the layout a single-device
 ``optimizer.load_state_dict`` expects, so the checkpoint loads on one device, or on any other stage count, by
 looking each parameter up by name.
+
+``python -m lightning_pipe.consolidate_checkpoint SHARDED_DIR OUT.ckpt`` writes a sharded checkpoint as one such
+file.
 """
 
 from __future__ import annotations
@@ -105,3 +108,4 @@ def split_optimizer_state(
                 state[i] = consolidated["state"][global_index[name]]
         index += len(names)
     return {"state": state, "param_groups": param_groups}
+

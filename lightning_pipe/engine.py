@@ -33,8 +33,9 @@ from lightning_pipe.batchnorm import DeferredBatchNorm
 from lightning_pipe.microbatch import Activation
 from lightning_pipe.p2p import ACTIVATION, SKIP, Header, Link, PendingHeader, PostedTensors, TensorMeta
 from lightning_pipe.schedule import Action, Schedule, phases
+from lightning_pipe.settings import RecomputeMode
 from lightning_pipe.stage import StageBlocks
-from lightning_pipe.timeline import BACKWARD, FORWARD, SEND, WAIT, Stamp, StepTimeline
+from lightning_pipe.trace.timeline import BACKWARD, FORWARD, SEND, WAIT, Stamp, StepTimeline
 
 
 class PipelineMismatchError(RuntimeError):
@@ -90,7 +91,7 @@ class PipelineEngine:
         self,
         layers: StageBlocks,
         num_micro_batches: int,
-        recompute: str,
+        recompute: RecomputeMode,
         previous: Link | None,
         next: Link | None,
         schedule: Schedule,

@@ -5,7 +5,8 @@
 * ``strategy/gpipe_schema`` in Hydra's ConfigStore, the structured config that ``conf/strategy/gpipe.yaml``
   extends. OmegaConf then rejects unknown keys and wrongly typed values, naming the key; values it cannot judge
   (a stage count of 0, an unknown checkpoint mode, ``balance`` as a list, a mode name or null) are checked by
-  :func:`validate_config` with the rules of :class:`~lightning_pipe.PipelineParallelConfig`.
+  :func:`validate_config` with the rules :class:`GPipeStrategy(...) <lightning_pipe.GPipeStrategy>` applies
+  (:mod:`lightning_pipe.settings`).
 * the ``${lightning_pipe.start_method:}`` resolver, which chooses how the Trainer starts its processes: Lightning's
   default launcher re-runs ``sys.argv`` for every rank, and inside ``python train.py -m ...`` that is the whole
   sweep again. Inside a multirun job the resolver answers ``"spawn"``, so each job starts its own processes and
@@ -30,10 +31,9 @@ from lightning.fabric.plugins.environments import (
 )
 from omegaconf import OmegaConf
 
-from lightning_pipe.balance import BALANCE_MODES, validate_balance
-from lightning_pipe.config import PipelineParallelConfig, validate_checkpoint_mode
+from lightning_pipe.config import PipelineParallelConfig
+from lightning_pipe.settings import PipelineSettings, check_process_count
 
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
 START_METHOD_RESOLVER = "lightning_pipe.start_method"
 
 
@@ -53,8 +53,10 @@ class GPipeStrategyConfig:
     """Layers per stage as a list (``[3, 5]``), a balancing mode (``uniform``, ``parameters``, ``time``,
     ``memory``), or null for ``uniform``. (``Any``: OmegaConf cannot type a list-or-string field;
     :func:`validate_config` checks it.)"""
-    module_name: Optional[str] = None
-    """Dotted path of the ``nn.Sequential`` to pipeline; null picks the one with the most parameters."""
+    module_name: Any = None
+    """Dotted path of the ``nn.Sequential`` or ``nn.ModuleList`` to pipeline, or a list of consecutive sibling
+    modules (``[model.conv1, model.bn1, ..., model.avgpool]``); null picks the region with the most parameters.
+    (``Any``: OmegaConf cannot type a string-or-list field; :func:`validate_config` checks it.)"""
     start_method: str = "${" + START_METHOD_RESOLVER + ":}"
     """How the Trainer starts its processes; by default ``spawn`` inside a Hydra multirun, else ``popen``."""
     trace_steps: list[int] = field(default_factory=list)
@@ -68,8 +70,14 @@ class GPipeStrategyConfig:
     mesh_order: list[str] = field(default_factory=lambda: ["pp", "dp"])
     """Rank layout over pipeline and data-parallel replicas, outermost first, when ``trainer.devices *
     trainer.num_nodes`` is a multiple of ``num_stages``: ``[pp, dp]`` keeps a replica's all-reduce within a node."""
-    save_distributed_checkpoint: bool = False
-    """Write sharded checkpoints (each rank its own stage) instead of one file gathered on rank 0."""
+    save_distributed_checkpoint: Optional[bool] = None
+    """Write sharded checkpoints (each rank its own stage) instead of one file gathered on rank 0; null: sharded
+    for a model built on the meta device (in ``configure_model``), one file otherwise."""
+    gather_model_after_run: bool = False
+    """After a run of a model built on the meta device, send the whole model to global rank 0 (costs it the whole
+    model in host memory); by default each rank keeps its own stage."""
+    schedule: str = "gpipe"
+    """The order of each stage's forwards, backwards, sends and receives in a step (``lightning_pipe.schedule``)."""
 
 
 def register_configs() -> None:
@@ -118,66 +126,17 @@ def validate_strategy_config(strategy: Mapping[str, Any], key: str = "strategy")
         raise ValueError(
             f"{key}.{unknown[0]} is not a GPipeStrategy setting; the settings are {', '.join(known[1:])}."
         )
-    num_stages = strategy.get("num_stages")
-    num_micro_batches = strategy.get("num_micro_batches")
-    try:
-        PipelineParallelConfig(num_stages, 1)  # the stage count first: the default micro-batch count needs it
-        pipeline = PipelineParallelConfig(
-            num_stages, 4 * num_stages if num_micro_batches is None else num_micro_batches
-        )
-        validate_checkpoint_mode(strategy.get("checkpoint", "except_last"))
-    except (TypeError, ValueError) as error:
-        # The core messages start with "field=value", so the key path completes them.
-        raise ValueError(f"{key}.{error}") from None
-    _check_balance(strategy.get("balance"), pipeline.num_stages, key)
-    mesh_order = list(strategy.get("mesh_order", ["pp", "dp"]))
-    if sorted(mesh_order) != ["dp", "pp"]:
-        raise ValueError(f"{key}.mesh_order={mesh_order} is invalid; use [pp, dp] (pipeline outermost) or [dp, pp].")
-    start_method = strategy.get("start_method", "popen")
-    if start_method not in START_METHODS:
-        raise ValueError(
-            f"{key}.start_method={start_method!r} is not a start method; use one of"
-            f" {', '.join(map(repr, START_METHODS))}, or leave it out to get 'spawn' in sweeps and 'popen' elsewhere."
-        )
-    return pipeline
-
-
-def _check_balance(balance: Any, num_stages: int, key: str) -> None:
-    if balance is None:
-        return
-    if isinstance(balance, str):
-        try:
-            validate_balance(balance)
-        except ValueError as error:
-            raise ValueError(f"{key}.{error}") from None
-        return
-    if isinstance(balance, (bytes, Mapping)) or not hasattr(balance, "__len__"):
-        raise ValueError(
-            f"{key}.balance={balance!r} is invalid; give one layer count per stage as a list"
-            f" (e.g. {key}.balance=[{', '.join(['4'] * num_stages)}]), a mode ({', '.join(BALANCE_MODES)}),"
-            " or null for an even split."
-        )
-    sizes = list(balance)
-    if any(isinstance(size, bool) or not isinstance(size, int) or size < 1 for size in sizes):
-        raise ValueError(f"{key}.balance={sizes} is invalid; every entry must be a positive layer count.")
-    if len(sizes) != num_stages:
-        raise ValueError(
-            f"{key}.balance={sizes} has {len(sizes)} entries but {key}.num_stages={num_stages};"
-            " give one layer count per stage."
-        )
+    settings = PipelineSettings.from_options(strategy, key=f"{key}.")
+    if settings.num_stages is None:  # the schema's default is 2; only a node made by hand can lack it
+        raise ValueError(f"{key}.num_stages is missing; set it to the number of pipeline stages.")
+    return settings.pipeline_config(num_processes=settings.num_stages)
 
 
 def _check_process_count(trainer: Mapping[str, Any], num_stages: int) -> None:
     devices, num_nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
     if isinstance(devices, bool) or not isinstance(devices, int) or not isinstance(num_nodes, int):
         return  # "auto", a device list or a string: Lightning resolves it, and the strategy checks the result
-    if (devices * num_nodes) % num_stages:
-        raise ValueError(
-            f"trainer.devices={devices} on trainer.num_nodes={num_nodes} starts {devices * num_nodes} processes,"
-            f" not a multiple of strategy.num_stages={num_stages} (one process per stage of each pipeline replica);"
-            " leave trainer.devices at ${strategy.num_stages} for one pipeline, or set it to a multiple for"
-            " data-parallel replicas of the pipeline."
-        )
+    check_process_count(num_stages, devices, num_nodes, key="strategy.", trainer_key="trainer.")
 
 
 def _processes_started_externally() -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -60,11 +59,12 @@ def materialize(root: nn.Module, device: torch.device, seed: int) -> list[str]:
     for name, module in root.named_modules():
         if not holds_meta_tensors(module, recurse=False):
             continue
-        if module in _held_elsewhere:
+        if getattr(module, _HELD_ELSEWHERE, False):
             raise RuntimeError(
                 f"module {name!r} ({type(module).__name__}) is on the meta device here because a previous run with"
-                " the gpipe strategy trained it on another rank (after fit, the last stage holds the whole model);"
-                " a new split now places it on this rank. Run with the same split, or load the weights from a"
+                " the gpipe strategy trained it on another rank (a model built on the meta device stays distributed"
+                " after fit); a new split, or another process, now places it here. Run with the same split, or load"
+                " the weights from a"
                 " checkpoint into a fresh model (`Model.load_from_checkpoint(path)` or `trainer.fit(model,"
                 " ckpt_path=path)` with a model built in configure_model)."
             )
@@ -111,8 +111,11 @@ def init_weights(module: nn.Module, seed: int | None = None) -> list[str]:
 
 def mark_held_elsewhere(modules: list[nn.Module]) -> None:
     """Record that these meta modules (and their submodules) stand for trained weights another rank holds, so that
-    a later :func:`materialize` refuses to re-initialise them instead of silently discarding the training."""
-    _held_elsewhere.update(submodule for module in modules for submodule in module.modules())
+    a later :func:`materialize` refuses to re-initialise them instead of silently discarding the training. The mark
+    is an attribute of each module: it travels with the model to the processes of a spawn launcher."""
+    for module in modules:
+        for submodule in module.modules():
+            setattr(submodule, _HELD_ELSEWHERE, True)
 
 
 def _tensors(module: nn.Module, recurse: bool) -> Iterator[Tensor]:
@@ -148,9 +151,9 @@ def _seeded(device: torch.device, seed: int) -> Iterator[None]:
         yield
 
 
-# Modules left on the meta device after a run because another rank holds their trained weights (see
-# `mark_held_elsewhere`); weak, so that the record dies with the model.
-_held_elsewhere: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+# Set on modules left on the meta device after a run because another rank holds their trained weights (see
+# `mark_held_elsewhere`).
+_HELD_ELSEWHERE = "_gpipe_held_elsewhere"
 
 
 def _meta_parameter_holders(root: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:

@@ -1,12 +1,11 @@
-"""Which ``nn.Sequential`` of a model to pipeline, which layers go to which stage, and swapping it for a stand-in."""
+"""Which module of a model to pipeline, and putting a stand-in in its place.
+
+Which of its layers each stage gets is :mod:`lightning_pipe.balance`'s job.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from torch import nn
-
-from lightning_pipe.config import PipelineParallelConfig, ranges_from_sizes
 
 
 def find_pipelined_module(model: nn.Module, module_name: str | None = None) -> tuple[str, nn.Sequential]:
@@ -32,26 +31,6 @@ def find_pipelined_module(model: nn.Module, module_name: str | None = None) -> t
             " module_name='path.to.sequential'."
         )
     return max(candidates, key=lambda item: _num_parameters(item[1]))
-
-
-def stage_ranges(config: PipelineParallelConfig, num_layers: int, balance: Sequence[int] | None = None) -> list[range]:
-    """Layer range of every stage: from ``balance`` (layers per stage) when given, else an even split."""
-    if balance is None:
-        return config.split_into_stages(num_layers)
-    balance = list(balance)
-    if len(balance) != config.num_stages:
-        raise ValueError(
-            f"balance={balance} has {len(balance)} entries but there are {config.num_stages} stages;"
-            " give one layer count per stage."
-        )
-    if any(isinstance(size, bool) or not isinstance(size, int) or size < 1 for size in balance):
-        raise ValueError(f"balance={balance} must hold positive integers: every stage needs at least one layer.")
-    if sum(balance) != num_layers:
-        raise ValueError(
-            f"balance={balance} sums to {sum(balance)} but the pipelined module has {num_layers} layers;"
-            " make the layer counts add up to the number of layers."
-        )
-    return ranges_from_sizes(balance)
 
 
 def replace_submodule(module: nn.Module, name: str, replacement: nn.Module) -> None:

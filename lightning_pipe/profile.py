@@ -54,9 +54,10 @@ def pipelined_input(module: nn.Module, sequential: nn.Sequential, sample: Any) -
     """
 
     def capture(_module: nn.Module, args: tuple[Any, ...]) -> None:
-        raise _Captured(args[0] if len(args) == 1 else tuple(args))
+        raise _Captured(args[0])
 
-    handle = sequential.register_forward_pre_hook(capture)
+    # The first block's first argument: what a Sequential passes on, or what the model's loop calls its blocks with.
+    handle = sequential[0].register_forward_pre_hook(capture)
     modes = {submodule: submodule.training for submodule in module.modules()}
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     sample = move_data_to_device(sample, device)
@@ -130,10 +131,13 @@ def _profile_layer(
                 saved[(tensor.data_ptr(), tuple(tensor.shape))] = tensor.numel() * tensor.element_size()
             return tensor
 
+        # A layer that works in place (``nn.ReLU(inplace=True)``) may not modify a leaf that requires grad, and must
+        # not modify the input the next run reuses: it gets a copy, made outside the timed span.
+        copies = tuple(t.clone() for t in inputs)
         sync()
         start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            output = layer(inputs if is_tuple else inputs[0])
+            output = layer(copies if is_tuple else copies[0])
         sync()
         middle = time.perf_counter()
         outputs = microbatch.as_tensors(output, f"the output of layer {index} of the pipelined module")

@@ -64,6 +64,7 @@ class StageRuntime:
         self.stage = stage
         self.step_skipped = False  # the last training step returned None: no backward, no optimizer step
         self._called = False  # whether the pipeline ran in the current step
+        self._batch_norms_checked = False
         stage.on_last_local_call = self._run_pipeline
         stage.on_outside_step_start = self._outside_step_starts
         stage.outside_step_output = self._share_last_output
@@ -134,6 +135,9 @@ class StageRuntime:
         if not stage.in_step:
             return self._run_pipeline_outside_step()
         self._called = True
+        if not self._batch_norms_checked and torch.is_grad_enabled():
+            stage.check_micro_batches_fit_batch_norm(engine.num_micro_batches)  # before the first training step runs
+            self._batch_norms_checked = True
         if self.is_first and self.is_last:
             return engine.forward_local(stage.stage_input())
         if self.is_last:

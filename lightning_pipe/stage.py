@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_pipe.batchnorm import check_micro_batches_fit_batch_norm, observed_batch_norm_inputs
 from lightning_pipe.microbatch import Activation
 from lightning_pipe.region import Region
 
@@ -54,6 +56,16 @@ class RemoteBlock(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._stage.block_called(self.index, args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        """The original block's attribute, for code that reads one (``nn.TransformerEncoder`` reads
+        ``layers[0].self_attn.batch_first``); its weights are not this stage's to use."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "_stage":
+                raise
+            return getattr(self._stage.originals[self.index], name)
 
     def extra_repr(self) -> str:
         return f"{self.block_name}, on another pipeline stage"
@@ -91,11 +103,13 @@ class StageBlocks:
         self._takes_first_item: bool | None = None  # the model passes output[0], not the output, to the next block
         self._meta_states: dict[int, dict[str, Tensor]] = {}
         self.leaves: dict[int, tuple[Tensor, Tensor]] = {}  # id(user tensor) -> (it, its leaf), for side arguments
+        self._nested_tensor_setting: tuple[nn.TransformerEncoder, bool] | None = None
 
     # ---- installing the stand-ins --------------------------------------------------------------------------------
 
     def install(self) -> None:
         """Put the stand-ins into the model: remote blocks replaced, local blocks' ``forward`` routed here."""
+        self._nested_tensor_setting = _avoid_nested_tensors(self.model, self.region)
         for index, (name, block) in enumerate(zip(self.region.names, self.originals)):
             if index in self.layer_range:
                 block.forward = self._routed(index, block)  # type: ignore[method-assign]
@@ -104,6 +118,9 @@ class StageBlocks:
 
     def uninstall(self) -> None:
         """Put every original block back (with their weights as they are), and their own ``forward``."""
+        if self._nested_tensor_setting is not None:
+            encoder, use_nested_tensor = self._nested_tensor_setting
+            encoder.use_nested_tensor = use_nested_tensor
         for index, (name, block) in enumerate(zip(self.region.names, self.originals)):
             if index in self.layer_range:
                 block.__dict__.pop("forward", None)
@@ -146,6 +163,9 @@ class StageBlocks:
             self.begin_step(in_step=False)
             self.on_outside_step_start()
         self._check_order(index, args, kwargs)
+        # NOTE: a key/value cache (Hugging Face's DynamicCache) would gather every micro-batch's keys and values, and
+        # the placeholders' meta-device ones: training needs none, so the pipelined blocks get none.
+        args, kwargs = _map_caches(args, _no_cache), _map_caches(kwargs, _no_cache)
         call = _Call(index, args, kwargs)
         self._calls.append(call)
         is_last_stage = self.stage_index == self.num_stages - 1
@@ -221,6 +241,17 @@ class StageBlocks:
                 strict=False,
             )
 
+    def check_micro_batches_fit_batch_norm(self, num_micro_batches: int) -> None:
+        """Raise before the step runs if a micro-batch is too small for a BatchNorm of this stage in training: the
+        shapes each BatchNorm sees come from this step's calls of this stage's blocks, re-run on the meta device."""
+        if not any(isinstance(module, _BatchNorm) for module in self.modules()):
+            return
+        batch_size = self.batch_size()
+        with observed_batch_norm_inputs(self.model, batch_size) as values:  # named as in the model
+            for call in self._local_calls():
+                self._placeholder(call.index, call.args, call.kwargs)
+        check_micro_batches_fit_batch_norm(self.model, values, batch_size, num_micro_batches)
+
     @contextlib.contextmanager
     def _real_calls(self) -> Iterator[None]:
         executing, self._executing = self._executing, True
@@ -262,7 +293,12 @@ class StageBlocks:
 
     def run_micro_batch(self, m: int, num: int, is_tuple: bool, *tensors: Tensor) -> Any:
         """This stage's blocks on micro-batch ``m`` of ``num``: the last block's output."""
-        value: Any = tensors if is_tuple else tensors[0]
+        # NOTE: the stage's first block gets a copy of its input. A block that works in place (VGG's
+        # `nn.ReLU(inplace=True)` starting a stage) would otherwise modify a received leaf, the view through which
+        # its gradient is caught, the first stage's slice of the user's tensor, or the input that re-computation
+        # in backward reads again.
+        copies = tuple(t.clone() for t in tensors)
+        value: Any = copies if is_tuple else copies[0]
         calls = self._local_calls()
         batch = self.batch_size()
         output: Any = None
@@ -313,6 +349,20 @@ class StageBlocks:
         return first if first == last else f"{first} .. {last}"
 
 
+def _avoid_nested_tensors(model: nn.Module, region: Region) -> tuple[nn.TransformerEncoder, bool] | None:
+    """Turn off ``nn.TransformerEncoder``'s nested-tensor path when its layers are the region: (encoder, setting).
+
+    In eval without gradients the encoder packs the padded batch into one NestedTensor for its layers, which cannot
+    be split into micro-batches or sent between stages; the padded path computes the same outputs."""
+    if region.container is None:
+        return None
+    parent = model.get_submodule(region.container.rpartition(".")[0])  # "" is the model itself
+    if not isinstance(parent, nn.TransformerEncoder) or not getattr(parent, "use_nested_tensor", False):
+        return None
+    parent.use_nested_tensor = False
+    return parent, True
+
+
 def _first_item(value: Any) -> Any:
     """``value[0]`` for a tuple or a ``ModelOutput``-like object (a mapping that indexes), else ``None``."""
     if isinstance(value, tuple) and value:
@@ -321,6 +371,21 @@ def _first_item(value: Any) -> Any:
         items = value.to_tuple()
         return items[0] if items else None
     return None
+
+
+def _is_cache(value: Any) -> bool:
+    """A Hugging Face key/value cache (``transformers.cache_utils.Cache`` and its subclasses)."""
+    return any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers") for cls in type(value).__mro__)
+
+
+def _no_cache(value: Any) -> Any:
+    return None if _is_cache(value) else value
+
+
+def _map_caches(values: Any, function: Callable[[Any], Any]) -> Any:
+    if isinstance(values, dict):
+        return {key: function(value) for key, value in values.items()}
+    return tuple(function(value) for value in values)
 
 
 def _micro_batch_of(tensor: Tensor, m: int, num: int, batch: int) -> Tensor:

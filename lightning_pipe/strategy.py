@@ -5,8 +5,8 @@ the steps, backward and the optimizer step, checkpoints, collectives, teardown. 
 modules named for it: :mod:`~lightning_pipe.launch` (starting and ending the ranks), :mod:`~lightning_pipe.groups` (the process groups
 and this rank's place), :mod:`~lightning_pipe.runtime` (running a step on this rank's stage),
 :mod:`~lightning_pipe.gradients` (reductions, clipping, overflow), :mod:`~lightning_pipe.whole_model` and
-:mod:`~lightning_pipe.sharded` (checkpoints, and the trained model after a run), :mod:`~lightning_pipe.observe`
-(the bubble and traces).
+:mod:`~lightning_pipe.sharded` (checkpoints, and the trained model after a run), :mod:`~lightning_pipe.trace`
+(the bubble and traces). Every setting is checked once, by :class:`~lightning_pipe.settings.PipelineSettings`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -48,15 +48,16 @@ from torchmetrics import Metric
 from lightning_pipe.balance import (
     Balance,
     PartitionPlan,
-    missing_sample_message,
+    check_one_count_per_stage,
     needs_sample,
     plan_partition,
+    profiling_sample,
     recompute_fraction,
-    validate_balance,
+    stage_ranges,
 )
 from lightning_pipe.batchnorm import defer as defer_batch_norms
 from lightning_pipe.batchnorm import revert as revert_batch_norms
-from lightning_pipe.config import CheckpointMode, PipelineParallelConfig, counts_from_config, validate_checkpoint_mode
+from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.consolidate import name_optimizer_state
 from lightning_pipe.engine import PipelineEngine
 from lightning_pipe.fingerprint import different_models_message, fingerprint_digest, model_fingerprint
@@ -64,36 +65,37 @@ from lightning_pipe.gradients import agree_on_gradient_overflow, clip_grad_norm_
 from lightning_pipe.launch import (
     CheckedMultiProcessingLauncher,
     CheckedSubprocessScriptLauncher,
+    end_process_groups_at_exit,
     end_started_ranks_at_exit,
+    keep_process_groups_at_exit,
     note_sigterm,
 )
 from lightning_pipe.materialize import global_seed, holds_meta_tensors, materialize
 from lightning_pipe.groups import PipelineGroups, init_pipeline_groups
 from lightning_pipe.outcome import StepOutcome
-from lightning_pipe.observe import make_tracer, observe_step
-from lightning_pipe.partition import stage_ranges
 from lightning_pipe.region import Region, find_region
+from lightning_pipe.settings import PipelineSettings, RecomputeMode, check_process_count
 from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
 from lightning_pipe.sharded import load as load_sharded
 from lightning_pipe.sharded import save as save_sharded
 from lightning_pipe.runtime import StageRuntime
-from lightning_pipe.schedule import SCHEDULES, Schedule
+from lightning_pipe.schedule import Schedule
 from lightning_pipe.stage import StageBlocks
 from lightning_pipe.summary import StageSummary, build_stage_summary, stage_devices
-from lightning_pipe.timeline import StepTimeline
 from lightning_pipe.topology import PipelineLayout
+from lightning_pipe.trace.timeline import StepTimeline
+from lightning_pipe.trace.tracer import TRACE_FILE_NAME, PipelineTracer, StepObservation, observe_step
 from lightning_pipe.whole_model import (
     PipelinedModule,
     group_names,
+    held_state_dict,
     load_stage_optimizer_state,
     load_stage_state_dict,
+    refuse_checkpoint_without_stages,
     restore_whole_model,
     whole_optimizer_state,
     whole_state_dict,
 )
-
-if TYPE_CHECKING:  # imported when tracing starts, so that `python -m lightning_pipe.trace` finds it unimported
-    from lightning_pipe.trace import PipelineTracer, StepObservation
 
 # Lightning's warning for epoch-level values logged without sync_dist=True under a distributed run.
 _SYNC_DIST_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)"
@@ -126,7 +128,8 @@ class GPipeStrategy(ParallelStrategy):
         sample: an input of the LightningModule's ``forward`` (as ``example_input_array``, which is used when this
             is ``None``) to profile the layers with for ``balance="time"`` or ``"memory"``.
         trace_steps: training steps (``trainer.global_step`` values) whose timeline of every stage is written as a
-            Chrome trace to ``trace_dir/gpipe_trace.json`` (see :mod:`lightning_pipe.trace`).
+            Chrome trace to ``trace_dir/gpipe_trace.json``, whose absolute path is printed when it is first written
+            (see :mod:`lightning_pipe.trace`).
         trace_dir: where the trace goes; defaults to the Trainer's ``default_root_dir``.
         log_bubble_fraction: send ``pipeline/bubble_fraction`` (the measured idle share of a step's compute window)
             and ``pipeline/ideal_bubble_fraction`` (``(S-1)/(M+S-1)``) to the loggers every ``log_every_n_steps``.
@@ -137,8 +140,17 @@ class GPipeStrategy(ParallelStrategy):
             gradient all-reduce on the fast links inside a node and sends only activations across nodes.
         save_distributed_checkpoint: write checkpoints sharded with ``torch.distributed.checkpoint`` (a directory):
             every rank writes its own stage, nothing is gathered on one host. Such a checkpoint resumes with any
-            stage count (only the local share is read); it does not load with ``load_from_checkpoint``. By default
-            the whole model is gathered to rank 0, which writes one file that loads anywhere.
+            stage count (only the local share is read); ``python -m lightning_pipe.consolidate_checkpoint DIR
+            FILE`` turns it into one file that loads anywhere. ``False``: the whole model is gathered to rank 0,
+            which writes one file that loads anywhere (with ``load_from_checkpoint``, on one device) and holds the
+            whole model and its optimizer state while writing. By default (``None``) sharded for a model built on
+            the meta device (in ``configure_model()`` or under ``init_module(empty_init=True)``), one file otherwise.
+        gather_model_after_run: after ``fit``, ``validate``, ``test`` or ``predict`` of a model built on the meta
+            device, send every stage's layers to global rank 0 (the last stage, the launching process), so that the
+            user's model object there holds the whole trained model, as on one device. Costs rank 0 the whole model
+            in host memory. By default each rank keeps only its own stage (the other layers stay on the meta
+            device) and the trained model lives in the checkpoints. A model built the usual way always comes back
+            whole on every rank.
         schedule: the order of each stage's forwards, backwards, sends and receives in a step: ``"gpipe"`` or a
             function ``(stage, num_stages, num_micro_batches, checkpoint) -> list[Action]`` (see
             :mod:`lightning_pipe.schedule`). Every forward comes before the first backward, since the loss is computed
@@ -154,7 +166,7 @@ class GPipeStrategy(ParallelStrategy):
         self,
         num_stages: int | PipelineParallelConfig | Mapping[str, Any] | None = None,
         num_micro_batches: int | None = None,
-        checkpoint: CheckpointMode = "except_last",
+        checkpoint: RecomputeMode = "except_last",
         balance: Balance = None,
         module_name: str | Sequence[str] | None = None,
         accelerator: Accelerator | None = None,
@@ -171,7 +183,8 @@ class GPipeStrategy(ParallelStrategy):
         log_bubble_fraction: bool = True,
         deferred_batch_norm: bool = False,
         mesh_order: tuple[str, str] = ("pp", "dp"),
-        save_distributed_checkpoint: bool = False,
+        save_distributed_checkpoint: bool | None = None,
+        gather_model_after_run: bool = False,
         schedule: str | Schedule = "gpipe",
     ) -> None:
         super().__init__(
@@ -181,35 +194,40 @@ class GPipeStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if isinstance(num_stages, (PipelineParallelConfig, Mapping)):
-            num_stages, num_micro_batches = counts_from_config(num_stages, num_micro_batches)
-        # Validate what can be validated before any process starts.
-        PipelineParallelConfig(
-            num_stages if num_stages is not None else 1, num_micro_batches if num_micro_batches is not None else 1
+        # Every setting is checked here, before any process starts; what needs the process count or the model is
+        # checked at launch (`_configure_launcher`, `_check_partition`).
+        self._settings = PipelineSettings(
+            num_stages,  # type: ignore[arg-type]  (a PipelineParallelConfig or a mapping holds both counts)
+            num_micro_batches,
+            recompute=checkpoint,
+            balance=balance,  # type: ignore[arg-type]
+            module_name=module_name,
+            sample=sample,
+            trace_steps=trace_steps,  # type: ignore[arg-type]
+            trace_dir=trace_dir,  # type: ignore[arg-type]
+            log_bubble_fraction=log_bubble_fraction,
+            deferred_batch_norm=deferred_batch_norm,
+            mesh_order=mesh_order,
+            start_method=start_method,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            gather_model_after_run=gather_model_after_run,
+            schedule=schedule,
         )
-        self._num_stages = num_stages
-        self._num_micro_batches = num_micro_batches
-        self._checkpoint = validate_checkpoint_mode(checkpoint)
-        self._balance = validate_balance(balance)
-        if isinstance(self._balance, list) and num_stages is not None and len(self._balance) != num_stages:
-            raise ValueError(
-                f"balance={self._balance} has {len(self._balance)} entries but num_stages={num_stages};"
-                " give one layer count per stage."
-            )
-        self._module_name = module_name
+        # The settings the process-group, setup, step and checkpoint sections read.
+        self._module_name = self._settings.module_name
+        self._deferred_batch_norm = self._settings.deferred_batch_norm
+        self._log_bubble_fraction = self._settings.log_bubble_fraction
+        self._trace_steps = self._settings.trace_steps
+        self._mesh_order = self._settings.mesh_order
+        self._save_distributed_checkpoint = self._settings.save_distributed_checkpoint
         self._process_group_backend = process_group_backend
         self._timeout = timeout
-        self._start_method = start_method
         self._num_nodes = 1
         self._layout: PipelineLayout | None = None
         self._groups: PipelineGroups | None = None
         self._runtime: StageRuntime | None = None
         self._replicated: list[nn.Parameter] = []
         self._wrapped_hooks: list[str] = []
-        self._sample = sample
-        self._trace_steps = list(trace_steps)
-        self._trace_dir = Path(trace_dir) if trace_dir is not None else None
-        self._log_bubble_fraction = log_bubble_fraction
         self._plan: PartitionPlan | None = None
         self._plan_module_name = ""
         self._tracer: PipelineTracer | None = None
@@ -217,27 +235,15 @@ class GPipeStrategy(ParallelStrategy):
         self._pipelined: PipelinedModule | None = None
         self._failed = False
         self._ending_started_ranks = False
-        self._deferred_batch_norm = deferred_batch_norm
-        self._mesh_order = tuple(mesh_order)
-        self._save_distributed_checkpoint = save_distributed_checkpoint
-        if self._mesh_order not in (("pp", "dp"), ("dp", "pp")):
-            raise ValueError(
-                f"mesh_order={mesh_order!r} must be ('pp', 'dp') (pipeline outermost: a replica's gradient"
-                " all-reduce stays among neighbouring ranks, one node) or ('dp', 'pp') (a pipeline's stages on"
-                " neighbouring ranks)."
-            )
+        self._gather_model_after_run = self._settings.gather_model_after_run
         self._deferred = False  # the pipelined module was built on the meta device (see `model_sharded_context`)
-        if isinstance(schedule, str) and schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r} is not a schedule; use one of {', '.join(map(repr, SCHEDULES))}.")
-        self._schedule: Schedule = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
 
     # ---- configuration -------------------------------------------------------------------------------------------
 
     @property
     def config(self) -> PipelineParallelConfig:
         """The resolved stage and micro-batch counts (known once the device count is)."""
-        num_stages = self._num_stages or self.num_processes * self.num_nodes
-        return PipelineParallelConfig(num_stages, self._num_micro_batches or 4 * num_stages)
+        return self._settings.pipeline_config(self.num_processes * self.num_nodes)
 
     @property
     def layout(self) -> PipelineLayout:
@@ -288,27 +294,18 @@ class GPipeStrategy(ParallelStrategy):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        world_size = self.num_processes * self.num_nodes
-        if self._num_stages is not None and world_size % self._num_stages != 0:
-            raise ValueError(
-                f"GPipeStrategy(num_stages={self._num_stages}) needs devices * num_nodes to be a multiple of the stage"
-                f" count (one process per stage of each pipeline replica), but the Trainer starts {world_size}"
-                f" (devices={self.num_processes}, num_nodes={self.num_nodes}); set Trainer(devices=...) so that"
-                f" devices * num_nodes is {self._num_stages} x replicas, or choose num_stages dividing {world_size}."
-            )
-        num_stages = self.config.num_stages
-        if isinstance(self._balance, list) and len(self._balance) != num_stages:
-            raise ValueError(
-                f"balance={self._balance} has {len(self._balance)} entries but there are {num_stages} stages;"
-                " give one layer count per stage."
-            )
+        settings = self._settings
+        if settings.num_stages is not None:
+            check_process_count(settings.num_stages, self.num_processes, self.num_nodes)
+        elif isinstance(settings.balance, list):  # with num_stages set, `PipelineSettings` compared the two
+            check_one_count_per_stage(settings.balance, self.config.num_stages)
         self.config  # noqa: B018  (validates the resolved counts before any process starts)
-        if self._start_method == "popen":
+        if settings.start_method == "popen":
             self._launcher = CheckedSubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
         else:
-            self._launcher = CheckedMultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = CheckedMultiProcessingLauncher(self, start_method=settings.start_method)
         self._launcher.check_model = self._check_partition
 
     def _check_partition(self, model: LightningModule, trainer: Trainer | None = None) -> None:
@@ -317,10 +314,10 @@ class GPipeStrategy(ParallelStrategy):
             _require_automatic_optimization(model)
         if is_overridden("configure_model", model):
             return  # the layers may exist only once configure_model has run, in each process: `setup` checks them
+        settings = self._settings
         region = self._find_region(model)
-        stage_ranges(self.config, len(region), self._balance if isinstance(self._balance, list) else None)
-        if needs_sample(self._balance) and self._sample is None and getattr(model, "example_input_array", None) is None:
-            raise ValueError(missing_sample_message(str(self._balance)))
+        stage_ranges(self.config, len(region), settings.balance if isinstance(settings.balance, list) else None)
+        profiling_sample(settings.balance, settings.sample, model)
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -345,6 +342,7 @@ class GPipeStrategy(ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
+        end_process_groups_at_exit()
         self._groups = init_pipeline_groups(
             self.layout, self.global_rank, self.root_device, self._process_group_backend, self._timeout,
             self._mesh_order,
@@ -434,18 +432,19 @@ class GPipeStrategy(ParallelStrategy):
         groups, index = self.groups, self.stage_index
         timeline = StepTimeline(self.root_device, enabled=self._log_bubble_fraction or bool(self._trace_steps))
         engine = PipelineEngine(
-            stage, config.num_micro_batches, self._checkpoint,
+            stage, config.num_micro_batches, self._settings.recompute,
             previous=groups.link(index - 1) if not groups.is_first else None,
             next=groups.link(index + 1) if not groups.is_last else None,
-            schedule=self._schedule,
+            schedule=self._settings.schedule,
             timeline=timeline,
         )
         self._runtime = StageRuntime(groups, engine, stage)
         self._tracer = None
         if timeline.enabled and config.num_stages > 1:
-            trace_dir = self._trace_dir or Path(module.trainer.default_root_dir)
-            self._tracer = make_tracer(
-                timeline, groups.meta, index, config.num_stages, self.global_rank, self._trace_steps, trace_dir
+            trace_dir = self._settings.trace_dir or Path(module.trainer.default_root_dir)
+            self._tracer = PipelineTracer(
+                timeline, groups.meta, index, config.num_stages, self.global_rank, self._settings.trace_steps,
+                trace_path=trace_dir / TRACE_FILE_NAME if self.global_rank == 0 else None,
             )
 
     def _check_every_rank_built_the_same_model(self, module: LightningModule) -> None:
@@ -463,29 +462,27 @@ class GPipeStrategy(ParallelStrategy):
         raise ValueError(different_models_message(every, describe))
 
     def _find_region(self, module: LightningModule) -> Region:
-        sample = self._sample if self._sample is not None else getattr(module, "example_input_array", None)
-        return find_region(module, self._module_name, sample)
+        sample = self._settings.sample if self._settings.sample is not None else getattr(module, "example_input_array", None)
+        return find_region(module, self._settings.module_name, sample)
 
     def _decide_partition(self, module: LightningModule, sequential: nn.Sequential) -> PartitionPlan:
         """The split, decided on global rank 0 (profiling there when ``balance`` asks) and broadcast, so that every
         rank applies the same split even where measurements differ between ranks."""
-        sample = self._sample if self._sample is not None else getattr(module, "example_input_array", None)
-        if sample is None and needs_sample(self._balance):
-            raise ValueError(missing_sample_message(str(self._balance)))
+        settings, config = self._settings, self.config
         decided: PartitionPlan | str | None = None
         error: Exception | None = None
         if self.global_rank == 0:
-            fraction = recompute_fraction(self._checkpoint, self.config.num_micro_batches)
+            fraction = recompute_fraction(settings.recompute, config.num_micro_batches)
             try:
-                if needs_sample(self._balance) and holds_meta_tensors(sequential):
+                if needs_sample(settings.balance) and holds_meta_tensors(sequential):
                     raise ValueError(
-                        f"balance={self._balance!r} profiles every layer with its weights, but the pipelined module"
+                        f"balance={settings.balance!r} profiles every layer with its weights, but the pipelined module"
                         " was built on the meta device (in configure_model() or under init_module(empty_init=True)),"
                         " where it has none yet; use balance='parameters' or a list of layers per stage, or build"
                         " the model in __init__."
                     )
                 decided = plan_partition(
-                    module, sequential, self.config, self._balance, sample, self.root_device, fraction
+                    module, sequential, config, settings.balance, settings.sample, self.root_device, fraction
                 )
             except Exception as exception:  # the other ranks wait in the broadcast: tell them, then raise
                 error, decided = exception, f"{type(exception).__name__}: {exception}"
@@ -557,8 +554,7 @@ class GPipeStrategy(ParallelStrategy):
             devices,
             sum(p.numel() for p in self._replicated),
             self.config.num_micro_batches,
-            self._checkpoint,
-            recompute_fraction(self._checkpoint, self.config.num_micro_batches),
+            self._settings.recompute,
             busy,
             built_whole=not self._deferred,
         )
@@ -668,7 +664,9 @@ class GPipeStrategy(ParallelStrategy):
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     # A checkpoint holds the whole model, numbered as on one device, so it loads anywhere. It is loaded after `setup`
     # has split the model, memory-mapped: each rank copies out only its stage's weights and optimizer state, and
-    # the rest of the file is never read into its memory.
+    # the rest of the file is never read into its memory. A model built on the meta device is saved sharded by
+    # default: each rank writes its own stage. After a run the split is remembered (`_pipelined`), so that a
+    # checkpoint saved then still holds every stage's optimizer state.
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -680,7 +678,7 @@ class GPipeStrategy(ParallelStrategy):
         if is_sharded_checkpoint(checkpoint_path):
             assert self.lightning_module is not None
             names = [group_names(self.lightning_module, optimizer) for optimizer in self.optimizers]
-            return load_sharded(checkpoint_path, set(self.lightning_module.state_dict()), names)
+            return load_sharded(checkpoint_path, set(self.lightning_module.state_dict()), names, weights_only)
         local_file = "://" not in str(checkpoint_path) and Path(checkpoint_path).is_file()
         default_io = type(self.checkpoint_io).load_checkpoint is TorchCheckpointIO.load_checkpoint
         if not (local_file and default_io and self.layout.num_stages > 1):
@@ -699,11 +697,11 @@ class GPipeStrategy(ParallelStrategy):
         """The whole model's state dict on the rank that writes checkpoints (global rank 0); a share elsewhere."""
         module = self.lightning_module
         assert module is not None
-        if self._pipelined is None or self.layout.num_stages == 1 or self._save_distributed_checkpoint:
+        if self._pipelined is None or self.layout.num_stages == 1:
             return module.state_dict()
-        return whole_state_dict(
-            module, self._pipelined.state_keys, self.groups.stage_ranks, self.global_rank, self.groups.meta
-        )
+        if self._saves_sharded:  # written by `save_checkpoint`: this rank's own weights
+            return held_state_dict(module)
+        return whole_state_dict(module, self._pipelined, self.groups.stage_ranks, self.global_rank, self.groups.meta)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The whole model's optimizer state on the checkpoint writer, numbered as a single-device optimizer's."""
@@ -712,21 +710,31 @@ class GPipeStrategy(ParallelStrategy):
         if self._pipelined is None or self.layout.num_stages == 1:
             return optimizer.state_dict()
         assert module is not None
-        if self._save_distributed_checkpoint:  # written by `save_checkpoint`
+        if self._saves_sharded:  # written by `save_checkpoint`
             return name_optimizer_state(optimizer.state_dict(), group_names(module, optimizer))
         return whole_optimizer_state(
             optimizer, module, self._pipelined.parameter_order, self.groups.stage_ranks, self.global_rank, self.groups.meta
         )
 
+    @property
+    def _saves_sharded(self) -> bool:
+        """Checkpoints go sharded when asked, and by default for a model built on the meta device."""
+        if self._save_distributed_checkpoint is not None:
+            return self._save_distributed_checkpoint
+        return self._deferred
+
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
-        if not (self._save_distributed_checkpoint and self._pipelined is not None and self.layout.num_stages > 1):
+        if self._pipelined is None and "optimizer_states" in checkpoint:
+            refuse_checkpoint_without_stages(self.launcher, filepath)
+        if not (self._saves_sharded and self._pipelined is not None and self.layout.num_stages > 1):
             return super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0 writes the whole model
         if storage_options is not None:
-            raise TypeError("save_distributed_checkpoint=True writes with torch.distributed.checkpoint, which takes"
-                            f" no storage_options (got {storage_options!r}).")
-        save_sharded(checkpoint, filepath)
+            raise TypeError("sharded checkpoints are written with torch.distributed.checkpoint, which takes no"
+                            f" storage_options (got {storage_options!r}); pass save_distributed_checkpoint=False to"
+                            " write one file through the checkpoint IO plugin.")
+        save_sharded(checkpoint, filepath, self._pipelined.state_keys, self._pipelined.parameter_order)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self._pipelined is None or self.layout.num_stages == 1 or checkpoint.get(SHARDED):
@@ -775,6 +783,7 @@ class GPipeStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         # Another stage may be gone: teardown must not wait on it to gather the model.
         self._failed = True
+        keep_process_groups_at_exit()
         if not self._ending_started_ranks:
             self._ending_started_ranks = end_started_ranks_at_exit(self._launcher)
 
@@ -787,10 +796,12 @@ class GPipeStrategy(ParallelStrategy):
             if self._pipelined is not None and not self._failed:
                 restore_whole_model(
                     module, self._pipelined, self.groups.stage_ranks, self.global_rank, self.groups.pipeline,
-                    self.root_device, self._deferred,
+                    self.root_device, self._deferred, self._gather_model_after_run,
                 )
         self._wrapped_hooks = []
-        self._pipelined = None
+        if self._failed:  # another stage may be gone: no checkpoint can gather the stages any more
+            self._pipelined = None
+        # Otherwise `_pipelined` stays: a checkpoint saved after the run gathers every stage's optimizer state.
         with _meta_tensors_left_in_place(module):
             super().teardown()
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 
-from lightning_pipe.balance import PartitionPlan, imbalance
+from lightning_pipe.balance import PartitionPlan, imbalance, recompute_fraction
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class StageSummary:
     module_name: str
     balance: str
     num_micro_batches: int
-    checkpoint: str
+    recompute: str  # the re-computation mode (the public option `checkpoint`)
     rows: list[StageRow]
     replicated_parameters: int
     imbalance: float  # slowest stage over the mean stage
@@ -75,7 +75,7 @@ class StageSummary:
         lines = [
             f"GPipe: pipelining '{self.module_name}' ({num_layers} layers) over {len(self.rows)} stages,"
             f" balance={self.balance!r}, {self.num_micro_batches} micro-batches per batch,"
-            f" checkpoint={self.checkpoint!r}",
+            f" checkpoint={self.recompute!r}",
             header,
             "-" * len(header),
         ]
@@ -102,19 +102,20 @@ def build_stage_summary(
     devices: Sequence[str],
     replicated_parameters: int,
     num_micro_batches: int,
-    checkpoint: str,
-    recompute_fraction: float,
+    recompute: str,
     busy_seconds: Sequence[float] | None = None,
     built_whole: bool = False,
 ) -> StageSummary:
-    """The summary of ``plan``; ``ranks[s]`` and ``devices[s]`` say where stage ``s`` runs. ``built_whole``: every
-    rank built the whole pipelined module (no deferred construction)."""
+    """The summary of ``plan``; ``ranks[s]`` and ``devices[s]`` say where stage ``s`` runs; ``recompute`` is the
+    re-computation mode, whose repeated forwards count in the profiled time. ``built_whole``: every rank built the
+    whole pipelined module (no deferred construction)."""
+    repeated = recompute_fraction(recompute, num_micro_batches)
     rows = []
     for stage, layer_range in enumerate(plan.ranges):
         layers = [plan.layers[i] for i in layer_range]
         profiles = [plan.profiles[i] for i in layer_range] if plan.profiles is not None else None
         time_seconds = (
-            sum(p.forward_seconds * (1 + recompute_fraction) + p.backward_seconds for p in profiles)
+            sum(p.forward_seconds * (1 + repeated) + p.backward_seconds for p in profiles)
             if profiles is not None
             else None
         )
@@ -147,7 +148,7 @@ def build_stage_summary(
     stage_bytes = [sum(plan.layers[i].parameter_bytes for i in layer_range) for layer_range in plan.ranges]
     saving = sum(stage_bytes) - min(stage_bytes) if built_whole else 0
     return StageSummary(
-        module_name, plan.method, num_micro_batches, checkpoint, rows, replicated_parameters, imbalance(totals), basis,
+        module_name, plan.method, num_micro_batches, recompute, rows, replicated_parameters, imbalance(totals), basis,
         saving,
     )
 

@@ -4,20 +4,26 @@ together in the user's module after a run.
 A consolidated checkpoint holds the whole model, numbered as on one device, so it loads anywhere: the last stage of
 a pipeline (global rank 0 in the first) gathers every stage's weights and optimizer state and Lightning writes them.
 On load, each rank copies out only its stage's share (:mod:`lightning_pipe.consolidate` does the renumbering). After
-a run, the user's ``nn.Sequential`` goes back into the LightningModule holding every stage's trained weights.
-``stage_ranks`` is always this rank's pipeline, by stage: ``stage_ranks[-1]`` holds the last stage.
+a run, the user's ``nn.Sequential`` goes back into the LightningModule: whole on every rank for a model built the
+usual way; for a model built on the meta device, each rank keeps its own trained stage (and the rest on the meta
+device) unless the whole model was asked for. Either way the optimizers stay per stage, so a checkpoint written
+after the run gathers them as during it. ``stage_ranks`` is always this rank's pipeline, by stage:
+``stage_ranks[-1]`` holds the last stage.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -42,6 +48,8 @@ class PipelinedModule:
     state_keys: list[str]  # the whole model's state-dict keys, in order
     parameter_order: list[str]  # the whole model's parameter names, in order
     put_back: Callable[[], None]  # puts every block back where the model had it
+    # After a run of a model built the usual way, every rank holds the whole trained model: nothing to gather.
+    whole_on_every_rank: bool = False
 
 
 # ---- saving: the whole model on the last stage -------------------------------------------------------------------
@@ -49,18 +57,26 @@ class PipelinedModule:
 
 def whole_state_dict(
     module: LightningModule,
-    state_keys: list[str],
+    pipelined: PipelinedModule,
     stage_ranks: Sequence[int],
     rank: int,
     group: dist.ProcessGroup | None,
 ) -> dict[str, Any]:
-    """The whole model's state dict on the last stage (keys in ``state_keys``' order); this stage's elsewhere."""
-    local = module.state_dict()
+    """The whole model's state dict on the last stage (keys in the whole model's order); this rank's own weights
+    elsewhere."""
+    local = held_state_dict(module)
+    if pipelined.whole_on_every_rank:
+        return local
     stages = _gather_to_last_stage(_to_cpu(local), stage_ranks, rank, group)
     if stages is None:
         return local
     merged = {key: value for stage in stages for key, value in stage.items()}
-    return {key: merged[key] for key in state_keys if key in merged}
+    return {key: merged[key] for key in pipelined.state_keys if key in merged}
+
+
+def held_state_dict(module: nn.Module) -> dict[str, Any]:
+    """``module``'s state dict without the tensors left on the meta device (layers another rank holds)."""
+    return {key: value for key, value in module.state_dict().items() if not _is_meta(value)}
 
 
 def whole_optimizer_state(
@@ -98,6 +114,25 @@ def _gather_to_last_stage(
         return None
     # gather_object orders by rank within the group; the last stage holds the lowest rank.
     return list(reversed(gathered))
+
+
+def refuse_checkpoint_without_stages(launcher: _Launcher | None, filepath: str | Path) -> None:
+    """Raise: this process holds no stage of a pipeline (the launching process of the spawn and fork launchers,
+    whose workers have ended, or a process whose run failed), so the stages' optimizer states are out of reach and
+    a checkpoint would hold part of them."""
+    if isinstance(launcher, _MultiProcessingLauncher):
+        where = (
+            "in the launching process of the spawn/fork launcher, after its worker processes ended: each stage's"
+            " optimizer state ended with the worker that held it"
+        )
+    else:
+        where = "after a run that failed (or before any run): the stages' optimizer states are out of reach"
+    raise RuntimeError(
+        f"trainer.save_checkpoint({str(filepath)!r}) cannot write a complete checkpoint {where}. Save checkpoints"
+        " during the run (ModelCheckpoint, or trainer.save_checkpoint in a callback, on every rank), use the default"
+        " start method (strategy='gpipe'), where every rank continues after fit and can save, or pass"
+        " weights_only=True to save the model's weights alone."
+    )
 
 
 # ---- loading: each stage's share ---------------------------------------------------------------------------------
@@ -153,16 +188,23 @@ def restore_whole_model(
     group: dist.ProcessGroup | None,
     device: torch.device,
     deferred: bool,
+    gather_deferred: bool,
 ) -> None:
     """Put the whole ``nn.Sequential`` back, every layer holding its stage's trained weights, on every rank.
 
     The user's model object then holds the whole trained model after ``fit``, as on one device: for
     ``trainer.test(model)``, ``torch.save(model.state_dict())`` and the spawn launcher, which copies rank 0's
-    weights into the launching process. A model built on the meta device (``deferred``) comes whole to the last
-    stage only.
+    weights into the launching process. A model built on the meta device (``deferred``) was built so because it
+    need not fit on one host: each rank keeps its own stage, the other stages' layers stay on the meta device; with
+    ``gather_deferred`` the last stage receives them (see :func:`_gather_whole_model_to_last_stage`).
     """
     if deferred:
-        _gather_whole_model_to_last_stage(pipelined, stage_ranks, rank, group, device)
+        if gather_deferred:
+            _gather_whole_model_to_last_stage(pipelined, stage_ranks, rank, group, device)
+        else:
+            layers = list(pipelined.sequential)
+            mine = pipelined.ranges[stage_ranks.index(rank)]
+            mark_held_elsewhere([layers[i] for i in range(len(layers)) if i not in mine])
         pipelined.put_back()
         return
     layers = list(pipelined.sequential)
@@ -175,6 +217,7 @@ def restore_whole_model(
                     dist.broadcast(buffer, src=owner, group=group)
                     tensor.copy_(buffer)
     pipelined.put_back()
+    pipelined.whole_on_every_rank = True
 
 
 def _gather_whole_model_to_last_stage(
@@ -220,6 +263,10 @@ def _gather_whole_model_to_last_stage(
 def _own_tensors(module: nn.Module) -> list[Tensor]:
     """Every parameter and buffer of ``module`` (non-persistent buffers too), in an order all ranks agree on."""
     return [tensor.detach() for tensor in [*module.parameters(), *module.buffers()]]
+
+
+def _is_meta(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.is_meta
 
 
 def _to_cpu(value: Any) -> Any:

@@ -6,6 +6,7 @@ import pytest
 from lightning.pytorch import Trainer
 from torch import nn
 
+from helpers.launch import run_python
 from helpers.models import PipeClassifier, loaders
 from lightning_pipe import GPipeStrategy
 
@@ -67,16 +68,13 @@ def test_manual_optimization_is_refused_before_launch():
         fit(ManualOptimization(), GPipeStrategy())
 
 
-def test_standalone_pytorch_lightning_gets_a_clear_error():
-    import subprocess
-    import sys
-
+def test_standalone_pytorch_lightning_gets_a_clear_error(tmp_path):
     pytest.importorskip("pytorch_lightning")
     script = (
         "import pytorch_lightning as pl\n"
         "import lightning_pipe\n"
         "pl.Trainer(strategy='gpipe', accelerator='cpu', devices=2)\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    result = run_python("-c", script, cwd=tmp_path, timeout=120, check=False)
     assert result.returncode != 0
     assert "replace `import pytorch_lightning as pl` with `import lightning.pytorch as pl`" in result.stderr

@@ -10,11 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from helpers.compare import launch
+from helpers.launch import launch
 from helpers.models import PipeClassifier
 from lightning_pipe import GPipeStrategy, PipelineParallelConfig
-from lightning_pipe.balance import min_max_partition, plan_partition, stage_costs
-from lightning_pipe.config import ranges_from_sizes
+from lightning_pipe.balance import min_max_partition, plan_partition, ranges_from_sizes, recompute_fraction, stage_costs
 from lightning_pipe.profile import pipelined_input, profile_layers
 from lightning_pipe.summary import build_stage_summary, stage_devices
 
@@ -98,12 +97,43 @@ def test_memory_profile_counts_parameters_and_saved_activations():
     assert all(p.forward_seconds > 0 and p.backward_seconds > 0 for p in profiles)
 
 
+def vgg_shaped_layers() -> nn.Sequential:
+    """Convolutions each followed by an in-place ReLU, as torchvision's VGG builds them, with one starting a stage."""
+    return nn.Sequential(
+        nn.ReLU(inplace=True),
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(16 * 2 * 2, 10),
+    )
+
+
+def test_layers_that_work_in_place_are_profiled_without_changing_the_sample():
+    layers = vgg_shaped_layers()
+    sample = torch.randn(4, 3, 8, 8)
+    before = sample.clone()
+    profiles = profile_layers(layers, sample, torch.device("cpu"), num_micro_batches=2)
+    assert torch.equal(sample, before)  # the in-place ReLU ran on a copy of the first micro-batch
+    micro_batch_bytes = 2 * 3 * 8 * 8 * 4
+    assert profiles[0].activation_bytes == micro_batch_bytes  # the in-place ReLU saves its output
+    assert profiles[2].activation_bytes == 2 * 8 * 8 * 8 * 4  # after the first convolution: 8 channels
+    assert all(p.forward_seconds > 0 and p.backward_seconds > 0 for p in profiles)
+    model = Wrapper(layers)
+    model.norm = nn.Identity()
+    plan = plan_partition(model, layers, PipelineParallelConfig(3, 2), "time", sample=sample)
+    assert sum(len(r) for r in plan.ranges) == len(layers) and all(len(r) > 0 for r in plan.ranges)
+
+
+@pytest.mark.parametrize(("mode", "fraction"), [("always", 1.0), ("except_last", 0.75), ("never", 0.0)])
+def test_recompute_fraction_counts_the_micro_batches_that_re_compute(mode, fraction):
+    assert recompute_fraction(mode, 4) == fraction
+
+
 @pytest.mark.parametrize("mode", ["parameters", "time", "memory"])
 def test_costly_first_half_gets_fewer_layers(mode):
     model = Wrapper(unbalanced_layers())
     before = {k: v.clone() for k, v in model.state_dict().items()}
     config = PipelineParallelConfig(num_stages=2, num_micro_batches=2)
-    plan = plan_partition(model, model.layers, config, mode, sample=torch.randn(16, 32))
+    plan = plan_partition(model, model.layers, config, mode, sample=torch.randn(512, 32))  # out of the noise
     sizes = [len(r) for r in plan.ranges]
     assert sizes[0] < 4 and sum(sizes) == 8, f"{mode} gave {sizes} for costs {plan.costs}"
     assert max(stage_costs(plan.costs, plan.ranges)) == pytest.approx(
@@ -119,7 +149,8 @@ def test_a_model_built_on_the_meta_device_can_be_profiled(mode):
     with torch.device("meta"):  # deferred initialisation: no weights exist yet
         model = Wrapper(unbalanced_layers())
     config = PipelineParallelConfig(num_stages=2, num_micro_batches=2)
-    plan = plan_partition(model, model.layers, config, mode, sample=torch.randn(16, 32))
+    # A batch large enough that the wide layers' time stands out of a loaded machine's noise.
+    plan = plan_partition(model, model.layers, config, mode, sample=torch.randn(512, 32))
     assert [len(r) for r in plan.ranges][0] < 4 and all(p.is_meta for p in model.parameters())
 
 
@@ -157,7 +188,7 @@ def test_summary_reports_imbalance_of_the_split():
     model = Wrapper(unbalanced_layers())
     config = PipelineParallelConfig(num_stages=2, num_micro_batches=2)
     plan = plan_partition(model, model.layers, config, [4, 4])
-    summary = build_stage_summary(plan, "layers", [1, 0], ["cpu", "cpu"], 64, 2, "never", 0.0)
+    summary = build_stage_summary(plan, "layers", [1, 0], ["cpu", "cpu"], 64, 2, "never")
     wide = 4 * (32 * 512 + 512 + 512 * 32 + 32)
     assert [row.parameters for row in summary.rows] == [wide, 4 * (32 * 32 + 32)]
     assert summary.imbalance == pytest.approx(wide / ((wide + 4 * 1056) / 2))
@@ -187,7 +218,7 @@ BALANCE_RUNS = [
 @pytest.fixture(scope="module")
 def balanced_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("balance")
-    launch("balance_trace_runs.py", {"devices": 2, "out": str(tmp), "runs": BALANCE_RUNS}, tmp)
+    launch("balance_trace_worker.py", {"devices": 2, "out": str(tmp), "runs": BALANCE_RUNS}, tmp)
     return tmp
 
 

@@ -3,24 +3,20 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers.launch import REPO, run_python
 
 
 def test_quick_benchmarks_write_every_section(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )
+    result = run_python(REPO / "benchmarks" / "run.py", "--quick", "--out", tmp_path, cwd=tmp_path, check=False)
     assert result.returncode == 0, f"benchmarks failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
     report = json.loads((tmp_path / "benchmarks.json").read_text())
     markdown = (tmp_path / "benchmarks.md").read_text()
-    modules = sorted(path.stem for path in (REPO / "benchmarks").glob("bench_*.py"))
+    modules = sorted(path.stem for path in (REPO / "benchmarks" / "sections").glob("bench_*.py"))
     assert sorted(section["module"] for section in report["sections"]) == modules
     assert markdown.startswith("# Benchmarks") and "python benchmarks/run.py --quick" in markdown
     for section in report["sections"]:
@@ -40,17 +36,16 @@ def test_quick_benchmarks_write_every_section(tmp_path):
 
 @pytest.fixture
 def benchmark_modules(monkeypatch):
-    """``benchmarks/`` importable, as the runner makes it; its modules forgotten afterwards (``report`` and others
-    share names with the examples' modules)."""
+    """``benchmarks/`` importable, as the runner has it; its modules forgotten afterwards."""
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     yield
     for name, module in list(sys.modules.items()):
-        if Path(getattr(module, "__file__", None) or "/").parent == REPO / "benchmarks":
+        if Path(getattr(module, "__file__", None) or "/").is_relative_to(REPO / "benchmarks"):
             del sys.modules[name]
 
 
 def test_speedup_without_contention_shrinks_only_the_overlapped_time(benchmark_modules):
-    from bench_balance import speedup_without_contention
+    from sections.bench_balance import speedup_without_contention
 
     round_ = {"uniform": {"step_s": 0.360, "least_busy_s": 0.045}, "time": {"step_s": 0.280, "least_busy_s": 0.230}}
     # No contention (c = 1): the measured ratio.

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from helpers.compare import REPO, launch
+from helpers.launch import launch, run_python
+from helpers.models import ProjectModule
 from helpers.scenarios import fit_epochs
 
 
@@ -20,9 +18,10 @@ def relative_error(expected: dict, initial: dict, actual: dict) -> float:
 
 @pytest.fixture(scope="module")
 def four_stage_epoch(tmp_path_factory):
-    """One epoch on 4 stages; ModelCheckpoint saves last.ckpt at its end."""
+    """One epoch on 4 stages; ModelCheckpoint saves last.ckpt at its end, and every rank calls
+    ``trainer.save_checkpoint(after_fit.ckpt)`` once fit has returned."""
     out = tmp_path_factory.mktemp("four")
-    launch("resume_runs.py", {"devices": 4, "out": str(out), "epochs": 1}, out)
+    launch("checkpoints_worker.py", {"devices": 4, "out": str(out), "epochs": 1, "save_after_fit": True}, out)
     return out / "ckpt" / "last.ckpt"
 
 
@@ -32,8 +31,24 @@ def single_device(tmp_path_factory):
     return {epochs: fit_epochs(tmp / str(epochs), epochs)["state_dict"] for epochs in (0, 1, 2)}
 
 
-def test_four_stage_checkpoint_resumes_on_two_stages_as_uninterrupted_training(four_stage_epoch, single_device, tmp_path):
-    launch("resume_runs.py", {"devices": 2, "out": str(tmp_path), "epochs": 2, "ckpt_path": str(four_stage_epoch)}, tmp_path)
+def test_checkpoint_saved_after_fit_holds_every_stage_and_resumes_on_two_stages(four_stage_epoch, single_device,
+                                                                               tmp_path):
+    """``trainer.save_checkpoint`` after fit: after teardown the optimizers are still per stage, and the file must
+    hold all of them (it held rank 0's stage only); it equals the checkpoint ModelCheckpoint wrote at the end of the
+    same epoch, and a 2-stage run resumed from it trains as uninterrupted training."""
+    after_fit = four_stage_epoch.parent.parent / "after_fit.ckpt"
+    saved, at_epoch_end = (torch.load(path, weights_only=False) for path in (after_fit, four_stage_epoch))
+    parameters = [name for name, p in ProjectModule().named_parameters()]
+    assert saved["optimizer_states"][0]["param_groups"][0]["params"] == list(range(len(parameters)))
+    assert sorted(saved["optimizer_states"][0]["state"]) == list(range(len(parameters)))
+    for index, entries in at_epoch_end["optimizer_states"][0]["state"].items():
+        for entry, value in entries.items():
+            assert torch.equal(saved["optimizer_states"][0]["state"][index][entry], value), (index, entry)
+    assert saved["lr_schedulers"] == at_epoch_end["lr_schedulers"]
+    assert saved["state_dict"].keys() == at_epoch_end["state_dict"].keys()
+    for key, value in at_epoch_end["state_dict"].items():
+        assert torch.equal(saved["state_dict"][key], value), key
+    launch("checkpoints_worker.py", {"devices": 2, "out": str(tmp_path), "epochs": 2, "ckpt_path": str(after_fit)}, tmp_path)
     for rank in range(2):
         actual = torch.load(tmp_path / f"rank{rank}.pt")["state_dict"]
         assert relative_error(single_device[2], single_device[0], actual) < 1e-5
@@ -44,25 +59,30 @@ def test_checkpoint_of_two_replicas_resumes_on_one_replica_as_on_one_device(tmp_
     on 2 stages x 1 replica, training continues exactly as one device resuming from the same file."""
     replicated = tmp_path / "replicated"
     spec = {"devices": 4, "out": str(replicated), "epochs": 1, "strategy": {"num_stages": 2}}
-    launch("resume_runs.py", spec, replicated)
+    launch("checkpoints_worker.py", spec, replicated)
     saved = replicated / "ckpt" / "last.ckpt"
     checkpoint = torch.load(saved, weights_only=False)
     assert checkpoint["optimizer_states"][0]["state"], "the checkpoint holds the optimizer's momentum"
     one_replica = tmp_path / "one_replica"
-    launch("resume_runs.py", {"devices": 2, "out": str(one_replica), "epochs": 2, "ckpt_path": str(saved)}, one_replica)
+    launch("checkpoints_worker.py", {"devices": 2, "out": str(one_replica), "epochs": 2, "ckpt_path": str(saved)}, one_replica)
     expected = fit_epochs(tmp_path / "single", 2, str(saved), devices=1)["state_dict"]
     for rank in range(2):
         actual = torch.load(one_replica / f"rank{rank}.pt")["state_dict"]
         assert relative_error(expected, checkpoint["state_dict"], actual) < 1e-5
 
 
-def test_resuming_without_the_optimizer_state_would_be_caught(four_stage_epoch, single_device, tmp_path):
-    """Negative control: the comparison above sees a resume that loses the optimizer's momentum."""
+def test_resuming_with_the_momentum_of_one_stage_only_would_be_caught(four_stage_epoch, single_device, tmp_path):
+    """Negative control: the comparisons above see a resume that loses the momentum of every stage but the last
+    (what a checkpoint holding global rank 0's optimizer state alone would do)."""
     saved = torch.load(four_stage_epoch, weights_only=False)
-    assert saved["optimizer_states"][0]["state"], "the checkpoint holds the optimizer's momentum"
-    saved["optimizer_states"][0]["state"] = {}
-    torch.save(saved, tmp_path / "no_momentum.ckpt")
-    actual = fit_epochs(tmp_path, 2, str(tmp_path / "no_momentum.ckpt"), devices=1)["state_dict"]
+    names = [name for name, p in ProjectModule().named_parameters()]
+    # Rank 0's share on 4 stages: the last stage's Linear (layers 6-7 of net.model) and the replicated head.
+    last_stage = {i for i, name in enumerate(names) if name.startswith(("net.model.6.", "head."))}
+    state = saved["optimizer_states"][0]["state"]
+    assert set(state) > last_stage, "the checkpoint holds every parameter's momentum"
+    saved["optimizer_states"][0]["state"] = {i: value for i, value in state.items() if i in last_stage}
+    torch.save(saved, tmp_path / "one_stage_momentum.ckpt")
+    actual = fit_epochs(tmp_path, 2, str(tmp_path / "one_stage_momentum.ckpt"), devices=1)["state_dict"]
     assert relative_error(single_device[2], single_device[0], actual) > 1e-3
 
 
@@ -70,7 +90,6 @@ def test_consolidated_checkpoint_loads_without_lightning_pipe(four_stage_epoch, 
     torch.save(single_device[1], tmp_path / "expected.pt")
     script = f"""
 import sys, torch
-sys.path.insert(0, {str(REPO / 'tests')!r})
 from helpers.models import ProjectModule
 model = ProjectModule.load_from_checkpoint({str(four_stage_epoch)!r})
 assert 'lightning_pipe' not in sys.modules, 'the checkpoint needed lightning_pipe to load'
@@ -81,7 +100,7 @@ for key, value in expected.items():
     torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
 print('loaded', len(state), 'tensors')
 """
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    result = run_python("-c", script, cwd=tmp_path, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "loaded" in result.stdout
 
@@ -90,12 +109,12 @@ def test_sharded_checkpoint_of_four_stages_resumes_on_two(single_device, tmp_pat
     """save_distributed_checkpoint=True: each rank writes its own stage (torch.distributed.checkpoint)."""
     sharded = {"save_distributed_checkpoint": True}
     first, resumed = tmp_path / "four", tmp_path / "two"
-    launch("resume_runs.py", {"devices": 4, "out": str(first), "epochs": 1, "strategy": sharded}, first)
+    launch("checkpoints_worker.py", {"devices": 4, "out": str(first), "epochs": 1, "strategy": sharded}, first)
     checkpoint = first / "ckpt" / "last.ckpt"
     assert checkpoint.is_dir() and (checkpoint / ".metadata").is_file()
     assert len(list(checkpoint.glob("*.distcp"))) == 4  # one shard per rank, nothing gathered
     spec = {"devices": 2, "out": str(resumed), "epochs": 2, "ckpt_path": str(checkpoint), "strategy": sharded}
-    launch("resume_runs.py", spec, resumed)
+    launch("checkpoints_worker.py", spec, resumed)
     for rank in range(2):
         actual = torch.load(resumed / f"rank{rank}.pt")["state_dict"]
         assert relative_error(single_device[2], single_device[0], actual) < 1e-5

@@ -3,7 +3,7 @@
 import pytest
 
 from lightning_pipe import PipelineParallelConfig
-from lightning_pipe.config import validate_checkpoint_mode
+from lightning_pipe.settings import validate_recompute_mode
 
 
 @pytest.mark.parametrize("num_layers", range(1, 13))
@@ -35,4 +35,4 @@ def test_invalid_counts_name_the_field_and_the_rule(field, value):
 
 def test_unknown_checkpoint_mode_lists_the_choices():
     with pytest.raises(ValueError, match="'always', 'except_last', 'never'"):
-        validate_checkpoint_mode("sometimes")
+        validate_recompute_mode("sometimes")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from lightning.pytorch import Trainer
 
-from helpers.compare import launch, merged_state_dict, rank_results, relative_weight_error, single_device_run, start
+from helpers.compare import merged_state_dict, rank_results, relative_weight_error, single_device_run
+from helpers.launch import launch
 from lightning_pipe import GPipeStrategy
 
 # Per replica 8 samples a step; one device takes both replicas' 16: Lightning's distributed sampler shuffles the
@@ -27,7 +29,7 @@ def assert_matches_single_device(run_dir):
 def test_two_stages_times_two_replicas_match_one_device_with_twice_the_batch(tmp_path):
     runs = [{**REPLICATED, "name": "pp_outer"},
             {**REPLICATED, "name": "dp_outer", "strategy": {"num_stages": 2, "mesh_order": ["dp", "pp"]}}]
-    launch("fit_runs.py", {"devices": 4, "out": str(tmp_path), "runs": runs}, tmp_path)
+    launch("fits_worker.py", {"devices": 4, "out": str(tmp_path), "runs": runs}, tmp_path)
     for run in runs:
         assert_matches_single_device(tmp_path / run["name"])
 
@@ -42,10 +44,11 @@ def run_processes(name: str, tmp_path, envs: list[dict[str, str]]) -> None:
     """Start one worker process per environment (as a cluster's launcher would) and wait for all of them."""
     run = {**REPLICATED, "name": name, "trainer": {"num_nodes": 2}}
     spec = {"devices": 2, "out": str(tmp_path), "runs": [run]}  # per node
-    processes = [start("fit_runs.py", spec, tmp_path / f"process{i}", env=env) for i, env in enumerate(envs)]
-    outputs = [process.communicate(timeout=300) for process in processes]
-    for process, (_, stderr) in zip(processes, outputs):
-        assert process.returncode == 0, stderr[-4000:]
+    with ThreadPoolExecutor(len(envs)) as pool:  # all at once: they meet at the rendezvous
+        processes = [pool.submit(launch, "fits_worker.py", spec, tmp_path / f"process{i}", check=False, env=env)
+                     for i, env in enumerate(envs)]
+    for process in (future.result() for future in processes):
+        assert process.returncode == 0, process.stderr[-4000:]
     assert sorted(p.name for p in (tmp_path / name).glob("rank*.json")) == [f"rank{r}.json" for r in range(4)]
 
 

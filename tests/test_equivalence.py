@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.compare import launch, merged_state_dict, rank_results, relative_weight_error, single_device_run
+from helpers.compare import merged_state_dict, rank_results, relative_weight_error, single_device_run
+from helpers.launch import launch
 from lightning_pipe.schedule import Action, gpipe
 
 TOLERANCE = 1e-5  # of the total weight change during training
@@ -67,8 +68,15 @@ def pipelined(request, tmp_path_factory):
     devices = request.param
     tmp = tmp_path_factory.mktemp(f"equivalence{devices}")
     runs = runs_for(devices)
-    launch("fit_runs.py", {"devices": devices, "out": str(tmp), "runs": runs}, tmp)
+    launch("fits_worker.py", {"devices": devices, "out": str(tmp), "runs": runs}, tmp)
     return devices, tmp, {run["name"]: run for run in runs}
+
+
+def test_every_rank_destroys_its_process_groups_at_exit(pipelined):
+    """A group left to the interpreter's final clean-up can abort a finished run (exit code -6)."""
+    devices, tmp, _ = pipelined
+    states = [path.read_text() for path in (tmp / "exits").iterdir()]
+    assert states == ["False"] * devices
 
 
 _references: dict[tuple, tuple] = {}

@@ -63,14 +63,14 @@ def test_strategy_config_instantiates_the_strategy_it_describes():
     strategy = instantiate(cfg.strategy, _convert_="all")
     assert isinstance(strategy, lightning_pipe.GPipeStrategy)
     assert strategy.config == PipelineParallelConfig(num_stages=4, num_micro_batches=6)
-    assert strategy._balance == [2, 2, 2, 2] and strategy._start_method == "popen"
+    assert strategy._settings.balance == [2, 2, 2, 2] and strategy._settings.start_method == "popen"
 
 
 @pytest.mark.parametrize("balance", ["uniform", "parameters", "time", "memory", "[3,5]", "null"])
 def test_every_balance_form_passes_validation(balance):
     cfg = composed(f"strategy.balance={balance}")
     validate_config(cfg)
-    assert instantiate(cfg.strategy, _convert_="all")._balance == OmegaConf.to_container(cfg.strategy)["balance"]
+    assert instantiate(cfg.strategy, _convert_="all")._settings.balance == OmegaConf.to_container(cfg.strategy)["balance"]
 
 
 def test_a_projects_own_config_node_configures_the_strategy():

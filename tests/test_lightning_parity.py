@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.compare import launch
+from helpers.launch import launch
 from helpers.scenarios import fit_test_predict
 
 SCHEDULERS = {"plain": None, "step": "step", "epoch": "epoch", "plateau": "plateau"}
@@ -15,7 +15,7 @@ SCHEDULERS = {"plain": None, "step": "step", "epoch": "epoch", "plateau": "plate
 def pipelined(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parity")
     runs = [{"name": name, "scheduler": scheduler} for name, scheduler in SCHEDULERS.items()]
-    launch("parity_runs.py", {"devices": 2, "out": str(tmp), "runs": runs}, tmp)
+    launch("lightning_parity_worker.py", {"devices": 2, "out": str(tmp), "runs": runs}, tmp)
     return {name: [torch.load(tmp / name / f"rank{r}.pt", weights_only=False) for r in range(2)] for name in SCHEDULERS}
 
 

@@ -1,5 +1,7 @@
-"""Memory-efficient setup: a model built on the meta device takes memory only for each rank's own stage, starts from
-the same weights on any number of stages, trains as on one device, and resumes reading only what a rank needs."""
+"""Memory-efficient setup: a model built on the meta device takes memory only for each rank's own stage (through fit,
+test and checkpointing, and after them), starts from the same weights on any number of stages, trains as on one
+device, saves sharded checkpoints that consolidate into the gathered file, and resumes reading only what a rank
+needs."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ import torch
 from torch import nn
 from torchmetrics import MeanMetric
 
-from helpers.compare import launch
 from helpers.deferred_models import DEPTH, DeferredClassifier, EagerClassifier, fit, layers
+from helpers.launch import launch, run_python
 from lightning_pipe import GPipeStrategy, PipelineParallelConfig, init_weights
 from lightning_pipe.balance import plan_partition
 from lightning_pipe.materialize import holds_meta_tensors, layer_seed, mark_held_elsewhere, materialize
@@ -23,6 +25,15 @@ from lightning_pipe.summary import build_stage_summary
 TOLERANCE = 1e-5  # of the total weight change during training
 MICRO_BATCHES = 4
 PAGE_SLACK = 64 * 1024  # Linux maps up to 64 KiB of cached file around each page a process touches
+# The model whose peaks are measured: 32 x Linear(1024, 1024), 128 MiB of parameters, 32 MiB per stage on 4.
+PEAKS = {"width": 1024, "depth": 32}
+# What a phase may take above the stage's share and the fixed footprint: activations, buffers, allocator slack
+# (measured: 4 MiB at most). Less than one stage's parameters (32 MiB): holding the whole model after the run
+# (96 MiB of other stages' parameters on rank 0) or gathering a checkpoint (256 MiB) does not fit in it.
+PEAK_SLACK = 24 * 2**20
+# Every tensor of 64 KiB or more gets its own mapping, returned to the system when freed: resident memory then
+# follows the live tensors instead of what glibc's heap keeps.
+SMALL_HEAP = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 # ---- materialisation, without processes ----------------------------------------------------------------------------
@@ -120,7 +131,7 @@ def test_summary_says_what_deferred_construction_would_save():
     plan = plan_partition(nn.Module(), sequential, PipelineParallelConfig(4, 4), None)
     stage_bytes = [sum(p.numel() * 4 for i in r for p in sequential[i].parameters()) for r in plan.ranges]
     kwargs = dict(plan=plan, module_name="layers", ranks=[3, 2, 1, 0], devices=["cpu"] * 4, replicated_parameters=0,
-                  num_micro_batches=4, checkpoint="except_last", recompute_fraction=0.75)
+                  num_micro_batches=4, recompute="except_last")
     whole = str(build_stage_summary(**kwargs, built_whole=True))
     said = re.search(r"building it in configure_model\(\) would save up to ([\d.]+) MB of parameters per rank", whole)
     assert said, whole
@@ -136,17 +147,22 @@ def two_stages(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("memory2")
     runs = [{"name": "deferred"}, {"name": "init_module", "model": "init_module"}, {"name": "eager", "model": "eager"},
             {"name": "profiled", "balance": "time", "fails": True}]
-    launch("memory_setup_runs.py", {"devices": 2, "out": str(tmp), "runs": runs}, tmp)
+    launch("memory_setup_worker.py", {"devices": 2, "out": str(tmp), "runs": runs}, tmp)
     return {run["name"]: ranks(tmp / run["name"], 2) for run in runs}
+
+
+WHOLE = {"gather_model_after_run": True, "save_distributed_checkpoint": False}  # the whole model asked for
 
 
 @pytest.fixture(scope="module")
 def four_stages(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("memory4")
-    last = str(tmp / "deferred" / "ckpt" / "last.ckpt")  # written by the first run, after its one epoch
-    runs = [{"name": "deferred"}, {"name": "resumed", "epochs": 2, "ckpt_path": last}]
-    launch("memory_setup_runs.py", {"devices": 4, "out": str(tmp), "runs": runs}, tmp)
-    return {run["name"]: ranks(tmp / run["name"], 4) for run in runs} | {"checkpoint": last}
+    last = str(tmp / "gathered" / "ckpt" / "last.ckpt")  # written by the second run, gathered, after its epoch
+    runs = [{"name": "deferred", "save_after_fit": True}, {"name": "gathered", "strategy": WHOLE},
+            {"name": "resumed", "epochs": 2, "ckpt_path": last},
+            {"name": "peaks", "peaks": PEAKS}, {"name": "peaks_gathered", "peaks": PEAKS, "strategy": WHOLE}]
+    launch("memory_setup_worker.py", {"devices": 4, "out": str(tmp), "runs": runs}, tmp, timeout=900, env=SMALL_HEAP)
+    return {run["name"]: ranks(tmp / run["name"], 4) for run in runs} | {"checkpoint": last, "dir": tmp}
 
 
 @pytest.fixture(scope="module")
@@ -213,21 +229,25 @@ def test_initial_weights_are_equal_on_one_two_and_four_stages(two_stages, four_s
         assert torch.equal(initial[key], value), key
 
 
-@pytest.mark.parametrize("devices, name", [(2, "deferred"), (2, "init_module"), (4, "deferred"), (4, "resumed")])
+@pytest.mark.parametrize(
+    "devices, name",
+    [(2, "deferred"), (2, "init_module"), (4, "deferred"), (4, "gathered"), (4, "resumed")],
+)
 def test_training_matches_single_device(two_stages, four_stages, single_device, devices, name):
     results = (two_stages if devices == 2 else four_stages)[name]
-    reference = single_device["eager" if name == "init_module" else name]
-    rank_zero = results[0]  # the last stage: the whole trained model comes back here after fit
-    assert all(not value.is_meta for value in rank_zero["final"].values())
+    reference = single_device["eager" if name == "init_module" else "resumed" if name == "resumed" else "deferred"]
     initial = single_device["deferred"]["initial"] if name == "resumed" else reference["initial"]
-    assert relative_error(initial, reference["final"], rank_zero["final"]) < TOLERANCE
+    # The trained model, from the stages each rank kept after fit.
+    assert relative_error(initial, reference["final"], merged(results, "final")) < TOLERANCE
     for result in results:  # trainer.test(model) after fit runs on the same split: every rank logs the same loss
         assert result["tested"][0]["test_loss"] == pytest.approx(reference["tested"][0]["test_loss"], rel=1e-5)
 
 
-def test_after_fit_other_ranks_keep_their_trained_stage_and_nothing_else(four_stages, single_device):
+def test_after_fit_every_rank_keeps_its_trained_stage_and_nothing_else(four_stages, single_device):
+    """A model built on the meta device stays distributed after fit and test: no rank, rank 0 included, receives
+    the other stages; with gather_model_after_run=True, rank 0 (the launching process) holds the whole model."""
     expected = single_device["deferred"]["final"]
-    for rank, result in enumerate(four_stages["deferred"][1:], start=1):
+    for rank, result in enumerate(four_stages["deferred"]):
         stage = 4 - 1 - rank
         layer_range = PipelineParallelConfig(4, MICRO_BATCHES).split_into_stages(2 * DEPTH + 1)[stage]
         for key, value in result["final"].items():
@@ -235,6 +255,86 @@ def test_after_fit_other_ranks_keep_their_trained_stage_and_nothing_else(four_st
             assert value.is_meta != local, key
             if local:
                 torch.testing.assert_close(value, expected[key], rtol=1e-4, atol=1e-5)
+    whole = four_stages["gathered"][0]["final"]
+    assert not any(value.is_meta for value in whole.values())
+    assert relative_error(single_device["deferred"]["initial"], expected, whole) < TOLERANCE
+
+
+def test_no_rank_holds_more_than_its_stage_in_fit_test_and_checkpointing(four_stages):
+    """Peak resident memory per rank in each phase (fit with its teardown, test, trainer.save_checkpoint after
+    them) of a 128 MiB model built in configure_model on 4 stages: within the stage's share (parameters, gradients,
+    momentum) plus the fixed footprint of a process (the same phases with a tiny model) plus a slack smaller than
+    one stage. Negative control: asking for the whole model (gathered after the run, gathered checkpoints) shows."""
+    for rank, result in enumerate(four_stages["peaks"]):
+        bound = result["fixed_bytes"] + result["share_bytes"] + PEAK_SLACK
+        assert 80 * 2**20 < result["share_bytes"] < 128 * 2**20, result["share_bytes"]  # 3 x 32 MiB, about
+        for phase, peak in result["peak"].items():
+            assert peak <= bound, (rank, phase, peak / 2**20, bound / 2**20)
+    gathered = four_stages["peaks_gathered"][0]  # rank 0 receives the other three stages
+    bound = gathered["fixed_bytes"] + gathered["share_bytes"] + PEAK_SLACK
+    assert gathered["peak"]["fit"] > bound and gathered["peak"]["checkpoint"] > bound, gathered
+
+
+# Runs the consolidate command in this Python and prints its peak resident set (VmHWM, KiB).
+CONSOLIDATE_WITH_PEAK = """
+import runpy, sys
+from pathlib import Path
+sys.argv = ["consolidate_checkpoint", *sys.argv[1:]]
+runpy.run_module("lightning_pipe.consolidate_checkpoint", run_name="__main__")
+print("VmHWM", next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines()
+                    if line.startswith("VmHWM:")))
+"""
+
+
+def consolidation_peak(sharded: Path, out: Path) -> int:
+    result = run_python("-c", CONSOLIDATE_WITH_PEAK, sharded, out, cwd=out.parent / f"{out.stem}_run", env=SMALL_HEAP)
+    return int(result.stdout.split("VmHWM")[-1].split()[0]) * 1024
+
+
+def test_consolidating_takes_about_one_stage_of_memory(four_stages, tmp_path):
+    """The command writes the 4-stage checkpoint of the 128 MiB model (weights and momentum: 256 MiB, 64 MiB per
+    shard) holding about one shard at a time: its peak over the same command on a tiny checkpoint stays within the
+    largest shard plus a slack, far below the whole checkpoint."""
+    run = four_stages["dir"] / "peaks"
+    shards = [path.stat().st_size for path in (run / "measured.ckpt").glob("*.distcp")]
+    assert len(shards) == 4
+    footprint = consolidation_peak(run / "tiny.ckpt", tmp_path / "tiny.ckpt")
+    peak = consolidation_peak(run / "measured.ckpt", tmp_path / "measured.ckpt")
+    assert peak - footprint <= max(shards) + PEAK_SLACK, ((peak - footprint) / 2**20, max(shards) / 2**20)
+    assert peak - footprint < sum(shards) / 2
+    consolidated = torch.load(tmp_path / "measured.ckpt", mmap=True, weights_only=True)
+    assert len(consolidated["optimizer_states"][0]["state"]) == len(consolidated["state_dict"])  # all parameters
+
+
+def test_checkpoints_are_sharded_and_consolidate_into_the_gathered_file(four_stages, tmp_path):
+    """A model built on the meta device saves sharded (one shard per rank, nothing gathered), also from
+    trainer.save_checkpoint after fit and test; the consolidate command turns the shards into the file the gathered
+    run wrote, and that file loads with torch.load in a process that never imports lightning_pipe."""
+    sharded = four_stages["dir"] / "deferred" / "ckpt" / "last.ckpt"
+    for directory in (sharded, four_stages["dir"] / "deferred" / "after_fit.ckpt"):
+        assert directory.is_dir() and len(list(directory.glob("*.distcp"))) == 4, directory
+    out = tmp_path / "consolidated.ckpt"
+    run_python("-m", "lightning_pipe.consolidate_checkpoint", sharded, out, cwd=tmp_path / "consolidate")
+    script = f"""
+import sys, torch
+loaded = torch.load({str(out)!r}, weights_only=True)
+assert 'lightning_pipe' not in sys.modules, 'the consolidated file needed lightning_pipe to load'
+torch.save(loaded, {str(tmp_path / 'reloaded.pt')!r})
+"""
+    run_python("-c", script, cwd=tmp_path / "reload")
+    consolidated = torch.load(tmp_path / "reloaded.pt", weights_only=True)
+    gathered = torch.load(four_stages["checkpoint"], weights_only=True)
+    assert list(consolidated) == list(gathered)
+    assert list(consolidated["state_dict"]) == list(gathered["state_dict"])
+    for key, value in gathered["state_dict"].items():
+        assert torch.equal(consolidated["state_dict"][key], value), key
+    ours, theirs = consolidated["optimizer_states"][0], gathered["optimizer_states"][0]
+    assert ours["param_groups"] == theirs["param_groups"] and ours["state"].keys() == theirs["state"].keys()
+    for index, entries in theirs["state"].items():
+        for entry, value in entries.items():
+            assert torch.equal(ours["state"][index][entry], value), (index, entry)
+    for key in ("epoch", "global_step", "lr_schedulers", "hyper_parameters"):
+        assert consolidated.get(key) == gathered.get(key), key
 
 
 def test_resuming_reads_only_the_local_stage_of_the_checkpoint(four_stages):

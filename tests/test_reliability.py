@@ -2,22 +2,18 @@
 no process left behind; a crash loses no training; misuse gets an error that names the stage and the fix; long
 runs do not grow.
 
-The multi-process cases launch ``workers/fault_runs.py`` and follow every process of the run through ``/proc``: each
-carries a unique marker in its environment, which the launchers (popen, spawn, torchrun) pass on to the ranks.
+The multi-process cases launch ``workers/reliability_faults_worker.py`` and follow every process of the run through
+``/proc``: each carries a unique marker in its environment, which the launchers (popen, spawn, torchrun) pass on to
+the ranks.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,7 +26,7 @@ import pytest
 import torch
 from lightning.pytorch import seed_everything
 
-from helpers.compare import REPO, WORKERS, launch
+from helpers.launch import REPO, Finished, launch, run_python
 from helpers.models import ProjectModule
 from lightning_pipe import GPipeStrategy
 from lightning_pipe.engine import PipelineEngine
@@ -46,19 +42,12 @@ FAULT_TO_EXIT_LIMIT_S = 60  # the issue's bound: every process gone this long af
 MARKER_VARIABLE = "LIGHTNING_PIPE_RELIABILITY_RUN"
 
 
-def marked_processes(marker: str) -> list[int]:
-    """Pids of the live processes whose environment carries ``marker`` (zombies have an empty environment)."""
-    needle = f"{MARKER_VARIABLE}={marker}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                environment = Path(f"/proc/{entry}/environ").read_bytes()
-            except OSError:  # gone meanwhile, or not ours
-                continue
-            if needle in environment.split(b"\0"):
-                found.append(int(entry))
-    return found
+def launch_marked(worker: str, spec: dict, tmp_path: Path, torchrun_processes: int | None = None) -> Finished:
+    """Run ``workers/WORKER`` on ``spec`` (under torchrun with that many processes, if given) until every process
+    it started has ended; the processes still alive at the deadline are killed then (and reported), so that a failing
+    test leaves nothing behind. Its terminal output is in ``tmp_path/stderr.txt``."""
+    return launch(worker, spec, tmp_path, check=False, torchrun_processes=torchrun_processes,
+                  marker_variable=MARKER_VARIABLE)
 
 
 @dataclass
@@ -79,62 +68,17 @@ class FaultRun:
         return self.gone - self.faults[0]["time"] if self.faults else float("nan")
 
 
-def run_marked(
-    worker: str, spec: dict, tmp_path: Path, torchrun_processes: int | None = None, deadline_s: float = 300
-) -> tuple[int, float, list[int]]:
-    """Run ``workers/WORKER`` on ``spec`` (under torchrun with that many processes, if given) until every process
-    it started has ended. Returns its exit status, the wall-clock time when none was left, and the processes still
-    alive at the deadline (killed then, so that a failing test leaves nothing behind).
-
-    A launch whose rendezvous port was taken between Lightning choosing it and binding it (other launches run at the
-    same time) is started again, once: that is the machine's race, not the behaviour under test."""
-    result = _run_marked_once(worker, spec, tmp_path, torchrun_processes, deadline_s)
-    if result[0] != 0 and "EADDRINUSE" in (tmp_path / "stderr.txt").read_text():
-        for path in [*tmp_path.glob("*.json"), *tmp_path.glob("*.pt")]:
-            if path.name != "spec.json":
-                path.unlink()
-        result = _run_marked_once(worker, spec, tmp_path, torchrun_processes, deadline_s)
-    return result
-
-
-def _run_marked_once(
-    worker: str, spec: dict, tmp_path: Path, torchrun_processes: int | None, deadline_s: float
-) -> tuple[int, float, list[int]]:
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    spec_path = tmp_path / "spec.json"
-    spec_path.write_text(json.dumps(spec))
-    marker = uuid.uuid4().hex
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", MARKER_VARIABLE: marker}
-    for variable in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK"):
-        env.pop(variable, None)
-    command = [sys.executable, str(WORKERS / worker), str(spec_path)]
-    if torchrun_processes is not None:
-        command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun_processes}"]
-    with open(tmp_path / "stderr.txt", "w") as stderr, open(tmp_path / "stdout.txt", "w") as stdout:
-        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env, cwd=tmp_path, start_new_session=True)
-        deadline = time.monotonic() + deadline_s
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=deadline_s)  # then the processes it started, which may outlive it
-        while marked_processes(marker) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        gone = time.time()
-        leftovers = marked_processes(marker)
-        for pid in leftovers:
-            os.kill(pid, signal.SIGKILL)
-        return process.wait(), gone, leftovers
-
-
 def run_with_faults(
     tmp_path: Path, devices: int, faults: list[dict], launcher: str = "gpipe", timeout_s: float | None = None,
     **spec_items,
 ) -> FaultRun:
-    """Launch ``fault_runs.py`` under ``launcher`` (``gpipe``, ``gpipe_spawn`` or ``torchrun``) and watch it end."""
+    """Launch ``reliability_faults_worker.py`` under ``launcher`` (``gpipe``, ``gpipe_spawn`` or ``torchrun``) and
+    watch it end."""
     spec = {"devices": devices, "out": str(tmp_path), "faults": faults, "timeout_s": timeout_s,
             "strategy": "gpipe_spawn" if launcher == "gpipe_spawn" else "gpipe", **spec_items}
-    returncode, gone, leftovers = run_marked(
-        "fault_runs.py", spec, tmp_path, torchrun_processes=devices if launcher == "torchrun" else None
-    )
-    return collect(tmp_path, returncode, gone, leftovers)
+    run = launch_marked("reliability_faults_worker.py", spec, tmp_path,
+                        torchrun_processes=devices if launcher == "torchrun" else None)
+    return collect(tmp_path, run.returncode, run.gone, run.leftovers)
 
 
 def collect(out: Path, returncode: int, gone: float, leftovers: list[int], stderr: str | None = None) -> FaultRun:
@@ -230,12 +174,12 @@ def run_misuses(names: list[str], tmp_path: Path) -> dict[str, FaultRun]:
 
 def run_crash_then_resume(tmp_path: Path) -> FaultRun:
     """The crash, then (once every process of it is gone, and if it left a checkpoint) the rerun from last.ckpt."""
-    returncode, gone, leftovers = run_marked("crash_resume_runs.py", {**CRASH, "out": str(tmp_path)}, tmp_path)
-    crash = collect(tmp_path, returncode, gone, leftovers)
+    run = launch_marked("reliability_crash_worker.py", {**CRASH, "out": str(tmp_path)}, tmp_path)
+    crash = collect(tmp_path, run.returncode, run.gone, run.leftovers)
     if (tmp_path / "ckpt" / "last.ckpt").exists():
         last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)  # before the rerun writes its own
         (tmp_path / "last_after_crash.json").write_text(json.dumps([last["epoch"], last["global_step"]]))
-        launch("crash_resume_runs.py", {**CRASH, "out": str(tmp_path), "mode": "resume"}, tmp_path / "resume")
+        launch("reliability_crash_worker.py", {**CRASH, "out": str(tmp_path), "mode": "resume"}, tmp_path / "resume")
     return crash
 
 
@@ -271,10 +215,25 @@ def check_failure_surfaced(run: FaultRun, faults: list[dict]) -> None:
         assert expected in run.stderr, run.stderr[-6000:]
         if first["where"] == "layer":  # the note the engine adds: where in the pipeline it happened
             assert f"raised by pipeline stage {first['stage']} (layers" in run.stderr, run.stderr[-6000:]
+        check_every_rank_ended_with_the_cause(run, expected)
     else:
         killed = f"stage {first['stage']} \\(rank \\d\\)"
         said = [rf"lost {killed}", r"terminated with signal SIGKILL", r"Signal 9 \(SIGKILL\)", r"exitcode\s*:\s*-9"]
         assert any(re.search(pattern, run.stderr) for pattern in said), run.stderr[-6000:]
+
+
+def check_every_rank_ended_with_the_cause(run: FaultRun, expected: str) -> None:
+    """The launching process's final error, and that of every rank that got to record its end, is the user's
+    exception (re-raised by the ranks that lost the stage which raised it), not a lost-peer error."""
+    launching = "launcher" if "launcher" in run.ends else "rank0"
+    assert launching in run.ends, f"the launching process (or rank 0 under torchrun) recorded no end: {run.ends}"
+    for name, end in run.ends.items():  # under spawn, the launcher raises the rank's exception, not torch's text
+        assert end["ended"] == "InjectedFault", f"{name} ended with {end['ended']}: {end['traceback']}"
+        assert expected.removeprefix("InjectedFault: ") in end["message"], end["message"]
+    rank0, stage = run.ends.get("rank0", {}).get("traceback", ""), re.search(r"on stage (\d+)", expected)
+    if "then lost that stage" in rank0:  # rank 0 lost the stage that raised: its error says where it came from
+        said = rf"raised on stage {stage.group(1) if stage else '?'} \(rank [1-9]\); stage \d \(rank 0\) then lost"
+        assert re.search(said, rank0), rank0
 
 
 def test_killed_rank_ends_every_process_fast_and_is_named(pooled_runs):
@@ -449,7 +408,7 @@ def test_more_misuse_errors_name_the_stage_and_the_fix(name, tmp_path):
 def test_nan_loss_trains_on_as_on_one_device(pooled_runs):
     """A layer's output turns NaN at batch 2: as on one device, training goes on (no error, no hang), every rank
     logs the same losses as one device, NaN from batch 2, and the weights end as one device's (NaN included)."""
-    from workers.fault_runs import Faults, fit
+    from workers.reliability_faults_worker import Faults, fit
 
     run = pooled_runs["nan-loss"]
     model, _, expected_losses = fit(2, Faults(MISUSES["nan-loss"]["faults"], None))
@@ -501,12 +460,8 @@ def test_activation_too_large_for_the_header_names_the_fix():
 
 def run_short_soak(tmp_path: Path) -> dict:
     """``benchmarks/soak.py`` at 200 steps on 2 stages (the recorded run: 2,000 on 4, in docs/reliability.md)."""
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    for variable in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK"):
-        env.pop(variable, None)
-    command = [sys.executable, str(REPO / "benchmarks" / "soak.py"), "--steps", "200", "--stages", "2",
-               "--json", str(tmp_path / "soak.json")]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    result = run_python(REPO / "benchmarks" / "soak.py", "--steps", "200", "--stages", "2",
+                        "--json", tmp_path / "soak.json", cwd=tmp_path, check=False)
     assert (tmp_path / "soak.json").exists(), result.stderr[-6000:]
     return {"returncode": result.returncode, **json.loads((tmp_path / "soak.json").read_text())}
 

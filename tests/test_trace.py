@@ -8,10 +8,10 @@ from collections import defaultdict
 
 import pytest
 
-from helpers.compare import launch
+from helpers.launch import launch
 from lightning_pipe.schedule import clock_cycles, ideal_bubble_fraction
-from lightning_pipe.timeline import BACKWARD, FORWARD, RECOMPUTE, Interval, bubble_fraction, stage_extent
-from lightning_pipe.trace import TracedStep, chrome_trace, main, write_chrome_trace
+from lightning_pipe.trace.timeline import BACKWARD, FORWARD, RECOMPUTE, Interval, bubble_fraction, stage_extent
+from lightning_pipe.trace import TracedStep, main, write_chrome_trace
 
 # One host: every process reads one clock (only the microsecond rounding differs). Hosts apart: clocks aligned by
 # ping-pong, off by at most half the shortest round trip.
@@ -60,7 +60,8 @@ LAUNCH = {
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trace")
-    launch("balance_trace_runs.py", {**LAUNCH, "out": str(tmp)}, tmp)
+    result = launch("balance_trace_worker.py", {**LAUNCH, "out": str(tmp)}, tmp)
+    (tmp / "output.txt").write_text(result.stdout + result.stderr)
     return tmp
 
 
@@ -114,6 +115,15 @@ def test_bubble_fraction_reaches_the_loggers_every_step(traced):
     results = [json.loads((traced / "except_last" / f"rank{r}.json").read_text()) for r in range(3)]
     assert results[0]["bubbles"] == results[1]["bubbles"] == results[2]["bubbles"]  # every stage agrees
     assert len(results[0]["bubbles"]) == 3
+
+
+def test_every_trace_written_is_announced_once_with_its_absolute_path(traced):
+    output = (traced / "output.txt").read_text()
+    for run in LAUNCH["runs"]:
+        path = (traced / run["name"] / "gpipe_trace.json").resolve()
+        assert output.count(f"wrote the trace of step {run['trace_steps'][0]} to {path} ") == 1, output[-3000:]
+        assert output.count(f"to {path} ") == 1  # once per file, though later steps rewrite it
+        assert f"python -m lightning_pipe.trace render {path} timeline.png" in output
 
 
 def test_render_draws_the_trace_as_a_png(traced, tmp_path):

@@ -1,11 +1,8 @@
-"""Run worker scripts in fresh processes and compare their results with single-device training."""
+"""Compare the results of pipelined runs (see :func:`helpers.launch.launch`) with single-device training."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -17,39 +14,6 @@ import lightning_pipe
 
 from helpers.models import MODELS, loaders
 from helpers.recording import MetricRecorder
-
-WORKERS = Path(__file__).resolve().parents[1] / "workers"
-REPO = Path(__file__).resolve().parents[2]
-
-
-def launch(
-    worker: str, spec: dict, tmp_path: Path, timeout: float = 300, check: bool = True
-) -> subprocess.CompletedProcess:
-    """Run ``workers/WORKER`` on ``spec`` in a fresh Python (Lightning's launcher re-runs the script per rank)."""
-    process = start(worker, spec, tmp_path)
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    finally:
-        process.kill()
-    result = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-    if check and result.returncode != 0:
-        raise AssertionError(f"worker {worker} failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
-    return result
-
-
-def start(worker: str, spec: dict, tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start ``workers/WORKER`` on ``spec`` in a fresh Python, with a clean distributed environment plus ``env``."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    spec_path = tmp_path / f"{Path(worker).stem}_spec.json"
-    spec_path.write_text(json.dumps(spec))
-    environment = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    for variable in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        environment.pop(variable, None)
-    environment.update(env or {})
-    return subprocess.Popen(
-        [sys.executable, str(WORKERS / worker), str(spec_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=tmp_path,
-    )
 
 
 def merged_state_dict(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -31,9 +31,9 @@ def layers(width: int = WIDTH, depth: int = DEPTH) -> nn.Sequential:
 class DeferredClassifier(LightningModule):
     """Builds its layers in ``configure_model``; a parameter of its own made in ``__init__`` (replicated, real)."""
 
-    def __init__(self, lr: float = 0.01) -> None:  # larger rates diverge at this width
+    def __init__(self, lr: float = 0.01, width: int = WIDTH, depth: int = DEPTH) -> None:  # larger rates diverge
         super().__init__()
-        self.lr = lr
+        self.lr, self.width, self.depth = lr, width, depth
         self.input_scale = nn.Parameter(torch.rand(3, 4) + 0.5)
         self.layers: nn.Sequential | None = None
         self.head: nn.Linear | None = None
@@ -41,8 +41,8 @@ class DeferredClassifier(LightningModule):
     def configure_model(self) -> None:
         if self.layers is not None:  # runs again for trainer.test
             return
-        self.layers = layers()
-        self.head = nn.Linear(WIDTH, CLASSES)
+        self.layers = layers(self.width, self.depth)
+        self.head = nn.Linear(self.width, CLASSES)
         lightning_pipe.init_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,8 +71,8 @@ class EagerClassifier(DeferredClassifier):
     """The same model built in ``__init__`` (for ``trainer.init_module(empty_init=True)``), with no parameter of the
     LightningModule's own: on the meta device those could not be initialised."""
 
-    def __init__(self, lr: float = 0.01) -> None:
-        super().__init__(lr)
+    def __init__(self, lr: float = 0.01, width: int = WIDTH, depth: int = DEPTH) -> None:
+        super().__init__(lr, width, depth)
         del self.input_scale
         self.configure_model()
 
@@ -109,10 +109,11 @@ class InitialWeights(Callback):
 
 
 def fit(out: Path, model_kind: str = "deferred", epochs: int = 1, ckpt_path: str | None = None,
-        **trainer_kwargs: Any) -> dict[str, Any]:
+        save_after_fit: bool = False, **trainer_kwargs: Any) -> dict[str, Any]:
     """Fit one of the models above and test it; what the run saw and left. ``model_kind``: ``"deferred"`` (built in
     configure_model), ``"init_module"`` (built under ``trainer.init_module(empty_init=True)``) or ``"eager"``
-    (built in ``__init__`` with real tensors, as a model that does not use deferred construction)."""
+    (built in ``__init__`` with real tensors, as a model that does not use deferred construction). With
+    ``save_after_fit``, ``trainer.save_checkpoint(out / "after_fit.ckpt")`` once the test has run."""
     seed_everything(0)
     initial = InitialWeights()
     checkpoint = ModelCheckpoint(dirpath=out / "ckpt", save_last=True)
@@ -127,6 +128,8 @@ def fit(out: Path, model_kind: str = "deferred", epochs: int = 1, ckpt_path: str
         model = DeferredClassifier()
     trainer.fit(model, data(64, 0), data(32, 1), ckpt_path=ckpt_path)
     tested = trainer.test(model, data(32, 2), verbose=False)
+    if save_after_fit:
+        trainer.save_checkpoint(out / "after_fit.ckpt")
     strategy = trainer.strategy
     return {
         "summary": str(strategy.stage_summary()) if isinstance(strategy, lightning_pipe.GPipeStrategy) else None,

@@ -60,12 +60,16 @@ def fit_test_predict(out: Path, scheduler: str | None, **trainer_kwargs) -> dict
     }
 
 
-def fit_epochs(out: Path, epochs: int, ckpt_path: str | None = None, **trainer_kwargs) -> dict:
-    """Fit ProjectModule (SGD with momentum: the optimizer has state) for ``epochs``, saving the last checkpoint."""
+def fit_epochs(out: Path, epochs: int, ckpt_path: str | None = None, save_after_fit: bool = False,
+               **trainer_kwargs) -> dict:
+    """Fit ProjectModule (SGD with momentum: the optimizer has state) for ``epochs``, saving the last checkpoint
+    (and, with ``save_after_fit``, ``trainer.save_checkpoint(out / "after_fit.ckpt")`` once fit has returned)."""
     seed_everything(0 if ckpt_path is None else 1)  # a resumed run must take its weights from the checkpoint
     model = ProjectModule(scheduler="epoch")
     checkpoint = ModelCheckpoint(dirpath=out / "ckpt", save_last=True)
     trainer = Trainer(accelerator="cpu", max_epochs=epochs, logger=False, enable_progress_bar=False,
                       enable_model_summary=False, callbacks=[checkpoint], **trainer_kwargs)
     trainer.fit(model, data(64, 0), data(32, 1), ckpt_path=ckpt_path)
+    if save_after_fit:
+        trainer.save_checkpoint(out / "after_fit.ckpt")
     return {"state_dict": {k: v.clone() for k, v in model.state_dict().items()}, "global_rank": trainer.global_rank}

@@ -1,0 +1,97 @@
+"""One rank of the Lightning overhead section: ``Trainer(strategy="gpipe")`` against a plain loop over the engine.
+
+Both train the same model on the same batches with the same optimizer; the plain loop is what the strategy does per
+batch without Lightning (the engine's step, ``optimizer.step()``, ``zero_grad``). The two take turns: a plain loop,
+then a ``Trainer.fit``, ``fits`` times after one unmeasured pair. A step's time is the interval between the ends of
+consecutive steps on the last stage (global rank 0), so it covers everything a loop iteration does; the first
+interval of each run is dropped. The answer keeps every interval, by round, for the section to summarise.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule, Trainer
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from harness.rank import run_rank
+from harness.stack import RepeatedBatch, make_batch, make_stack
+from harness.timing import StepEnds, step_intervals
+from harness.workload import Workload
+from lightning_pipe import GPipeStrategy
+from ranks.engine_step import EngineStep
+
+LEARNING_RATE = 1e-4  # small: the weights should stay in a normal range over many steps
+
+
+class StackModule(LightningModule):
+    """The benchmark model as a user would write it: the stack in ``self.model``, an MSE loss, the loss logged."""
+
+    def __init__(self, work: Workload) -> None:
+        super().__init__()
+        self.model = make_stack(work)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, target = batch
+        loss = F.mse_loss(self.model(x), target)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LEARNING_RATE)
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    work = Workload.from_spec(spec)
+    m = work.reference_micro_batches
+    loader = DataLoader(RepeatedBatch(make_batch(work), work.steps_per_fit), batch_size=None)
+    plain, lightning = [], []  # per measured round: the step intervals of the plain loop, of the Trainer
+    for round_index in range(1 + work.fits):
+        engine_times = _plain_loop(work, m, loader)
+        lightning_times = _lightning_fit(work, m, loader)
+        if round_index > 0:
+            plain.append(step_intervals(engine_times))
+            lightning.append(step_intervals(lightning_times))
+    return {"micro_batches": m, "plain_s": plain, "lightning_s": lightning}
+
+
+def _plain_loop(work: Workload, m: int, loader: DataLoader) -> list[float]:
+    step = EngineStep(make_stack(work), m, "never")
+    optimizer = torch.optim.SGD(step.stage.parameters(), lr=LEARNING_RATE)
+    ends = []
+    dist.barrier()
+    for x, target in loader:
+        step.backward(step.forward(x, target))
+        optimizer.step()
+        optimizer.zero_grad()
+        ends.append(time.perf_counter())
+    return ends
+
+
+def _lightning_fit(work: Workload, m: int, loader: DataLoader) -> list[float]:
+    clock = StepEnds()
+    trainer = Trainer(
+        strategy=GPipeStrategy(num_micro_batches=m, checkpoint="never"),
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        max_steps=work.steps_per_fit,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[clock],
+    )
+    dist.barrier()
+    trainer.fit(StackModule(work), loader)
+    return clock.times
+
+
+if __name__ == "__main__":
+    run_rank(measure)

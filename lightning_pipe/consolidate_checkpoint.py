@@ -1,0 +1,40 @@
+"""The command that turns a sharded checkpoint into one file: ``python -m lightning_pipe.consolidate_checkpoint
+SHARDED_DIR OUT.ckpt``.
+
+The file holds the whole model and every optimizer state numbered as on one device, like the checkpoint a run with
+``save_distributed_checkpoint=False`` writes: it loads with ``torch.load`` or ``LightningModule.load_from_checkpoint``
+without this package, or resumes a pipeline of any stage count. It is written one stage at a time (see
+:func:`lightning_pipe.sharded.consolidate`), so the command needs about one stage's memory, not the model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from lightning_pipe.sharded import consolidate, is_sharded_checkpoint
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the command line (``argv``, else ``sys.argv``) and write the file."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_pipe.consolidate_checkpoint",
+        description="Write a sharded gpipe checkpoint (a torch.distributed.checkpoint directory) as one checkpoint"
+        " file that loads anywhere (torch.load, LightningModule.load_from_checkpoint), one stage at a time: peak"
+        " memory about one stage.",
+    )
+    parser.add_argument("sharded_dir", help="the sharded checkpoint: a directory holding .metadata")
+    parser.add_argument("out", help="the checkpoint file to write")
+    parser.add_argument(
+        "--weights-only", action=argparse.BooleanOptionalAction, default=None,
+        help="unpickle the checkpoint's non-tensor entries as torch.load(weights_only=...) does (default: torch's"
+        " default, True); --no-weights-only only for checkpoints from a trusted source",
+    )
+    args = parser.parse_args(argv)
+    if not is_sharded_checkpoint(args.sharded_dir):
+        parser.error(f"{args.sharded_dir!r} is not a sharded checkpoint (a directory holding .metadata)")
+    consolidate(args.sharded_dir, args.out, weights_only=args.weights_only)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""GPipeStrategy's settings, checked once where they enter: ``GPipeStrategy(...)`` and the Hydra config.
+
+Constructing a :class:`PipelineSettings` checks every setting, so everything after trusts it. A message starts with
+the setting and its value and says the fix (``num_stages=0 is invalid; ...``); under Hydra, ``key="strategy."``
+makes it name the config key (``strategy.num_stages=0 is invalid; ...``). What needs more than the settings is
+checked where it becomes known: the process count by :func:`check_process_count` (at launch, or from the Hydra
+``trainer`` group), the model's layers and the profiling sample by :mod:`lightning_pipe.balance` (before launch, and
+at set-up for models built in ``configure_model``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import InitVar, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from lightning_pipe.balance import (
+    BALANCE_MODES,
+    BalanceMode,
+    check_layer_counts,
+    check_one_count_per_stage,
+)
+from lightning_pipe.config import PipelineParallelConfig, require_positive_int
+from lightning_pipe.schedule import SCHEDULES, Schedule
+
+# Which micro-batches run their stage's forward again in backward instead of keeping its activations (the public
+# option ``checkpoint``; :func:`lightning_pipe.schedule.recomputes` decides it per micro-batch).
+RecomputeMode = Literal["always", "except_last", "never"]
+RECOMPUTE_MODES: tuple[str, ...] = get_args(RecomputeMode)
+MESH_ORDERS: tuple[tuple[str, str], ...] = (("pp", "dp"), ("dp", "pp"))
+START_METHODS: tuple[str, ...] = ("popen", "spawn", "fork", "forkserver")
+MICRO_BATCHES_PER_STAGE = 4  # the default: GPipe's bubble (S-1)/(M+S-1) is then below a fifth
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """The pipeline settings of :class:`~lightning_pipe.GPipeStrategy`, checked (its arguments say what each does).
+
+    ``key`` prefixes the settings' names in error messages: ``"strategy."`` for a Hydra config.
+    """
+
+    num_stages: int | None = None  # None: one stage per process
+    num_micro_batches: int | None = None  # None: MICRO_BATCHES_PER_STAGE per stage
+    recompute: RecomputeMode = "except_last"  # the public option `checkpoint`
+    balance: list[int] | BalanceMode | None = None
+    module_name: str | tuple[str, ...] | None = None  # a container's path, or consecutive sibling modules
+    sample: Any = field(default=None, compare=False, repr=False)
+    trace_steps: tuple[int, ...] = ()
+    trace_dir: Path | None = None
+    log_bubble_fraction: bool = True
+    deferred_batch_norm: bool = False
+    mesh_order: tuple[str, str] = ("pp", "dp")
+    start_method: str = "popen"
+    save_distributed_checkpoint: bool | None = None  # None: sharded for a model built on the meta device
+    gather_model_after_run: bool = False
+    schedule: str | Schedule = field(default="gpipe", compare=False)
+    key: InitVar[str] = ""
+
+    def __post_init__(self, key: str) -> None:
+        num_stages, num_micro_batches = self.num_stages, self.num_micro_batches
+        if isinstance(num_stages, (PipelineParallelConfig, Mapping)):
+            num_stages, num_micro_batches = counts_from_config(num_stages, num_micro_batches)
+        for name, count in (("num_stages", num_stages), ("num_micro_batches", num_micro_batches)):
+            if count is not None:
+                require_positive_int(f"{key}{name}", count)
+        checked = {
+            "num_stages": num_stages,
+            "num_micro_batches": num_micro_batches,
+            "recompute": validate_recompute_mode(self.recompute, key),
+            "balance": _checked_balance(self.balance, num_stages, key),
+            "module_name": _checked_module_name(self.module_name, key),
+            "trace_steps": _checked_trace_steps(self.trace_steps, key),
+            "trace_dir": _checked_trace_dir(self.trace_dir, key),
+            "mesh_order": _checked_mesh_order(self.mesh_order, key),
+            "start_method": _checked_start_method(self.start_method, key),
+            "schedule": _checked_schedule(self.schedule, key),
+        }
+        for name in ("log_bubble_fraction", "deferred_batch_norm", "save_distributed_checkpoint",
+                     "gather_model_after_run"):
+            value = getattr(self, name)
+            if not (isinstance(value, bool) or (value is None and name == "save_distributed_checkpoint")):
+                choices = "True, False or None (the default)" if name == "save_distributed_checkpoint" else "True or False"
+                raise ValueError(f"{key}{name}={value!r} is invalid; use {choices}.")
+        for name, value in checked.items():  # the checked, normalised values (a frozen dataclass)
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], key: str = "") -> PipelineSettings:
+        """The settings from ``GPipeStrategy``'s keyword arguments by their public names (``checkpoint``), as a
+        Hydra ``strategy`` node holds them."""
+        options = {name: value for name, value in options.items() if name != "_target_"}
+        if "checkpoint" in options:
+            options["recompute"] = options.pop("checkpoint")
+        return cls(**options, key=key)
+
+    def pipeline_config(self, num_processes: int) -> PipelineParallelConfig:
+        """The stage and micro-batch counts; without settings, one stage per process of ``num_processes`` and
+        ``MICRO_BATCHES_PER_STAGE`` micro-batches per stage."""
+        num_stages = self.num_stages or num_processes
+        return PipelineParallelConfig(num_stages, self.num_micro_batches or MICRO_BATCHES_PER_STAGE * num_stages)
+
+
+def _checked_schedule(schedule: object, key: str) -> Schedule:
+    """The schedule function: one named in ``SCHEDULES``, or the user's own."""
+    if isinstance(schedule, str) and schedule in SCHEDULES:
+        return SCHEDULES[schedule]
+    if isinstance(schedule, str) or not callable(schedule):
+        raise ValueError(
+            f"{key}schedule={schedule!r} is not a schedule; use one of {', '.join(map(repr, SCHEDULES))} or a function"
+            " (stage, num_stages, num_micro_batches, checkpoint) -> list[Action] (see lightning_pipe.schedule)."
+        )
+    return schedule  # type: ignore[return-value]
+
+
+def validate_recompute_mode(mode: object, key: str = "") -> RecomputeMode:
+    """``mode`` if it is a re-computation mode; else a ``ValueError`` naming the choices (by the public option's
+    name, ``checkpoint``)."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(
+            f"{key}checkpoint={mode!r} is not a checkpoint mode; use one of {', '.join(map(repr, RECOMPUTE_MODES))}"
+            " ('except_last' re-computes every micro-batch's forward in backward except the last one)."
+        )
+    return mode  # type: ignore[return-value]
+
+
+def check_process_count(num_stages: int, devices: int, num_nodes: int, key: str = "", trainer_key: str = "") -> None:
+    """Raise unless ``devices * num_nodes`` processes hold whole pipelines of ``num_stages`` stages. ``key`` and
+    ``trainer_key`` prefix the names in the message (``"strategy."`` and ``"trainer."`` under Hydra)."""
+    total = devices * num_nodes
+    if total % num_stages:
+        raise ValueError(
+            f"{trainer_key}devices={devices} on {trainer_key}num_nodes={num_nodes} starts {total} processes, not a"
+            f" multiple of {key}num_stages={num_stages}: GPipe needs devices * num_nodes to be a multiple of the stage"
+            f" count (one process per stage of each pipeline replica); set {trainer_key}devices to {num_stages} for"
+            f" one pipeline or to a multiple of it for data-parallel replicas, or choose a {key}num_stages that"
+            f" divides {total}."
+        )
+
+
+def counts_from_config(
+    config: PipelineParallelConfig | Mapping[str, Any], num_micro_batches: int | None
+) -> tuple[int | None, int | None]:
+    """``(num_stages, num_micro_batches)`` from a config object or mapping (a Hydra/OmegaConf node)."""
+    if num_micro_batches is not None:
+        raise ValueError("pass num_micro_batches inside the config, or pass both counts as plain integers, not both.")
+    if isinstance(config, PipelineParallelConfig):
+        return config.num_stages, config.num_micro_batches
+    unknown = set(config) - {"num_stages", "num_micro_batches"}
+    if unknown:
+        raise ValueError(
+            f"unknown pipeline config keys {sorted(unknown)}; a pipeline config holds num_stages and num_micro_batches."
+        )
+    return config.get("num_stages"), config.get("num_micro_batches")
+
+
+def _checked_balance(balance: Any, num_stages: int | None, key: str) -> list[int] | BalanceMode | None:
+    if balance is None:
+        return None
+    if isinstance(balance, str):
+        if balance not in BALANCE_MODES:
+            raise ValueError(
+                f"{key}balance={balance!r} is not a balancing mode; use one of {', '.join(map(repr, BALANCE_MODES))},"
+                " or a list of layers per stage such as [3, 5]."
+            )
+        return balance  # type: ignore[return-value]
+    if not _is_list_like(balance):
+        example = ", ".join(["4"] * (num_stages or 2))
+        raise ValueError(
+            f"{key}balance={balance!r} is invalid; give one layer count per stage as a list"
+            f" (e.g. {key}balance=[{example}]), a mode ({', '.join(BALANCE_MODES)}), or None for an even split."
+        )
+    sizes = list(balance)
+    check_layer_counts(sizes, key)
+    if num_stages is not None:
+        check_one_count_per_stage(sizes, num_stages, key, num_stages_set=True)
+    return sizes
+
+
+def _checked_module_name(module_name: Any, key: str) -> str | tuple[str, ...] | None:
+    if module_name is None or isinstance(module_name, str):
+        return module_name
+    names = list(module_name) if _is_list_like(module_name) else None
+    if not names or any(not isinstance(name, str) for name in names):
+        raise ValueError(
+            f"{key}module_name={module_name!r} is invalid; give the dotted path of the nn.Sequential or nn.ModuleList"
+            " to pipeline as a string (e.g. 'net.model'), a list of consecutive sibling modules (e.g."
+            " ['model.conv1', 'model.layer1', 'model.fc']), or None to pipeline the one with the most parameters."
+        )
+    return tuple(names)
+
+
+def _checked_trace_steps(trace_steps: Any, key: str) -> tuple[int, ...]:
+    steps = list(trace_steps) if _is_list_like(trace_steps) else None
+    if steps is None or any(isinstance(step, bool) or not isinstance(step, int) or step < 0 for step in steps):
+        raise ValueError(
+            f"{key}trace_steps={trace_steps!r} is invalid; give the training steps to trace as a list of"
+            f" trainer.global_step values (integers from 0), e.g. {key}trace_steps=[20]."
+        )
+    return tuple(steps)
+
+
+def _checked_trace_dir(trace_dir: Any, key: str) -> Path | None:
+    if trace_dir is None:
+        return None
+    if not isinstance(trace_dir, (str, os.PathLike)):
+        raise ValueError(
+            f"{key}trace_dir={trace_dir!r} is invalid; give a directory path, or None for the Trainer's"
+            " default_root_dir."
+        )
+    return Path(trace_dir)
+
+
+def _checked_mesh_order(mesh_order: Any, key: str) -> tuple[str, str]:
+    order = tuple(mesh_order) if _is_list_like(mesh_order) else None
+    if order not in MESH_ORDERS:
+        raise ValueError(
+            f"{key}mesh_order={_shown(mesh_order)} is invalid; use ['pp', 'dp'] (pipeline outermost: a replica's"
+            " gradient all-reduce stays among neighbouring ranks, one node) or ['dp', 'pp'] (a pipeline's stages on"
+            " neighbouring ranks)."
+        )
+    return order  # type: ignore[return-value]
+
+
+def _checked_start_method(start_method: Any, key: str) -> str:
+    if start_method not in START_METHODS:
+        raise ValueError(
+            f"{key}start_method={start_method!r} is not a start method; use one of"
+            f" {', '.join(map(repr, START_METHODS))}, or leave it out for the default."
+        )
+    return start_method  # type: ignore[no-any-return]
+
+
+def _is_list_like(value: Any) -> bool:
+    """A list, tuple or OmegaConf list: iterable with a length, and neither a string nor a mapping."""
+    return isinstance(value, Iterable) and hasattr(value, "__len__") and not isinstance(value, (str, bytes, Mapping))
+
+
+def _shown(value: Any) -> str:
+    return repr(list(value)) if _is_list_like(value) else repr(value)

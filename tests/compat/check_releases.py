@@ -1,0 +1,168 @@
+"""Runs the fast equivalence and parity tests against the boundary torch and Lightning releases and writes the
+results table of docs/compatibility.md.
+
+Each release set gets a fresh virtual environment: first the set's torch and Lightning are installed, as in a project
+that already has them; then this package is installed with ``pip install -e .[test]``, and its stack must come out
+unchanged (the same torch, Lightning and torchmetrics versions); then the tests below run. Too slow for CI: the
+registry's torch wheels are CUDA builds of several GB (they run on the CPU); CI runs the whole suite on torch 2.13 CPU.
+
+    python tests/compat/check_releases.py                 # every release set, one after another
+    python tests/compat/check_releases.py --only newest   # one set; the table keeps the other rows as they were
+
+pip runs as configured on the machine (its index, PIP_FIND_LINKS, ...): a pip configuration that caps torch below a
+set's release makes that set fail to install; lift the cap for the run (e.g. PIP_CONFIG_FILE=/dev/null).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TABLE_PAGE = ROOT / "docs" / "compatibility.md"
+# Equivalence with one device, Lightning parity, and what leans on torch's and Lightning's internals the most:
+# launchers and signals (test_reliability, test_launchers), distributed checkpoints (test_checkpoints).
+TESTS = ["tests/test_equivalence.py", "tests/test_lightning_parity.py", "tests/test_microbatch.py",
+         "tests/test_schedule.py", "tests/test_reliability.py", "tests/test_launchers.py", "tests/test_checkpoints.py"]
+STACK = ("torch", "lightning", "torchmetrics")
+TABLE_START, TABLE_END = "<!-- results: start -->", "<!-- results: end -->"
+
+
+@dataclass(frozen=True)
+class ReleaseSet:
+    name: str
+    torch: str
+    lightning: str
+
+
+# The bounds declared in pyproject.toml, each met by at least one set. torch==2.13.0 is the CPU build wherever pip
+# finds it (as CI installs it); the registry's other releases are CUDA builds.
+RELEASE_SETS = [
+    ReleaseSet("ci-cpu", torch="2.13.0", lightning="2.6.6"),
+    ReleaseSet("newest", torch="2.15.0", lightning="2.6.6"),
+    ReleaseSet("lowest-torch", torch="2.10.0", lightning="2.6.6"),
+    ReleaseSet("lowest-lightning", torch="2.15.0", lightning="2.5.0"),
+    ReleaseSet("lowest-both", torch="2.10.0", lightning="2.5.0"),
+    ReleaseSet("lightning-2.5-latest", torch="2.13.0", lightning="2.5.6"),
+]
+
+
+def run(command: list[str], log, **kwargs) -> subprocess.CompletedProcess:
+    log.write(f"\n$ {' '.join(command)}\n")
+    log.flush()
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+    log.write(result.stdout)
+    log.flush()
+    return result
+
+
+def installed_versions(python: Path) -> dict[str, str]:
+    script = "import importlib.metadata as m\nfor name in %r:\n    print(name, m.version(name))" % (STACK,)
+    output = subprocess.run([str(python), "-c", script], capture_output=True, text=True, check=True).stdout
+    return dict(line.split() for line in output.splitlines())
+
+
+def pytest_counts(pytest_output: str) -> dict[str, int]:
+    """The counts of pytest's closing line (`3 failed, 69 passed, 12 warnings in 140.2s`)."""
+    closing = pytest_output.strip().splitlines()[-1] if pytest_output.strip() else ""
+    counts = {word: int(number) for number, word in re.findall(r"(\d+) (passed|failed|errors?|skipped)", closing)}
+    counts["failed"] = counts.get("failed", 0) + counts.pop("error", 0) + counts.pop("errors", 0)
+    return counts
+
+
+def check(release: ReleaseSet, envs: Path, keep: bool) -> dict[str, str]:
+    """One table row: what pip installed, whether installing this package kept it, and what the tests did."""
+    venv = envs / release.name
+    shutil.rmtree(venv, ignore_errors=True)
+    try:
+        with open(envs / f"{release.name}.log", "w") as log:
+            print(f"[{release.name}] building {venv} (log: {log.name})", flush=True)
+            row = check_in(venv, release, log)
+    finally:
+        if not keep:
+            shutil.rmtree(venv, ignore_errors=True)
+    print(f"[{release.name}] {row['passed']} passed, {row['failed']} failed", flush=True)
+    return row
+
+
+def check_in(venv: Path, release: ReleaseSet, log) -> dict[str, str]:
+    row = {"set": release.name, "date": datetime.date.today().isoformat()}
+    environment = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    pip = [str(python), "-m", "pip", "install"]
+    stack = run(pip + [f"torch=={release.torch}", f"lightning=={release.lightning}"], log, env=environment)
+    if stack.returncode != 0:
+        return row | {"installed": "install failed, see the log", "kept": "-", "passed": "0", "failed": "-"}
+    before = installed_versions(python)
+    package = run(pip + ["-e", f"{ROOT}[test]"], log, env=environment)
+    after = installed_versions(python)
+    changed = [f"{name} {before[name]} → {after[name]}" for name in STACK if before[name] != after[name]]
+    row["installed"] = ", ".join(f"{name} {after[name]}" for name in STACK)
+    row["kept"] = "yes" if package.returncode == 0 and not changed else "NO: " + (", ".join(changed) or "failed")
+    print(f"[{release.name}] {row['installed']}; installing lightning-pipe kept them: {row['kept']}", flush=True)
+    start = time.monotonic()
+    tests = run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", *TESTS], log,
+                env=environment, cwd=ROOT)
+    counts = pytest_counts(tests.stdout)
+    row |= {"passed": str(counts.get("passed", 0)), "failed": str(counts["failed"]),
+            "minutes": f"{(time.monotonic() - start) / 60:.1f}"}
+    if tests.returncode not in (0, 1):  # 1: some tests failed (counted); anything else: pytest itself failed
+        row["failed"] += f" (pytest exit {tests.returncode})"
+    return row
+
+
+COLUMNS = [("set", "Release set"), ("installed", "Installed (pip)"), ("kept", "Installing lightning-pipe kept them"),
+           ("passed", "Passed"), ("failed", "Failed"), ("minutes", "Test minutes"), ("date", "Date")]
+
+
+def read_rows(page: str) -> dict[str, dict[str, str]]:
+    rows = {}
+    for line in page.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) == len(COLUMNS) and cells[0] in {r.name for r in RELEASE_SETS}:
+            rows[cells[0]] = dict(zip((key for key, _ in COLUMNS), cells))
+    return rows
+
+
+def write_table(new_rows: list[dict[str, str]]) -> None:
+    """Replaces the rows of the sets just checked in the page's table; the other rows stay as they were."""
+    page = TABLE_PAGE.read_text()
+    rows = read_rows(page) | {row["set"]: row for row in new_rows}
+    lines = ["| " + " | ".join(title for _, title in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(rows[r.name].get(key, "") for key, _ in COLUMNS) + " |"
+              for r in RELEASE_SETS if r.name in rows]
+    head, rest = page.split(TABLE_START)
+    _, tail = rest.split(TABLE_END)
+    TABLE_PAGE.write_text(head + TABLE_START + "\n" + "\n".join(lines) + "\n" + TABLE_END + tail)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="release sets to check (default: all)")
+    parser.add_argument("--envs", type=Path, default=ROOT / "build" / "compat-envs",
+                        help="where the virtual environments and their logs go (default: build/compat-envs)")
+    parser.add_argument("--keep", action="store_true", help="keep the environments (each takes up to 6 GB)")
+    args = parser.parse_args()
+    names = {r.name for r in RELEASE_SETS}
+    unknown = set(args.only or ()) - names
+    if unknown:
+        parser.error(f"unknown release set(s) {sorted(unknown)}; the sets are {sorted(names)}")
+    args.envs.mkdir(parents=True, exist_ok=True)
+    rows = [check(r, args.envs, args.keep) for r in RELEASE_SETS if not args.only or r.name in args.only]
+    write_table(rows)
+    ok = all(row["kept"] == "yes" and row["failed"] == "0" for row in rows)
+    print(f"{TABLE_PAGE.relative_to(ROOT)} updated; {'every set passed' if ok else 'some sets FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Start a script of this repository in a fresh Python, with this tree first on the import path, and wait for it.
+
+Every test that needs processes of its own comes through :func:`run_python`: the worker scripts of ``tests/workers``
+(through :func:`launch`, which hands them a spec file), the examples, the benchmark commands, ``python -c`` checks.
+The child gets this repository and ``tests/`` on ``PYTHONPATH`` (so it imports this tree's ``lightning_pipe`` and
+the test helpers, whichever copy of the package is installed) and none of a rank's distributed variables.
+
+A worker can be run by hand the same way: ``PYTHONPATH=.:tests python tests/workers/NAME_worker.py SPEC.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "tests"
+WORKERS = TESTS / "workers"  # NAME_worker.py serves tests/test_NAME.py; a shared one is named after its job
+# A rank's variables would make the script think it is a child rank of some other run.
+_RANK_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK")
+
+
+@dataclass
+class Finished:
+    """How a launched script ended: its exit status, its terminal output, and when it (and what it started) was gone."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    gone: float  # wall-clock time when the script had ended (with ``marker_variable``: every process it started)
+    leftovers: list[int] = field(default_factory=list)  # marked processes still alive at the deadline (then killed)
+
+
+def launch(worker: str, spec: dict, cwd: Path, timeout: float = 300, check: bool = True, **options) -> Finished:
+    """Run ``tests/workers/WORKER`` on ``spec`` (written to ``cwd/spec.json``); see :func:`run_python`."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    spec_path = cwd / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    return run_python(WORKERS / worker, spec_path, cwd=cwd, timeout=timeout, check=check, **options)
+
+
+def run_python(
+    *arguments: str | Path,
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    check: bool = True,
+    torchrun_processes: int | None = None,
+    marker_variable: str | None = None,
+) -> Finished:
+    """``python ARGUMENTS`` in ``cwd`` (under ``torchrun`` with that many processes, if given), until it ends.
+
+    Its output goes to ``cwd/stdout.txt`` and ``cwd/stderr.txt`` (files, not pipes: ranks that outlive the script
+    must not keep the reader waiting). ``env`` is added to the clean environment. With ``marker_variable``, every
+    process of the run carries that variable with a value of its own (the launchers pass the environment on), and
+    the call waits until none is left. Whatever still runs at ``timeout`` seconds is killed; ``check`` then raises,
+    as it does for a non-zero exit status.
+
+    A launch whose rendezvous port was taken between Lightning choosing it and binding it (other launches run at the
+    same time) is started again, once, without the files the failed start wrote: that is the machine's race, not the
+    behaviour under test.
+    """
+    cwd.mkdir(parents=True, exist_ok=True)
+    before = set(cwd.rglob("*"))
+    finished = _run_once(arguments, cwd, env, timeout, torchrun_processes, marker_variable)
+    if finished.returncode != 0 and "EADDRINUSE" in finished.stderr:
+        for path in set(cwd.rglob("*")) - before:
+            if path.is_file() and path.name not in ("stdout.txt", "stderr.txt"):
+                path.unlink()
+        finished = _run_once(arguments, cwd, env, timeout, torchrun_processes, marker_variable)
+    if check and finished.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(map(str, arguments))} failed ({finished.returncode}):\n"
+            f"{finished.stdout[-4000:]}\n{finished.stderr[-8000:]}"
+        )
+    return finished
+
+
+def python_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment with this repository and ``tests/`` first on ``PYTHONPATH``, no rank variables."""
+    path = os.pathsep.join(filter(None, [str(REPO), str(TESTS), os.environ.get("PYTHONPATH")]))
+    environment = {key: value for key, value in os.environ.items() if key not in _RANK_VARIABLES}
+    return {**environment, "PYTHONPATH": path, **(env or {})}
+
+
+def marked_processes(variable: str, marker: str) -> list[int]:
+    """Pids of the live processes whose environment has ``variable=marker`` (zombies have an empty environment)."""
+    needle = f"{variable}={marker}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                environment = Path(f"/proc/{entry}/environ").read_bytes()
+            except OSError:  # gone meanwhile, or not ours
+                continue
+            if needle in environment.split(b"\0"):
+                found.append(int(entry))
+    return found
+
+
+def _run_once(
+    arguments: tuple[str | Path, ...], cwd: Path, env: dict[str, str] | None, timeout: float,
+    torchrun_processes: int | None, marker_variable: str | None,
+) -> Finished:
+    marker = uuid.uuid4().hex
+    environment = python_environment({**(env or {}), **({marker_variable: marker} if marker_variable else {})})
+    command = [sys.executable, *map(str, arguments)]
+    if torchrun_processes is not None:
+        command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun_processes}"]
+    deadline = time.monotonic() + timeout
+    with open(cwd / "stdout.txt", "w") as stdout, open(cwd / "stderr.txt", "w") as stderr:
+        # A session of its own: what it starts can be killed with it, and the terminal's signals stay with pytest.
+        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=environment, cwd=cwd,
+                                   start_new_session=True)
+        try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=timeout)  # then the processes it started, which may outlive it
+            while marker_variable and marked_processes(marker_variable, marker) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            gone = time.time()
+            leftovers = marked_processes(marker_variable, marker) if marker_variable else []
+            for pid in leftovers:
+                os.kill(pid, signal.SIGKILL)
+        finally:
+            if process.poll() is None:  # past the timeout, or interrupted: the script and its session go
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+        returncode = process.wait()
+    return Finished(returncode, (cwd / "stdout.txt").read_text(), (cwd / "stderr.txt").read_text(), gone, leftovers)

@@ -1,0 +1,437 @@
+"""LightningModules around the classes people train, written as their users write them: Hugging Face GPT-2 and
+Llama, ``nn.TransformerEncoder`` with a padding mask, Lightning's demo transformer, ResNet-18- and VGG-11-shaped CNNs.
+
+Tiny configurations, random weights (no downloads), dropout 0; each module brings its own tiny deterministic data
+(a ``torch.Generator`` of its own, so the data never depends on the global seed; the weights do: seed before
+building, as every rank of a pipeline must build the same model). ``example_input_array`` is set only on the CNNs,
+where Lightning's image tutorials set it; users of the language models do not.
+
+The CNNs are written here after torchvision's layout (its wheel does not import with the CPU build of torch used
+here): the same module names and the same forward, so that what works on them works on torchvision's classes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from lightning.pytorch.demos.transformer import LightningTransformer, Transformer
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+VOCAB = 64
+
+
+# -- data ------------------------------------------------------------------------------------------------------
+
+
+class CountingSequences(Dataset):
+    """Token sequences that count up from a random start (learnable in a few steps), right-padded to ``length``.
+
+    An item is what a tokenizer with padding gives a causal language model: ``input_ids``, ``attention_mask``
+    (0 on padding) and ``labels`` (-100 on padding, the value Hugging Face's loss ignores). Token 0 is padding.
+    """
+
+    def __init__(self, samples: int = 32, length: int = 12, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        starts = torch.randint(1, VOCAB, (samples, 1), generator=generator)
+        self.input_ids = (starts + torch.arange(length)) % (VOCAB - 1) + 1
+        lengths = torch.randint(length // 2, length + 1, (samples,), generator=generator)
+        lengths[0] = length  # at least one full sequence: the padded batch is never all padding at the end
+        self.attention_mask = (torch.arange(length) < lengths[:, None]).long()
+        self.input_ids = self.input_ids * self.attention_mask
+        self.labels = self.input_ids.masked_fill(self.attention_mask == 0, -100)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        return {"input_ids": self.input_ids[index], "attention_mask": self.attention_mask[index],
+                "labels": self.labels[index]}
+
+
+def padded_token_classes(samples: int = 32, length: int = 12, classes: int = 3, seed: int = 0) -> TensorDataset:
+    """(tokens, class) with token 0 as right padding; the class is a bucket of the mean of the real tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, VOCAB, (samples, length), generator=generator)
+    lengths = torch.randint(length // 2, length + 1, (samples,), generator=generator)
+    tokens = tokens * (torch.arange(length) < lengths[:, None])
+    means = tokens.sum(1) / lengths
+    labels = torch.bucketize(means, torch.linspace(0, VOCAB, classes + 1)[1:-1])
+    return TensorDataset(tokens, labels)
+
+
+def next_token_pairs(samples: int = 32, length: int = 12, seed: int = 0) -> TensorDataset:
+    """(inputs, target) as the demo's WikiText2 gives them: target is inputs shifted by one token."""
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, VOCAB, (samples, 1), generator=generator)
+    tokens = (starts + torch.arange(length + 1)) % VOCAB
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def images(samples: int = 32, size: int = 32, classes: int = 10, seed: int = 0) -> TensorDataset:
+    """Random images whose class is the brightest of ``classes`` horizontal bands (learnable, deterministic)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, 3, size, size, generator=generator)
+    labels = torch.randint(0, classes, (samples,), generator=generator)
+    band = size // classes
+    for i, label in enumerate(labels.tolist()):
+        x[i, :, label * band:(label + 1) * band] += 1.0
+    return TensorDataset(x, labels)
+
+
+class TinyData:
+    """Each module's own loaders: ``samples`` items in batches of ``batch_size``, validation from another seed."""
+
+    batch_size: int = 8
+    samples: int = 32
+
+    def dataset(self, seed: int) -> Dataset:
+        raise NotImplementedError
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.dataset(seed=0), batch_size=self.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.dataset(seed=1), batch_size=self.batch_size)
+
+    def predict_dataloader(self) -> DataLoader:
+        return DataLoader(self.dataset(seed=2), batch_size=self.batch_size)
+
+
+# -- Hugging Face causal language models -----------------------------------------------------------------------
+
+
+class CausalLM(TinyData, LightningModule):
+    """A Hugging Face causal LM in a LightningModule: the loss is the model's own, from ``labels=``."""
+
+    def __init__(self, model: nn.Module, lr: float = 3e-3, batch_size: int = 8, samples: int = 32) -> None:
+        super().__init__()
+        self.model = model
+        self.lr, self.batch_size, self.samples = lr, batch_size, samples
+
+    def dataset(self, seed: int) -> Dataset:
+        return CountingSequences(self.samples, seed=seed)
+
+    def forward(self, **inputs):
+        return self.model(**inputs)
+
+    def training_step(self, batch, batch_idx):
+        loss = self(**batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self(**batch).loss)
+
+    def predict_step(self, batch, batch_idx):
+        return self(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+
+class GPT2Module(CausalLM):
+    """``GPT2LMHeadModel``: blocks in the ModuleList ``model.transformer.h``; the head shares the embedding's weight."""
+
+    def __init__(self, layers: int = 4, **kwargs) -> None:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=layers, n_head=4,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                            bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+        super().__init__(GPT2LMHeadModel(config), **kwargs)
+
+
+class LlamaModule(CausalLM):
+    """``LlamaForCausalLM``: blocks in the ModuleList ``model.model.layers``, rotary position embeddings."""
+
+    def __init__(self, layers: int = 4, **kwargs) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+        super().__init__(LlamaForCausalLM(config), **kwargs)
+
+
+# -- torch's TransformerEncoder ----------------------------------------------------------------------------------
+
+
+class EncoderClassifier(TinyData, LightningModule):
+    """Sequence classification with ``nn.TransformerEncoder`` and a key padding mask (True on padding tokens).
+
+    ``batch_first=True`` is how most code writes it today; ``batch_first=False`` (torch's default) transposes to
+    (T, B, d) around the encoder, as older code does.
+    """
+
+    def __init__(self, layers: int = 4, batch_first: bool = True, lr: float = 0.05, batch_size: int = 8,
+                 samples: int = 32, classes: int = 3, d_model: int = 32, max_length: int = 32) -> None:
+        super().__init__()
+        self.batch_first, self.lr, self.batch_size, self.samples = batch_first, lr, batch_size, samples
+        self.embedding = nn.Embedding(VOCAB, d_model, padding_idx=0)
+        self.position = nn.Parameter(torch.randn(1, max_length, d_model) * 0.02)
+        layer = nn.TransformerEncoderLayer(d_model, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=batch_first)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=batch_first)
+        self.head = nn.Linear(d_model, classes)
+
+    def dataset(self, seed: int) -> Dataset:
+        return padded_token_classes(self.samples, seed=seed)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        padding = tokens == 0
+        x = self.embedding(tokens) + self.position[:, : tokens.size(1)]
+        if self.batch_first:
+            x = self.encoder(x, src_key_padding_mask=padding)
+        else:
+            x = self.encoder(x.transpose(0, 1), src_key_padding_mask=padding).transpose(0, 1)
+        keep = (~padding).unsqueeze(-1).to(x.dtype)
+        return self.head((x * keep).sum(1) / keep.sum(1))
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        loss = F.cross_entropy(self(tokens), labels)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        tokens, labels = batch
+        self.log("val_loss", F.cross_entropy(self(tokens), labels))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).softmax(-1)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+# -- Lightning's demo transformer ---------------------------------------------------------------------------------
+
+
+class DemoTransformer(TinyData, LightningTransformer):
+    """Lightning's ``LightningTransformer`` with a tiny model and random token data instead of WikiText-2.
+
+    The demo's loss, optimizer (SGD, lr 0.1) and forward are its own; only the model's size, dropout (0) and the
+    data are changed, as a user trying the demo on their own data would.
+    """
+
+    def __init__(self, layers: int = 2, batch_size: int = 8, samples: int = 32) -> None:
+        super().__init__(vocab_size=VOCAB)
+        self.model = Transformer(vocab_size=VOCAB, ninp=32, nhead=2, nhid=64, nlayers=layers, dropout=0.0)
+        self.batch_size, self.samples = batch_size, samples
+
+    def dataset(self, seed: int) -> Dataset:
+        return next_token_pairs(self.samples, seed=seed)
+
+    def prepare_data(self) -> None:
+        """The demo downloads WikiText-2 here; the random data needs nothing."""
+
+    def validation_step(self, batch, batch_idx):
+        inputs, target = batch
+        self.log("val_loss", F.nll_loss(self(inputs, target), target.view(-1)))
+
+    def predict_step(self, batch, batch_idx):
+        inputs, target = batch
+        return self(inputs, target)
+
+
+# -- torchvision-shaped CNNs ---------------------------------------------------------------------------------------
+
+
+def conv3x3(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(in_planes, out_planes, kernel_size=3, stride=stride, padding=1, bias=False)
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet basic block: two 3x3 convolutions and the identity (or a downsampling) shortcut."""
+
+    expansion = 1
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None) -> None:
+        super().__init__()
+        self.conv1 = conv3x3(inplanes, planes, stride)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = conv3x3(planes, planes)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = downsample
+        self.stride = stride
+
+    def forward(self, x: Tensor) -> Tensor:
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
+class ResNet(nn.Module):
+    """torchvision's ResNet layout (stem, ``layer1``..``layer4``, ``avgpool``, ``fc``) with a base ``width``."""
+
+    def __init__(self, layers: list[int], num_classes: int = 10, width: int = 64) -> None:
+        super().__init__()
+        self.inplanes = width
+        self.conv1 = nn.Conv2d(3, width, kernel_size=7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        self.layer1 = self._make_layer(width, layers[0])
+        self.layer2 = self._make_layer(width * 2, layers[1], stride=2)
+        self.layer3 = self._make_layer(width * 4, layers[2], stride=2)
+        self.layer4 = self._make_layer(width * 8, layers[3], stride=2)
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(width * 8 * BasicBlock.expansion, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def _make_layer(self, planes: int, blocks: int, stride: int = 1) -> nn.Sequential:
+        downsample = None
+        if stride != 1 or self.inplanes != planes * BasicBlock.expansion:
+            downsample = nn.Sequential(
+                nn.Conv2d(self.inplanes, planes * BasicBlock.expansion, kernel_size=1, stride=stride, bias=False),
+                nn.BatchNorm2d(planes * BasicBlock.expansion),
+            )
+        layers = [BasicBlock(self.inplanes, planes, stride, downsample)]
+        self.inplanes = planes * BasicBlock.expansion
+        layers += [BasicBlock(self.inplanes, planes) for _ in range(1, blocks)]
+        return nn.Sequential(*layers)
+
+    def _forward_impl(self, x: Tensor) -> Tensor:
+        x = self.conv1(x)
+        x = self.bn1(x)
+        x = self.relu(x)
+        x = self.maxpool(x)
+
+        x = self.layer1(x)
+        x = self.layer2(x)
+        x = self.layer3(x)
+        x = self.layer4(x)
+
+        x = self.avgpool(x)
+        x = torch.flatten(x, 1)
+        x = self.fc(x)
+        return x
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._forward_impl(x)
+
+
+def resnet18(num_classes: int = 10, width: int = 64) -> ResNet:
+    return ResNet([2, 2, 2, 2], num_classes=num_classes, width=width)
+
+
+VGG11_LAYOUT: list[int | str] = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
+
+
+class VGG(nn.Module):
+    """torchvision's VGG layout: ``features`` (convolutions, in-place ReLUs, max pools), ``avgpool``, ``classifier``."""
+
+    def __init__(self, features: nn.Sequential, num_classes: int = 10, hidden: int = 4096, dropout: float = 0.5,
+                 pool: int = 7) -> None:
+        super().__init__()
+        channels = [m.out_channels for m in features if isinstance(m, nn.Conv2d)][-1]
+        self.features = features
+        self.avgpool = nn.AdaptiveAvgPool2d((pool, pool))
+        self.classifier = nn.Sequential(
+            nn.Linear(channels * pool * pool, hidden),
+            nn.ReLU(True),
+            nn.Dropout(p=dropout),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(True),
+            nn.Dropout(p=dropout),
+            nn.Linear(hidden, num_classes),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.features(x)
+        x = self.avgpool(x)
+        x = torch.flatten(x, 1)
+        x = self.classifier(x)
+        return x
+
+
+def vgg_features(layout: list[int | str], divisor: int = 1, batch_norm: bool = False) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    in_channels = 3
+    for v in layout:
+        if v == "M":
+            layers += [nn.MaxPool2d(kernel_size=2, stride=2)]
+        else:
+            out_channels = int(v) // divisor
+            conv = nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1)
+            norm = [nn.BatchNorm2d(out_channels)] if batch_norm else []
+            layers += [conv, *norm, nn.ReLU(inplace=True)]
+            in_channels = out_channels
+    return nn.Sequential(*layers)
+
+
+def vgg11(num_classes: int = 10, divisor: int = 1, hidden: int = 4096, dropout: float = 0.5) -> VGG:
+    return VGG(vgg_features(VGG11_LAYOUT, divisor), num_classes=num_classes, hidden=hidden, dropout=dropout)
+
+
+class ImageClassifier(TinyData, LightningModule):
+    """An image classifier as Lightning's tutorials write one: cross entropy, SGD with momentum, an example input."""
+
+    def __init__(self, model: nn.Module, lr: float = 0.05, batch_size: int = 8, samples: int = 32) -> None:
+        super().__init__()
+        self.model = model
+        self.lr, self.batch_size, self.samples = lr, batch_size, samples
+        self.example_input_array = torch.zeros(2, 3, 32, 32)
+
+    def dataset(self, seed: int) -> Dataset:
+        return images(self.samples, seed=seed)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).softmax(-1)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=5e-4)
+
+
+class ResNet18Classifier(ImageClassifier):
+    """ResNet-18's layout (BatchNorm everywhere) with base width 8 instead of 64, on 32x32 images."""
+
+    def __init__(self, width: int = 8, **kwargs) -> None:
+        super().__init__(resnet18(num_classes=10, width=width), **kwargs)
+
+
+class VGG11Classifier(ImageClassifier):
+    """VGG-11's layout (no BatchNorm, in-place ReLUs) with 1/8 of its channels and a 64-wide classifier."""
+
+    def __init__(self, divisor: int = 8, **kwargs) -> None:
+        super().__init__(vgg11(num_classes=10, divisor=divisor, hidden=64, dropout=0.0), **kwargs)
+
+
+STOCK_MODELS: dict[str, type[LightningModule]] = {
+    "gpt2": GPT2Module,
+    "llama": LlamaModule,
+    "encoder": EncoderClassifier,
+    "demo": DemoTransformer,
+    "resnet18": ResNet18Classifier,
+    "vgg11": VGG11Classifier,
+}
+
+# Where each model keeps the blocks its forward calls one after another (its own loop or a Sequential).
+BLOCKS: dict[str, list[str]] = {
+    "gpt2": ["model.transformer.h"],
+    "llama": ["model.model.layers"],
+    "encoder": ["encoder.layers"],
+    "demo": ["model.transformer.encoder.layers", "model.transformer.decoder.layers"],
+    "resnet18": ["model"],  # its children in order: conv1, bn1, relu, maxpool, layer1..layer4, avgpool, fc
+    "vgg11": ["model.features"],
+}

@@ -1,0 +1,125 @@
+"""A micro-batch too small for a BatchNorm fails before training, with the batch size, the micro-batch count and
+the fix; and the rule checked is torch's own (the same micro-batch raises in torch, deferred or not)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe import batchnorm
+from lightning_pipe.batchnorm import check_micro_batches_fit_batch_norm, observed_batch_norm_inputs
+from lightning_pipe.microbatch import split
+
+from helpers.stock_models import resnet18
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def shapes_of(layers: nn.Module, x: torch.Tensor) -> dict[str, float]:
+    """Values per channel per sample of each BatchNorm, seen in a forward of ``x``."""
+    with observed_batch_norm_inputs(layers, batch_size=len(x)) as values:
+        layers(x)
+    return values
+
+
+def runs_in_torch(layers: nn.Module, x: torch.Tensor, num_micro_batches: int) -> bool:
+    """Whether every micro-batch of ``x`` passes through ``layers`` in training (torch's own verdict)."""
+    try:
+        for micro_batch in split(x, num_micro_batches):
+            layers(micro_batch)
+    except ValueError as error:
+        assert "Expected more than 1 value per channel when training" in str(error)
+        return False
+    return True
+
+
+def test_one_sample_per_micro_batch_in_batch_norm_1d_is_refused_with_the_fix():
+    layers, x = mlp(), torch.randn(8, 6)
+    shapes = shapes_of(layers, x)
+    with pytest.raises(ValueError) as error:
+        check_micro_batches_fit_batch_norm(layers, shapes, batch_size=8, num_micro_batches=8)
+    message = str(error.value)
+    assert "BatchNorm1d layer '1' would get 1 value per channel" in message
+    assert "a batch of 8 samples in num_micro_batches=8 gives micro-batches of 1 sample," in message
+    assert "each sample brings it 1 value per channel" in message
+    assert "Use num_micro_batches=4 or fewer, or batches of at least 16 samples" in message
+    assert "deferred_batch_norm=True does not help" in message
+    assert not runs_in_torch(layers, x, 8)
+
+
+def test_the_fix_the_message_names_passes_the_check_and_runs():
+    layers, x = mlp(), torch.randn(8, 6)
+    shapes = shapes_of(layers, x)
+    check_micro_batches_fit_batch_norm(layers, shapes, batch_size=8, num_micro_batches=4)
+    assert runs_in_torch(layers, x, 4)
+    check_micro_batches_fit_batch_norm(layers, shapes, batch_size=16, num_micro_batches=8)
+    assert runs_in_torch(layers, torch.randn(16, 6), 8)
+
+
+def test_deferred_batch_norm_fails_the_same_way_on_one_value_per_channel():
+    layers, x = mlp(), torch.randn(8, 6)
+    batchnorm.defer(layers)
+    assert not runs_in_torch(layers, x, 8)
+    with pytest.raises(ValueError, match="deferred_batch_norm=True does not help"):
+        check_micro_batches_fit_batch_norm(layers, shapes_of(layers, x), batch_size=8, num_micro_batches=8)
+
+
+def test_a_resnet_observed_on_the_meta_device_is_refused_where_its_feature_maps_are_1x1():
+    """32x32 images shrink to 1x1 in layer4 of a ResNet-18 layout: one sample per micro-batch is one value there,
+    while layer3's 2x2 maps still give 4 values per channel."""
+    with torch.device("meta"):
+        meta_model = resnet18(width=8)
+        shapes = shapes_of(meta_model, torch.empty(8, 3, 32, 32))
+    with pytest.raises(ValueError) as error:
+        check_micro_batches_fit_batch_norm(meta_model, shapes, batch_size=8, num_micro_batches=8)
+    assert "BatchNorm2d layer 'layer4.0.bn1' would get 1 value per channel" in str(error.value)
+    assert "each sample brings it 1 value per channel" in str(error.value)
+    assert "layer3" not in str(error.value)
+    check_micro_batches_fit_batch_norm(meta_model, shapes, batch_size=8, num_micro_batches=4)
+
+    torch.manual_seed(0)
+    model, x = resnet18(width=8), torch.randn(8, 3, 32, 32)
+    assert not runs_in_torch(model, x, 8)
+    assert runs_in_torch(model, x, 4)
+    assert runs_in_torch(model.layer3, torch.randn(8, 16, 4, 4), 8)  # 2x2 maps after layer3's stride: 4 values
+
+
+def test_shapes_seen_with_another_batch_size_count_per_sample():
+    layers = mlp()
+    shapes = shapes_of(layers, torch.randn(2, 6))  # an example input of 2 samples
+    conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    assert shapes_of(conv, torch.randn(2, 3, 5, 5)) == {"1": 9.0}  # 3x3 maps: 9 values per sample
+    with pytest.raises(ValueError, match="micro-batches of 1 sample"):
+        check_micro_batches_fit_batch_norm(layers, shapes, batch_size=8, num_micro_batches=8)
+    check_micro_batches_fit_batch_norm(layers, shapes, batch_size=8, num_micro_batches=4)
+
+
+def test_a_batch_smaller_than_the_micro_batch_count_asks_for_the_batch_that_fits_it():
+    layers = mlp()
+    shapes = shapes_of(layers, torch.randn(3, 6))
+    with pytest.raises(ValueError) as error:
+        check_micro_batches_fit_batch_norm(layers, shapes, batch_size=3, num_micro_batches=8)
+    assert "Use num_micro_batches=1 or fewer, or batches of at least 16 samples" in str(error.value)
+
+
+def test_a_batch_of_one_sample_is_refused_as_on_one_device():
+    layers = mlp()
+    with pytest.raises(ValueError) as error:
+        check_micro_batches_fit_batch_norm(layers, shapes_of(layers, torch.randn(4, 6)), batch_size=1,
+                                           num_micro_batches=4)
+    assert "gets 1 value per channel in training: the batch holds 1 sample and each sample brings" in str(error.value)
+    assert "on one device either. Use batches of at least 2 samples (or drop_last=True" in str(error.value)
+
+
+def test_batch_norm_in_evaluation_accepts_any_micro_batch_unless_it_keeps_no_running_statistics():
+    layers = mlp().eval()
+    shapes = shapes_of(layers, torch.randn(8, 6))
+    check_micro_batches_fit_batch_norm(layers, shapes, batch_size=8, num_micro_batches=8)
+    assert runs_in_torch(layers, torch.randn(8, 6), 8)
+    layers[1] = nn.BatchNorm1d(8, track_running_stats=False).eval()
+    with pytest.raises(ValueError, match="would get 1 value per channel"):
+        check_micro_batches_fit_batch_norm(layers, shapes, batch_size=8, num_micro_batches=8)
+    assert not runs_in_torch(layers, torch.randn(8, 6), 8)

@@ -1,0 +1,152 @@
+"""Every GPipeStrategy setting is checked once, with one message naming the setting, the value and the fix: in Python
+(``GPipeStrategy(...)``) and under Hydra, where the message names the config key (``strategy.num_stages=0 ...``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from omegaconf import OmegaConf
+from torch import nn
+
+from lightning_pipe import GPipeStrategy, PipelineParallelConfig
+from lightning_pipe.balance import profiling_sample
+from lightning_pipe.hydra import validate_strategy_config
+from lightning_pipe.settings import PipelineSettings, check_process_count
+
+# (settings, the message's start; "{key}" is "" in Python and "strategy." under Hydra)
+INVALID = {
+    "num_stages": ({"num_stages": 0}, "{key}num_stages=0 is invalid; it must be a positive integer (1 or more)."),
+    "num_micro_batches": (
+        {"num_micro_batches": -1}, "{key}num_micro_batches=-1 is invalid; it must be a positive integer (1 or more)."
+    ),
+    "checkpoint": (
+        {"checkpoint": "sometimes"},
+        "{key}checkpoint='sometimes' is not a checkpoint mode; use one of 'always', 'except_last', 'never'",
+    ),
+    "balance mode": (
+        {"balance": "fastest"},
+        "{key}balance='fastest' is not a balancing mode; use one of 'uniform', 'parameters', 'time', 'memory'",
+    ),
+    "balance type": ({"balance": 7}, "{key}balance=7 is invalid; give one layer count per stage as a list"),
+    "balance entries": (
+        {"balance": [3, 0]}, "{key}balance=[3, 0] is invalid; layer counts must be positive integers"
+    ),
+    "balance length": (
+        {"num_stages": 2, "balance": [4, 2, 2]},
+        "{key}balance=[4, 2, 2] has 3 entries but {key}num_stages=2; give one layer count per stage.",
+    ),
+    "module_name": (
+        {"module_name": 3},
+        "{key}module_name=3 is invalid; give the dotted path of the nn.Sequential or nn.ModuleList to pipeline",
+    ),
+    "module_name entries": (
+        {"module_name": ["model.conv1", 2]}, "{key}module_name=['model.conv1', 2] is invalid; give the dotted path"
+    ),
+    "trace_steps type": (
+        {"trace_steps": 5}, "{key}trace_steps=5 is invalid; give the training steps to trace as a list"
+    ),
+    "trace_steps entries": ({"trace_steps": [3, -1]}, "{key}trace_steps=[3, -1] is invalid"),
+    "trace_dir": ({"trace_dir": 3}, "{key}trace_dir=3 is invalid; give a directory path"),
+    "mesh_order": (
+        {"mesh_order": ["pp", "pp"]}, "{key}mesh_order=['pp', 'pp'] is invalid; use ['pp', 'dp'] (pipeline outermost"
+    ),
+    "start_method": (
+        {"start_method": "thread"},
+        "{key}start_method='thread' is not a start method; use one of 'popen', 'spawn', 'fork', 'forkserver'",
+    ),
+    "log_bubble_fraction": (
+        {"log_bubble_fraction": "yes"}, "{key}log_bubble_fraction='yes' is invalid; use True or False."
+    ),
+    "deferred_batch_norm": ({"deferred_batch_norm": 1}, "{key}deferred_batch_norm=1 is invalid; use True or False."),
+    "save_distributed_checkpoint": (
+        {"save_distributed_checkpoint": "yes"},
+        "{key}save_distributed_checkpoint='yes' is invalid; use True, False or None (the default).",
+    ),
+    "gather_model_after_run": (
+        {"gather_model_after_run": None}, "{key}gather_model_after_run=None is invalid; use True or False."
+    ),
+    "schedule": ({"schedule": "1f1b"}, "{key}schedule='1f1b' is not a schedule; use one of 'gpipe' or a function"),
+}
+
+
+@pytest.mark.parametrize("case", INVALID.values(), ids=INVALID.keys())
+def test_invalid_setting_fails_in_python_naming_the_setting(case):
+    settings, message = case
+    with pytest.raises(ValueError) as error:
+        GPipeStrategy(**settings)
+    assert str(error.value).startswith(message.format(key=""))
+
+
+@pytest.mark.parametrize("case", INVALID.values(), ids=INVALID.keys())
+def test_invalid_setting_fails_under_hydra_naming_the_key(case):
+    settings, message = case
+    node = OmegaConf.create({"num_stages": 2, **settings})
+    with pytest.raises(ValueError) as error:
+        validate_strategy_config(node, key="strategy")
+    assert str(error.value).startswith(message.format(key="strategy."))
+
+
+def test_process_count_that_is_no_multiple_of_the_stages_names_the_counts():
+    with pytest.raises(ValueError) as error:
+        check_process_count(2, devices=3, num_nodes=1)
+    assert str(error.value).startswith(
+        "devices=3 on num_nodes=1 starts 3 processes, not a multiple of num_stages=2: GPipe needs devices * num_nodes"
+    )
+    with pytest.raises(ValueError) as error:
+        check_process_count(4, devices=2, num_nodes=3, key="strategy.", trainer_key="trainer.")
+    assert str(error.value).startswith("trainer.devices=2 on trainer.num_nodes=3 starts 6 processes, not a multiple of")
+    assert "set trainer.devices to 4 for one pipeline" in str(error.value)
+    check_process_count(2, devices=2, num_nodes=2)  # two replicas of a 2-stage pipeline
+
+
+def test_balance_length_is_checked_against_the_stage_count_resolved_from_the_devices():
+    strategy = GPipeStrategy(balance=[1, 2, 3])  # no num_stages: one stage per process, known at launch
+    with pytest.raises(ValueError, match=r"^balance=\[1, 2, 3\] has 3 entries but there are 2 stages"):
+        Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+
+
+def test_counts_default_to_a_stage_per_process_and_four_micro_batches_per_stage():
+    assert PipelineSettings().pipeline_config(num_processes=3) == PipelineParallelConfig(3, 12)
+    assert PipelineSettings(num_stages=2).pipeline_config(num_processes=4) == PipelineParallelConfig(2, 8)
+    assert PipelineSettings(num_micro_batches=5).pipeline_config(num_processes=2) == PipelineParallelConfig(2, 5)
+    node = OmegaConf.create({"num_stages": 3, "num_micro_batches": None})
+    assert validate_strategy_config(node) == PipelineParallelConfig(3, 12)
+
+
+def test_valid_settings_are_kept_in_one_form():
+    settings = PipelineSettings(
+        balance=(3, 5), trace_steps=range(2), trace_dir="traces", mesh_order=["dp", "pp"], recompute="never"
+    )
+    assert settings.balance == [3, 5] and settings.trace_steps == (0, 1) and settings.trace_dir == Path("traces")
+    assert settings.mesh_order == ("dp", "pp") and settings.recompute == "never"
+    node = OmegaConf.create({"num_stages": 2, "checkpoint": "always", "balance": [1, 3], "mesh_order": ["pp", "dp"]})
+    from_hydra = PipelineSettings.from_options(node, key="strategy.")
+    assert from_hydra.recompute == "always" and from_hydra.balance == [1, 3] and type(from_hydra.balance) is list
+
+
+def test_module_name_is_a_path_or_a_list_of_sibling_modules_kept_as_a_tuple():
+    assert PipelineSettings(module_name="net.layers").module_name == "net.layers"
+    assert PipelineSettings(module_name=["m.conv1", "m.layer1"]).module_name == ("m.conv1", "m.layer1")
+    node = OmegaConf.create({"num_stages": 2, "module_name": ["m.conv1", "m.layer1", "m.fc"]})
+    assert PipelineSettings.from_options(node, key="strategy.").module_name == ("m.conv1", "m.layer1", "m.fc")
+
+
+def test_a_config_or_mapping_passed_as_num_stages_holds_both_counts():
+    assert PipelineSettings(PipelineParallelConfig(3, 6)).pipeline_config(1) == PipelineParallelConfig(3, 6)
+    with pytest.raises(ValueError, match="unknown pipeline config keys \\['chunks'\\]"):
+        PipelineSettings({"num_stages": 2, "chunks": 4})
+    with pytest.raises(ValueError, match="pass num_micro_batches inside the config"):
+        PipelineSettings(PipelineParallelConfig(3, 6), num_micro_batches=4)
+
+
+def test_profiled_balance_takes_the_sample_or_the_example_input_and_names_the_fix_without_either():
+    model, sample, example = nn.Linear(2, 2), torch.ones(1, 2), torch.zeros(1, 2)
+    assert profiling_sample("time", sample, model) is sample
+    model.example_input_array = example
+    assert profiling_sample("memory", None, model) is example
+    assert profiling_sample("parameters", None, nn.Linear(2, 2)) is None  # needs no sample
+    with pytest.raises(ValueError, match=r"^balance='time' profiles every layer on a sample input.*sample=<one batch>"):
+        profiling_sample("time", None, nn.Linear(2, 2))

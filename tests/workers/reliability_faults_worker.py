@@ -1,0 +1,246 @@
+"""Worker: a short fit under the gpipe strategy in which one stage fails, is killed or stalls at a chosen step.
+
+Usage: python reliability_faults_worker.py SPEC.json   (directly, or under ``python -m torch.distributed.run``)
+SPEC: {"devices": N, "out": DIR, "strategy": "gpipe" | "gpipe_spawn", "timeout_s": null | seconds,
+       "runs": [{"name": NAME, <any of the keys below>}, ...] (optional: several fits in turn, each into DIR/NAME),
+       "hidden_by_rank": {"R": width, ...} (optional: rank R builds its layers that wide; the others 16),
+       "num_stages": S (optional, default N: with fewer stages than devices, the pipeline has replicas),
+       "faults": [{"kind": KIND, "where": "step" | "layer" | "hook", "stage": S, "phase": "train" | "val",
+                   "batch": B}, ...]}
+KIND: "raise", "sigkill", "sigterm" or "stall" (anywhere), or a misuse by a pipelined layer (``where="layer"``): its output is
+"non_tensor" (a dict), "batch_dim" (the first row only), "dtype" (float64 where the next stage has float32) or
+"nan" (NaN: the loss becomes NaN); or "skip" (``where="step"``, stage 0): the first stage's step returns before the
+pipelined call while the last stage's calls it.
+
+``where="step"`` fires in the user's step: before the pipelined call on the first stage, after it (where only the
+last stage runs) otherwise. ``where="layer"`` fires inside a pipelined layer held by stage ``S`` (any stage,
+middle ones included); ``where="hook"`` in a callback at the start of the batch, on stage ``S``.
+
+Each rank writes DIR/rank{R}.json when it ends (``"finished"`` with its logged losses, and DIR/rank{R}.pt with its
+weights; or the exception that ended it); the spawn launcher's process writes DIR/launcher.json. A faulty rank writes
+DIR/fault{R}.json (the fault and the wall-clock time) right before its fault.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from torch import nn
+from torch.utils.data import DataLoader
+
+import lightning_pipe
+from helpers.models import classification_data
+
+FAULT_MESSAGE = "injected fault"
+MISUSES = ("non_tensor", "batch_dim", "dtype", "nan", "skip")
+_where_we_are = {"phase": None, "batch": -1}  # set by Position on every rank before each step
+
+
+class InjectedFault(RuntimeError):
+    """The user error of these runs: its name and message must reach the user's terminal."""
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _stage(trainer: Trainer) -> int:
+    return getattr(trainer.strategy, "stage_index", 0)  # one device: a single stage
+
+
+class Position(Callback):
+    """Tracks the phase and batch on every rank; fires ``where="hook"`` faults at the start of a batch."""
+
+    def __init__(self, faults: "Faults") -> None:
+        self.faults = faults
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        _where_we_are.update(phase="train", batch=batch_idx)
+        self.faults.fire_if_due("hook", _stage(trainer))
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        _where_we_are.update(phase="val", batch=batch_idx)
+        self.faults.fire_if_due("hook", _stage(trainer))
+
+
+class LossRecorder(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
+class Faults:
+    def __init__(self, specs: list[dict], out: Path | None) -> None:
+        self.specs, self.out = specs, out
+
+    def stages(self, where: str) -> set[int]:
+        return {spec["stage"] for spec in self.specs if spec["where"] == where}
+
+    def due(self, where: str, stage: int) -> list[dict]:
+        position = (where, stage, _where_we_are["phase"], _where_we_are["batch"])
+        return [spec for spec in self.specs if (spec["where"], spec["stage"], spec["phase"], spec["batch"]) == position]
+
+    def fire_if_due(self, where: str, stage: int) -> None:
+        for spec in self.due(where, stage):
+            if spec["kind"] not in MISUSES:
+                self._record(spec)
+                self._fire(spec)
+
+    def misuse_due(self, where: str, stage: int) -> str | None:
+        for spec in self.due(where, stage):
+            if spec["kind"] in MISUSES:
+                self._record(spec)
+                return spec["kind"]
+        return None
+
+    def _record(self, spec: dict) -> None:
+        if self.out is not None:
+            (self.out / f"fault{_rank()}.json").write_text(json.dumps({"time": time.time(), **spec}))
+
+    def _fire(self, spec: dict) -> None:
+        if spec["kind"] == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if spec["kind"] == "sigterm":  # as a cluster's scheduler or a user's `kill` would: the run must stop
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if spec["kind"] == "stall":
+            time.sleep(600)  # far beyond any timeout: the launcher or the peers' timeout must end this process
+        raise InjectedFault(
+            f"{FAULT_MESSAGE} in {spec['where']} on stage {spec['stage']} at {spec['phase']} batch {spec['batch']}"
+        )
+
+
+class Tripwire(nn.Module):
+    """A pipelined layer that fires the fault, or returns the misused output, on the stage holding it."""
+
+    def __init__(self, layer: nn.Module, stage: int, faults: Faults) -> None:
+        super().__init__()
+        self.layer, self.stage, self.faults = layer, stage, faults
+
+    def forward(self, x):
+        self.faults.fire_if_due("layer", self.stage)
+        y = self.layer(x)
+        misuse = self.faults.misuse_due("layer", self.stage)
+        if misuse == "non_tensor":
+            return {"features": y}
+        if misuse == "batch_dim":
+            return y[:1]
+        if misuse == "dtype":
+            return y.double()
+        if misuse == "nan":
+            return y * float("nan")
+        return y
+
+
+class FaultyModel(LightningModule):
+    """Two layers per stage; the last layer of a stage with a layer fault is a tripwire."""
+
+    def __init__(self, num_stages: int, faults: Faults, hidden: int = 16) -> None:
+        super().__init__()
+        self.faults = faults
+        layers: list[nn.Module] = []
+        for stage in range(num_stages):
+            linear = nn.Linear(12 if stage == 0 else hidden, hidden)
+            last: nn.Module = nn.Tanh()  # its output is what the stage sends on
+            layers += [linear, Tripwire(last, stage, faults) if stage in faults.stages("layer") else last]
+        self.layers = nn.Sequential(*layers)
+        self.head = nn.Linear(hidden, 3)
+
+    def _step(self, batch):
+        x, y = batch
+        stage = _stage(self.trainer)
+        if stage == 0:
+            self.faults.fire_if_due("step", 0)
+            if self.faults.misuse_due("step", 0) == "skip":
+                return None  # a step that takes another path on the first stage than on the last
+        loss = F.cross_entropy(self.head(self.layers(x.view(len(x), -1))), y)
+        if stage > 0:  # only the last stage gets here
+            self.faults.fire_if_due("step", stage)
+        return loss
+
+    def training_step(self, batch, batch_idx):
+        loss = self._step(batch)
+        if loss is not None:
+            self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._step(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(
+    devices: int, faults: Faults, strategy: Any = "auto", hidden: int = 16, stages: int | None = None
+) -> tuple[FaultyModel, Trainer, list]:
+    """One epoch of 6 training and 6 validation batches of 16 on ``stages`` stages (default: ``devices``)."""
+    seed_everything(0)
+    model = FaultyModel(stages or devices, faults, hidden)
+    recorder = LossRecorder()
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices if strategy != "auto" else 1, max_epochs=1,
+        limit_train_batches=6, limit_val_batches=6, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Position(faults), recorder],
+    )
+    data = DataLoader(classification_data(96), batch_size=16)
+    trainer.fit(model, data, data)
+    return model, trainer, recorder.losses
+
+
+def run(spec: dict, out: Path) -> None:
+    """One fit as ``spec`` says; this process's end (finished, or the exception) goes to OUT/{rankR|launcher}.json."""
+    spawned = spec.get("strategy", "gpipe") == "gpipe_spawn"  # the ranks are children; this is the launcher
+    rank = "launcher" if spawned else os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
+    trainer = None
+    try:
+        timeout = timedelta(seconds=spec["timeout_s"]) if spec.get("timeout_s") else None
+        kwargs = {"timeout": timeout} if timeout is not None else {}
+        start_method = {"gpipe": "popen", "gpipe_spawn": "spawn"}[spec.get("strategy", "gpipe")]
+        stages = spec.get("num_stages")  # fewer than devices: data-parallel replicas of the pipeline
+        strategy = lightning_pipe.GPipeStrategy(stages, num_micro_batches=4, start_method=start_method, **kwargs)
+        # A misuse: a model size that depends on the rank (LOCAL_RANK is set in the ranks the launcher starts).
+        hidden = spec.get("hidden_by_rank", {}).get(os.environ.get("LOCAL_RANK", "0"), 16)
+        model, trainer, losses = fit(spec["devices"], Faults(spec.get("faults", []), out), strategy, hidden, stages)
+        name = "launcher" if spawned else f"rank{trainer.global_rank}"
+        (out / f"{name}.json").write_text(json.dumps({"ended": "finished", "losses": losses}))
+        torch.save(model.state_dict(), out / f"{name}.pt")
+    except BaseException as exception:
+        name = "launcher" if spawned else f"rank{trainer.global_rank if trainer is not None else rank}"
+        ended = {"ended": type(exception).__name__, "message": str(exception)[:2000], "time": time.time()}
+        ended["traceback"] = traceback.format_exc()[-4000:]
+        (out / f"{name}.json").write_text(json.dumps(ended))
+        raise
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["out"])
+    if "runs" not in spec:
+        run(spec, out)
+        return
+    # Several fits in turn, each into OUT/NAME: a fit that fails alike on every rank (at setup) lets the next one run.
+    failure: Exception | None = None
+    for item in spec["runs"]:
+        (out / item["name"]).mkdir(parents=True, exist_ok=True)
+        try:
+            run({**spec, **item}, out / item["name"])
+        except Exception as exception:  # noqa: BLE001  (recorded by run; raised once every fit has had its turn)
+            failure = exception
+    if failure is not None:
+        raise failure
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
