@@ -89,6 +89,35 @@ def num_parameters(model: nn.Module, region: Region) -> int:
     return sum(seen.values())
 
 
+def outside_parameters(model: nn.Module, region: Region) -> list[tuple[str, int]]:
+    """The modules (and loose parameters) outside the region that hold parameters, outermost first, with their
+    parameter counts: what every stage holds and runs whole. A tied weight counts once, where it first appears."""
+    inside = set(region.names)
+    seen = {id(p) for block in region.blocks(model) for p in block.parameters()}
+    found: list[tuple[str, int]] = []
+
+    def count(parameters: Any) -> int:
+        new = [p for p in parameters if id(p) not in seen]
+        seen.update(id(p) for p in new)
+        return sum(p.numel() for p in new)
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, parameter in module.named_parameters(recurse=False):
+            if n := count([parameter]):
+                found.append((f"{prefix}{name}", n))
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if path in inside:
+                continue
+            if any(block.startswith(path + ".") for block in inside):
+                visit(child, path + ".")
+            elif n := count(child.parameters()):
+                found.append((path, n))
+
+    visit(model, "")
+    return found
+
+
 def observed_chains(model: nn.Module, sample: Any) -> list[Region]:
     """Chains of sibling modules that one forward of ``model`` on ``sample`` calls one after another (each call's
     first argument is the previous call's output), found on the meta device: no memory, no change to the model."""

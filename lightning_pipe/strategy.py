@@ -39,7 +39,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -73,7 +73,7 @@ from lightning_pipe.launch import (
 from lightning_pipe.materialize import global_seed, holds_meta_tensors, materialize
 from lightning_pipe.groups import PipelineGroups, init_pipeline_groups
 from lightning_pipe.outcome import StepOutcome
-from lightning_pipe.region import Region, find_region
+from lightning_pipe.region import Region, find_region, outside_parameters
 from lightning_pipe.settings import PipelineSettings, RecomputeMode, check_process_count
 from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
 from lightning_pipe.sharded import load as load_sharded
@@ -81,7 +81,7 @@ from lightning_pipe.sharded import save as save_sharded
 from lightning_pipe.runtime import StageRuntime
 from lightning_pipe.schedule import Schedule
 from lightning_pipe.stage import StageBlocks
-from lightning_pipe.summary import StageSummary, build_stage_summary, stage_devices
+from lightning_pipe.summary import StageSummary, build_stage_summary, outside_warning, stage_devices
 from lightning_pipe.topology import PipelineLayout
 from lightning_pipe.trace.timeline import StepTimeline
 from lightning_pipe.trace.tracer import TRACE_FILE_NAME, PipelineTracer, StepObservation, observe_step
@@ -230,6 +230,7 @@ class GPipeStrategy(ParallelStrategy):
         self._wrapped_hooks: list[str] = []
         self._plan: PartitionPlan | None = None
         self._plan_module_name = ""
+        self._outside: list[tuple[str, int]] = []  # what runs whole on every stage, with its parameter count
         self._tracer: PipelineTracer | None = None
         self._last_observation: StepObservation | None = None
         self._pipelined: PipelinedModule | None = None
@@ -412,6 +413,7 @@ class GPipeStrategy(ParallelStrategy):
         blocks = region.blocks(module)
         layers = nn.Sequential(*blocks)  # the blocks in order, for the partition plan and the whole model
         self._plan, self._plan_module_name = self._decide_partition(module, layers), region.label
+        self._outside = outside_parameters(module, region)
         ranges = self._plan.ranges
         whole_model_state = list(module.state_dict().keys())
         whole_model_parameters = [parameter_name for parameter_name, _ in module.named_parameters()]
@@ -428,7 +430,10 @@ class GPipeStrategy(ParallelStrategy):
         )
         stage_parameters = {id(p) for p in stage.parameters()}
         self._replicated = [p for p in module.parameters() if id(p) not in stage_parameters]
-        rank_zero_info(str(self.stage_summary()))
+        summary = self.stage_summary()
+        rank_zero_info(str(summary))
+        if (warning := outside_warning(summary)) is not None:
+            rank_zero_warn(warning, category=PossibleUserWarning)
         groups, index = self.groups, self.stage_index
         timeline = StepTimeline(self.root_device, enabled=self._log_bubble_fraction or bool(self._trace_steps))
         engine = PipelineEngine(
@@ -557,6 +562,7 @@ class GPipeStrategy(ParallelStrategy):
             self._settings.recompute,
             busy,
             built_whole=not self._deferred,
+            outside=self._outside,
         )
 
     def _observe_step(self) -> None:
