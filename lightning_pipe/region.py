@@ -19,6 +19,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 Container = (nn.Sequential, nn.ModuleList)
+# NOTE: two chained modules are most often a body and its head (`head(net(x))`): pipelined as two blocks, the body
+# would be one stage whole, where its own nn.Sequential splits evenly. A chain counts from three modules on; a
+# shorter one can still be named with module_name=[...].
+MIN_CHAIN = 3
 
 
 @dataclass(frozen=True)
@@ -153,10 +157,10 @@ def observed_chains(model: nn.Module, sample: Any) -> list[Region]:
             if call[1] is run[-1][2] and call[0] not in {name for name, _, _ in run}:
                 run.append(call)
                 continue
-            if len(run) > 1:
+            if len(run) >= MIN_CHAIN:
                 chains.append(Region(tuple(name for name, _, _ in run), None))
             run = [call]
-        if len(run) > 1:
+        if len(run) >= MIN_CHAIN:
             chains.append(Region(tuple(name for name, _, _ in run), None))
     return chains
 
