@@ -138,3 +138,36 @@ def test_a_skip_past_the_next_block_is_refused_naming_both_blocks():
 def test_a_concatenated_skip_is_refused_at_the_block_whose_input_it_changes():
     with pytest.raises(PipelineOrderError, match="changes the output of blocks.1 before blocks.2 receives it"):
         first_step(ConcatenatedSkip(), 2, num_stages=3)
+
+
+# -- the pipelined container keeps working as a container -------------------------------------------------------
+
+
+def test_the_pipelined_container_iterates_indexes_slices_and_counts_as_before():
+    model = Scaled()
+    blocks = list(model.blocks)
+    stage = StageBlocks(model, container_region(model, "blocks"), range(0, 1), stage_index=0, num_stages=2)
+    stage.install()
+    assert len(model.blocks) == 3
+    assert model.blocks[0] is blocks[0]  # this stage's block stays where it is, its state-dict keys unchanged
+    assert [type(block).__name__ for block in model.blocks] == ["Linear", "RemoteBlock", "RemoteBlock"]
+    assert len(model.blocks[1:]) == 2 and isinstance(model.blocks[1:], nn.ModuleList)
+    assert model.blocks[-1].out_features == 4  # a remote block reads through to the original's attributes
+    assert model.blocks[2].weight is blocks[2].weight
+    assert list(model.state_dict()) == ["blocks.0.weight", "blocks.0.bias"]
+    stage.uninstall()
+    assert list(model.blocks) == blocks
+
+
+def test_time_balance_profiles_a_region_whose_first_layers_work_in_place():
+    """VGG-11's features: in-place ReLUs, profiled on the example input as the strategy does at set-up (the
+    region's blocks are gathered in a Sequential the model never calls: its input is the first block's)."""
+    torch.manual_seed(0)
+    model = STOCK_MODELS["vgg11"]()
+    region = find_region(model, "model.features")
+    blocks = nn.Sequential(*region.blocks(model))
+    sample = torch.randn(8, 3, 32, 32)
+    plan = plan_partition(model, blocks, PipelineParallelConfig(4, 4), "time", sample, torch.device("cpu"))
+    assert plan.method == "time" and len(plan.ranges) == 4 and plan.profiles is not None
+    assert sum(len(r) for r in plan.ranges) == len(region) == 21
+    assert all(p.forward_seconds > 0 for p in plan.profiles)
