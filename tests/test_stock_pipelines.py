@@ -102,3 +102,19 @@ def test_comparison_detects_a_dropped_micro_batch_gradient(pipelined):
         pytest.skip("the negative control runs on 2 stages")
     _, weight_error = differences(tmp, NEGATIVE_CONTROL, "vgg11")
     assert weight_error > 100 * TOLERANCE
+
+
+def test_a_micro_batch_too_small_for_batch_norm_fails_before_training_with_the_fix(tmp_path):
+    """ResNet-18's layer4 sees 1x1 maps: 8 micro-batches of a batch of 8 leave its BatchNorm one value per channel.
+    The last stage (layer2 .. avgpool) refuses in the first step, before its blocks run; the launching process
+    raises that error, not a lost-stage message."""
+    runs = [{"name": "resnet18_one_sample_micro_batches", "model": "resnet18", "strategy": {"num_micro_batches": 8}}]
+    finished = launch("stock_pipelines_worker.py", {"devices": 2, "out": str(tmp_path), "steps": STEPS, "runs": runs},
+                      tmp_path, timeout=300, check=False)
+    assert finished.returncode != 0
+    assert (
+        "ValueError: BatchNorm2d layer 'model.layer4.0.bn1' would get 1 value per channel in training: a batch of 8"
+        " samples in num_micro_batches=8 gives micro-batches of 1 sample, and each sample brings it 1 value per"
+        " channel. Use num_micro_batches=4 or fewer, or batches of at least 16 samples."
+    ) in finished.stderr, finished.stderr[-4000:]
+    assert not (tmp_path / runs[0]["name"] / "rank0.json").exists()  # no step finished
