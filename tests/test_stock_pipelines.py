@@ -15,6 +15,7 @@ import torch
 
 from helpers.compare import relative_weight_error
 from helpers.launch import launch
+from helpers.stock_models import STOCK_MODELS
 from test_stock_models import STEPS, train_on_one_device
 
 pytest.importorskip("transformers")
@@ -53,6 +54,7 @@ def pipelined(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"stock{devices}")
     runs = [{"name": name, "model": model, "strategy": settings} for name, (model, settings) in RUNS[devices].items()]
     if devices == 2:
+        runs[[run["name"] for run in runs].index("encoder")]["predict"] = True
         runs.append({"name": NEGATIVE_CONTROL, "model": "vgg11", "strategy": {"num_micro_batches": 2},
                      "drop_gradient_of": 0})
     launch("stock_pipelines_worker.py", {"devices": devices, "out": str(tmp), "steps": STEPS, "runs": runs}, tmp,
@@ -94,6 +96,22 @@ def test_stock_model_pipelines_unchanged_and_matches_one_device(pipelined, name)
     if name in LOSSES_ONLY:
         return
     assert weight_error < TOLERANCE, f"{name} on {devices} stages: weights differ by {weight_error:.2e} of their change"
+
+
+def test_a_trained_encoder_predicts_as_on_one_device_with_its_padding_mask(pipelined):
+    """In eval without gradients nn.TransformerEncoder would pack the padded batch into a NestedTensor; pipelined,
+    its layers take the padded path, whose outputs are the same."""
+    devices, tmp = pipelined
+    if devices != 2:
+        pytest.skip("predict runs on 2 stages")
+    predictions = torch.load(tmp / "encoder" / "predictions.pt")
+    model = STOCK_MODELS["encoder"]()
+    model.load_state_dict(torch.load(tmp / "encoder" / "rank0.pt"))
+    model.eval()
+    with torch.no_grad():
+        expected = torch.cat([model.predict_step(batch, i) for i, batch in enumerate(model.predict_dataloader())])
+    assert predictions.shape == expected.shape == (32, 3)
+    assert torch.allclose(predictions, expected, atol=1e-5), (predictions - expected).abs().max()
 
 
 def test_comparison_detects_a_dropped_micro_batch_gradient(pipelined):

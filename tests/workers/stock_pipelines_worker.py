@@ -3,7 +3,7 @@
 Usage: python stock_pipelines_worker.py SPEC.json
 (SPEC: {"devices": N, "out": DIR, "steps": S, "runs": [{"name": ..., "model": ..., "strategy": {...}}, ...]})
 Each run writes DIR/NAME/rank{R}.pt (the model's state dict after fit) and DIR/NAME/rank{R}.json (per-step losses,
-a run with ``drop_gradient_of`` is the negative control).
+a run with ``drop_gradient_of`` is the negative control; with ``predict``, DIR/NAME/predictions.pt after fit).
 """
 
 import json
@@ -63,6 +63,10 @@ def main(spec_path):
             restore()
         rank = trainer.global_rank
         torch.save(model.state_dict(), out / f"rank{rank}.pt")
+        if run.get("predict"):  # in eval mode, without gradients: the last stage's predictions come back on rank 0
+            predictions = trainer.predict(model)
+            if rank == 0:
+                torch.save(torch.cat(predictions), out / "predictions.pt")
         (out / f"rank{rank}.json").write_text(json.dumps({"losses": losses.losses}))
 
 
