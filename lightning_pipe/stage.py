@@ -59,13 +59,16 @@ class RemoteBlock(nn.Module):
 
     def __getattr__(self, name: str) -> Any:
         """The original block's attribute, for code that reads one (``nn.TransformerEncoder`` reads
-        ``layers[0].self_attn.batch_first``); its weights are not this stage's to use."""
+        ``layers[0].self_attn.batch_first``); not its own parameters and buffers, which another stage holds."""
         try:
             return super().__getattr__(name)
         except AttributeError:
             if name == "_stage":
                 raise
-            return getattr(self._stage.originals[self.index], name)
+            original = self._stage.originals[self.index]
+            if name in original._parameters or name in original._buffers:
+                raise AttributeError(f"{self.block_name}.{name} is held by another pipeline stage") from None
+            return getattr(original, name)
 
     def extra_repr(self) -> str:
         return f"{self.block_name}, on another pipeline stage"
