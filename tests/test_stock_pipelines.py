@@ -36,7 +36,9 @@ RUNS = {
     },
     4: {
         "gpt2": ("gpt2", {"num_micro_batches": 4}),
+        "llama": ("llama", {"num_micro_batches": 4}),
         "encoder": ("encoder", {"num_micro_batches": 4}),
+        "resnet18": ("resnet18", {"num_micro_batches": 1}),
         "vgg11": ("vgg11", {"num_micro_batches": 4}),
     },
 }
