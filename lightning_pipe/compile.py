@@ -29,13 +29,16 @@ import torch
 from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 
+from lightning_pipe.region import Region
+from lightning_pipe.stage import StageBlocks
+
 _WRAPPED = "_orig_mod"  # the attribute under which an OptimizedModule holds the module it compiled
 
 
-def uncompiled_name(model: nn.Module, module_name: str | None) -> str | None:
+def uncompiled_name(model: nn.Module, module_name: str | tuple[str, ...] | None) -> str | tuple[str, ...] | None:
     """``module_name`` pointing at the module that ``torch.compile`` wrapped, when it names an ``OptimizedModule``."""
-    if module_name is None:
-        return None
+    if not isinstance(module_name, str):
+        return module_name  # none, or a chain of sibling blocks (each may be compiled: a block is on one stage)
     try:
         named = model.get_submodule(module_name)
     except AttributeError:
@@ -43,51 +46,54 @@ def uncompiled_name(model: nn.Module, module_name: str | None) -> str | None:
     return f"{module_name}.{_WRAPPED}" if isinstance(named, OptimizedModule) else module_name
 
 
-def check_compiled(model: nn.Module, name: str, pipelined: nn.Module) -> None:
+def check_compiled(model: nn.Module, region: Region) -> None:
     """Refuse the compiled forms whose compiled code would span the stages (see the module docstring)."""
-    if getattr(pipelined, "_compiled_call_impl", None) is not None:
+    name = region.container
+    if name is not None and getattr(model.get_submodule(name), "_compiled_call_impl", None) is not None:
         raise ValueError(
             f"the pipelined module {name!r} was compiled in place (`{name}.compile()`): its compiled code runs all"
             " its layers, but under the gpipe strategy each stage runs only its own. Remove the call and pass"
             " GPipeStrategy(compile=True) (or compile={...} with torch.compile's arguments), which compiles each"
             " stage's layers, or compile the layers themselves (`for layer in seq: layer.compile()`)."
         )
-    parts = name.split(".")
+    # The modules whose code calls the blocks: the container's ancestors, or a chain's parent and its ancestors.
+    inner = name if name is not None else region.names[0]
+    parts = inner.split(".")
     for depth in range(len(parts)):
         ancestor_name = ".".join(parts[:depth])
-        if _is_own_wrapper(ancestor_name, name):
+        if name is not None and _is_own_wrapper(ancestor_name, name):
             continue
         ancestor = model.get_submodule(ancestor_name)
         compiled = isinstance(ancestor, OptimizedModule) or getattr(ancestor, "_compiled_call_impl", None) is not None
         if compiled:
             shown = ancestor_name or type(model).__name__
             raise ValueError(
-                f"the module {shown!r} is compiled and contains the pipelined module {name!r}: its compiled code"
-                " would run across the pipeline's stages, which each hold only their own layers. Compile the"
-                f" pipelined module itself (`torch.compile(...)` of {name!r}) or its layers instead, or pass"
-                " GPipeStrategy(compile=True) to compile each stage's layers."
+                f"the module {shown!r} is compiled and contains the pipelined module {region.label!r}: its compiled"
+                " code would run across the pipeline's stages, which each hold only their own blocks. Compile the"
+                " pipelined module itself (`torch.compile(...)` of the container) or its blocks instead, or pass"
+                " GPipeStrategy(compile=True) to compile each stage's blocks."
             )
 
 
-def compile_stage(model: nn.Module, name: str, stage: nn.Module, options: dict[str, Any] | None) -> None:
-    """Compile the layers of this rank's ``stage`` (which replaced the module called ``name``): with ``options``
-    when the strategy was asked to, else with the settings of a ``torch.compile`` wrapper around the pipelined
-    module, which then calls the stage instead of the module it was compiled for."""
-    wrapper = _own_wrapper(model, name)
+def compile_stage(model: nn.Module, region: Region, stage: StageBlocks, options: dict[str, Any] | None) -> None:
+    """Compile the blocks of this rank's ``stage``: with ``options`` when the strategy was asked to, else with the
+    settings of a ``torch.compile`` wrapper around the pipelined container, which then runs uncompiled (its
+    compiled code would run every block, and drive the pipeline's communication)."""
+    wrapper = _own_wrapper(model, region.container) if region.container is not None else None
     if wrapper is not None:
-        # The wrapper's compiled call is bound to the unsplit module: call the stand-in, uncompiled (it drives the
-        # pipeline's communication), and compile its layers with the user's settings below.
-        wrapper.forward = stage.__call__
+        compiled_forward = wrapper.__dict__.get("forward")
+        wrapper.forward = wrapper._orig_mod.__call__
+        stage.on_uninstall(lambda: setattr(wrapper, "forward", compiled_forward))
     if options is None and wrapper is None:
         return
     compiler = wrapper.dynamo_ctx if options is None else partial(torch.compile, **options)
-    for layer in stage.children():
-        if isinstance(layer, OptimizedModule) or getattr(layer, "_compiled_call_impl", None) is not None:
+    for index, block in zip(stage.layer_range, stage.blocks):
+        if isinstance(block, OptimizedModule) or index in stage.compiled_calls:
             continue  # compiled by the user already
-        # What `nn.Module.compile` does (the module's calls go to the compiled function, its state-dict keys stay),
-        # through a function of this file: dynamo does not compile a top frame inside torch.nn (a bare Linear's
-        # `_call_impl`), but inlines torch.nn code called from elsewhere.
-        layer._compiled_call_impl = compiler(partial(_call_for(type(layer)), layer))
+        # What `nn.Module.compile` does (the block's hooks and forward, compiled), through a function of this file:
+        # dynamo does not compile a top frame inside torch.nn (a bare Linear's `_call_impl`), but inlines torch.nn
+        # code called from elsewhere. The stage calls it when it runs the block on a micro-batch.
+        stage.compiled_calls[index] = compiler(partial(_call_for(type(block)), block))
 
 
 def _call(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -35,7 +35,7 @@ from lightning_pipe.p2p import ACTIVATION, SKIP, Header, Link, PendingHeader, Po
 from lightning_pipe.random_streams import StageRandomStreams
 from lightning_pipe.schedule import Action, Schedule, phases
 from lightning_pipe.settings import RecomputeMode
-from lightning_pipe.stage import StageLayers
+from lightning_pipe.stage import StageBlocks
 from lightning_pipe.trace.timeline import BACKWARD, FORWARD, SEND, WAIT, Stamp, StepTimeline
 
 
@@ -48,6 +48,14 @@ class PipelineMismatchError(RuntimeError):
 # of m - 1 after computing m + 1 costs nothing unless that stage is far behind.
 _SENDS_IN_FLIGHT = 2
 _WHERE_INPUT = "the input of the pipelined module"
+_SAME_PATH = (
+    "; the step must take the same path on every stage (do not branch on random numbers or on per-process state"
+    " before the pipelined call)."
+)
+_SKIPPED_UPSTREAM = (
+    "{stage} called the pipelined module in this step but the first stage's step returned before calling it" + _SAME_PATH
+)
+_SKIPPED_HERE = "the first stage called the pipelined module in this step but {stage}'s step returned without calling it" + _SAME_PATH
 
 
 @dataclass
@@ -83,7 +91,7 @@ class PipelineEngine:
 
     def __init__(
         self,
-        layers: StageLayers,
+        layers: StageBlocks,
         num_micro_batches: int,
         recompute: RecomputeMode,
         previous: Link | None,
@@ -152,27 +160,27 @@ class PipelineEngine:
         # between forward and backward this stage keeps only what backward needs.
         self._wait_sends()
 
-    def relay(self) -> bool:
-        """A middle stage: receive, run and send every micro-batch. False when the step has no pipelined call."""
-        assert self.next is not None
+    def relay(self) -> None:
+        """A middle stage: receive, run and send every micro-batch."""
         header = self._recv_header()
         if header.kind == SKIP:
-            self._step.activation_sends.append([self.next.send_header(Header(SKIP))])
-            return False
-        self._execute_forwards(self._actions(header.num_micro_batches), {}, header.is_tuple, header.num_micro_batches, header)
+            raise PipelineMismatchError(_SKIPPED_UPSTREAM.format(stage=f"stage {self.layers.stage_index}"))
+        num = header.num_micro_batches
+        self._execute_forwards(self._actions(num), {}, header.is_tuple, num, header)
         self._wait_sends()  # see forward_first
-        return True
+
+    def pass_skip(self) -> None:
+        """A middle stage whose step returned before reaching its blocks: pass the first stage's skip on."""
+        assert self.next is not None
+        self.drain(called=f"stage {self.layers.stage_index}")
+        self._step.activation_sends.append([self.next.send_header(Header(SKIP))])
 
     def forward_last(self) -> Activation:
         """The last stage: receive and run every micro-batch; their joined output is the pipelined call's result."""
         assert self.previous is not None
         header = self._recv_header()
         if header.kind == SKIP:
-            raise PipelineMismatchError(
-                "the last stage called the pipelined module in this step but the first stage's step returned"
-                " before calling it; the step must take the same path on every stage (do not branch on random"
-                " numbers or on per-process state before the pipelined call)."
-            )
+            raise PipelineMismatchError(_SKIPPED_UPSTREAM.format(stage="the last stage"))
         num = header.num_micro_batches
         forwards = self._actions(num)
         sender = None
@@ -191,19 +199,15 @@ class PipelineEngine:
         assert self.next is not None
         self._step.activation_sends.append([self.next.send_header(Header(SKIP))])
 
-    def drain(self) -> None:
-        """Last stage whose step returned without calling the pipelined module: consume what upstream sent."""
+    def drain(self, called: str = "the last stage") -> None:
+        """A stage whose step returned without reaching its blocks: the previous stage must have skipped too."""
         assert self.previous is not None
         header = self.previous.recv_header()
         if header.kind == SKIP:
             return
         for _ in self._receiving(header, list(range(header.num_micro_batches))):
             pass
-        raise PipelineMismatchError(
-            "the first stage called the pipelined module in this step but the last stage's step returned without"
-            " calling it; the step must take the same path on every stage (do not branch on random numbers or"
-            " on per-process state before the pipelined call)."
-        )
+        raise PipelineMismatchError(_SKIPPED_HERE.format(stage=called))
 
     def _execute_forwards(
         self,
@@ -268,7 +272,7 @@ class PipelineEngine:
     def _run(self, inputs: tuple[Tensor, ...], is_tuple: bool, action: Action, num: int) -> Activation:
         """This stage's layers on one micro-batch, re-computed in backward when the action says so."""
         m = action.micro_batch
-        run = partial(self.layers.run_layers, is_tuple)
+        run = partial(self.layers.run_micro_batch, m, num, is_tuple)
         if self.random_streams is not None:  # inside what re-computation re-runs: its dropout draws the same mask
             run = self.random_streams.seeded_run(run, m)
         start = self.timeline.now()
@@ -285,7 +289,8 @@ class PipelineEngine:
             error.add_note(self._where_it_failed(error, inputs, m, num))
             raise
         self.timeline.add(FORWARD, m, start)
-        if not self.is_last:  # the output is sent on: check it, and keep what its backward needs
+        if not self.is_last:  # what travels on is sent: check it, and keep what its backward needs
+            out = self.layers.travelling(out)
             stage = self.layers.stage_index
             outputs = microbatch.as_tensors(out, f"the output of pipeline stage {stage} for micro-batch {m}")
             microbatch.check_batch_kept(inputs, outputs, stage, m)
@@ -308,6 +313,8 @@ class PipelineEngine:
         layers = self.layers
         span = f"{layers.layer_range.start}..{layers.layer_range.stop - 1}"
         note = f"raised by pipeline stage {layers.stage_index} (layers {span}) on micro-batch {m} of {num}"
+        if layers.region.container is None:
+            note += f" ({layers.describe_layers()})"
         received = sorted({str(t.dtype) for t in inputs if t.is_floating_point()})
         own = sorted({str(p.dtype) for p in layers.parameters() if p.is_floating_point()})
         if not self.is_first and ("dtype" in str(error) or "scalar type" in str(error)) and received != own:
@@ -382,8 +389,7 @@ class PipelineEngine:
                 assert self.previous is not None
                 step.sends.extend(self.previous.send_tensors(_input_gradients(step.micro_batches[m].inputs)))
                 timeline.add(SEND, m, start)
-        if self.is_first:
-            self._backward_into_user_graph()
+        self._backward_into_user_graph()
         self.end_step()
 
     def finish_last_backward(self) -> None:
@@ -408,7 +414,9 @@ class PipelineEngine:
         step.sends.clear()
 
     def _backward_into_user_graph(self) -> None:
-        """First stage: carry the micro-batch input gradients into the user's code before the pipelined call."""
+        """Carry the gradients that stopped at this stage's leaves into the model's code, in one backward: the first
+        stage's input (joined over the micro-batches) and every stage's side arguments (masks, position embeddings,
+        an encoder's output), which the user's code before the pipelined blocks computed."""
         step = self._step
         targets, grads = [], []
         micro_batches = [step.micro_batches[m] for m in sorted(step.micro_batches)]
@@ -417,6 +425,9 @@ class PipelineEngine:
                 parts = [_grad_or_zeros(mb.inputs[i]) for mb in micro_batches]
                 targets.append(original)
                 grads.append(torch.cat(parts) if len(parts) > 1 else parts[0])
+        for original, grad in self.layers.side_gradients():
+            targets.append(original)
+            grads.append(grad)
         if targets:
             torch.autograd.backward(targets, grads)
 

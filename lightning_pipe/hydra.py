@@ -53,8 +53,10 @@ class GPipeStrategyConfig:
     """Layers per stage as a list (``[3, 5]``), a balancing mode (``uniform``, ``parameters``, ``time``,
     ``memory``), or null for ``uniform``. (``Any``: OmegaConf cannot type a list-or-string field;
     :func:`validate_config` checks it.)"""
-    module_name: Optional[str] = None
-    """Dotted path of the ``nn.Sequential`` to pipeline; null picks the one with the most parameters."""
+    module_name: Any = None
+    """Dotted path of the ``nn.Sequential`` or ``nn.ModuleList`` to pipeline, or a list of consecutive sibling
+    modules (``[model.conv1, model.bn1, ..., model.avgpool]``); null picks the region with the most parameters.
+    (``Any``: OmegaConf cannot type a string-or-list field; :func:`validate_config` checks it.)"""
     start_method: str = "${" + START_METHOD_RESOLVER + ":}"
     """How the Trainer starts its processes; by default ``spawn`` inside a Hydra multirun, else ``popen``."""
     trace_steps: list[int] = field(default_factory=list)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor
@@ -65,8 +65,24 @@ def split(value: Activation, num_micro_batches: int) -> list[Activation]:
     return [tuple(parts) for parts in zip(*per_tensor)]
 
 
-def join(outputs: list[Activation]) -> Activation:
-    """Concatenate micro-batch outputs along dim 0: the output one device would have computed on the whole batch."""
-    if isinstance(outputs[0], Tensor):
-        return torch.cat(outputs)  # type: ignore[arg-type]
-    return tuple(torch.cat(parts) for parts in zip(*outputs))
+def join(outputs: list[Any]) -> Any:
+    """Concatenate micro-batch outputs along dim 0: the output one device would have computed on the whole batch.
+
+    Tensors are concatenated; tuples, lists and ``ModelOutput``-like mappings are joined item by item; ``None``
+    stays ``None``; any other object (a cache) is the first micro-batch's.
+    """
+    first = outputs[0]
+    if isinstance(first, Tensor):
+        if first.dim() == 0:
+            raise ValueError(
+                "a pipelined block returned a 0-dimensional tensor, which cannot be joined over micro-batches; return"
+                " values with the batch dimension first from the pipelined blocks."
+            )
+        return torch.cat(outputs) if len(outputs) > 1 else first
+    if first is None:
+        return None
+    if hasattr(first, "to_tuple") and hasattr(first, "keys"):  # a Hugging Face ModelOutput
+        return type(first)(**{key: join([output[key] for output in outputs]) for key in first.keys()})
+    if isinstance(first, (tuple, list)) and not hasattr(first, "_fields"):
+        return type(first)(join(list(parts)) for parts in zip(*outputs))
+    return first

@@ -54,9 +54,10 @@ def pipelined_input(module: nn.Module, sequential: nn.Sequential, sample: Any) -
     """
 
     def capture(_module: nn.Module, args: tuple[Any, ...]) -> None:
-        raise _Captured(args[0] if len(args) == 1 else tuple(args))
+        raise _Captured(args[0])
 
-    handle = sequential.register_forward_pre_hook(capture)
+    # The first block's first argument: what a Sequential passes on, or what the model's loop calls its blocks with.
+    handle = sequential[0].register_forward_pre_hook(capture)
     modes = {submodule: submodule.training for submodule in module.modules()}
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     sample = move_data_to_device(sample, device)

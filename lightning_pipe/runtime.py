@@ -1,13 +1,15 @@
 """One rank's stage at run time: the role it plays in a step, the user's step up to the hand-off, and backward.
 
-Roles in one step (``S`` stages):
+Every stage runs the user's step until the model's code calls this stage's last block (the blocks before it
+answer placeholders, see :mod:`lightning_pipe.stage`). There, in one step (``S`` stages):
 
-* the first stage runs the user's step until the pipelined call, pushes the micro-batches through its layers and
-  sends them on; :class:`HandedOff` then ends the user's step there;
-* a middle stage runs no user code: it relays every micro-batch;
-* the last stage runs the user's step in full: its pipelined call returns the joined output of all micro-batches,
-  so the loss, metrics and ``self.log`` see the whole mini-batch. Its outcome (skipped or not, the loss, the logs,
-  metric and random states) is then shared with the other stages, which replay it (:mod:`lightning_pipe.outcome`).
+* the first stage splits the blocks' input into micro-batches, runs them through its blocks and sends them on;
+* a middle stage receives, runs and sends every micro-batch;
+* both then end the user's step with :class:`HandedOff`;
+* the last stage receives and runs every micro-batch: the call returns the joined output of all micro-batches and
+  the user's step runs on, so the loss, metrics and ``self.log`` see the whole mini-batch. Its outcome (skipped or
+  not, the loss, the logs, metric and random states) is then shared with the other stages, which replay it
+  (:mod:`lightning_pipe.outcome`).
 
 Backward: the last stage's ``loss.backward()`` reaches each micro-batch; the other stages run the backward phase
 with the gradients that arrive from the next stage (:meth:`PipelineEngine.backward`).
@@ -29,7 +31,6 @@ from torch import Tensor
 
 from lightning_pipe.engine import PipelineEngine
 from lightning_pipe.groups import PipelineGroups
-from lightning_pipe.microbatch import Activation
 from lightning_pipe.outcome import (
     StepOutcome,
     adopt_random_states,
@@ -41,7 +42,7 @@ from lightning_pipe.outcome import (
     replay_logs,
 )
 from lightning_pipe.p2p import PipelineCommunicationError, failed_wait
-from lightning_pipe.stage import StageLayers
+from lightning_pipe.stage import StageBlocks
 
 _OUTSIDE_STEP_TIMEOUT = timedelta(seconds=60)
 
@@ -57,14 +58,16 @@ class StageRuntime:
     """Runs steps on this rank's stage: ``run_step`` for the user's step hooks, ``backward_from_next_stage`` and
     ``end_backward`` around Lightning's backward, ``run_on_last_stage`` for hooks that consume step results."""
 
-    def __init__(self, groups: PipelineGroups, engine: PipelineEngine, layers: StageLayers) -> None:
+    def __init__(self, groups: PipelineGroups, engine: PipelineEngine, stage: StageBlocks) -> None:
         self.groups = groups
         self.engine = engine
-        self.layers = layers
+        self.stage = stage
         self.step_skipped = False  # the last training step returned None: no backward, no optimizer step
-        self._in_step = False
-        self._called = False  # whether the pipelined module was called in the current step
-        layers.pipelined_call = self.pipelined_call
+        self._called = False  # whether the pipeline ran in the current step
+        self._batch_norms_checked = False
+        stage.on_last_local_call = self._run_pipeline
+        stage.on_outside_step_start = self._outside_step_starts
+        stage.outside_step_output = self._share_last_output
 
     @property
     def is_first(self) -> bool:
@@ -96,72 +99,82 @@ class StageRuntime:
         return outcome, output
 
     def forward_step(self, user_step: Callable[[], Any]) -> Any:
-        """Run ``user_step`` (code that calls the pipelined module once) in this stage's role; its result on the
+        """Run ``user_step`` (code that calls the pipelined blocks once) in this stage's role; its result on the
         last stage, ``None`` elsewhere. Nothing is shared: :meth:`run_step` adds that for Lightning's steps."""
         with self._user_step():
-            if self.is_last:
+            try:
                 output = user_step()
+            except HandedOff:
+                return None
+            if self.is_last:
                 if not self._called and not self.is_first:
                     self.engine.drain()
                 return output
+            # The step returned before reaching this stage's blocks: so must the first stage's have.
             if self.is_first:
-                try:
-                    user_step()
-                except HandedOff:
-                    pass
-                else:
-                    self.engine.send_skip()  # the step returned before the pipelined call: nothing flows this step
+                self.engine.send_skip()
             else:
-                self.engine.relay()
+                self.engine.pass_skip()
             return None
 
     @contextlib.contextmanager
     def _user_step(self) -> Iterator[None]:
-        """Marks the user's step: a pipelined call inside it is one micro-batched pipeline step."""
+        """Marks the user's step: the pipelined blocks' calls inside it are one micro-batched pipeline step."""
         self.engine.begin_step()
-        self._in_step, self._called = True, False
+        self.stage.begin_step(in_step=True)
+        self._called = False
         try:
             yield
         finally:
-            self._in_step = False
+            self.stage.in_step = False
 
-    def pipelined_call(self, value: Activation) -> Activation:
-        """The user's call of the pipelined module, on the first or the last stage (middle stages relay)."""
-        if not self._in_step:
-            return self._call_outside_step(value)
-        if self._called:
-            raise RuntimeError(
-                "the pipelined module was called twice in one step; the gpipe strategy pipelines one call per"
-                " step. Call it once (concatenate inputs along the batch dimension if needed)."
-            )
+    def _run_pipeline(self) -> Any:
+        """At this stage's last block: run the forward phase in this stage's role. In a step, a stage other than the
+        last ends the user's step here; the last stage returns the joined output."""
+        engine, stage = self.engine, self.stage
+        if not stage.in_step:
+            return self._run_pipeline_outside_step()
         self._called = True
+        if not self._batch_norms_checked and torch.is_grad_enabled():
+            stage.check_micro_batches_fit_batch_norm(engine.num_micro_batches)  # before the first training step runs
+            self._batch_norms_checked = True
         if self.is_first and self.is_last:
-            return self.engine.forward_local(value)
+            return engine.forward_local(stage.stage_input())
+        if self.is_last:
+            return engine.forward_last()
+        if torch.is_grad_enabled():
+            stage.detach_side_arguments()  # each micro-batch's backward stops at them; see the engine's backward
         if self.is_first:
-            self.engine.forward_first(value)
-            raise HandedOff
-        return self.engine.forward_last()
+            engine.forward_first(stage.stage_input())
+        else:
+            engine.relay()
+        raise HandedOff
 
-    def _call_outside_step(self, value: Activation) -> Activation:
+    def _outside_step_starts(self) -> None:
+        """The model's code reached the pipelined blocks outside a step: every stage must, see below."""
+        if self.groups.num_stages > 1:
+            self._all_stages_call_the_model()
+        self.engine.begin_step()
+
+    def _run_pipeline_outside_step(self) -> Any:
         """A call outside a step (Lightning's ModelSummary, a callback calling ``pl_module(x)`` on every rank).
 
         Every stage of the pipeline must make the call: the input flows through the stages without gradients and
-        every stage gets the output, so the caller's code runs on as on one device.
+        every stage gets the last stage's output at the end of the blocks, so the caller's code runs on as on one
+        device.
         """
+        engine, stage, output = self.engine, self.stage, None
         if self.is_first and self.is_last:
-            return self.engine.forward_local(value)
-        self._all_stages_call_the_model()
-        engine, output = self.engine, None
+            return engine.forward_local(stage.stage_input())
         with torch.no_grad():
-            engine.begin_step()
             if self.is_first:
-                engine.forward_first(value)
+                engine.forward_first(stage.stage_input())
             elif self.is_last:
                 output = engine.forward_last()
             else:
                 engine.relay()
             engine.end_step()
-        return self._share_last_output(output)
+        return output
 
     def _all_stages_call_the_model(self) -> None:
         """Fail within a minute, naming the stage, unless every stage makes the call, rather than wait forever."""
@@ -177,6 +190,8 @@ class StageRuntime:
 
     def _share_last_output(self, output: Any) -> Any:
         """Broadcast the last stage's output of a call made outside a step to every stage of its pipeline."""
+        if self.groups.num_stages == 1:
+            return output
         holder = [apply_to_collection(output, Tensor, lambda t: t.to("cpu"))]
         dist.broadcast_object_list(holder, src=self.groups.last_stage_rank, group=self.groups.meta)
         return apply_to_collection(holder[0], Tensor, lambda t: t.to(self.groups.device))

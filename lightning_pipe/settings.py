@@ -48,7 +48,7 @@ class PipelineSettings:
     num_micro_batches: int | None = None  # None: MICRO_BATCHES_PER_STAGE per stage
     recompute: RecomputeMode = "except_last"  # the public option `checkpoint`
     balance: list[int] | BalanceMode | None = None
-    module_name: str | None = None
+    module_name: str | tuple[str, ...] | None = None  # a container's path, or consecutive sibling modules
     sample: Any = field(default=None, compare=False, repr=False)
     trace_steps: tuple[int, ...] = ()
     trace_dir: Path | None = None
@@ -190,13 +190,17 @@ def _checked_balance(balance: Any, num_stages: int | None, key: str) -> list[int
     return sizes
 
 
-def _checked_module_name(module_name: Any, key: str) -> str | None:
-    if module_name is not None and not isinstance(module_name, str):
+def _checked_module_name(module_name: Any, key: str) -> str | tuple[str, ...] | None:
+    if module_name is None or isinstance(module_name, str):
+        return module_name
+    names = list(module_name) if _is_list_like(module_name) else None
+    if not names or any(not isinstance(name, str) for name in names):
         raise ValueError(
-            f"{key}module_name={module_name!r} is invalid; give the dotted path of the nn.Sequential to pipeline as a"
-            " string (e.g. 'net.model'), or None to pipeline the one with the most parameters."
+            f"{key}module_name={module_name!r} is invalid; give the dotted path of the nn.Sequential or nn.ModuleList"
+            " to pipeline as a string (e.g. 'net.model'), a list of consecutive sibling modules (e.g."
+            " ['model.conv1', 'model.layer1', 'model.fc']), or None to pipeline the one with the most parameters."
         )
-    return module_name
+    return tuple(names)
 
 
 def _checked_trace_steps(trace_steps: Any, key: str) -> tuple[int, ...]:

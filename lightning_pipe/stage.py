@@ -1,48 +1,440 @@
-"""The stand-in for the pipelined ``nn.Sequential``: this process's layers, and the door into the pipeline."""
+"""This rank's blocks of the pipelined region, and the stand-ins through which the model's own code calls them.
+
+The model keeps its code: its ``nn.Sequential`` still runs its children in order, its loop still calls
+``h = block(h, mask, ...)``. At set-up every block of the region is reached through a stand-in:
+
+* a block of another stage is replaced by a :class:`RemoteBlock` (no parameters here);
+* a block of this stage stays where it is (its state-dict keys do not change); its ``forward`` is routed here.
+
+During a step every call is observed, in order, and checked: its first argument must be the previous block's output
+(or that output's first item), and no argument may be an earlier block's output (a skip past the next block). A
+call returns a placeholder computed on the meta device, with the shapes and structure of the block's real output,
+so the model's code runs on as on one device, until the call of this stage's last block: there the pipeline runs
+(``on_last_local_call``, the runtime's). Per micro-batch, :meth:`StageBlocks.run_micro_batch` then runs this stage's
+blocks on the micro-batch with each block's own arguments, split along the batch dimension where they have it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_pipe.batchnorm import check_micro_batches_fit_batch_norm, observed_batch_norm_inputs
 from lightning_pipe.microbatch import Activation
+from lightning_pipe.region import Region
 
 
-class StageLayers(nn.Module):
-    """The layers ``layer_range`` of the pipelined ``nn.Sequential``, registered under their original indices.
+class PipelineOrderError(RuntimeError):
+    """The model's code does not call the pipelined blocks as a chain."""
 
-    Registering layer ``i`` as child ``"i"`` keeps state-dict keys identical to the unsplit model
-    (``net.model.5.weight`` stays ``net.model.5.weight`` on whichever stage holds layer 5). Calling the module hands
-    the call to the pipeline (``pipelined_call``, set by the runtime that owns this stage): the user's code calls
-    ``self.net.model(x)`` exactly as on one device.
-    """
 
-    def __init__(self, sequential: nn.Sequential, layer_range: range, stage_index: int, num_stages: int) -> None:
+@dataclass
+class _Call:
+    """One observed call of a block in the current step."""
+
+    index: int
+    args: tuple
+    kwargs: dict
+    output: Any = None  # what the call returned to the model's code
+
+
+class RemoteBlock(nn.Module):
+    """Stands where a block of another stage was; its call returns a placeholder of that block's output."""
+
+    def __init__(self, index: int, name: str, stage: StageBlocks) -> None:
         super().__init__()
-        self.layer_range = layer_range
-        self.stage_index = stage_index
-        self.num_stages = num_stages
-        layers = list(sequential)
-        for index in layer_range:
-            self.add_module(str(index), layers[index])
-        self.pipelined_call: Callable[[Activation], Activation] | None = None
+        self.index = index
+        self.block_name = name
+        object.__setattr__(self, "_stage", stage)  # not a submodule: no parameters, no state
 
-    def run_layers(self, is_tuple: bool, *tensors: Tensor) -> Activation:
-        """This stage's layers applied to one micro-batch, as ``nn.Sequential`` would apply them."""
-        value: Activation = tensors if is_tuple else tensors[0]
-        for layer in self.children():
-            value = layer(value)
-        return value
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._stage.block_called(self.index, args, kwargs)
 
-    def forward(self, value: Activation) -> Activation:
-        if self.pipelined_call is None:
-            raise RuntimeError(
-                "the pipelined module was called before the gpipe strategy set up its engine; run the model through"
-                " `Trainer(strategy='gpipe').fit/validate/test/predict`."
-            )
-        return self.pipelined_call(value)
+    def __getattr__(self, name: str) -> Any:
+        """The original block's attribute, for code that reads one (``nn.TransformerEncoder`` reads
+        ``layers[0].self_attn.batch_first``); not its own parameters and buffers, which another stage holds."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "_stage":
+                raise
+            original = self._stage.originals[self.index]
+            if name in original._parameters or name in original._buffers:
+                raise AttributeError(f"{self.block_name}.{name} is held by another pipeline stage") from None
+            return getattr(original, name)
 
     def extra_repr(self) -> str:
-        layers = f"{self.layer_range.start}..{self.layer_range.stop - 1}"
-        return f"stage={self.stage_index}/{self.num_stages}, layers={layers}"
+        return f"{self.block_name}, on another pipeline stage"
+
+
+class StageBlocks:
+    """The blocks ``local`` (indices into ``region``) of ``model`` held by this rank, as one pipeline stage."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        region: Region,
+        local: range,
+        stage_index: int,
+        num_stages: int,
+        unsplit_arguments: Sequence[str] = (),
+    ) -> None:
+        self.model = model
+        self.region = region
+        self.layer_range = local
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.unsplit_arguments = frozenset(unsplit_arguments)
+        self.originals = region.blocks(model)  # every block as the user built it (the remote ones are not used)
+        self.blocks = [self.originals[i] for i in local]
+        # Set by the runtime. At this stage's last block: run the pipeline (in a step, a stage other than the last
+        # does not return from it). Outside a step (a callback calling the model): when the model's call reaches
+        # the region, and at the region's end, where every stage gets the last stage's real output.
+        self.on_last_local_call: Callable[[], Any] | None = None
+        self.on_outside_step_start: Callable[[], None] | None = None
+        self.outside_step_output: Callable[[Any], Any] | None = None
+        self.in_step = False
+        self._executing = False  # the engine runs real blocks: their forward goes straight through
+        self._calls: list[_Call] = []
+        self._takes_first_item: bool | None = None  # the model passes output[0], not the output, to the next block
+        self._meta_states: dict[int, dict[str, Tensor]] = {}
+        self.leaves: dict[int, tuple[Tensor, Tensor]] = {}  # id(user tensor) -> (it, its leaf), for side arguments
+        self._nested_tensor_setting: tuple[nn.TransformerEncoder, bool] | None = None
+        # Compiled calls of local blocks, run on micro-batches (a block compiled in place, or by `compile_stage`):
+        # the model's own call of a block must reach the routing uncompiled, for it drives the pipeline.
+        self.compiled_calls: dict[int, Callable[..., Any]] = {}
+        self._compiled_in_place: set[int] = set()
+        self._undo: list[Callable[[], None]] = []
+
+    # ---- installing the stand-ins --------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        """Put the stand-ins into the model: remote blocks replaced, local blocks' ``forward`` routed here."""
+        self._nested_tensor_setting = _avoid_nested_tensors(self.model, self.region)
+        for index, (name, block) in enumerate(zip(self.region.names, self.originals)):
+            if index in self.layer_range:
+                block.forward = self._routed(index, block)  # type: ignore[method-assign]
+                if getattr(block, "_compiled_call_impl", None) is not None:  # `block.compile()`
+                    self.compiled_calls[index], block._compiled_call_impl = block._compiled_call_impl, None
+                    self._compiled_in_place.add(index)
+            else:
+                _replace_submodule(self.model, name, RemoteBlock(index, name, self))
+
+    def uninstall(self) -> None:
+        """Put every original block back (with their weights as they are), and their own ``forward``."""
+        if self._nested_tensor_setting is not None:
+            encoder, use_nested_tensor = self._nested_tensor_setting
+            encoder.use_nested_tensor = use_nested_tensor
+        for undo in reversed(self._undo):
+            undo()
+        self._undo = []
+        for index, (name, block) in enumerate(zip(self.region.names, self.originals)):
+            if index in self.layer_range:
+                block.__dict__.pop("forward", None)
+                if index in self._compiled_in_place:
+                    block._compiled_call_impl = self.compiled_calls[index]
+            else:
+                _replace_submodule(self.model, name, block)
+
+    def on_uninstall(self, undo: Callable[[], None]) -> None:
+        """Run ``undo`` when the original blocks are put back (after the run)."""
+        self._undo.append(undo)
+
+    def _routed(self, index: int, block: nn.Module) -> Callable[..., Any]:
+        own = block.__dict__.get("forward")  # a forward set on the instance (e.g. by another library) stays its
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if self._executing:  # looked up at call time: the class may change (deferred BatchNorm)
+                return (own or type(block).forward.__get__(block))(*args, **kwargs)
+            return self.block_called(index, args, kwargs)
+
+        return forward
+
+    def modules(self) -> Iterator[nn.Module]:
+        for block in self.blocks:
+            yield from block.modules()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for block in self.blocks:
+            yield from block.parameters()
+
+    def buffers(self) -> Iterator[Tensor]:
+        for block in self.blocks:
+            yield from block.buffers()
+
+    # ---- the model's calls ---------------------------------------------------------------------------------------
+
+    def begin_step(self, in_step: bool) -> None:
+        self.in_step = in_step
+        self._calls = []
+        self.leaves = {}
+
+    def block_called(self, index: int, args: tuple, kwargs: dict) -> Any:
+        """A call of block ``index`` by the model's code: checked, recorded, answered."""
+        if index == 0 and not self.in_step:
+            assert self.on_outside_step_start is not None
+            self.begin_step(in_step=False)
+            self.on_outside_step_start()
+        self._check_order(index, args, kwargs)
+        # NOTE: a key/value cache (Hugging Face's DynamicCache) would gather every micro-batch's keys and values, and
+        # the placeholders' meta-device ones: training needs none, so the pipelined blocks get none.
+        args, kwargs = _map_caches(args, _no_cache), _map_caches(kwargs, _no_cache)
+        call = _Call(index, args, kwargs)
+        self._calls.append(call)
+        is_last_stage = self.stage_index == self.num_stages - 1
+        if index == self.layer_range.stop - 1:
+            assert self.on_last_local_call is not None
+            output = self.on_last_local_call()
+            call.output = output if is_last_stage else self._placeholder(index, args, kwargs)
+        else:
+            call.output = self._placeholder(index, args, kwargs)
+        if index == len(self.region) - 1 and not self.in_step:
+            assert self.outside_step_output is not None
+            call.output = self.outside_step_output(call.output if is_last_stage else None)
+        return call.output
+
+    def _check_order(self, index: int, args: tuple, kwargs: dict) -> None:
+        names = self.region.names
+        expected = len(self._calls)
+        if index != expected:
+            if index < expected:
+                raise PipelineOrderError(
+                    f"the pipelined module was called twice in one step; {names[index]} ran already. The gpipe"
+                    " strategy pipelines one call per step. Call it once (concatenate inputs along the batch"
+                    " dimension if needed)."
+                )
+            raise PipelineOrderError(
+                f"the model called {names[index]} before {names[expected]}; the pipeline needs the model's code to call"
+                " the pipelined blocks once each, in order (no block skipped). Pipeline a shorter chain"
+                " (GPipeStrategy(module_name=...)) or call every block."
+            )
+        if not args:
+            raise PipelineOrderError(
+                f"{names[index]} was called without a positional argument; the pipeline passes the first positional"
+                " argument from block to block. Call each block with the hidden state as its first argument."
+            )
+        if expected == 0:
+            return
+        previous = self._calls[-1].output
+        first = args[0]
+        takes_first = _first_item(previous)
+        if first is previous:
+            chosen = False
+        elif takes_first is not None and first is takes_first:
+            chosen = True
+        else:
+            raise PipelineOrderError(
+                f"the model's code changes the output of {names[index - 1]} before {names[index]} receives it (the"
+                f" first argument of {names[index]} is not what {names[index - 1]} returned). Only code that passes"
+                " each block's output straight to the next block can be pipelined: move that code into a block, or"
+                " pipeline a shorter chain (GPipeStrategy(module_name=...))."
+            )
+        self._takes_first_item = chosen
+        earlier = {id(call.output): call.index for call in self._calls[:-1]}
+        earlier.update({id(_first_item(call.output)): call.index for call in self._calls[:-1] if _first_item(call.output) is not None})
+        for value in [*args[1:], *kwargs.values()]:
+            if id(value) in earlier and isinstance(value, Tensor):
+                source = names[earlier[id(value)]]
+                raise PipelineOrderError(
+                    f"the output of {source} reaches {names[index]} past the blocks between them (a skip connection);"
+                    " a pipeline passes each block's output to the next block only. Keep skip connections inside"
+                    " one block (as a ResNet's BasicBlock does), or pipeline a chain without them."
+                )
+
+    def _placeholder(self, index: int, args: tuple, kwargs: dict) -> Any:
+        """The block's output on the meta device: its structure and shapes, without its cost."""
+        block = self.originals[index]
+        if index not in self._meta_states:
+            self._meta_states[index] = {
+                name: torch.empty_like(t, device="meta") for name, t in _state(block).items()
+            }
+        with self._real_calls(), torch.no_grad():
+            return torch.func.functional_call(
+                block, self._meta_states[index], _map_tensors(args, _to_meta), _map_tensors(kwargs, _to_meta),
+                strict=False,
+            )
+
+    def check_micro_batches_fit_batch_norm(self, num_micro_batches: int) -> None:
+        """Raise before the step runs if a micro-batch is too small for a BatchNorm of this stage in training: the
+        shapes each BatchNorm sees come from this step's calls of this stage's blocks, re-run on the meta device."""
+        if not any(isinstance(module, _BatchNorm) for module in self.modules()):
+            return
+        batch_size = self.batch_size()
+        with observed_batch_norm_inputs(self.model, batch_size) as values:  # named as in the model
+            for call in self._local_calls():
+                self._placeholder(call.index, call.args, call.kwargs)
+        check_micro_batches_fit_batch_norm(self.model, values, batch_size, num_micro_batches)
+
+    @contextlib.contextmanager
+    def _real_calls(self) -> Iterator[None]:
+        executing, self._executing = self._executing, True
+        try:
+            yield
+        finally:
+            self._executing = executing
+
+    # ---- running the stage on micro-batches ----------------------------------------------------------------------
+
+    def stage_input(self) -> Activation:
+        """The first stage's input: the first argument of its first block's call."""
+        return self._local_calls()[0].args[0]
+
+    def batch_size(self) -> int:
+        first = self._local_calls()[0].args[0]
+        tensors = first if isinstance(first, tuple) else (first,)
+        return tensors[0].shape[0]
+
+    def detach_side_arguments(self) -> None:
+        """Side arguments that need a gradient become leaves: every micro-batch's backward stops there, and
+        :meth:`backward_into_user_graph` carries their gradients into the model's code once per step."""
+        for call in self._local_calls():
+            call.args = (call.args[0], *_map_tensors(call.args[1:], self._leaf))
+            call.kwargs = _map_tensors(call.kwargs, self._leaf)
+
+    def _leaf(self, tensor: Tensor) -> Tensor:
+        if not tensor.requires_grad:
+            return tensor
+        if id(tensor) not in self.leaves:
+            self.leaves[id(tensor)] = (tensor, tensor.detach().requires_grad_(True))
+        return self.leaves[id(tensor)][1]
+
+    def side_gradients(self) -> list[tuple[Tensor, Tensor]]:
+        """(side argument, its gradient over every micro-batch) for the user's graph, once per step."""
+        pairs = [(original, leaf.grad) for original, leaf in self.leaves.values() if leaf.grad is not None]
+        self.leaves = {}
+        return pairs
+
+    def run_micro_batch(self, m: int, num: int, is_tuple: bool, *tensors: Tensor) -> Any:
+        """This stage's blocks on micro-batch ``m`` of ``num``: the last block's output."""
+        # NOTE: the stage's first block gets a copy of its input. A block that works in place (VGG's
+        # `nn.ReLU(inplace=True)` starting a stage) would otherwise modify a received leaf, the view through which
+        # its gradient is caught, the first stage's slice of the user's tensor, or the input that re-computation
+        # in backward reads again.
+        copies = tuple(t.clone() for t in tensors)
+        value: Any = copies if is_tuple else copies[0]
+        calls = self._local_calls()
+        batch = self.batch_size()
+        output: Any = None
+        with self._real_calls():
+            for i, call in enumerate(calls):
+                args = (value, *self._split(call, call.args[1:], m, num, batch, positional=True))
+                kwargs = self._split(call, call.kwargs, m, num, batch, positional=False)
+                output = self.compiled_calls.get(self.layer_range[i], self.blocks[i])(*args, **kwargs)
+                value = self.travelling(output)
+        return output
+
+    def travelling(self, output: Any) -> Activation:
+        """What passes from a block to the next: the output, or its first item where the model's code takes that
+        (observed in this step; a tensor or a tuple of tensors travels whole unless seen otherwise)."""
+        takes_first = self._takes_first_item
+        if takes_first is None:
+            takes_first = not (isinstance(output, Tensor) or (isinstance(output, tuple) and all(isinstance(t, Tensor) for t in output)))
+        return _first_item(output) if takes_first else output
+
+    def _split(self, call: _Call, values: Any, m: int, num: int, batch: int, positional: bool) -> Any:
+        names = self._argument_names(call) if positional else None
+
+        def part(value: Any, name: str | None) -> Any:
+            if name in self.unsplit_arguments:
+                return value
+            return _map_tensors(value, lambda t: _micro_batch_of(t, m, num, batch))
+
+        if positional:
+            name = lambda i: names[i + 1] if names and i + 1 < len(names) else None  # noqa: E731
+            return tuple(part(value, name(i)) for i, value in enumerate(values))
+        return {key: part(value, key) for key, value in values.items()}
+
+    def _argument_names(self, call: _Call) -> list[str] | None:
+        """The names of the block's positional parameters, the hidden state's first (``self`` left out)."""
+        try:
+            return list(inspect.signature(type(self.originals[call.index]).forward).parameters)[1:]
+        except (TypeError, ValueError):
+            return None
+
+    def _local_calls(self) -> list[_Call]:
+        calls = [call for call in self._calls if call.index in self.layer_range]
+        if len(calls) != len(self.layer_range):
+            raise PipelineOrderError("the pipeline ran before every block of this stage was called")
+        return calls
+
+    def describe_layers(self) -> str:
+        first, last = self.region.names[self.layer_range.start], self.region.names[self.layer_range.stop - 1]
+        return first if first == last else f"{first} .. {last}"
+
+
+def _avoid_nested_tensors(model: nn.Module, region: Region) -> tuple[nn.TransformerEncoder, bool] | None:
+    """Turn off ``nn.TransformerEncoder``'s nested-tensor path when its layers are the region: (encoder, setting).
+
+    In eval without gradients the encoder packs the padded batch into one NestedTensor for its layers, which cannot
+    be split into micro-batches or sent between stages; the padded path computes the same outputs."""
+    if region.container is None:
+        return None
+    parent = model.get_submodule(region.container.rpartition(".")[0])  # "" is the model itself
+    if not isinstance(parent, nn.TransformerEncoder) or not getattr(parent, "use_nested_tensor", False):
+        return None
+    parent.use_nested_tensor = False
+    return parent, True
+
+
+def _first_item(value: Any) -> Any:
+    """``value[0]`` for a tuple or a ``ModelOutput``-like object (a mapping that indexes), else ``None``."""
+    if isinstance(value, tuple) and value:
+        return value[0]
+    if hasattr(value, "to_tuple") and hasattr(value, "__getitem__"):
+        items = value.to_tuple()
+        return items[0] if items else None
+    return None
+
+
+def _is_cache(value: Any) -> bool:
+    """A Hugging Face key/value cache (``transformers.cache_utils.Cache`` and its subclasses)."""
+    return any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers") for cls in type(value).__mro__)
+
+
+def _no_cache(value: Any) -> Any:
+    return None if _is_cache(value) else value
+
+
+def _map_caches(values: Any, function: Callable[[Any], Any]) -> Any:
+    if isinstance(values, dict):
+        return {key: function(value) for key, value in values.items()}
+    return tuple(function(value) for value in values)
+
+
+def _micro_batch_of(tensor: Tensor, m: int, num: int, batch: int) -> Tensor:
+    """Micro-batch ``m`` of a side argument with the batch dimension first; a tensor without it is passed whole."""
+    if tensor.dim() == 0 or tensor.shape[0] != batch or batch == 1:
+        return tensor
+    return torch.tensor_split(tensor, num)[m]
+
+
+def _map_tensors(value: Any, function: Callable[[Tensor], Any]) -> Any:
+    if isinstance(value, Tensor):
+        return function(value)
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_map_tensors(item, function) for item in value)
+    if isinstance(value, list):
+        return [_map_tensors(item, function) for item in value]
+    if isinstance(value, dict) and type(value) is dict:
+        return {key: _map_tensors(item, function) for key, item in value.items()}
+    return value
+
+
+def _to_meta(tensor: Tensor) -> Tensor:
+    return tensor if tensor.is_meta else tensor.to("meta")
+
+
+def _state(block: nn.Module) -> dict[str, Tensor]:
+    return {**dict(block.named_parameters()), **dict(block.named_buffers())}
+
+
+def _replace_submodule(model: nn.Module, name: str, replacement: nn.Module) -> None:
+    parent_name, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attribute, replacement)

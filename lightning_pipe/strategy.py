@@ -39,7 +39,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -74,16 +74,16 @@ from lightning_pipe.launch import (
 from lightning_pipe.materialize import global_seed, holds_meta_tensors, materialize
 from lightning_pipe.groups import PipelineGroups, init_pipeline_groups
 from lightning_pipe.outcome import StepOutcome
-from lightning_pipe.partition import find_pipelined_module, replace_submodule
 from lightning_pipe.random_streams import StageRandomStreams
+from lightning_pipe.region import Region, find_region, outside_parameters
 from lightning_pipe.settings import PipelineSettings, RecomputeMode, check_process_count
 from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
 from lightning_pipe.sharded import load as load_sharded
 from lightning_pipe.sharded import save as save_sharded
 from lightning_pipe.runtime import StageRuntime
 from lightning_pipe.schedule import Schedule
-from lightning_pipe.stage import StageLayers
-from lightning_pipe.summary import StageSummary, build_stage_summary, stage_devices
+from lightning_pipe.stage import StageBlocks
+from lightning_pipe.summary import StageSummary, build_stage_summary, outside_warning, stage_devices
 from lightning_pipe.tied import TiedParameters, parameters_shared_across_stages, replicated_parameters
 from lightning_pipe.topology import PipelineLayout
 from lightning_pipe.trace.timeline import StepTimeline
@@ -175,7 +175,7 @@ class GPipeStrategy(ParallelStrategy):
         num_micro_batches: int | None = None,
         checkpoint: RecomputeMode = "except_last",
         balance: Balance = None,
-        module_name: str | None = None,
+        module_name: str | Sequence[str] | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -239,6 +239,7 @@ class GPipeStrategy(ParallelStrategy):
         self._wrapped_hooks: list[str] = []
         self._plan: PartitionPlan | None = None
         self._plan_module_name = ""
+        self._outside: list[tuple[str, int]] = []  # what runs whole on every stage, with its parameter count
         self._tracer: PipelineTracer | None = None
         self._last_observation: StepObservation | None = None
         self._pipelined: PipelinedModule | None = None
@@ -325,9 +326,9 @@ class GPipeStrategy(ParallelStrategy):
         if is_overridden("configure_model", model):
             return  # the layers may exist only once configure_model has run, in each process: `setup` checks them
         settings = self._settings
-        name, sequential = find_pipelined_module(model, uncompiled_name(model, settings.module_name))
-        check_compiled(model, name, sequential)
-        stage_ranges(self.config, len(sequential), settings.balance if isinstance(settings.balance, list) else None)
+        region = self._find_region(model)
+        check_compiled(model, region)
+        stage_ranges(self.config, len(region), settings.balance if isinstance(settings.balance, list) else None)
         profiling_sample(settings.balance, settings.sample, model)
 
     def setup_environment(self) -> None:
@@ -423,25 +424,34 @@ class GPipeStrategy(ParallelStrategy):
         """Replace the pipelined ``nn.Sequential`` by this rank's :class:`StageLayers` and build its runtime."""
         config = self.config
         self._check_every_rank_built_the_same_model(module)
-        name, sequential = find_pipelined_module(module, uncompiled_name(module, self._module_name))
-        check_compiled(module, name, sequential)
-        self._plan, self._plan_module_name = self._decide_partition(module, sequential), name
+        region = self._find_region(module)
+        check_compiled(module, region)
+        blocks = region.blocks(module)
+        layers = nn.Sequential(*blocks)  # the blocks in order, for the partition plan and the whole model
+        self._plan, self._plan_module_name = self._decide_partition(module, layers), region.label
+        self._outside = outside_parameters(module, region)
         ranges = self._plan.ranges
-        ties = parameters_shared_across_stages(list(sequential), ranges)  # before materialising replaces parameters
-        stage = StageLayers(sequential, ranges[self.stage_index], self.stage_index, config.num_stages)
+        ties = parameters_shared_across_stages(blocks, ranges)  # before materialising replaces parameters
         whole_model_state = list(module.state_dict().keys())
         whole_model_parameters = [parameter_name for parameter_name, _ in module.named_parameters()]
-        replace_submodule(module, name, stage)
+        stage = StageBlocks(module, region, ranges[self.stage_index], self.stage_index, config.num_stages)
+        stage.install()
         # Built on the meta device: only what this rank runs becomes real (the stage, the replicated modules).
-        self._deferred = self.reduce_boolean_decision(holds_meta_tensors(sequential), all=False)
+        self._deferred = self.reduce_boolean_decision(holds_meta_tensors(layers), all=False)
         materialize(module, self.root_device, self.broadcast(global_seed()))
         if self._deferred_batch_norm:
-            defer_batch_norms(stage)
-        self._pipelined = PipelinedModule(name, sequential, ranges, whole_model_state, whole_model_parameters)
-        self._replicated = replicated_parameters(module, name)
-        self._tied = TiedParameters(ties, stage, self.stage_index, self.layout, self._replicated, name, self._timeout)
-        compile_stage(module, name, stage, self._settings.compile_options)
-        rank_zero_info(str(self.stage_summary()))
+            for block in stage.blocks:
+                defer_batch_norms(block)
+        self._pipelined = PipelinedModule(
+            region.label, layers, ranges, whole_model_state, whole_model_parameters, put_back=stage.uninstall
+        )
+        self._replicated = replicated_parameters(module, region.names)
+        self._tied = TiedParameters(ties, stage, self.layout, self._replicated, self._timeout)
+        compile_stage(module, region, stage, self._settings.compile_options)
+        summary = self.stage_summary()
+        rank_zero_info(str(summary))
+        if (warning := outside_warning(summary)) is not None:
+            rank_zero_warn(warning, category=PossibleUserWarning)
         groups, index = self.groups, self.stage_index
         timeline = StepTimeline(self.root_device, enabled=self._log_bubble_fraction or bool(self._trace_steps))
         # One stage draws from the global stream, as one device does; several need streams of their own.
@@ -476,6 +486,10 @@ class GPipeStrategy(ParallelStrategy):
         dist.all_gather_object(every, fingerprint)
         describe = lambda rank: f"rank {rank} (stage {self.layout.stage(rank)})"  # noqa: E731
         raise ValueError(different_models_message(every, describe))
+
+    def _find_region(self, module: LightningModule) -> Region:
+        sample = self._settings.sample if self._settings.sample is not None else getattr(module, "example_input_array", None)
+        return find_region(module, uncompiled_name(module, self._settings.module_name), sample)
 
     def _decide_partition(self, module: LightningModule, sequential: nn.Sequential) -> PartitionPlan:
         """The split, decided on global rank 0 (profiling there when ``balance`` asks) and broadcast, so that every
@@ -521,7 +535,7 @@ class GPipeStrategy(ParallelStrategy):
             self._tied.start_identical()
             if self.layout.num_replicas > 1:
                 source = self.layout.rank(self.stage_index, replica=0)
-                for tensor in [*self._runtime.layers.parameters(), *self._runtime.layers.buffers()]:
+                for tensor in [*self._runtime.stage.parameters(), *self._runtime.stage.buffers()]:
                     dist.broadcast(tensor.data, src=source, group=self.groups.replicas)
 
     def _sync_metrics_within_replicas(self, module: LightningModule) -> None:
@@ -571,6 +585,7 @@ class GPipeStrategy(ParallelStrategy):
             self._settings.recompute,
             busy,
             built_whole=not self._deferred,
+            outside=self._outside,
         )
 
     def _observe_step(self) -> None:

@@ -25,6 +25,9 @@ from lightning.pytorch.utilities.model_summary.model_summary import get_human_re
 from lightning_pipe.balance import PartitionPlan, imbalance, recompute_fraction
 
 
+MAX_OUTSIDE_SHARE = 0.2  # of the parameters running whole on every stage, above which the start-up warns
+
+
 @dataclass(frozen=True)
 class StageRow:
     """One stage of the pipeline (of replica 0)."""
@@ -56,6 +59,16 @@ class StageSummary:
     # Parameter bytes of other stages' layers that the rank with the smallest stage holds because the model was built
     # whole on every rank; building it in configure_model() would save them (see docs/memory.md). 0 when it was.
     deferred_saving_bytes: int = 0
+    # What runs whole on every stage: the modules (or loose parameters) outside the pipelined region, with their
+    # parameter counts.
+    outside: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def outside_share(self) -> float:
+        """The share of the model's parameters that every stage holds and runs whole."""
+        pipelined = sum(row.parameters for row in self.rows)
+        total = pipelined + self.replicated_parameters
+        return self.replicated_parameters / total if total else 0.0
 
     def __str__(self) -> str:
         columns: list[tuple[str, list[str]]] = [
@@ -87,6 +100,10 @@ class StageSummary:
             f" {get_human_readable_count(self.replicated_parameters).strip()} replicated on every stage",
             f"Imbalance (slowest stage / mean): {self.imbalance:.2f} by {self.imbalance_basis}",
         ]
+        if self.outside:
+            total = sum(row.parameters for row in self.rows) + self.replicated_parameters
+            parts = [f"{name} {get_human_readable_count(n).strip()} ({n / total:.0%})" for name, n in self.outside]
+            lines.append(f"Runs whole on every stage ({self.outside_share:.0%} of the parameters): {', '.join(parts)}")
         if self.deferred_saving_bytes:
             lines.append(
                 f"Every rank built all of '{self.module_name}': building it in configure_model() would save up to"
@@ -105,10 +122,12 @@ def build_stage_summary(
     recompute: str,
     busy_seconds: Sequence[float] | None = None,
     built_whole: bool = False,
+    outside: Sequence[tuple[str, int]] = (),
 ) -> StageSummary:
     """The summary of ``plan``; ``ranks[s]`` and ``devices[s]`` say where stage ``s`` runs; ``recompute`` is the
     re-computation mode, whose repeated forwards count in the profiled time. ``built_whole``: every rank built the
-    whole pipelined module (no deferred construction)."""
+    whole pipelined module (no deferred construction). ``outside``: the modules outside the pipelined region that hold
+    parameters, with their counts (:func:`lightning_pipe.region.outside_parameters`)."""
     repeated = recompute_fraction(recompute, num_micro_batches)
     rows = []
     for stage, layer_range in enumerate(plan.ranges):
@@ -149,7 +168,21 @@ def build_stage_summary(
     saving = sum(stage_bytes) - min(stage_bytes) if built_whole else 0
     return StageSummary(
         module_name, plan.method, num_micro_batches, recompute, rows, replicated_parameters, imbalance(totals), basis,
-        saving,
+        saving, tuple(outside),
+    )
+
+
+def outside_warning(summary: StageSummary) -> str | None:
+    """The start-up warning when more than a fifth of the parameters run whole on every stage, else ``None``."""
+    if summary.outside_share <= MAX_OUTSIDE_SHARE:
+        return None
+    largest = max(summary.outside, key=lambda item: item[1])[0] if summary.outside else "the rest of the model"
+    return (
+        f"{summary.outside_share:.0%} of the model's parameters ({summary.replicated_parameters}) are outside the"
+        f" pipelined '{summary.module_name}' and run whole on every stage (more than {MAX_OUTSIDE_SHARE:.0%}; the"
+        f" largest is {largest}): every stage holds and computes them, so the pipeline saves less memory and time."
+        " Pipeline a region that holds them: GPipeStrategy(module_name=...) naming a larger nn.Sequential or"
+        " nn.ModuleList, or a list of consecutive sibling modules."
     )
 
 

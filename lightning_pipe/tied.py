@@ -24,6 +24,7 @@ from torch import nn
 
 from lightning_pipe.consolidate import ONE_DEVICE_NAME
 from lightning_pipe.gradients import reduce_gradients
+from lightning_pipe.stage import StageBlocks
 from lightning_pipe.topology import PipelineLayout
 
 
@@ -51,10 +52,10 @@ def parameters_shared_across_stages(layers: Sequence[nn.Module], ranges: Sequenc
     ]
 
 
-def replicated_parameters(module: nn.Module, pipelined_name: str) -> list[nn.Parameter]:
-    """The parameters that every stage holds: those of the modules outside the pipelined one (including one tied to
-    a pipelined layer), in the order of their names, which is the same on every rank."""
-    inside = f"{pipelined_name}."
+def replicated_parameters(module: nn.Module, block_names: Sequence[str]) -> list[nn.Parameter]:
+    """The parameters that every stage holds: those of the modules outside the pipelined blocks (including one tied
+    to a pipelined block), in the order of their names, which is the same on every rank."""
+    inside = tuple(f"{name}." for name in block_names)
     seen: set[int] = set()
     replicated = []
     for name, parameter in module.named_parameters(remove_duplicate=False):
@@ -73,13 +74,12 @@ class TiedParameters:
     def __init__(
         self,
         tied: list[TiedParameter],
-        stage: nn.Module,
-        stage_index: int,
+        stage: StageBlocks,
         layout: PipelineLayout,
         replicated: list[nn.Parameter],
-        pipelined_name: str,
         timeout: timedelta | None,
     ) -> None:
+        stage_index = stage.stage_index
         replicated_ids = {id(p) for p in replicated}
         self._held: list[tuple[nn.Parameter, dist.ProcessGroup, int]] = []  # copy, its group, the group's source
         self._counted_elsewhere: list[nn.Parameter] = []
@@ -91,7 +91,7 @@ class TiedParameters:
             if stage_index not in tie.stages:
                 continue
             index, local_name = tie.places[tie.stages.index(stage_index)]
-            parameter = stage.get_submodule(str(index)).get_parameter(local_name)
+            parameter = stage.originals[index].get_parameter(local_name)
             if id(parameter) in replicated_ids:
                 continue  # also used outside the pipelined module: summed over the whole pipeline already
             group = groups[tie.stages]
@@ -104,7 +104,7 @@ class TiedParameters:
                 self._counted_elsewhere.append(parameter)
                 # Checkpoints name optimizer state by parameter: this copy goes by the name one device gives it.
                 first_index, first_name = tie.places[0]
-                setattr(parameter, ONE_DEVICE_NAME, f"{pipelined_name}.{first_index}.{first_name}")
+                setattr(parameter, ONE_DEVICE_NAME, f"{stage.region.names[first_index]}.{first_name}")
 
     @property
     def counted_elsewhere(self) -> list[nn.Parameter]:

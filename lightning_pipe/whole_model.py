@@ -13,7 +13,7 @@ after the run gathers them as during it. ``stage_ranks`` is always this rank's p
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,6 @@ from lightning_pipe.consolidate import (
     split_optimizer_state,
 )
 from lightning_pipe.materialize import mark_held_elsewhere
-from lightning_pipe.partition import replace_submodule
 
 
 @dataclass
@@ -48,6 +47,7 @@ class PipelinedModule:
     ranges: list[range]
     state_keys: list[str]  # the whole model's state-dict keys, in order
     parameter_order: list[str]  # the whole model's parameter names, in order
+    put_back: Callable[[], None]  # puts every block back where the model had it
     # After a run of a model built the usual way, every rank holds the whole trained model: nothing to gather.
     whole_on_every_rank: bool = False
 
@@ -205,7 +205,7 @@ def restore_whole_model(
             layers = list(pipelined.sequential)
             mine = pipelined.ranges[stage_ranks.index(rank)]
             mark_held_elsewhere([layers[i] for i in range(len(layers)) if i not in mine])
-        replace_submodule(module, pipelined.name, pipelined.sequential)
+        pipelined.put_back()
         return
     layers = list(pipelined.sequential)
     with torch.no_grad():
@@ -216,7 +216,7 @@ def restore_whole_model(
                     buffer = tensor.to(device)
                     dist.broadcast(buffer, src=owner, group=group)
                     tensor.copy_(buffer)
-    replace_submodule(module, pipelined.name, pipelined.sequential)
+    pipelined.put_back()
     pipelined.whole_on_every_rank = True
 
 

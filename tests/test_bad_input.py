@@ -29,9 +29,9 @@ class NoSequential(PipeClassifier):
 @pytest.mark.parametrize(
     ("model", "strategy", "error", "message"),
     [
-        (NoSequential(), GPipeStrategy(), ValueError, "contains no nn.Sequential to pipeline"),
+        (NoSequential(), GPipeStrategy(), ValueError, "contains no nn.Sequential or nn.ModuleList to pipeline"),
         (PipeClassifier(), GPipeStrategy(balance=[3, 4]), ValueError, "sums to 7 but the pipelined module has 8"),
-        (PipeClassifier(), GPipeStrategy(module_name="net"), TypeError, "names a Component, not an nn.Sequential"),
+        (PipeClassifier(), GPipeStrategy(module_name="net"), TypeError, "names a Component, not an nn.Sequential or nn.ModuleList"),
     ],
     ids=["no-sequential", "balance-sum", "not-a-sequential"],
 )

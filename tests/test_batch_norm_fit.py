@@ -123,3 +123,35 @@ def test_batch_norm_in_evaluation_accepts_any_micro_batch_unless_it_keeps_no_run
     with pytest.raises(ValueError, match="would get 1 value per channel"):
         check_micro_batches_fit_batch_norm(layers, shapes, batch_size=8, num_micro_batches=8)
     assert not runs_in_torch(layers, torch.randn(8, 6), 8)
+
+
+def test_a_pipeline_stage_refuses_a_too_small_micro_batch_before_its_blocks_run():
+    """The strategy's check, as the last stage of a ResNet-18 chain (layer2 .. avgpool) makes it in its first
+    training step: on the shapes of that step's calls, before any block runs, naming the layer as the model does."""
+    from lightning_pipe.region import find_region
+    from lightning_pipe.stage import StageBlocks
+
+    torch.manual_seed(0)
+    model, x = resnet18(width=8), torch.randn(8, 3, 32, 32)
+    region = find_region(model, None, x[:2])
+    assert region.label == "conv1 .. avgpool"
+    stage = StageBlocks(model, region, range(5, 9), stage_index=1, num_stages=2)
+    stage.install()
+    stage.on_last_local_call = lambda: stage.check_micro_batches_fit_batch_norm(num_micro_batches=8)
+    stage.begin_step(in_step=True)
+    with pytest.raises(ValueError) as error:
+        model(x)
+    message = str(error.value)
+    assert message.startswith(
+        "BatchNorm2d layer 'layer4.0.bn1' would get 1 value per channel in training: a batch of 8 samples in"
+        " num_micro_batches=8 gives micro-batches of 1 sample, and each sample brings it 1 value per channel."
+        " Use num_micro_batches=4 or fewer, or batches of at least 16 samples."
+    )
+
+    def fixed() -> torch.Tensor:  # the fix the message names passes; the pipeline's output stands in after it
+        stage.check_micro_batches_fit_batch_norm(num_micro_batches=4)
+        return torch.zeros(8, 64, 1, 1)
+
+    stage.on_last_local_call = fixed
+    stage.begin_step(in_step=True)
+    assert model(x).shape == (8, 10)

@@ -18,7 +18,8 @@ from helpers.launch import launch, run_python
 from lightning_pipe import GPipeStrategy, PipelineParallelConfig, init_weights
 from lightning_pipe.balance import plan_partition
 from lightning_pipe.materialize import holds_meta_tensors, layer_seed, mark_held_elsewhere, materialize
-from lightning_pipe.stage import StageLayers
+from lightning_pipe.region import container_region
+from lightning_pipe.stage import StageBlocks
 from lightning_pipe.summary import build_stage_summary
 
 TOLERANCE = 1e-5  # of the total weight change during training
@@ -69,7 +70,7 @@ def test_a_stage_materialises_the_same_weights_as_the_whole_model():
         split = nn.Module()
         split.layers = layers(width=8)
     materialize(whole, torch.device("cpu"), seed=3)
-    split.layers = StageLayers(split.layers, range(4, 8), 1, 4)
+    StageBlocks(split, container_region(split, "layers"), range(4, 8), 1, 4).install()
     assert materialize(split, torch.device("cpu"), seed=3) == ["layers.4", "layers.6"]
     for key, value in split.state_dict().items():
         assert torch.equal(value, whole.state_dict()[key]), key

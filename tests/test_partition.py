@@ -1,4 +1,4 @@
-"""Choosing the nn.Sequential to pipeline and splitting it by an explicit balance."""
+"""Choosing the container (or chain of modules) to pipeline and splitting it by an explicit balance."""
 
 import pytest
 from torch import nn
@@ -6,43 +6,43 @@ from torch import nn
 from helpers.models import PipeClassifier
 from lightning_pipe import PipelineParallelConfig
 from lightning_pipe.balance import stage_ranges
-from lightning_pipe.partition import find_pipelined_module
+from lightning_pipe.region import find_region
 
 
 def test_default_is_the_outermost_sequential_with_most_parameters():
     model = PipeClassifier()
     model.small = nn.Sequential(nn.Linear(2, 2))
-    name, module = find_pipelined_module(model)
-    assert name == "net.model" and module is model.net.model
+    region = find_region(model)
+    assert region.label == "net.model" and region.blocks(model) == list(model.net.model)
 
 
 def test_sequentials_nested_in_a_sequential_are_not_candidates():
     model = nn.Module()
     model.outer = nn.Sequential(nn.Sequential(nn.Linear(100, 100)), nn.Linear(1, 1))
     model.other = nn.Sequential(nn.Linear(50, 50))
-    assert find_pipelined_module(model)[0] == "outer"
+    assert find_region(model).label == "outer"
 
 
 def test_module_name_selects_a_nested_sequential():
     model = PipeClassifier()
-    assert find_pipelined_module(model, "net.model")[1] is model.net.model
+    assert find_region(model, "net.model").blocks(model) == list(model.net.model)
 
 
 def test_module_name_that_is_not_a_sequential_says_so():
-    with pytest.raises(TypeError, match="'net' names a Component, not an nn.Sequential"):
-        find_pipelined_module(PipeClassifier(), "net")
+    with pytest.raises(TypeError, match="'net' names a Component, not an nn.Sequential or nn.ModuleList"):
+        find_region(PipeClassifier(), "net")
 
 
 def test_missing_module_name_lists_the_sequentials():
     with pytest.raises(ValueError, match=r"'net.body' does not exist.*\['net.model'\]"):
-        find_pipelined_module(PipeClassifier(), "net.body")
+        find_region(PipeClassifier(), "net.body")
 
 
 def test_model_without_sequential_names_the_fix():
     model = nn.Module()
     model.layer = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="contains no nn.Sequential to pipeline"):
-        find_pipelined_module(model)
+    with pytest.raises(ValueError, match="contains no nn.Sequential or nn.ModuleList to pipeline"):
+        find_region(model)
 
 
 def test_balance_gives_layers_per_stage():

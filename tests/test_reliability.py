@@ -32,9 +32,10 @@ from lightning_pipe import GPipeStrategy
 from lightning_pipe.engine import PipelineEngine
 from lightning_pipe.groups import PipelineGroups
 from lightning_pipe.p2p import ACTIVATION, Header, TensorMeta, failed_wait
+from lightning_pipe.region import container_region
 from lightning_pipe.runtime import StageRuntime
 from lightning_pipe.schedule import gpipe
-from lightning_pipe.stage import StageLayers
+from lightning_pipe.stage import StageBlocks
 from lightning_pipe.topology import PipelineLayout
 
 FAULT_TO_EXIT_LIMIT_S = 60  # the issue's bound: every process gone this long after the fault
@@ -428,15 +429,17 @@ def test_nan_loss_trains_on_as_on_one_device(pooled_runs):
 
 def test_pipelined_module_called_twice_in_a_step_names_the_fix():
     """One pipelined call per step (checked on every stage before anything is sent; here on a single stage)."""
-    layers = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
-    stage = StageLayers(layers, range(2), stage_index=0, num_stages=1)
+    model = torch.nn.Module()
+    model.layers = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    stage = StageBlocks(model, container_region(model, "layers"), range(2), stage_index=0, num_stages=1)
+    stage.install()
     engine = PipelineEngine(stage, 2, "never", previous=None, next=None, schedule=gpipe)
     alone = PipelineGroups(PipelineLayout(1), 0, torch.device("cpu"), None, None, None, None)  # no process groups
     runtime = StageRuntime(alone, engine, stage)
 
     def step_calling_twice():
-        stage(torch.zeros(4, 4))
-        stage(torch.zeros(4, 4))
+        model.layers(torch.zeros(4, 4))
+        model.layers(torch.zeros(4, 4))
 
     with pytest.raises(RuntimeError, match="called twice in one step; .* Call it once \\(concatenate inputs"):
         runtime.forward_step(step_calling_twice)

@@ -39,7 +39,11 @@ INVALID = {
         "{key}balance=[4, 2, 2] has 3 entries but {key}num_stages=2; give one layer count per stage.",
     ),
     "module_name": (
-        {"module_name": 3}, "{key}module_name=3 is invalid; give the dotted path of the nn.Sequential to pipeline"
+        {"module_name": 3},
+        "{key}module_name=3 is invalid; give the dotted path of the nn.Sequential or nn.ModuleList to pipeline",
+    ),
+    "module_name entries": (
+        {"module_name": ["model.conv1", 2]}, "{key}module_name=['model.conv1', 2] is invalid; give the dotted path"
     ),
     "trace_steps type": (
         {"trace_steps": 5}, "{key}trace_steps=5 is invalid; give the training steps to trace as a list"
@@ -138,6 +142,13 @@ def test_compile_setting_becomes_torch_compile_arguments_or_none():
     from_hydra = PipelineSettings.from_options(node, key="strategy.")
     assert from_hydra.compile_options == {"backend": "aot_eager", "options": {"trace.enabled": True}}
     assert type(from_hydra.compile_options["options"]) is dict  # torch.compile gets plain dicts, not OmegaConf nodes
+
+
+def test_module_name_is_a_path_or_a_list_of_sibling_modules_kept_as_a_tuple():
+    assert PipelineSettings(module_name="net.layers").module_name == "net.layers"
+    assert PipelineSettings(module_name=["m.conv1", "m.layer1"]).module_name == ("m.conv1", "m.layer1")
+    node = OmegaConf.create({"num_stages": 2, "module_name": ["m.conv1", "m.layer1", "m.fc"]})
+    assert PipelineSettings.from_options(node, key="strategy.").module_name == ("m.conv1", "m.layer1", "m.fc")
 
 
 def test_a_config_or_mapping_passed_as_num_stages_holds_both_counts():

@@ -1,6 +1,6 @@
 """One training step of lightning_pipe's runtime without Lightning: what the strategy does per batch, nothing more.
 
-The stage is built as ``GPipeStrategy._partition`` builds it (:class:`StageLayers` holding this rank's layers, the
+The stage is built as ``GPipeStrategy._partition`` builds it (:class:`StageBlocks` running this rank's blocks of the Sequential, the
 groups of :func:`init_pipeline_groups`, a :class:`PipelineEngine` running the GPipe schedule, a
 :class:`StageRuntime` playing this rank's role), and one step is driven as ``GPipeStrategy.backward`` drives it.
 """
@@ -18,7 +18,8 @@ from lightning_pipe.microbatch import Activation
 from lightning_pipe.runtime import StageRuntime
 from lightning_pipe.schedule import gpipe
 from lightning_pipe.settings import RecomputeMode
-from lightning_pipe.stage import StageLayers
+from lightning_pipe.region import container_region
+from lightning_pipe.stage import StageBlocks
 from lightning_pipe.topology import PipelineLayout
 
 
@@ -33,7 +34,9 @@ class EngineStep:
         )
         index = groups.stage
         ranges = PipelineParallelConfig(num_stages, num_micro_batches).split_into_stages(len(sequential))
-        self.stage = StageLayers(sequential, ranges[index], index, num_stages)
+        self.sequential, holder = sequential, nn.ModuleDict({"pipelined": sequential})
+        self.stage = StageBlocks(holder, container_region(holder, "pipelined"), ranges[index], index, num_stages)
+        self.stage.install()
         self.engine = PipelineEngine(
             self.stage, num_micro_batches, checkpoint,
             previous=groups.link(index - 1) if not groups.is_first else None,
@@ -44,7 +47,7 @@ class EngineStep:
 
     def stage_forward(self, x: Tensor) -> Activation | None:
         """The pipelined call of one step on this stage: the joined output on the last stage, else ``None``."""
-        return self.runtime.forward_step(lambda: self.stage(x))
+        return self.runtime.forward_step(lambda: self.sequential(x))
 
     def forward(self, x: Tensor, target: Tensor) -> Tensor | None:
         """The forward of every micro-batch; the last stage returns the loss on the joined output."""

@@ -112,8 +112,8 @@ class PoisonedGradient(PipeClassifier):
     """At batch 2, an inf lands in the gradient of layer 0 (on the first stage only, in a pipeline)."""
 
     def on_after_backward(self):
-        first_layer = getattr(self.net.model, "0", None)  # a child of the Sequential, or of the stage holding it
-        if self.trainer.fit_loop.epoch_loop.batch_idx == 2 and first_layer is not None:
+        first_layer = self.net.model[0]  # on the other stages, the stand-in of a layer held elsewhere
+        if self.trainer.fit_loop.epoch_loop.batch_idx == 2 and getattr(first_layer, "weight", None) is not None:
             first_layer.weight.grad[0, 0] = float("inf")
 
 
@@ -305,7 +305,7 @@ class Counted(nn.Module):
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += int(self.training)
+        self.calls += int(self.training and not x.is_meta)  # not the shape-only calls of stages without it
         return torch.tanh(x)
 
 

@@ -30,6 +30,8 @@ def kill_inside(layer: nn.Module, model: LightningModule, epoch: int, batch: int
     """SIGKILL the process running ``layer`` in training at batch ``batch`` of epoch ``epoch``: mid-step."""
 
     def hook(module, inputs):
+        if inputs[0].is_meta:  # another stage's placeholder of the layer's output (shapes only): not where it runs
+            return
         trainer = model.trainer
         if model.training and (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx) == (epoch, batch):
             (out / f"fault{torch.distributed.get_rank()}.json").write_text(json.dumps({"time": time.time()}))

@@ -1,0 +1,173 @@
+"""What the strategy pipelines in a model, what it leaves whole on every stage, and what it refuses: a model whose
+code does not pass each block's output straight to the next block is refused on its first step, before any block
+runs, with the two blocks named and what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from helpers.stock_models import STOCK_MODELS
+from lightning_pipe.balance import plan_partition
+from lightning_pipe.config import PipelineParallelConfig
+from lightning_pipe.region import container_region, find_region, outside_parameters
+from lightning_pipe.stage import PipelineOrderError, StageBlocks
+from lightning_pipe.summary import build_stage_summary, outside_warning
+
+
+def summary_of(name: str):
+    torch.manual_seed(0)
+    model = STOCK_MODELS[name]()
+    region = find_region(model, None, getattr(model, "example_input_array", None))
+    blocks = nn.Sequential(*region.blocks(model))
+    plan = plan_partition(model, blocks, PipelineParallelConfig(2, 2), None)
+    outside = outside_parameters(model, region)
+    replicated = sum(n for _, n in outside)
+    return build_stage_summary(plan, region.label, [1, 0], ["cpu", "cpu"], replicated, 2, "never", outside=outside)
+
+
+def test_summary_says_what_runs_whole_on_every_stage_with_its_share():
+    summary = summary_of("gpt2")
+    text = str(summary)
+    assert "GPipe: pipelining 'model.transformer.h' (4 layers) over 2 stages" in text
+    # the embeddings and the final norm; the head's weight is the embedding's (tied), counted once
+    assert ("Runs whole on every stage (6% of the parameters): model.transformer.wte 2.0 K (4%),"
+            " model.transformer.wpe 1.0 K (2%), model.transformer.ln_f 64 (0%)") in text
+    assert summary.replicated_parameters == 2048 + 1024 + 64
+    assert outside_warning(summary) is None
+
+
+def test_more_than_a_fifth_of_the_parameters_outside_the_pipeline_warns_naming_the_largest():
+    """Lightning's demo transformer: its decoder layers are pipelined, its encoder runs whole on every stage."""
+    summary = summary_of("demo")
+    assert summary.module_name == "model.transformer.decoder.layers"
+    assert summary.outside_share == pytest.approx(21376 / (21376 + 25664))
+    warning = outside_warning(summary)
+    assert warning is not None
+    assert warning.startswith(
+        "45% of the model's parameters (21376) are outside the pipelined 'model.transformer.decoder.layers' and run"
+        " whole on every stage (more than 20%; the largest is model.transformer.encoder)"
+    )
+    assert "GPipeStrategy(module_name=...)" in warning
+
+
+def test_a_resnet_pipelines_its_chain_of_children_and_keeps_only_the_head_whole():
+    summary = summary_of("resnet18")
+    assert summary.module_name == "model.conv1 .. model.avgpool"
+    assert summary.outside == (("model.fc", 650),)
+    assert outside_warning(summary) is None
+
+
+# -- models whose blocks are not a chain ------------------------------------------------------------------------
+
+
+class Scaled(nn.Module):
+    """The model's loop changes each block's output before the next block receives it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x) * 0.5
+        return x
+
+
+class UNetSkip(nn.Module):
+    """A U-Net-style skip: the first block's output reaches the third block past the second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4), nn.Bilinear(4, 4, 4)])
+
+    def forward(self, x):
+        down = self.blocks[0](x)
+        middle = self.blocks[1](down)
+        return self.blocks[2](middle, down)
+
+
+class ConcatenatedSkip(nn.Module):
+    """A U-Net skip as U-Nets write it: the earlier output concatenated to the next block's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(8, 4)])
+
+    def forward(self, x):
+        down = self.blocks[0](x)
+        middle = self.blocks[1](down)
+        return self.blocks[2](torch.cat([middle, down], dim=1))
+
+
+def first_step(model: nn.Module, stage_index: int, num_stages: int) -> None:
+    """The model's calls of its blocks as a pipeline stage sees them in a step, up to the pipeline's run."""
+    region = container_region(model, "blocks")
+    per_stage = len(region) // num_stages
+    local = range(stage_index * per_stage, len(region) if stage_index == num_stages - 1 else (stage_index + 1) * per_stage)
+    stage = StageBlocks(model, region, local, stage_index, num_stages)
+    stage.install()
+    stage.on_last_local_call = lambda: pytest.fail("the pipeline ran: the order check came too late")
+    stage.begin_step(in_step=True)
+    model(torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("stage_index", [1, 2])
+def test_code_that_changes_a_block_output_is_refused_naming_both_blocks(stage_index):
+    """Every stage that holds blocks.1 or a later block refuses before its blocks run (a stage whose blocks all come
+    before runs them and hands off; the launcher re-raises the refusing stage's error on every rank)."""
+    with pytest.raises(PipelineOrderError) as error:
+        first_step(Scaled(), stage_index, num_stages=3)
+    assert str(error.value).startswith(
+        "the model's code changes the output of blocks.0 before blocks.1 receives it (the first argument of blocks.1"
+        " is not what blocks.0 returned). Only code that passes each block's output straight to the next block can be"
+        " pipelined: move that code into a block, or pipeline a shorter chain (GPipeStrategy(module_name=...))."
+    )
+
+
+def test_a_skip_past_the_next_block_is_refused_naming_both_blocks():
+    with pytest.raises(PipelineOrderError) as error:
+        first_step(UNetSkip(), 2, num_stages=3)
+    assert str(error.value).startswith(
+        "the output of blocks.0 reaches blocks.2 past the blocks between them (a skip connection); a pipeline passes"
+        " each block's output to the next block only. Keep skip connections inside one block"
+    )
+
+
+def test_a_concatenated_skip_is_refused_at_the_block_whose_input_it_changes():
+    with pytest.raises(PipelineOrderError, match="changes the output of blocks.1 before blocks.2 receives it"):
+        first_step(ConcatenatedSkip(), 2, num_stages=3)
+
+
+# -- the pipelined container keeps working as a container -------------------------------------------------------
+
+
+def test_the_pipelined_container_iterates_indexes_slices_and_counts_as_before():
+    model = Scaled()
+    blocks = list(model.blocks)
+    stage = StageBlocks(model, container_region(model, "blocks"), range(0, 1), stage_index=0, num_stages=2)
+    stage.install()
+    assert len(model.blocks) == 3
+    assert model.blocks[0] is blocks[0]  # this stage's block stays where it is, its state-dict keys unchanged
+    assert [type(block).__name__ for block in model.blocks] == ["Linear", "RemoteBlock", "RemoteBlock"]
+    assert len(model.blocks[1:]) == 2 and isinstance(model.blocks[1:], nn.ModuleList)
+    assert model.blocks[-1].out_features == 4  # a remote block reads through to the original's attributes
+    assert not hasattr(model.blocks[2], "weight")  # its weights are another stage's
+    assert list(model.state_dict()) == ["blocks.0.weight", "blocks.0.bias"]
+    stage.uninstall()
+    assert list(model.blocks) == blocks
+
+
+def test_time_balance_profiles_a_region_whose_first_layers_work_in_place():
+    """VGG-11's features: in-place ReLUs, profiled on the example input as the strategy does at set-up (the
+    region's blocks are gathered in a Sequential the model never calls: its input is the first block's)."""
+    torch.manual_seed(0)
+    model = STOCK_MODELS["vgg11"]()
+    region = find_region(model, "model.features")
+    blocks = nn.Sequential(*region.blocks(model))
+    sample = torch.randn(8, 3, 32, 32)
+    plan = plan_partition(model, blocks, PipelineParallelConfig(4, 4), "time", sample, torch.device("cpu"))
+    assert plan.method == "time" and len(plan.ranges) == 4 and plan.profiles is not None
+    assert sum(len(r) for r in plan.ranges) == len(region) == 21
+    assert all(p.forward_seconds > 0 for p in plan.profiles)

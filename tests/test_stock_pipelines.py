@@ -1,0 +1,140 @@
+"""The stock models of tests/helpers/stock_models.py, pipelined unchanged: the strategy is the only change, and
+per-step losses and final weights equal training on one device.
+
+One launch per stage count trains every model (a launch costs seconds); the single-device baselines are the runs of
+tests/test_stock_models.py. Dropout is 0 in every model; ResNet-18's BatchNorm sees the whole batch
+(``num_micro_batches=1``), so that one device and the pipeline compute the same statistics.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers.compare import relative_weight_error
+from helpers.launch import launch
+from helpers.stock_models import STOCK_MODELS
+from test_stock_models import STEPS, train_on_one_device
+
+pytest.importorskip("transformers")
+
+TOLERANCE = 1e-5  # of the weights' change over the run, as tests/test_equivalence.py
+LOSS_TOLERANCE = 1e-4  # relative; ResNet-18's BatchNorm sums in another order on a stage (measured 1.3e-5)
+
+# name -> (model, strategy settings); 4 stages where the model has a block for each at little cost
+RUNS = {
+    2: {
+        "gpt2": ("gpt2", {"num_micro_batches": 2}),
+        "llama": ("llama", {"num_micro_batches": 2}),
+        "encoder": ("encoder", {"num_micro_batches": 2}),
+        "demo": ("demo", {"num_micro_batches": 2}),
+        "resnet18": ("resnet18", {"num_micro_batches": 1}),
+        "vgg11": ("vgg11", {"num_micro_batches": 2}),
+        "vgg11_features": ("vgg11", {"num_micro_batches": 2, "module_name": "model.features"}),
+    },
+    4: {
+        "gpt2": ("gpt2", {"num_micro_batches": 4}),
+        "llama": ("llama", {"num_micro_batches": 4}),
+        "encoder": ("encoder", {"num_micro_batches": 4}),
+        "resnet18": ("resnet18", {"num_micro_batches": 1}),
+        "vgg11": ("vgg11", {"num_micro_batches": 4}),
+    },
+}
+NEGATIVE_CONTROL = "vgg11_dropped_gradient"
+# NOTE: the attention's key bias gets a gradient that is zero in exact arithmetic (softmax ignores a constant added
+# to every score), so it is round-off; Adam divides it by its own size and moves the bias by the full learning rate
+# in a direction that any change of summation order flips (measured: 3e-4 of the weights' change with one
+# micro-batch, 5e-4 with two, while the losses agree to 1e-6). The encoder is compared by its losses.
+LOSSES_ONLY = {"encoder"}
+
+
+@pytest.fixture(scope="module", params=sorted(RUNS))
+def pipelined(request, tmp_path_factory):
+    devices = request.param
+    tmp = tmp_path_factory.mktemp(f"stock{devices}")
+    runs = [{"name": name, "model": model, "strategy": settings} for name, (model, settings) in RUNS[devices].items()]
+    if devices == 2:
+        runs[[run["name"] for run in runs].index("encoder")]["predict"] = True
+        runs.append({"name": NEGATIVE_CONTROL, "model": "vgg11", "strategy": {"num_micro_batches": 2},
+                     "drop_gradient_of": 0})
+    launch("stock_pipelines_worker.py", {"devices": devices, "out": str(tmp), "steps": STEPS, "runs": runs}, tmp,
+           timeout=900)
+    return devices, tmp
+
+
+_baselines: dict[str, tuple] = {}
+
+
+def one_device(model: str) -> tuple[list[float], dict, dict]:
+    if model not in _baselines:
+        _baselines[model] = train_on_one_device(model)
+    return _baselines[model]
+
+
+def differences(tmp, name: str, model: str) -> tuple[float, float]:
+    """(largest relative difference of a step's loss, weights' difference relative to their change) vs one device."""
+    losses, before, after = one_device(model)
+    result = json.loads((tmp / name / "rank0.json").read_text())  # rank 0 holds the last stage: the loss
+    assert len(result["losses"]) == STEPS
+    loss_error = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], losses))
+    pipelined = torch.load(tmp / name / "rank0.pt")  # the whole trained model is put back on every rank
+    floating = [key for key, value in after.items() if value.is_floating_point()]
+    weight_error = relative_weight_error(
+        {k: before[k] for k in floating}, {k: after[k] for k in floating}, {k: pipelined[k] for k in floating}
+    )
+    print(f"{name}: loss {loss_error:.2e}, weights {weight_error:.2e}")
+    return loss_error, weight_error
+
+
+@pytest.mark.parametrize("name", sorted({name for runs in RUNS.values() for name in runs}))
+def test_stock_model_pipelines_unchanged_and_matches_one_device(pipelined, name):
+    devices, tmp = pipelined
+    if name not in RUNS[devices]:
+        pytest.skip(f"{name} is not run on {devices} stages")
+    loss_error, weight_error = differences(tmp, name, RUNS[devices][name][0])
+    assert loss_error < LOSS_TOLERANCE, f"{name} on {devices} stages: step losses differ by {loss_error:.2e} (relative)"
+    if name in LOSSES_ONLY:
+        return
+    assert weight_error < TOLERANCE, f"{name} on {devices} stages: weights differ by {weight_error:.2e} of their change"
+
+
+def test_a_trained_encoder_predicts_as_on_one_device_with_its_padding_mask(pipelined):
+    """In eval without gradients nn.TransformerEncoder would pack the padded batch into a NestedTensor; pipelined,
+    its layers take the padded path, whose outputs are the same."""
+    devices, tmp = pipelined
+    if devices != 2:
+        pytest.skip("predict runs on 2 stages")
+    predictions = torch.load(tmp / "encoder" / "predictions.pt")
+    model = STOCK_MODELS["encoder"]()
+    model.load_state_dict(torch.load(tmp / "encoder" / "rank0.pt"))
+    model.eval()
+    with torch.no_grad():
+        expected = torch.cat([model.predict_step(batch, i) for i, batch in enumerate(model.predict_dataloader())])
+    assert predictions.shape == expected.shape == (32, 3)
+    assert torch.allclose(predictions, expected, atol=1e-5), (predictions - expected).abs().max()
+
+
+def test_comparison_detects_a_dropped_micro_batch_gradient(pipelined):
+    devices, tmp = pipelined
+    if devices != 2:
+        pytest.skip("the negative control runs on 2 stages")
+    _, weight_error = differences(tmp, NEGATIVE_CONTROL, "vgg11")
+    assert weight_error > 100 * TOLERANCE
+
+
+def test_a_micro_batch_too_small_for_batch_norm_fails_before_training_with_the_fix(tmp_path):
+    """ResNet-18's layer4 sees 1x1 maps: 8 micro-batches of a batch of 8 leave its BatchNorm one value per channel.
+    The last stage (layer2 .. avgpool) refuses in the first step, before its blocks run; the launching process
+    raises that error, not a lost-stage message."""
+    runs = [{"name": "resnet18_one_sample_micro_batches", "model": "resnet18", "strategy": {"num_micro_batches": 8}}]
+    finished = launch("stock_pipelines_worker.py", {"devices": 2, "out": str(tmp_path), "steps": STEPS, "runs": runs},
+                      tmp_path, timeout=300, check=False)
+    assert finished.returncode != 0
+    assert (
+        "ValueError: BatchNorm2d layer 'model.layer4.0.bn1' would get 1 value per channel in training: a batch of 8"
+        " samples in num_micro_batches=8 gives micro-batches of 1 sample, and each sample brings it 1 value per"
+        " channel. Use num_micro_batches=4 or fewer, or batches of at least 16 samples."
+    ) in finished.stderr, finished.stderr[-4000:]
+    assert not (tmp_path / runs[0]["name"] / "rank0.json").exists()  # no step finished
