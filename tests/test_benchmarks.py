@@ -32,6 +32,8 @@ def test_quick_benchmarks_write_every_section(tmp_path):
     balance = next(s for s in report["sections"] if s["module"] == "bench_balance")["data"]
     assert balance["contention_factor"] > 0 and balance["speedup_without_contention"] > 0
     assert len(balance["round_contention_factors"]) == len(balance["per_round"]) == balance["rounds"]
+    gpt2 = next(s for s in report["sections"] if s["module"] == "bench_gpt2")["data"]
+    assert gpt2["t_pipeline_s"] > 0 and gpt2["efficiency"] > 0 and gpt2["parameters"] > 0
 
 
 @pytest.fixture
