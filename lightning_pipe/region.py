@@ -76,7 +76,7 @@ def find_region(
     candidates = [container_region(model, name) for name, _ in _outermost_containers(model)]
     if sample is not None:
         candidates += observed_chains(model, sample)
-    candidates = [region for region in candidates if len(region) > 0]
+    candidates = [region for region in candidates if len(region) > 0 and not _coarser_than_a_member(model, region)]
     if not candidates:
         raise ValueError(
             f"{type(model).__name__} contains no nn.Sequential or nn.ModuleList to pipeline; hold the blocks to split"
@@ -85,6 +85,16 @@ def find_region(
             " strategy can observe which modules the forward chains."
         )
     return max(candidates, key=lambda region: (num_parameters(model, region), len(region)))
+
+
+def _coarser_than_a_member(model: nn.Module, region: Region) -> bool:
+    """Whether ``region`` is a chain one of whose members is a container of at least as many blocks: the chain
+    ``blocks, norm, head`` around an ``nn.Sequential`` of 8 blocks would put all 8 on one stage; the container splits
+    finer (a ResNet's ``conv1 .. avgpool`` chain of 9 keeps its 2-block ``layer4``)."""
+    if region.container is not None:
+        return False
+    blocks = region.blocks(model)
+    return any(isinstance(block, Container) and len(block) >= len(blocks) for block in blocks)
 
 
 def num_parameters(model: nn.Module, region: Region) -> int:

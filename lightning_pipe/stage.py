@@ -282,6 +282,13 @@ class StageBlocks:
 
     # ---- running the stage on micro-batches ----------------------------------------------------------------------
 
+    def run_alone(self, value: Any) -> Any:
+        """This stage's blocks on ``value`` one after another, outside any step (for measurements)."""
+        with self._real_calls():
+            for block in self.blocks:
+                value = self.travelling(block(value))
+        return value
+
     def stage_input(self) -> Activation:
         """The first stage's input: the first argument of its first block's call."""
         return self._local_calls()[0].args[0]

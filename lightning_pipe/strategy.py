@@ -362,7 +362,8 @@ class GPipeStrategy(ParallelStrategy):
 
     def release_process_groups(self) -> None:
         """Drop every reference to the process groups (at the interpreter's exit, before they are destroyed)."""
-        self._groups = self._runtime = self._tracer = None
+        self._groups = self._runtime = self._tracer = self._tied = None
+        self._pipelined = None  # its way to put the blocks back holds the stage, whose callbacks reach the links
 
     @property
     def groups(self) -> PipelineGroups:

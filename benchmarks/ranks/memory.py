@@ -111,7 +111,7 @@ def _one_micro_batch(step: EngineStep, x: Tensor, num_micro_batches: int) -> tup
     stage_input = torch.randn(rows, x.shape[1], requires_grad=not step.engine.is_first)
     parameters = storages_of(step.stage.parameters())
     with SavedStorages(parameters | storages_of([stage_input])) as saved:
-        step.stage.run_layers(False, stage_input)
+        step.stage.run_alone(stage_input)
     return sum(saved.sizes.values()), stage_input.untyped_storage().nbytes()
 
 

@@ -38,14 +38,16 @@ def drop_gradient_of(micro_batch):
     return lambda: setattr(engine._OrderedGradientSender, "_ready", original)
 
 
-def record_dropout_masks(model):
-    """``{name: [mask, ...]}``: which elements each ``nn.Dropout`` of ``model`` kept, one mask per call in training
-    mode, in call order (with re-computation: a step's forwards, then their re-computations in backward)."""
+def record_dropout_masks(model, rows):
+    """``{name: [mask, ...]}``: which elements each ``nn.Dropout`` of ``model`` kept, one mask per call on a
+    micro-batch (``rows`` samples) in training mode, in call order (with re-computation: a step's forwards, then their
+    re-computations in backward). The model's own call of a stage's last block, which returns the joined batch, and
+    the shape-only calls on the meta device are not draws of a mask."""
     masks = {}
 
     def recorder(name):
         def record(module, inputs, output):
-            if module.training:  # (in eval mode dropout keeps everything)
+            if module.training and not output.is_meta and len(output) == rows:
                 masks.setdefault(name, []).append(output != 0)
 
         return record
@@ -127,7 +129,8 @@ def main(spec_path):
         seed_everything(0 if checkpoint_path is None else 1)  # a resumed run must take its weights from the file
         with trainer.init_module(empty_init=True) if run.get("empty_init") else nullcontext():
             model = MODELS[run.get("model", "classifier")](lr=run.get("lr", 0.5))
-        masks = record_dropout_masks(model) if run.get("record_dropout_masks") else None
+        rows = run.get("batch_size", 16) // run["num_micro_batches"]
+        masks = record_dropout_masks(model, rows) if run.get("record_dropout_masks") else None
         # Re-computations then run to the end (not only as far as backward needs), so the hooks record them too.
         with torch.utils.checkpoint.set_checkpoint_early_stop(False) if masks is not None else nullcontext():
             trainer.fit(model, train, val, ckpt_path=checkpoint_path)
