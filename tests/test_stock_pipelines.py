@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from lightning.pytorch import Trainer
 
 from helpers.compare import relative_weight_error
 from helpers.launch import launch
@@ -33,6 +34,11 @@ RUNS = {
         "resnet18": ("resnet18", {"num_micro_batches": 1}),
         "vgg11": ("vgg11", {"num_micro_batches": 2}),
         "vgg11_features": ("vgg11", {"num_micro_batches": 2, "module_name": "model.features"}),
+        # What works for a pipelined nn.Sequential works for blocks in the model's own loop: each mode on GPT-2.
+        "gpt2_always": ("gpt2", {"num_micro_batches": 2, "checkpoint": "always"}),
+        "gpt2_never": ("gpt2", {"num_micro_batches": 4, "checkpoint": "never"}),
+        "gpt2_parameters": ("gpt2", {"num_micro_batches": 2, "balance": "parameters"}),
+        "gpt2_list": ("gpt2", {"num_micro_batches": 2, "balance": [1, 3]}),
     },
     4: {
         "gpt2": ("gpt2", {"num_micro_batches": 4}),
@@ -57,6 +63,7 @@ def pipelined(request, tmp_path_factory):
     runs = [{"name": name, "model": model, "strategy": settings} for name, (model, settings) in RUNS[devices].items()]
     if devices == 2:
         runs[[run["name"] for run in runs].index("encoder")]["predict"] = True
+        runs[[run["name"] for run in runs].index("gpt2")].update(save=True, validate=True)
         runs.append({"name": NEGATIVE_CONTROL, "model": "vgg11", "strategy": {"num_micro_batches": 2},
                      "drop_gradient_of": 0})
     launch("stock_pipelines_worker.py", {"devices": devices, "out": str(tmp), "steps": STEPS, "runs": runs}, tmp,
@@ -138,3 +145,33 @@ def test_a_micro_batch_too_small_for_batch_norm_fails_before_training_with_the_f
         " channel. Use num_micro_batches=4 or fewer, or batches of at least 16 samples."
     ) in finished.stderr, finished.stderr[-4000:]
     assert not (tmp_path / runs[0]["name"] / "rank0.json").exists()  # no step finished
+
+
+def test_a_checkpoint_of_a_pipelined_gpt2_holds_the_stock_model_and_loads_without_lightning_pipe(pipelined):
+    devices, tmp = pipelined
+    if devices != 2:
+        pytest.skip("checked on 2 stages")
+    _, _, after = one_device("gpt2")
+    checkpoint = torch.load(tmp / "gpt2" / "model.ckpt", weights_only=True)  # plain tensors and containers only
+    assert list(checkpoint["state_dict"]) == list(after)  # the unchanged model's keys, in its order
+    pipelined_weights = torch.load(tmp / "gpt2" / "rank0.pt")
+    for key, value in checkpoint["state_dict"].items():
+        assert torch.equal(value, pipelined_weights[key]), key
+    stock = STOCK_MODELS["gpt2"]()
+    stock.load_state_dict(checkpoint["state_dict"])  # strict: every key of the stock class, nothing else
+    assert len(checkpoint["optimizer_states"][0]["state"]) == len(list(stock.parameters()))  # every stage's state
+
+
+def test_validate_after_a_pipelined_fit_gives_one_devices_loss(pipelined):
+    devices, tmp = pipelined
+    if devices != 2:
+        pytest.skip("checked on 2 stages")
+    _, _, after = one_device("gpt2")
+    model = STOCK_MODELS["gpt2"]()
+    model.load_state_dict(after)
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+    expected = trainer.validate(model, verbose=False)[0]["val_loss"]
+    for rank in range(devices):
+        got = json.loads((tmp / "gpt2" / f"validated{rank}.json").read_text())[0]["val_loss"]
+        assert got == pytest.approx(expected, rel=1e-5), f"rank {rank}"

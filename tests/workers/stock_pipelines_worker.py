@@ -3,7 +3,8 @@
 Usage: python stock_pipelines_worker.py SPEC.json
 (SPEC: {"devices": N, "out": DIR, "steps": S, "runs": [{"name": ..., "model": ..., "strategy": {...}}, ...]})
 Each run writes DIR/NAME/rank{R}.pt (the model's state dict after fit) and DIR/NAME/rank{R}.json (per-step losses,
-a run with ``drop_gradient_of`` is the negative control; with ``predict``, DIR/NAME/predictions.pt after fit).
+a run with ``drop_gradient_of`` is the negative control; with ``predict``, DIR/NAME/predictions.pt after fit; with
+``save``, DIR/NAME/model.ckpt; with ``validate``, DIR/NAME/validated{R}.json, ``trainer.validate``'s metrics).
 """
 
 import json
@@ -63,6 +64,10 @@ def main(spec_path):
             restore()
         rank = trainer.global_rank
         torch.save(model.state_dict(), out / f"rank{rank}.pt")
+        if run.get("save"):  # every rank takes part; global rank 0 writes the whole model as one file
+            trainer.save_checkpoint(out / "model.ckpt")
+        if run.get("validate"):  # the trained model's validation loss, reported on every rank
+            (out / f"validated{rank}.json").write_text(json.dumps(trainer.validate(model, verbose=False)))
         if run.get("predict"):  # in eval mode, without gradients: the last stage's predictions come back on rank 0
             predictions = trainer.predict(model)
             if rank == 0:
