@@ -67,6 +67,7 @@ def main(spec_path):
         if run.get("save"):  # every rank takes part; global rank 0 writes the whole model as one file
             trainer.save_checkpoint(out / "model.ckpt")
         if run.get("validate"):  # the trained model's validation loss, reported on every rank
+            trainer.limit_val_batches = 1.0  # fit skipped validation; validate every batch
             (out / f"validated{rank}.json").write_text(json.dumps(trainer.validate(model, verbose=False)))
         if run.get("predict"):  # in eval mode, without gradients: the last stage's predictions come back on rank 0
             predictions = trainer.predict(model)
