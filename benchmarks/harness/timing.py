@@ -42,6 +42,16 @@ def step_intervals(ends: list[float]) -> list[float]:
     return [later - earlier for earlier, later in zip(ends[1:], ends[2:])]
 
 
+def measuring_trainer(strategy: Any, steps: int, clock: Callback) -> Trainer:
+    """A ``Trainer`` on every rank of the default group that runs ``steps`` training steps and nothing else
+    (no validation, logging, checkpoints or progress bar), timed by ``clock``."""
+    return Trainer(
+        strategy=strategy, accelerator="cpu", devices=dist.get_world_size(), max_steps=steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0, callbacks=[clock],
+    )
+
+
 class StepEnds(Callback):
     """When each training step ended, and what the strategy observed of it (its bubble, each stage's busy time) at
     the steps it observes: those logged (``log_every_n_steps``) or traced."""

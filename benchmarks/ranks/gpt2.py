@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
 from torch import Tensor
 from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from harness.rank import run_rank
-from harness.timing import StepEnds, timed_on
+from harness.timing import StepEnds, measuring_trainer, timed_on
 from lightning_pipe import GPipeStrategy
 
 LEARNING_RATE = 1e-4
@@ -90,19 +90,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 def _pipelined_fit(config: GPT2Config, batch: Tensor, m: int, steps: int) -> list[float]:
     torch.manual_seed(0)  # every rank builds the same model
     clock = StepEnds()
-    trainer = Trainer(
-        strategy=GPipeStrategy(num_micro_batches=m, checkpoint="never"),
-        accelerator="cpu",
-        devices=dist.get_world_size(),
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[clock],
-    )
+    trainer = measuring_trainer(GPipeStrategy(num_micro_batches=m, checkpoint="never"), steps, clock)
     dist.barrier()
     trainer.fit(GPT2Module(config), DataLoader(RepeatedTokens(batch, steps), batch_size=None))
     return clock.intervals()

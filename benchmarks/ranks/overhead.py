@@ -15,13 +15,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
 from torch import Tensor
 from torch.utils.data import DataLoader
 
 from harness.rank import run_rank
 from harness.stack import RepeatedBatch, make_batch, make_stack
-from harness.timing import StepEnds, step_intervals
+from harness.timing import StepEnds, measuring_trainer, step_intervals
 from harness.workload import Workload
 from lightning_pipe import GPipeStrategy
 from ranks.engine_step import EngineStep
@@ -75,19 +75,7 @@ def _plain_loop(work: Workload, m: int, loader: DataLoader) -> list[float]:
 
 def _lightning_fit(work: Workload, m: int, loader: DataLoader) -> list[float]:
     clock = StepEnds()
-    trainer = Trainer(
-        strategy=GPipeStrategy(num_micro_batches=m, checkpoint="never"),
-        accelerator="cpu",
-        devices=dist.get_world_size(),
-        max_steps=work.steps_per_fit,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[clock],
-    )
+    trainer = measuring_trainer(GPipeStrategy(num_micro_batches=m, checkpoint="never"), work.steps_per_fit, clock)
     dist.barrier()
     trainer.fit(StackModule(work), loader)
     return clock.times

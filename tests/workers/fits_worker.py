@@ -21,21 +21,9 @@ from torch import nn
 import lightning_pipe
 from helpers import models
 from helpers.models import MODELS, loaders, sequence_loaders
+from helpers.negative_controls import drop_gradient_of
 from helpers.recording import MetricRecorder
-from lightning_pipe import engine, tied
-
-
-def drop_gradient_of(micro_batch):
-    """Negative control: the last stage sends zeros instead of one micro-batch's input gradient."""
-    original = engine._OrderedGradientSender._ready
-
-    def ready(self, m, grads):
-        if m == micro_batch:
-            grads = tuple(torch.zeros_like(g) if g is not None else None for g in grads)
-        original(self, m, grads)
-
-    engine._OrderedGradientSender._ready = ready
-    return lambda: setattr(engine._OrderedGradientSender, "_ready", original)
+from lightning_pipe import tied
 
 
 def record_dropout_masks(model, rows):

@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
 import lightning_pipe
-from lightning_pipe import engine
+from helpers.negative_controls import drop_gradient_of
 from helpers.stock_models import STOCK_MODELS
 
 
@@ -29,19 +29,6 @@ class StepLosses(Callback):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if loss is not None:
             self.losses.append(float(loss))
-
-
-def drop_gradient_of(micro_batch):
-    """Negative control: the last stage sends zeros instead of one micro-batch's input gradient."""
-    original = engine._OrderedGradientSender._ready
-
-    def ready(self, m, grads):
-        if m == micro_batch:
-            grads = tuple(torch.zeros_like(g) if g is not None else None for g in grads)
-        original(self, m, grads)
-
-    engine._OrderedGradientSender._ready = ready
-    return lambda: setattr(engine._OrderedGradientSender, "_ready", original)
 
 
 def main(spec_path):
