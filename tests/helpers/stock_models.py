@@ -157,7 +157,24 @@ class LlamaModule(CausalLM):
 # -- torch's TransformerEncoder ----------------------------------------------------------------------------------
 
 
-class EncoderClassifier(TinyData, LightningModule):
+class Classification:
+    """The steps of a classifier as its users write them: cross entropy on (inputs, labels) batches."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).softmax(-1)
+
+
+class EncoderClassifier(Classification, TinyData, LightningModule):
     """Sequence classification with ``nn.TransformerEncoder`` and a key padding mask (True on padding tokens).
 
     ``batch_first=True`` is how most code writes it today; ``batch_first=False`` (torch's default) transposes to
@@ -186,19 +203,6 @@ class EncoderClassifier(TinyData, LightningModule):
             x = self.encoder(x.transpose(0, 1), src_key_padding_mask=padding).transpose(0, 1)
         keep = (~padding).unsqueeze(-1).to(x.dtype)
         return self.head((x * keep).sum(1) / keep.sum(1))
-
-    def training_step(self, batch, batch_idx):
-        tokens, labels = batch
-        loss = F.cross_entropy(self(tokens), labels)
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        tokens, labels = batch
-        self.log("val_loss", F.cross_entropy(self(tokens), labels))
-
-    def predict_step(self, batch, batch_idx):
-        return self(batch[0]).softmax(-1)
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
@@ -371,7 +375,7 @@ def vgg11(num_classes: int = 10, divisor: int = 1, hidden: int = 4096, dropout: 
     return VGG(vgg_features(VGG11_LAYOUT, divisor), num_classes=num_classes, hidden=hidden, dropout=dropout)
 
 
-class ImageClassifier(TinyData, LightningModule):
+class ImageClassifier(Classification, TinyData, LightningModule):
     """An image classifier as Lightning's tutorials write one: cross entropy, SGD with momentum, an example input."""
 
     def __init__(self, model: nn.Module, lr: float = 0.05, batch_size: int = 8, samples: int = 32) -> None:
@@ -385,19 +389,6 @@ class ImageClassifier(TinyData, LightningModule):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.model(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self(x), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", F.cross_entropy(self(x), y))
-
-    def predict_step(self, batch, batch_idx):
-        return self(batch[0]).softmax(-1)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=5e-4)
