@@ -75,6 +75,8 @@ def agree_on_gradient_overflow(scaler: torch.amp.GradScaler, group: dist.Process
 
     def unscale_and_agree(optimizer: Optimizer) -> None:
         unscale(optimizer)
+        if not scaler.is_enabled():  # a disabled scaler unscales nothing and skips no step
+            return
         found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         flag = torch.zeros((), device=device)
         for value in found.values():
