@@ -8,7 +8,8 @@ statistics of the whole mini-batch: after training they equal one device's.
 
 A BatchNorm in training needs more than one value per channel. In a pipeline it sees a micro-batch, not the batch:
 :func:`check_micro_batches_fit_batch_norm` tells before training when a micro-batch is too small for one of them,
-from the shapes its inputs had in an observed forward (:func:`observed_batch_norm_inputs`).
+from the shapes its inputs had in an observed forward (:func:`observed_batch_norm_inputs`), for the batches of the
+step and for the epoch's smaller last batch (:func:`epoch_last_batch_size`).
 
 The conversion swaps the class of each BatchNorm module in place (as ``torch.nn.utils.parametrize`` does), so
 parameters, buffers, state-dict keys and optimizer references stay exactly as they were; :func:`revert` undoes it.
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.data import BatchSampler
 
 _ACCUMULATORS = ("_deferred_sum", "_deferred_squares", "_deferred_count")
 
@@ -112,13 +114,18 @@ def observed_batch_norm_inputs(layers: nn.Module, batch_size: int) -> Iterator[d
 
 
 def check_micro_batches_fit_batch_norm(
-    layers: nn.Module, values_per_sample: Mapping[str, float], batch_size: int, num_micro_batches: int
+    layers: nn.Module,
+    values_per_sample: Mapping[str, float],
+    batch_size: int,
+    num_micro_batches: int,
+    last_of_epoch: bool = False,
 ) -> None:
     """Raise a ``ValueError`` if a micro-batch of a ``batch_size`` batch leaves a BatchNorm of ``layers`` in training
     one value per channel, which it cannot normalise (torch raises in the middle of the step, on one stage).
 
     ``values_per_sample`` comes from :func:`observed_batch_norm_inputs`. The micro-batches of a batch differ in size
-    by at most one (``microbatch.split``); the smallest decides.
+    by at most one (``microbatch.split``); the smallest decides. ``last_of_epoch``: the batch is the epoch's smaller
+    last one (:func:`epoch_last_batch_size`), which ``drop_last=True`` leaves out.
     """
     chunks = max(1, min(num_micro_batches, batch_size))
     smallest = batch_size // chunks
@@ -133,20 +140,42 @@ def check_micro_batches_fit_batch_norm(
         samples_needed = math.ceil(2 / per_sample)  # per micro-batch
         layer = f"{type(module).__name__} layer {name!r}"
         brings = f"each sample brings it {_values(per_sample)} per channel"
+        if last_of_epoch:
+            holds, a_batch = "the epoch's last batch holds", f"the epoch's last batch of {_samples(batch_size)}"
+            remedy = "Pass drop_last=True to the training DataLoader to leave that batch out, or use"
+        else:
+            holds, a_batch, remedy = "the batch holds", f"a batch of {_samples(batch_size)}", "Use"
         if batch_size * per_sample < 2:
             raise ValueError(
-                f"{layer} gets {_values(batch_size * per_sample)} per channel in training: the batch holds"
-                f" {_samples(batch_size)} and {brings}; it cannot normalise that, on one device either. Use batches"
-                f" of at least {_samples(samples_needed)} (or drop_last=True in the DataLoader when only the last"
-                " batch is this small)."
+                f"{layer} gets {_values(batch_size * per_sample)} per channel in training: {holds}"
+                f" {_samples(batch_size)} and {brings}; it cannot normalise that, on one device either. {remedy}"
+                f" batches of at least {_samples(samples_needed)}"
+                + ("." if last_of_epoch else " (or drop_last=True in the DataLoader when only the last batch is this"
+                   " small).")
             )
         raise ValueError(
-            f"{layer} would get {_values(smallest * per_sample)} per channel in training: a batch of"
-            f" {_samples(batch_size)} in num_micro_batches={num_micro_batches} gives micro-batches of"
-            f" {_samples(smallest)}, and {brings}. Use num_micro_batches={batch_size // samples_needed} or fewer,"
-            f" or batches of at least {_samples(samples_needed * num_micro_batches)}. deferred_batch_norm=True does"
-            " not help: it defers only the running statistics, and each micro-batch is still normalised with its own."
+            f"{layer} would get {_values(smallest * per_sample)} per channel in training: {a_batch} in"
+            f" num_micro_batches={num_micro_batches} gives micro-batches of {_samples(smallest)}, and {brings}."
+            f" {remedy} num_micro_batches={batch_size // samples_needed} or fewer, or batches of at least"
+            f" {_samples(samples_needed * num_micro_batches)}. deferred_batch_norm=True does not help: it defers only"
+            " the running statistics, and each micro-batch is still normalised with its own."
         )
+
+
+def epoch_last_batch_size(loader: object) -> int | None:
+    """The size of the smaller last batch of each epoch of a ``DataLoader``; ``None`` when there is none or it cannot
+    be told (``drop_last=True``, batches that divide the samples, an iterable dataset, no automatic batching).
+
+    Under data parallelism Lightning gives the loader a ``DistributedSampler``: its length is this replica's share.
+    """
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if not isinstance(batch_sampler, BatchSampler) or batch_sampler.drop_last:
+        return None
+    try:
+        samples = len(batch_sampler.sampler)  # type: ignore[arg-type]
+    except TypeError:  # a sampler without a length
+        return None
+    return samples % batch_sampler.batch_size or None
 
 
 def _values(count: float) -> str:

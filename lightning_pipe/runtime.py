@@ -64,7 +64,8 @@ class StageRuntime:
         self.stage = stage
         self.step_skipped = False  # the last training step returned None: no backward, no optimizer step
         self._called = False  # whether the pipeline ran in the current step
-        self._batch_norms_checked = False
+        self._batch_sizes_checked: set[int | None] = set()  # for BatchNorm, see `_run_pipeline`
+        self.epoch_last_batch: int | None = None  # the training DataLoader's smaller last batch, if it has one
         stage.on_last_local_call = self._run_pipeline
         stage.on_outside_step_start = self._outside_step_starts
         stage.outside_step_output = self._share_last_output
@@ -135,9 +136,10 @@ class StageRuntime:
         if not stage.in_step:
             return self._run_pipeline_outside_step()
         self._called = True
-        if not self._batch_norms_checked and torch.is_grad_enabled():
-            stage.check_micro_batches_fit_batch_norm(engine.num_micro_batches)  # before the first training step runs
-            self._batch_norms_checked = True
+        if torch.is_grad_enabled() and stage.batch_size() not in self._batch_sizes_checked:
+            # Before the first training step, for its batches and the epoch's last; again for any other batch size.
+            stage.check_micro_batches_fit_batch_norm(engine.num_micro_batches, self.epoch_last_batch)
+            self._batch_sizes_checked |= {stage.batch_size(), self.epoch_last_batch}
         if self.is_first and self.is_last:
             return engine.forward_local(stage.stage_input())
         if self.is_last:

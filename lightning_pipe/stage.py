@@ -261,9 +261,10 @@ class StageBlocks:
                 strict=False,
             )
 
-    def check_micro_batches_fit_batch_norm(self, num_micro_batches: int) -> None:
-        """Raise before the step runs if a micro-batch is too small for a BatchNorm of this stage in training: the
-        shapes each BatchNorm sees come from this step's calls of this stage's blocks, re-run on the meta device."""
+    def check_micro_batches_fit_batch_norm(self, num_micro_batches: int, epoch_last_batch: int | None = None) -> None:
+        """Raise before the step runs if a micro-batch is too small for a BatchNorm of this stage in training, in this
+        step or in the epoch's smaller ``epoch_last_batch``: the shapes each BatchNorm sees come from this step's
+        calls of this stage's blocks, re-run on the meta device."""
         if not any(isinstance(module, _BatchNorm) for module in self.modules()):
             return
         batch_size = self.batch_size()
@@ -271,6 +272,8 @@ class StageBlocks:
             for call in self._local_calls():
                 self._placeholder(call.index, call.args, call.kwargs)
         check_micro_batches_fit_batch_norm(self.model, values, batch_size, num_micro_batches)
+        if epoch_last_batch is not None:
+            check_micro_batches_fit_batch_norm(self.model, values, epoch_last_batch, num_micro_batches, True)
 
     @contextlib.contextmanager
     def _real_calls(self) -> Iterator[None]:

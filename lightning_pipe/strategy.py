@@ -56,6 +56,7 @@ from lightning_pipe.balance import (
     stage_ranges,
 )
 from lightning_pipe.batchnorm import defer as defer_batch_norms
+from lightning_pipe.batchnorm import epoch_last_batch_size
 from lightning_pipe.batchnorm import revert as revert_batch_norms
 from lightning_pipe.compile import check_compiled, compile_stage, uncompiled_name
 from lightning_pipe.config import PipelineParallelConfig
@@ -606,6 +607,11 @@ class GPipeStrategy(ParallelStrategy):
 
     # ---- steps ---------------------------------------------------------------------------------------------------
 
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._runtime is not None and self.lightning_module is not None:  # for the BatchNorm check of step one
+            self._runtime.epoch_last_batch = _epoch_last_batch_reached(self.lightning_module.trainer)
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context():
             outcome, output = self._run_step("training_step", args, kwargs)
@@ -872,3 +878,18 @@ def _require_automatic_optimization(module: LightningModule) -> None:
             " `self.manual_backward` cannot reach the other stages. Set `self.automatic_optimization = True` and"
             " return the loss from training_step."
         )
+
+
+def _epoch_last_batch_reached(trainer: Trainer) -> int | None:
+    """The size of the training DataLoader's smaller last batch, if this fit reaches it: ``limit_train_batches`` or
+    ``max_steps`` may end the epoch first (then a BatchNorm need not fit it; a later step checks any new size)."""
+    loader = trainer.train_dataloader
+    size = epoch_last_batch_size(loader)
+    if size is None:
+        return None
+    batches = len(loader)  # type: ignore[arg-type]
+    if trainer.num_training_batches < batches:
+        return None
+    if trainer.max_steps != -1 and trainer.max_steps * trainer.accumulate_grad_batches < batches:
+        return None
+    return size

@@ -8,7 +8,11 @@ import torch
 from torch import nn
 
 from lightning_pipe import batchnorm
-from lightning_pipe.batchnorm import check_micro_batches_fit_batch_norm, observed_batch_norm_inputs
+from lightning_pipe.batchnorm import (
+    check_micro_batches_fit_batch_norm,
+    epoch_last_batch_size,
+    observed_batch_norm_inputs,
+)
 from lightning_pipe.microbatch import split
 
 from helpers.stock_models import resnet18
@@ -155,3 +159,72 @@ def test_a_pipeline_stage_refuses_a_too_small_micro_batch_before_its_blocks_run(
     stage.on_last_local_call = fixed
     stage.begin_step(in_step=True)
     assert model(x).shape == (8, 10)
+
+
+def test_the_epochs_last_batch_size_is_read_from_the_loader():
+    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
+
+    data = TensorDataset(torch.randn(19, 6))
+    assert epoch_last_batch_size(DataLoader(data, batch_size=8)) == 3
+    assert epoch_last_batch_size(DataLoader(data, batch_size=8, drop_last=True)) is None
+    assert epoch_last_batch_size(DataLoader(data, batch_size=19)) is None  # every batch is whole
+    assert epoch_last_batch_size(DataLoader(data, batch_size=None)) is None  # the dataset gives batches itself
+    # A replica's share, as Lightning's DistributedSampler gives it: 10 of 19 samples (padded), in batches of 4.
+    sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=False)
+    assert epoch_last_batch_size(DataLoader(data, batch_size=4, sampler=sampler)) == 2
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(torch.randn(5, 6))
+
+    assert epoch_last_batch_size(DataLoader(Stream(), batch_size=4)) is None  # its length is unknown
+
+
+def test_a_pipeline_stage_refuses_an_epochs_last_batch_too_small_for_its_micro_batches():
+    """Batches of 8 in 2 micro-batches fit ResNet-18's layer4; the epoch's last batch of 2 samples would give it
+    micro-batches of one sample. The check in the first step names that batch and drop_last."""
+    from lightning_pipe.region import find_region
+    from lightning_pipe.stage import StageBlocks
+
+    torch.manual_seed(0)
+    model, x = resnet18(width=8), torch.randn(8, 3, 32, 32)
+    stage = StageBlocks(model, find_region(model, None, x[:2]), range(5, 9), stage_index=1, num_stages=2)
+    stage.install()
+    stage.on_last_local_call = lambda: stage.check_micro_batches_fit_batch_norm(2, epoch_last_batch=2)
+    stage.begin_step(in_step=True)
+    with pytest.raises(ValueError) as error:
+        model(x)
+    assert "the epoch's last batch of 2 samples in num_micro_batches=2 gives micro-batches of 1 sample" in str(
+        error.value)
+    assert "Pass drop_last=True to the training DataLoader to leave that batch out" in str(error.value)
+    with pytest.raises(ValueError, match="the epoch's last batch holds 1 sample and .* on one device either. Pass"):
+        check_micro_batches_fit_batch_norm(mlp(), {"1": 1.0}, 1, 4, last_of_epoch=True)
+
+    def fits() -> torch.Tensor:  # a last batch of 4 gives micro-batches of 2: 2 values per channel in layer4
+        stage.check_micro_batches_fit_batch_norm(2, epoch_last_batch=4)
+        return torch.zeros(8, 64, 1, 1)
+
+    stage.on_last_local_call = fits
+    stage.begin_step(in_step=True)
+    assert model(x).shape == (8, 10)
+
+
+def test_the_epochs_last_batch_counts_only_if_the_fit_reaches_it():
+    """``limit_train_batches`` and ``max_steps`` may end the epoch before its last batch: then it is not checked."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_pipe.strategy import _epoch_last_batch_reached
+
+    loader = DataLoader(TensorDataset(torch.randn(34, 6)), batch_size=8)  # 5 batches, the last of 2 samples
+
+    def fit(num_training_batches=5, max_steps=-1, accumulate_grad_batches=1):
+        return SimpleNamespace(train_dataloader=loader, num_training_batches=num_training_batches,
+                               max_steps=max_steps, accumulate_grad_batches=accumulate_grad_batches)
+
+    assert _epoch_last_batch_reached(fit()) == 2
+    assert _epoch_last_batch_reached(fit(max_steps=5)) == 2
+    assert _epoch_last_batch_reached(fit(max_steps=3, accumulate_grad_batches=2)) == 2
+    assert _epoch_last_batch_reached(fit(num_training_batches=4)) is None  # limit_train_batches=4
+    assert _epoch_last_batch_reached(fit(max_steps=4)) is None

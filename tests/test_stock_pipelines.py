@@ -131,19 +131,36 @@ def test_comparison_detects_a_dropped_micro_batch_gradient(pipelined):
     assert weight_error > 100 * TOLERANCE
 
 
-def test_a_micro_batch_too_small_for_batch_norm_fails_before_training_with_the_fix(tmp_path):
-    """ResNet-18's layer4 sees 1x1 maps: 8 micro-batches of a batch of 8 leave its BatchNorm one value per channel.
-    The last stage (layer2 .. avgpool) refuses in the first step, before its blocks run; the launching process
-    raises that error, not a lost-stage message."""
-    runs = [{"name": "resnet18_one_sample_micro_batches", "model": "resnet18", "strategy": {"num_micro_batches": 8}}]
-    finished = launch("stock_pipelines_worker.py", {"devices": 2, "out": str(tmp_path), "steps": STEPS, "runs": runs},
-                      tmp_path, timeout=300, check=False)
-    assert finished.returncode != 0
-    assert (
+TOO_SMALL_FOR_BATCH_NORM = {
+    "every_batch": (
+        STEPS, {"strategy": {"num_micro_batches": 8}},
         "ValueError: BatchNorm2d layer 'model.layer4.0.bn1' would get 1 value per channel in training: a batch of 8"
         " samples in num_micro_batches=8 gives micro-batches of 1 sample, and each sample brings it 1 value per"
-        " channel. Use num_micro_batches=4 or fewer, or batches of at least 16 samples."
-    ) in finished.stderr, finished.stderr[-4000:]
+        " channel. Use num_micro_batches=4 or fewer, or batches of at least 16 samples.",
+    ),
+    # 34 samples in batches of 8: the epoch's fifth batch holds 2, too few for 4 micro-batches; the first four fit.
+    # 6 steps reach it (with 4, the check lets the fit run: see test_batch_norm_fit.py).
+    "the_epochs_last_batch": (
+        6, {"strategy": {"num_micro_batches": 4}, "options": {"samples": 34}},
+        "ValueError: BatchNorm2d layer 'model.layer4.0.bn1' would get 1 value per channel in training: the epoch's"
+        " last batch of 2 samples in num_micro_batches=4 gives micro-batches of 1 sample, and each sample brings it 1"
+        " value per channel. Pass drop_last=True to the training DataLoader to leave that batch out, or use"
+        " num_micro_batches=1 or fewer",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", TOO_SMALL_FOR_BATCH_NORM)
+def test_a_micro_batch_too_small_for_batch_norm_fails_before_training_with_the_fix(case, tmp_path):
+    """ResNet-18's layer4 sees 1x1 maps: a micro-batch of one sample leaves its BatchNorm one value per channel.
+    The last stage (layer2 .. avgpool) refuses in the first step, before its blocks run, whether every batch or
+    only the epoch's last one is too small; the launching process raises that error, not a lost-stage message."""
+    steps, settings, error = TOO_SMALL_FOR_BATCH_NORM[case]
+    runs = [{"name": f"resnet18_{case}", "model": "resnet18", **settings}]
+    finished = launch("stock_pipelines_worker.py", {"devices": 2, "out": str(tmp_path), "steps": steps, "runs": runs},
+                      tmp_path, timeout=300, check=False)
+    assert finished.returncode != 0
+    assert error in finished.stderr, finished.stderr[-4000:]
     assert not (tmp_path / runs[0]["name"] / "rank0.json").exists()  # no step finished
 
 
