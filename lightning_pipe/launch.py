@@ -174,8 +174,11 @@ def _end_process_groups() -> None:
         return
     for holder in list(_group_holders):
         holder.release_process_groups()
-    gc.collect()  # references in cycles (a module and its stand-in) go now, not at the interpreter's end
     _destroy_dist_connection()
+    # Free now, not at the interpreter's end, the groups that only reference cycles still hold: a module and its
+    # stand-in, and objects that torch's own registries (a DeviceMesh) kept reachable until the groups were destroyed.
+    # Without it, whether a group's threads still run at exit depended on when Python last collected.
+    gc.collect()
 
 
 def keep_process_groups_at_exit() -> None:
