@@ -94,6 +94,15 @@ def needs_beside_the_stack() -> list[str]:
     return [need for need in needs if re.match(r"[\w-]+", need).group() not in ("torch", "lightning")]
 
 
+def tested_commit() -> str:
+    """The commit the tests ran on, ``+changes`` if tracked files differ from it (this script's table aside)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+
+    changes = git("status", "--porcelain", "--untracked-files=no", "--", ".", f":(exclude){TABLE_PAGE.relative_to(ROOT)}")
+    return (git("rev-parse", "--short", "HEAD") or "?") + ("+changes" if changes else "")
+
+
 def check(release: ReleaseSet, envs: Path, keep: bool) -> dict[str, str]:
     """One table row: what pip installed, whether installing this package kept it, and what the tests did."""
     venv = envs / release.name
@@ -110,7 +119,7 @@ def check(release: ReleaseSet, envs: Path, keep: bool) -> dict[str, str]:
 
 
 def check_in(venv: Path, release: ReleaseSet, log) -> dict[str, str]:
-    row = {"set": release.name, "date": datetime.date.today().isoformat()}
+    row = {"set": release.name, "date": datetime.date.today().isoformat(), "commit": tested_commit()}
     environment = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
@@ -150,7 +159,8 @@ def failed_tests(row: dict[str, str]) -> int:
 
 
 COLUMNS = [("set", "Release set"), ("installed", "Installed (pip)"), ("kept", "Installing lightning-pipe kept them"),
-           ("passed", "Passed"), ("failed", "Failed"), ("minutes", "Test minutes"), ("date", "Date")]
+           ("passed", "Passed"), ("failed", "Failed"), ("minutes", "Test minutes"), ("date", "Date"),
+           ("commit", "Commit")]
 
 
 def read_rows(page: str) -> dict[str, dict[str, str]]:
