@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +105,8 @@ class StageBlocks:
         self._calls: list[_Call] = []
         self._takes_first_item: bool | None = None  # the model passes output[0], not the output, to the next block
         self._meta_states: dict[int, dict[str, Tensor]] = {}
+        self._meta_outputs: dict[int, dict[Hashable, Any]] = {}  # per block: its meta output, by input signature
+        self._argument_names_of: dict[int, list[str] | None] = {}
         self.leaves: dict[int, tuple[Tensor, Tensor]] = {}  # id(user tensor) -> (it, its leaf), for side arguments
         self._nested_tensor_setting: tuple[nn.TransformerEncoder, bool] | None = None
         # Compiled calls of local blocks, run on micro-batches (a block compiled in place, or by `compile_stage`):
@@ -248,18 +250,32 @@ class StageBlocks:
                     " one block (as a ResNet's BasicBlock does), or pipeline a chain without them."
                 )
 
-    def _placeholder(self, index: int, args: tuple, kwargs: dict) -> Any:
-        """The block's output on the meta device: its structure and shapes, without its cost."""
+    def _placeholder(self, index: int, args: tuple, kwargs: dict, reuse: bool = True) -> Any:
+        """The block's output on the meta device: its structure and shapes, without its cost.
+
+        The block runs there once per input signature (training mode, the arguments' shapes, strides and dtypes,
+        their plain values); later calls with the same signature get fresh meta tensors shaped as that output. An
+        argument or output that holds anything else (an object, a named tuple) makes the block run every time.
+        """
         block = self.originals[index]
+        known = self._meta_outputs.setdefault(index, {})
+        key = _signature((block.training, args, kwargs)) if reuse else None
+        if key is not None and key in known:
+            return _map_tensors(known[key], _fresh_meta)
         if index not in self._meta_states:
             self._meta_states[index] = {
                 name: torch.empty_like(t, device="meta") for name, t in _state(block).items()
             }
         with self._real_calls(), torch.no_grad():
-            return torch.func.functional_call(
+            output = torch.func.functional_call(
                 block, self._meta_states[index], _map_tensors(args, _to_meta), _map_tensors(kwargs, _to_meta),
                 strict=False,
             )
+        if key is not None and _signature(output) is not None:
+            if len(known) >= _SIGNATURES_KEPT:
+                known.clear()  # signatures that change every step (a growing sequence) must not pile up
+            known[key] = _map_tensors(output, _fresh_meta)
+        return output
 
     def check_micro_batches_fit_batch_norm(self, num_micro_batches: int, epoch_last_batch: int | None = None) -> None:
         """Raise before the step runs if a micro-batch is too small for a BatchNorm of this stage in training, in this
@@ -270,7 +286,7 @@ class StageBlocks:
         batch_size = self.batch_size()
         with observed_batch_norm_inputs(self.model, batch_size) as values:  # named as in the model
             for call in self._local_calls():
-                self._placeholder(call.index, call.args, call.kwargs)
+                self._placeholder(call.index, call.args, call.kwargs, reuse=False)  # the hooks must see the shapes
         check_micro_batches_fit_batch_norm(self.model, values, batch_size, num_micro_batches)
         if epoch_last_batch is not None:
             check_micro_batches_fit_batch_norm(self.model, values, epoch_last_batch, num_micro_batches, True)
@@ -363,10 +379,13 @@ class StageBlocks:
 
     def _argument_names(self, call: _Call) -> list[str] | None:
         """The names of the block's positional parameters, the hidden state's first (``self`` left out)."""
-        try:
-            return list(inspect.signature(type(self.originals[call.index]).forward).parameters)[1:]
-        except (TypeError, ValueError):
-            return None
+        if call.index not in self._argument_names_of:
+            try:
+                names = list(inspect.signature(type(self.originals[call.index]).forward).parameters)[1:]
+            except (TypeError, ValueError):
+                names = None
+            self._argument_names_of[call.index] = names
+        return self._argument_names_of[call.index]
 
     def _local_calls(self) -> list[_Call]:
         calls = [call for call in self._calls if call.index in self.layer_range]
@@ -439,6 +458,31 @@ def _map_tensors(value: Any, function: Callable[[Tensor], Any]) -> Any:
 
 def _to_meta(tensor: Tensor) -> Tensor:
     return tensor if tensor.is_meta else tensor.to("meta")
+
+
+def _fresh_meta(tensor: Tensor) -> Tensor:
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+
+
+_SIGNATURES_KEPT = 8
+_PLAIN = (bool, int, float, str, torch.dtype, torch.device, type(None))
+
+
+def _signature(value: Any) -> Hashable | None:
+    """What a block's meta output can depend on in ``value``, as a hashable key: each tensor's shape, strides and
+    dtype, plain values as they are, containers as ``_map_tensors`` walks them; ``None`` if ``value`` holds anything
+    else."""
+    if isinstance(value, Tensor):
+        return ("tensor", tuple(value.shape), value.stride(), value.dtype)
+    if isinstance(value, _PLAIN):
+        return (type(value).__name__, value)
+    if (isinstance(value, (tuple, list)) and not hasattr(value, "_fields")) or type(value) is dict:
+        items = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
+        keys = [(key, _signature(item)) for key, item in items]
+        if any(key is None for _, key in keys):
+            return None
+        return (type(value).__name__, tuple(keys))
+    return None
 
 
 def _state(block: nn.Module) -> dict[str, Tensor]:

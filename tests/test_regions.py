@@ -171,3 +171,52 @@ def test_time_balance_profiles_a_region_whose_first_layers_work_in_place():
     assert plan.method == "time" and len(plan.ranges) == 4 and plan.profiles is not None
     assert sum(len(r) for r in plan.ranges) == len(region) == 21
     assert all(p.forward_seconds > 0 for p in plan.profiles)
+
+
+class MetaCounted(nn.Linear):
+    """A block that counts its calls on the meta device (the placeholders of its output)."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.meta_calls = 0
+
+    def forward(self, x, scale=1.0, mask=None):
+        self.meta_calls += x.is_meta
+        return super().forward(x) * scale
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([MetaCounted() for _ in range(3)])
+
+    def forward(self, x, scale=1.0, mask=None):
+        for block in self.blocks:
+            x = block(x, scale=scale, mask=mask)
+        return x
+
+
+def test_blocks_run_on_the_meta_device_once_per_input_signature():
+    """A stage answers the model's calls of blocks it does not run now with meta tensors of their output's shape.
+    Each block runs on the meta device once per signature (shapes, dtypes, plain values); a later step with the same
+    signature gets fresh tensors of the same shapes. An argument of another kind makes it run every time."""
+    model = Chain()
+    stage = StageBlocks(model, container_region(model, "blocks"), range(0, 1), stage_index=0, num_stages=2)
+    stage.install()
+    stage.on_last_local_call = lambda: None
+
+    def step(x, **kwargs):
+        stage.begin_step(in_step=True)
+        output = model(x, **kwargs)
+        assert output.is_meta and output.shape == (len(x), 4)
+        return output, [block.meta_calls for block in model.blocks]
+
+    first, calls = step(torch.randn(8, 4))
+    assert calls == [1, 1, 1]
+    again, calls = step(torch.randn(8, 4))
+    assert calls == [1, 1, 1] and again is not first  # the same signature: no block ran
+    assert step(torch.randn(5, 4))[1] == [2, 2, 2]  # another batch size
+    assert step(torch.randn(5, 4), scale=2.0)[1] == [3, 3, 3]  # another plain value
+    assert step(torch.randn(5, 4), scale=2.0)[1] == [3, 3, 3]
+    step(torch.randn(5, 4), mask=object())
+    assert step(torch.randn(5, 4), mask=object())[1] == [5, 5, 5]  # an object: no signature, every call runs
