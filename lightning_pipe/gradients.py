@@ -86,3 +86,11 @@ def agree_on_gradient_overflow(scaler: torch.amp.GradScaler, group: dist.Process
             value.copy_(flag)
 
     scaler.unscale_ = unscale_and_agree  # type: ignore[method-assign]
+
+
+def stop_agreeing_on_gradient_overflow(scaler: torch.amp.GradScaler) -> None:
+    """Undo :func:`agree_on_gradient_overflow`: the scaler lets go of the pipeline's group, which must be freed before
+    the process exits (a Trainer kept alive to the end, by Lightning 2.4 for one, would otherwise keep it)."""
+    installed = scaler.__dict__.get("unscale_")
+    if getattr(installed, "__qualname__", "").startswith(f"{agree_on_gradient_overflow.__name__}.<locals>"):
+        del scaler.__dict__["unscale_"]

@@ -63,7 +63,12 @@ from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.consolidate import name_optimizer_state
 from lightning_pipe.engine import PipelineEngine
 from lightning_pipe.fingerprint import different_models_message, fingerprint_digest, model_fingerprint
-from lightning_pipe.gradients import agree_on_gradient_overflow, clip_grad_norm_over_pipeline, reduce_gradients
+from lightning_pipe.gradients import (
+    agree_on_gradient_overflow,
+    clip_grad_norm_over_pipeline,
+    reduce_gradients,
+    stop_agreeing_on_gradient_overflow,
+)
 from lightning_pipe.launch import (
     CheckedMultiProcessingLauncher,
     CheckedSubprocessScriptLauncher,
@@ -365,6 +370,9 @@ class GPipeStrategy(ParallelStrategy):
         """Drop every reference to the process groups (at the interpreter's exit, before they are destroyed)."""
         self._groups = self._runtime = self._tracer = self._tied = None
         self._pipelined = None  # its way to put the blocks back holds the stage, whose callbacks reach the links
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:
+            stop_agreeing_on_gradient_overflow(scaler)
 
     @property
     def groups(self) -> PipelineGroups:

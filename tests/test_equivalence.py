@@ -85,6 +85,28 @@ def pipelined(request, tmp_path_factory):
     return devices, tmp, {run["name"]: run for run in runs}
 
 
+def test_the_gradient_scaler_lets_go_of_the_pipeline_group_when_the_strategy_releases_it():
+    """The 16-mixed overflow agreement holds the pipeline's group in the scaler; a Trainer that outlives the run
+    (Lightning 2.4 keeps one to the end) would keep that group's threads running at exit."""
+    import weakref
+
+    from lightning_pipe.gradients import agree_on_gradient_overflow, stop_agreeing_on_gradient_overflow
+
+    class Group:  # stands in for the group: only its lifetime is checked
+        pass
+
+    scaler, group = torch.amp.GradScaler("cpu"), Group()
+    alive = weakref.ref(group)
+    agree_on_gradient_overflow(scaler, group, torch.device("cpu"))
+    del group
+    assert alive() is not None and "unscale_" in scaler.__dict__
+    stop_agreeing_on_gradient_overflow(scaler)
+    assert alive() is None and "unscale_" not in scaler.__dict__
+    scaler.unscale_ = print  # someone else's: left alone
+    stop_agreeing_on_gradient_overflow(scaler)
+    assert scaler.__dict__["unscale_"] is print
+
+
 def test_every_rank_destroys_its_process_groups_at_exit(pipelined):
     """A group left to the interpreter's final clean-up can abort a finished run (exit code -6)."""
     devices, tmp, _ = pipelined
