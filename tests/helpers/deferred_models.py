@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_pipe
+from helpers.stock_models import Classification
 
 # Wide enough that each weight spans many memory pages: reading a tensor shows in the resident bytes.
 WIDTH, DEPTH, CLASSES = 256, 8, 3
@@ -28,7 +29,7 @@ def layers(width: int = WIDTH, depth: int = DEPTH) -> nn.Sequential:
     return nn.Sequential(*blocks, nn.LayerNorm(width))
 
 
-class DeferredClassifier(LightningModule):
+class DeferredClassifier(Classification, LightningModule):
     """Builds its layers in ``configure_model``; a parameter of its own made in ``__init__`` (replicated, real)."""
 
     def __init__(self, lr: float = 0.01, width: int = WIDTH, depth: int = DEPTH) -> None:  # larger rates diverge
@@ -48,16 +49,6 @@ class DeferredClassifier(LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.layers is not None and self.head is not None
         return self.head(self.layers((x * self.input_scale).flatten(1)))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self(x), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", F.cross_entropy(self(x), y))
 
     def test_step(self, batch, batch_idx):
         x, y = batch
