@@ -1,29 +1,36 @@
-"""Executes a stage's schedule: micro-batch forwards and backwards with their sends and receives.
+"""Executes a stage's schedule: forwards and backwards of (chunk, micro-batch) pairs, with their sends and receives.
 
-The engine knows nothing of Lightning or of the user's step: :mod:`lightning_pipe.runtime` decides which of its
-phases this rank runs, and when. A stage's actions come from a schedule (:mod:`lightning_pipe.schedule`); the
-forward phase runs inside the pipelined call, the backward phase when the loss's backward reaches this stage:
+The engine knows nothing of Lightning or of the user's step: :mod:`lightning_pipe.runtime` decides when the phases
+run. A stage holds one model chunk, or several with virtual stages; its actions come from a schedule
+(:mod:`lightning_pipe.schedule`), each naming a chunk and a micro-batch. Two ways to run them:
 
-* :meth:`PipelineEngine.forward_first`, :meth:`~PipelineEngine.relay`, :meth:`~PipelineEngine.forward_last` and
-  :meth:`~PipelineEngine.forward_local` execute the forward phase as the first, a middle, the last or the only stage.
-* :meth:`PipelineEngine.backward` executes the backward phase on the first and middle stages: receive each
-  micro-batch's output gradients, back-propagate, send the input gradients upstream. On the last stage the user's
-  ``loss.backward()`` runs the backwards; the gradients caught at the stage's inputs are sent upstream in the
-  schedule's order (:class:`_OrderedGradientSender`).
+* **Whole-batch steps** (GPipe, and every forward-only step): the model's code calls a chunk's blocks once with the
+  whole batch. :meth:`PipelineEngine.forward_chunk` then runs the chunk on every micro-batch (receiving the inputs,
+  sending the outputs); on the last chunk it returns the joined output, on whose leaves the user's loss lands.
+  :meth:`PipelineEngine.backward_phase` runs the schedule's backward actions afterwards, from the gradients the
+  next stage sends (or, on the last chunk, those the user's ``loss.backward()`` left on the leaves).
+* **Per-micro-batch steps** (1F1B, interleaved, zero bubble): :meth:`PipelineEngine.run_schedule` runs every action
+  in order; for each forward it asks the runtime to run the user's step on that micro-batch, whose call of the
+  chunk's blocks comes back here (:meth:`PipelineEngine.forward_micro_batch`), and each backward of the last chunk
+  starts from that micro-batch's loss.
+
+Every chunk output that another chunk reads is cut from the graph: the next chunk's input is a leaf (received, or
+handed over on the same stage), and the last chunk's output reaches the user's code as leaves. So each backward
+runs one chunk on one micro-batch, from the gradient of its output to the gradients of its input and weights, and
+may be split into the two (:mod:`lightning_pipe.split_backward`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.autograd.function import FunctionCtx
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
@@ -33,94 +40,109 @@ from lightning_pipe.batchnorm import DeferredBatchNorm
 from lightning_pipe.microbatch import Activation
 from lightning_pipe.p2p import ACTIVATION, SKIP, Header, Link, PendingHeader, PostedTensors, TensorMeta
 from lightning_pipe.random_streams import StageRandomStreams
-from lightning_pipe.schedule import Action, Schedule, phases
-from lightning_pipe.settings import RecomputeMode
-from lightning_pipe.stage import StageBlocks
-from lightning_pipe.trace.timeline import BACKWARD, FORWARD, SEND, WAIT, Stamp, StepTimeline
+from lightning_pipe.schedule import Action, PipelineSchedule, RecomputeMode
+from lightning_pipe.split_backward import WeightGradients, backward_input
+from lightning_pipe.stage import ChunkCall, StageBlocks
+from lightning_pipe.trace.timeline import BACKWARD, FORWARD, SEND, WAIT, StepTimeline
 
 
 class PipelineMismatchError(RuntimeError):
     """The stages of one pipeline disagree about what happens in a step."""
 
 
-# Activation sends of this many micro-batches may be in flight; older ones are waited for and released (with the
-# sent outputs they hold). The next stage receives micro-batch m before it asks for m + 1, so waiting for the send
-# of m - 1 after computing m + 1 costs nothing unless that stage is far behind.
-_SENDS_IN_FLIGHT = 2
+_FORWARD_KINDS = ("recv", "forward", "send")
 _WHERE_INPUT = "the input of the pipelined module"
 _SAME_PATH = (
     "; the step must take the same path on every stage (do not branch on random numbers or on per-process state"
     " before the pipelined call)."
 )
-_SKIPPED_UPSTREAM = (
-    "{stage} called the pipelined module in this step but the first stage's step returned before calling it" + _SAME_PATH
-)
-_SKIPPED_HERE = "the first stage called the pipelined module in this step but {stage}'s step returned without calling it" + _SAME_PATH
+
+Key = tuple[int, int]  # (chunk, micro-batch)
 
 
 @dataclass
 class _MicroBatch:
-    """What backward needs of one micro-batch on this stage."""
+    """One chunk's work on one micro-batch on this stage: what its backward needs, and what it leaves."""
 
-    inputs: tuple[Tensor, ...]  # the stage's inputs as autograd leaves (detached from the sender's graph)
-    # Where the outputs that need a gradient enter the stage's graph, and their shapes: their data is not kept (once
-    # sent, an output's values are not needed by backward unless its own graph saved them).
-    outputs: tuple[GradientEdge, ...] = ()
-    output_metas: tuple[TensorMeta, ...] = ()
+    call: ChunkCall
+    inputs: tuple[Tensor, ...]  # the chunk's inputs as autograd leaves (the backward stops there)
+    # Where the outputs' gradients enter the chunk's graph (``None``: an output that needs none), aligned with
+    # ``output_grads``. An output's values are not kept: backward needs them only where the graph saved them.
+    outputs: tuple[GradientEdge | None, ...] = ()
+    output_metas: tuple[TensorMeta, ...] = ()  # the shapes of the gradients the next stage sends back
+    user_outputs: tuple[Tensor, ...] = ()  # last chunk: the leaves the user's code got; the loss's gradient lands there
+    output_grads: tuple[Tensor, ...] | None = None
+    loss: Tensor | None = None  # last chunk of a per-micro-batch step: the micro-batch's scaled loss
+    recomputed: bool = False  # by torch.utils.checkpoint, in its backward
+    weights: WeightGradients | None = None  # left by the input half of a split backward
 
 
 @dataclass
 class _StepState:
-    """What one step leaves for the next phase: the micro-batches backward needs, the sends still in flight."""
+    """What one step leaves between the engine's calls: the micro-batches in flight, messages, calls in progress."""
 
-    micro_batches: dict[int, _MicroBatch] = field(default_factory=dict)
-    backwards: list[Action] = field(default_factory=list)  # the backward phase of this step's schedule
-    sends: list[dist.Work] = field(default_factory=list)  # to the previous stage; kept until the sends complete
-    activation_sends: deque[list[dist.Work]] = field(default_factory=deque)  # to the next stage, oldest first
-    sent_metas: tuple[TensorMeta, ...] | None = None  # shapes of the last micro-batch sent on in this step
-    user_input: tuple[Tensor, ...] = ()  # first stage: the pipelined call's input, to back-propagate into
-    gradient_sender: _OrderedGradientSender | None = None
+    num_micro_batches: int = 0
+    actions: list[Action] = field(default_factory=list)  # this stage's schedule for the step
+    next_action: int = 0  # the first action not executed yet
+    micro_batches: dict[Key, _MicroBatch] = field(default_factory=dict)
+    skipped: set[Key] = field(default_factory=set)  # per-micro-batch steps: pairs whose step returned before them
+    outputs: dict[Key, tuple[Activation, bool]] = field(default_factory=dict)  # to send or hand over, is_tuple
+    input_grads: dict[Key, tuple[Tensor, ...]] = field(default_factory=dict)  # to send, or for the chunk before
+    calls: dict[int, _CallState] = field(default_factory=dict)  # id(call) -> its micro-batches in this step
+    inboxes: dict[int, _Inbox] = field(default_factory=dict)  # per stage sending activations here
+    gradient_inboxes: dict[int, _GradientInbox] = field(default_factory=dict)
+    sends: list[tuple[Link, list[dist.Work], str]] = field(default_factory=list)  # kept until they complete
+    sent_metas: dict[int, tuple[TensorMeta, ...]] = field(default_factory=dict)  # per peer: the last activation's
 
 
 class PipelineEngine:
     """Runs one stage's share of each step; one instance per process.
 
-    ``previous`` and ``next`` are the links to the neighbouring stages (``None`` at the ends of the pipeline).
-    ``random_streams``, given with more than one stage, runs each micro-batch's forward on a random stream of its own.
+    ``links`` connects this stage to the stages it exchanges messages with (by stage index). ``random_streams``,
+    given with more than one stage, runs each micro-batch's forward of each chunk on a random stream of its own.
     """
 
     def __init__(
         self,
-        layers: StageBlocks,
+        stage: StageBlocks,
         num_micro_batches: int,
         recompute: RecomputeMode,
-        previous: Link | None,
-        next: Link | None,
-        schedule: Schedule,
+        links: dict[int, Link],
+        schedule: PipelineSchedule,
+        virtual_stages: int = 1,
         timeline: StepTimeline | None = None,
         random_streams: StageRandomStreams | None = None,
     ) -> None:
-        self.layers = layers
+        self.stage = stage
         self.num_micro_batches = num_micro_batches
         self.recompute = recompute
-        self.previous = previous
-        self.next = next
+        self.links = links
         self.schedule = schedule
+        self.virtual_stages = virtual_stages
         self.random_streams = random_streams
+        self.last_chunk = stage.num_chunks - 1
         self._step = _StepState()
-        self._batch_norms = [m for m in layers.modules() if isinstance(m, _BatchNorm)]
-        self._deferred_batch_norms = [m for m in self._batch_norms if isinstance(m, DeferredBatchNorm)]
+        self._batch_norms = {
+            chunk: [m for i in chunk_range for m in stage.originals[i].modules() if isinstance(m, _BatchNorm)]
+            for chunk, chunk_range in stage.chunk_ranges.items()
+        }
+        self._weights = {
+            chunk: [p for i in chunk_range for p in stage.originals[i].parameters() if p.requires_grad]
+            for chunk, chunk_range in stage.chunk_ranges.items()
+        }
         # Intervals of forward, backward, sends and waits, for the bubble metric and traces (off: no-op calls).
         self.timeline = timeline if timeline is not None else StepTimeline(torch.device("cpu"), enabled=False)
-        self._wait_start: Stamp = 0.0
 
     @property
-    def is_first(self) -> bool:
-        return self.previous is None
+    def holds_last_chunk(self) -> bool:
+        """Whether the model's output, and so the loss, is computed on this stage."""
+        return self.last_chunk in self.stage.chunk_ranges
 
-    @property
-    def is_last(self) -> bool:
-        return self.next is None
+    def owner(self, chunk: int) -> int:
+        return self.schedule.owner(chunk, self.stage.num_stages)
+
+    def _here(self, chunk: int) -> bool:
+        return self.owner(chunk) == self.stage.stage_index
 
     def begin_step(self) -> None:
         """Forget the previous step (its backward may have been skipped)."""
@@ -130,196 +152,372 @@ class PipelineEngine:
         if self.random_streams is not None:
             self.random_streams.begin_step()
 
-    def _actions(self, num_micro_batches: int) -> list[Action]:
-        """This step's forward phase; its backward phase is kept for :meth:`backward`."""
-        stage, num_stages = self.layers.stage_index, self.layers.num_stages
-        forwards, backwards = phases(self.schedule(stage, num_stages, num_micro_batches, self.recompute), num_micro_batches)
-        self._step.backwards = backwards if torch.is_grad_enabled() else []
-        return forwards
+    def _plan(self, num: int) -> None:
+        """This step's actions for ``num`` micro-batches."""
+        step = self._step
+        step.num_micro_batches = num
+        stage = self.stage
+        step.actions = self.schedule.stage_actions(
+            stage.stage_index, stage.num_stages, num, self.virtual_stages, self.recompute
+        )
 
-    # ---- forward phase -------------------------------------------------------------------------------------------
+    # ---- whole-batch steps ---------------------------------------------------------------------------------------
 
-    def forward_local(self, value: Activation) -> Activation:
-        """The only stage: micro-batching and re-computation still apply, with nothing to send."""
-        chunks = microbatch.split(value, self.num_micro_batches)
-        is_tuple = isinstance(value, tuple)
-        outputs: dict[int, Activation] = {}
-        for action in self._actions(len(chunks)):
-            m = action.micro_batch
-            outputs[m] = self._run(microbatch.as_tensors(chunks[m], _WHERE_INPUT), is_tuple, action, len(chunks))
-        return microbatch.join([outputs[m] for m in range(len(chunks))])
+    def forward_chunk(self, call: ChunkCall) -> Activation | None:
+        """Run ``call``'s chunk on every micro-batch of the step; the joined output on the last chunk, else ``None``.
 
-    def forward_first(self, value: Activation) -> None:
-        """The first stage: split the pipelined call's input into micro-batches, run and send each one."""
-        chunks = microbatch.split(value, self.num_micro_batches)
-        is_tuple = isinstance(value, tuple)
-        self._step.user_input = microbatch.as_tensors(value, _WHERE_INPUT)
-        inputs = {m: tuple(_leaf(t, t.requires_grad) for t in microbatch.as_tensors(c, _WHERE_INPUT)) for m, c in enumerate(chunks)}
-        self._execute_forwards(self._actions(len(chunks)), inputs, is_tuple, len(chunks))
-        # Free: nothing is left to do before the gradients come back. The sent outputs are released now, so that
-        # between forward and backward this stage keeps only what backward needs.
-        self._wait_sends()
-
-    def relay(self) -> None:
-        """A middle stage: receive, run and send every micro-batch."""
-        header = self._recv_header()
-        if header.kind == SKIP:
-            raise PipelineMismatchError(_SKIPPED_UPSTREAM.format(stage=f"stage {self.layers.stage_index}"))
-        num = header.num_micro_batches
-        self._execute_forwards(self._actions(num), {}, header.is_tuple, num, header)
-        self._wait_sends()  # see forward_first
-
-    def pass_skip(self) -> None:
-        """A middle stage whose step returned before reaching its blocks: pass the first stage's skip on."""
-        assert self.next is not None
-        self.drain(called=f"stage {self.layers.stage_index}")
-        self._step.activation_sends.append([self.next.send_header(Header(SKIP))])
-
-    def forward_last(self) -> Activation:
-        """The last stage: receive and run every micro-batch; their joined output is the pipelined call's result."""
-        assert self.previous is not None
-        header = self._recv_header()
-        if header.kind == SKIP:
-            raise PipelineMismatchError(_SKIPPED_UPSTREAM.format(stage="the last stage"))
-        num = header.num_micro_batches
-        forwards = self._actions(num)
-        sender = None
+        Training, the forwards come from this step's schedule (GPipe: all before any backward); without gradients,
+        micro-batches 0..M-1 of the chunk, received and sent on as they come.
+        """
+        k, step = call.chunk, self._step
+        if k == 0:
+            chunks = microbatch.split(call.stage_input, self.num_micro_batches)
+            num = len(chunks)
+        elif self._here(k - 1):
+            num = step.num_micro_batches
+        else:
+            num = self._inbox(k - 1).first_header().num_micro_batches
+        if not step.actions and torch.is_grad_enabled():
+            self._plan(num)
+        step.num_micro_batches = num
         if torch.is_grad_enabled():
-            order = [a.micro_batch for a in self._step.backwards if a.kind == "backward"]
-            sender = _OrderedGradientSender(self.previous, order, self._step.sends, self.timeline)
-            self._step.gradient_sender = sender
-        outputs = self._execute_forwards(forwards, {}, header.is_tuple, num, header, sender)
-        joined = microbatch.join([outputs[m] for m in range(num)])
-        if sender is not None and self.timeline.enabled:
-            sender.watch_output(joined)
-        return joined
-
-    def send_skip(self) -> None:
-        """First stage: this step made no pipelined call; tell the stages downstream."""
-        assert self.next is not None
-        self._step.activation_sends.append([self.next.send_header(Header(SKIP))])
-
-    def drain(self, called: str = "the last stage") -> None:
-        """A stage whose step returned without reaching its blocks: the previous stage must have skipped too."""
-        assert self.previous is not None
-        header = self.previous.recv_header()
-        if header.kind == SKIP:
-            return
-        for _ in self._receiving(header, list(range(header.num_micro_batches))):
-            pass
-        raise PipelineMismatchError(_SKIPPED_HERE.format(stage=called))
-
-    def _execute_forwards(
-        self,
-        actions: list[Action],
-        inputs: dict[int, tuple[Tensor, ...]],
-        is_tuple: bool,
-        num: int,
-        header: Header | None = None,
-        sender: _OrderedGradientSender | None = None,
-    ) -> dict[int, Activation]:
-        """Run the forward phase's actions; ``inputs`` holds the first stage's micro-batches, the others arrive with
-        ``recv`` actions (from ``header``, the first micro-batch's, on). The outputs that were not sent on."""
-        received = None
-        if header is not None:
-            received = self._receiving(header, [a.micro_batch for a in actions if a.kind == "recv"])
+            actions = [a for a in step.actions[step.next_action:] if a.chunk == k and a.kind in _FORWARD_KINDS]
+            step.next_action = step.actions.index(actions[-1]) + 1
+        else:
+            actions = self._forward_only_actions(k, num)
         outputs: dict[int, Activation] = {}
         for action in actions:
-            m = action.micro_batch
-            if action.kind == "recv":
-                assert received is not None
-                header_m, tensors = next(received)
-                is_tuple = header_m.is_tuple
-                inputs[m] = sender.watch(m, tensors) if sender is not None else tensors
-            elif action.kind == "forward":
-                outputs[m] = self._run(inputs.pop(m), is_tuple, action, num)
+            if action.kind == "forward":
+                m = action.micro_batch
+                inputs = self._take_input(k, m, chunks[m] if k == 0 else None)
+                out = self._forward(action, call, inputs, m, num)
+                if k == self.last_chunk:
+                    outputs[m] = out
             else:
-                self._send(outputs.pop(m), m, num)
-        return outputs
+                self._execute(action)
+        self._wait_sends(done_only=True)
+        if k != self.last_chunk:
+            return None
+        return microbatch.join([outputs[m] for m in range(num)])
 
-    def _recv_header(self) -> Header:
-        """The next activation header from the previous stage; the wait for it starts now."""
-        assert self.previous is not None
-        self._wait_start = self.timeline.now()
-        return self.previous.recv_header()
+    def _forward_only_actions(self, k: int, num: int) -> list[Action]:
+        actions: list[Action] = []
+        for m in range(num):
+            actions += [Action("recv", m, k)] if k > 0 and not self._here(k - 1) else []
+            actions.append(Action("forward", m, k))
+            actions += [Action("send", m, k)] if k < self.last_chunk and not self._here(k + 1) else []
+        return actions
 
-    def _receiving(self, header: Header, order: list[int]) -> Iterator[tuple[Header, tuple[Tensor, ...]]]:
-        """Each micro-batch's header and inputs as they arrive, in ``order``, from the first one's ``header`` on.
+    def backward_phase(self) -> None:
+        """After the forwards of a whole-batch step: the rest of the schedule (receive gradients, back-propagate,
+        send the input gradients), from the gradients the user's ``loss.backward()`` left on the last chunk's
+        output leaves, or those the next stage sends."""
+        step = self._step
+        for action in step.actions[step.next_action:]:
+            self._execute(action)
+        step.next_action = len(step.actions)
+        self.end_step()
 
-        The next micro-batch's header and tensors are received while this stage computes: their receives are posted
-        before a micro-batch is handed out, the tensors' with this micro-batch's shapes (the sender corrects a wrong
-        guess, see :meth:`Link.send_activation`). Micro-batch ``m`` is received into slot ``m``'s buffers, reused from
-        step to step.
-        """
-        link = self.previous
-        assert link is not None
+    # ---- per-micro-batch steps -----------------------------------------------------------------------------------
+
+    def run_schedule(self, num: int, run_user_step: Callable[[int, int], None]) -> None:
+        """Run the whole schedule of a step of ``num`` micro-batches; for each forward, ``run_user_step(chunk, m)``
+        runs the user's step on micro-batch ``m`` up to the chunk's blocks, which call :meth:`forward_micro_batch`."""
+        self._plan(num)
+        step = self._step
+        for index, action in enumerate(step.actions):
+            step.next_action = index + 1
+            key = (action.chunk, action.micro_batch)
+            if action.kind == "forward" and key not in step.skipped:
+                run_user_step(*key)
+                if key not in step.micro_batches and key not in step.skipped:
+                    self._skip(action)  # the step returned before reaching the chunk's blocks
+            else:
+                self._execute(action)
+        self.end_step()
+
+    def forward_micro_batch(self, call: ChunkCall, m: int) -> Activation | None:
+        """Inside :meth:`run_schedule`: the user's step on micro-batch ``m`` reached the end of ``call``'s chunk.
+        The chunk runs on it; its output on the last chunk (as leaves), else ``None``."""
+        action = self._step.actions[self._step.next_action - 1]
+        assert action.kind == "forward" and action.micro_batch == m and action.chunk == call.chunk
+        inputs = self._take_input(call.chunk, m, call.stage_input if call.chunk == 0 else None)
+        return self._forward(action, call, inputs, 0, 1)
+
+    def set_loss(self, m: int, loss: Tensor | None) -> None:
+        """The scaled loss of micro-batch ``m``, which the last chunk's backward of ``m`` starts from (``None``: the
+        step returned no loss, its gradients are zero)."""
+        self._step.micro_batches[(self.last_chunk, m)].loss = loss
+
+    def _skip(self, action: Action) -> None:
+        """(chunk, micro-batch) does not run this step: the stages after it learn so instead of an activation."""
+        k, m = action.chunk, action.micro_batch
+        step = self._step
+        if k > 0 and not self._here(k - 1) and (k, m) not in step.skipped:
+            raise PipelineMismatchError(
+                f"stage {self.stage.stage_index}'s step on micro-batch {m} returned before reaching chunk {k}, but"
+                f" stage {self.owner(k - 1)} ran the chunk before it" + _SAME_PATH
+            )
+        step.skipped.add((k, m))
+        if k < self.last_chunk:
+            if self._here(k + 1):
+                step.skipped.add((k + 1, m))
+            else:
+                self._send_header(k + 1, Header(SKIP, m, step.num_micro_batches, chunk=k + 1))
+
+    # ---- skipped whole-batch steps ----------------------------------------------------------------------------
+
+    def skip_step(self) -> None:
+        """A whole-batch step that returned before reaching any of this stage's chunks: expect the same of the
+        stages before each chunk, and tell the stages after it."""
+        for k in sorted(self.stage.chunk_ranges):
+            if k > 0 and not self._here(k - 1):
+                header = self._inbox(k - 1).first_header()
+                if header.kind != SKIP:
+                    raise PipelineMismatchError(
+                        f"stage {self.owner(k - 1)} ran chunk {k - 1} in this step but stage"
+                        f" {self.stage.stage_index}'s step returned before reaching chunk {k}" + _SAME_PATH
+                    )
+            if k < self.last_chunk and not self._here(k + 1):
+                self._send_header(k + 1, Header(SKIP, chunk=k + 1))
+        self._wait_sends()
+
+    # ---- executing actions ---------------------------------------------------------------------------------------
+
+    def _execute(self, action: Action) -> None:
+        key = (action.chunk, action.micro_batch)
+        if key in self._step.skipped:
+            if action.kind == "recv":
+                self._take_input(*key, None)  # the SKIP the stage before sent in its place
+            return
+        if action.kind == "recv":
+            pass  # the input is taken by its forward (it may already have been posted ahead)
+        elif action.kind == "send":
+            self._send_activation(*key)
+        elif action.kind == "recv_grad":
+            self._receive_gradient(*key)
+        elif action.kind in ("backward", "backward_input"):
+            self._backward(*key, split=action.kind == "backward_input")
+        elif action.kind == "backward_weight":
+            self._backward_weights(*key)
+        elif action.kind == "send_grad":
+            start = self.timeline.now()
+            link = self.links[self.owner(action.chunk - 1)]
+            works = link.send_gradients(self._step.input_grads.pop(key))
+            self._step.sends.append((link, works, "the gradients"))
+            self.timeline.add(SEND, action.micro_batch, start)
+        else:  # a forward outside a step's forward phase: the caller runs those
+            raise AssertionError(f"{action} cannot be executed here")
+        self._wait_sends(done_only=True)
+
+    def _take_input(self, k: int, m: int, own: Activation | None) -> tuple[tuple[Tensor, ...], bool]:
+        """Micro-batch ``m``'s input of chunk ``k``, as leaves, and whether it is a tuple: ``own`` for the first
+        chunk, the output of chunk ``k - 1`` when this stage holds it, else received."""
         grad = torch.is_grad_enabled()
-        pending: PendingHeader | None = None
-        posted: PostedTensors | None = None
-        for i, m in enumerate(order):
-            if pending is not None:
-                self._wait_start = self.timeline.now()
-                header = pending.wait()
-            received = link.recv_activation(header, m, posted)
-            if i + 1 < len(order):
-                pending = link.post_header(order[i + 1])
-                posted = link.post_activation(header.tensors, order[i + 1])
-            link.wait(received.works, "the activation", m)
-            self.timeline.add(WAIT, m, self._wait_start)
-            inputs = tuple(_leaf(t, grad and meta.requires_grad) for t, meta in zip(received.buffers, header.tensors))
-            yield header, inputs
-
-    def _run(self, inputs: tuple[Tensor, ...], is_tuple: bool, action: Action, num: int) -> Activation:
-        """This stage's layers on one micro-batch, re-computed in backward when the action says so."""
-        m = action.micro_batch
-        run = partial(self.layers.run_micro_batch, m, num, is_tuple)
-        if self.random_streams is not None:  # inside what re-computation re-runs: its dropout draws the same mask
-            run = self.random_streams.seeded_run(run, m)
+        if k == 0:
+            assert own is not None
+            return tuple(_leaf(t, grad and t.requires_grad) for t in microbatch.as_tensors(own, _WHERE_INPUT)), isinstance(own, tuple)
+        if self._here(k - 1):
+            out, is_tuple = self._step.outputs.pop((k - 1, m))
+            return tuple(_leaf(t, grad and t.requires_grad) for t in microbatch.as_tensors(out, "")), is_tuple
         start = self.timeline.now()
+        header, tensors = self._inbox(k - 1).take(k, m)
+        self.timeline.add(WAIT, m, start)
+        if header.kind == SKIP:
+            self._step.skipped.add((k, m))
+            return (), False
+        return tuple(_leaf(t, grad and meta.requires_grad) for t, meta in zip(tensors, header.tensors)), header.is_tuple
+
+    def _inbox(self, sending_chunk: int) -> _Inbox:
+        """The activations from the stage holding ``sending_chunk``, in this step's order."""
+        peer = self.owner(sending_chunk)
+        step = self._step
+        if peer not in step.inboxes:
+            step.inboxes[peer] = _Inbox(self.links[peer], self._expected_from(peer))
+        return step.inboxes[peer]
+
+    def _expected_from(self, peer: int) -> Callable[[], list[Key]]:
+        """The (chunk, micro-batch) pairs this step receives from ``peer``, in order (known once the step's count
+        of micro-batches is)."""
+
+        def expected() -> list[Key]:
+            step = self._step
+            if step.actions:
+                return [(a.chunk, a.micro_batch) for a in step.actions if a.kind == "recv" and self.owner(a.chunk - 1) == peer]
+            return [  # forward-only: the chunks in order, every micro-batch of each
+                (k, m) for k in sorted(self.stage.chunk_ranges) if k > 0 and self.owner(k - 1) == peer
+                for m in range(step.num_micro_batches)
+            ]
+
+        return expected
+
+    def _forward(
+        self, action: Action, call: ChunkCall, taken: tuple[tuple[Tensor, ...], bool], part: int, parts: int
+    ) -> Activation | None:
+        """Chunk ``action.chunk`` on micro-batch ``action.micro_batch`` (part ``part`` of ``parts`` of ``call``'s
+        batch), re-computed in backward when the action says so. Its output is kept to send or to hand to the next
+        chunk; on the last chunk it is returned, cut from the graph (see :func:`_cut`)."""
+        k, m = action.chunk, action.micro_batch
+        inputs, is_tuple = taken
+        run = partial(self.stage.run_micro_batch, call, part, parts, is_tuple)
+        if self.random_streams is not None:  # inside what re-computation re-runs: its dropout draws the same mask
+            run = self.random_streams.seeded_run(run, m, k)
+        start = self.timeline.now()
+        grad = torch.is_grad_enabled()
         try:
-            if torch.is_grad_enabled() and action.recompute:
-                if self._batch_norms or self.timeline.enabled:
-                    context_fn = partial(self._recomputation_contexts, m)
-                    out = checkpoint(run, *inputs, use_reentrant=False, context_fn=context_fn)
-                else:
-                    out = checkpoint(run, *inputs, use_reentrant=False)
+            if grad and action.recompute:
+                context = partial(self._recomputation_contexts, m)
+                out = checkpoint(run, *inputs, use_reentrant=False, context_fn=context)
             else:
                 out = run(*inputs)
         except Exception as error:  # the user's error, unchanged, with where in the pipeline it happened
-            error.add_note(self._where_it_failed(error, inputs, m, num))
+            error.add_note(self._where_it_failed(error, inputs, call, m))
             raise
         self.timeline.add(FORWARD, m, start)
-        if not self.is_last:  # what travels on is sent: check it, and keep what its backward needs
-            out = self.layers.travelling(out)
-            stage = self.layers.stage_index
-            outputs = microbatch.as_tensors(out, f"the output of pipeline stage {stage} for micro-batch {m}")
-            microbatch.check_batch_kept(inputs, outputs, stage, m)
-            if torch.is_grad_enabled():
-                self._keep_for_backward(m, inputs, outputs)
-        if m == num - 1:
-            for batch_norm in self._deferred_batch_norms:
-                batch_norm.commit()  # the mini-batch is complete: update the running statistics once
-        return out
+        step = self._step
+        micro_batch = _MicroBatch(call, inputs, recomputed=grad and action.recompute)
+        result = None
+        if k == self.last_chunk:
+            result, originals, micro_batch.user_outputs = _cut(out, grad)
+            micro_batch.outputs = tuple(get_gradient_edge(t) if t.requires_grad else None for t in originals)
+        else:
+            out = self.stage.travelling(out)
+            outputs = microbatch.as_tensors(out, f"the output of model chunk {k} for micro-batch {m}")
+            if inputs:
+                microbatch.check_batch_kept(inputs, outputs, k, m)
+            micro_batch.outputs = tuple(get_gradient_edge(t) for t in outputs if t.requires_grad)
+            micro_batch.output_metas = tuple(TensorMeta(tuple(t.shape), t.dtype, False) for t in outputs if t.requires_grad)
+            detached = tuple(t.detach() for t in outputs)
+            step.outputs[(k, m)] = (detached if isinstance(out, tuple) else detached[0], isinstance(out, tuple))
+        if grad:
+            step.micro_batches[(k, m)] = micro_batch
+            step.calls.setdefault(id(call), _CallState(call)).forwarded[m] = inputs
+        if m == step.num_micro_batches - 1:
+            for batch_norm in self._batch_norms[k]:
+                if isinstance(batch_norm, DeferredBatchNorm):
+                    batch_norm.commit()  # the mini-batch is complete: update the running statistics once
+        return result
 
-    def _keep_for_backward(self, m: int, inputs: tuple[Tensor, ...], outputs: tuple[Tensor, ...]) -> None:
-        """Where the outputs' gradients re-enter this stage's graph: all that backward needs of micro-batch ``m``."""
-        edges = tuple(get_gradient_edge(t) for t in outputs if t.requires_grad)
-        metas = tuple(TensorMeta(tuple(t.shape), t.dtype, False) for t in outputs if t.requires_grad)
-        self._step.micro_batches[m] = _MicroBatch(inputs, edges, metas)
+    def _send_activation(self, k: int, m: int) -> None:
+        """Send chunk ``k``'s output of micro-batch ``m`` to the stage holding chunk ``k + 1``."""
+        step = self._step
+        out, is_tuple = step.outputs.pop((k, m))
+        outputs = microbatch.as_tensors(out, "a chunk's output")
+        metas = tuple(TensorMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in outputs)
+        peer = self.owner(k + 1)
+        start = self.timeline.now()
+        header = Header(ACTIVATION, m, step.num_micro_batches, metas, is_tuple, k + 1)
+        link = self.links[peer]
+        # The receiver posted this message's receive with the previous message's shapes (see _Inbox).
+        works = link.send_activation(header, outputs, step.sent_metas.get(peer))
+        step.sent_metas[peer] = metas
+        step.sends.append((link, works, "the activations"))
+        self.timeline.add(SEND, m, start)
 
-    def _where_it_failed(self, error: Exception, inputs: tuple[Tensor, ...], m: int, num: int) -> str:
-        """A note for an error raised by this stage's layers: the stage, its layers, the micro-batch, and, for a dtype
+    def _send_header(self, chunk: int, header: Header) -> None:
+        link = self.links[self.owner(chunk)]
+        self._step.sends.append((link, [link.send_header(header)], "the activations"))
+
+    def _receive_gradient(self, k: int, m: int) -> None:
+        start = self.timeline.now()
+        peer = self.owner(k + 1)
+        step = self._step
+        if peer not in step.gradient_inboxes:
+            expected = [
+                (a.chunk, a.micro_batch) for a in step.actions
+                if a.kind == "recv_grad" and self.owner(a.chunk + 1) == peer
+            ]
+            step.gradient_inboxes[peer] = _GradientInbox(self.links[peer], expected)
+        step.micro_batches[(k, m)].output_grads = step.gradient_inboxes[peer].take(k, m, step.micro_batches)
+        self.timeline.add(WAIT, m, start)
+
+    def _backward(self, k: int, m: int, split: bool) -> None:
+        """Chunk ``k``'s backward on micro-batch ``m``: its input gradients (kept to send, or for the chunk before on
+        this stage), and its weight gradients unless ``split`` defers them."""
+        step = self._step
+        micro_batch = step.micro_batches[(k, m)]
+        start = self.timeline.now()
+        if k == self.last_chunk:
+            if micro_batch.loss is not None:
+                micro_batch.loss.backward()  # to the leaves of the chunk's output (and through the model's head)
+                micro_batch.loss = None
+            micro_batch.output_grads = tuple(_grad_or_zeros(t) for t in micro_batch.user_outputs)
+        elif self._here(k + 1):
+            micro_batch.output_grads = step.input_grads.pop((k + 1, m))
+        assert micro_batch.output_grads is not None
+        pairs = [(edge, g) for edge, g in zip(micro_batch.outputs, micro_batch.output_grads) if edge is not None]
+        edges, grads = [edge for edge, _ in pairs], [g for _, g in pairs]
+        needing = [t for t in micro_batch.inputs if t.requires_grad]
+        # A forward re-computed by torch.utils.checkpoint would be re-computed again by each half: not split.
+        if split and edges and not micro_batch.recomputed:
+            side_leaves = [leaf for _, leaf in micro_batch.call.leaves.values()]
+            input_grads, micro_batch.weights = backward_input(edges, grads, needing, [*self._weights[k], *side_leaves])
+            for leaf, input_grad in zip(needing, input_grads):
+                leaf.grad = input_grad
+        elif edges:
+            torch.autograd.backward(edges, grads)
+        micro_batch.output_grads = None
+        self.timeline.add(BACKWARD, m, start)
+        if k > 0:
+            gradients = tuple(_grad_or_zeros(t) for t in needing)
+            step.input_grads[(k - 1, m) if self._here(k - 1) else (k, m)] = gradients
+        if not split:
+            self._done(k, m)
+
+    def _backward_weights(self, k: int, m: int) -> None:
+        micro_batch = self._step.micro_batches[(k, m)]
+        if micro_batch.weights is not None:
+            start = self.timeline.now()
+            micro_batch.weights.compute()
+            micro_batch.weights = None
+            self.timeline.add(BACKWARD, m, start)
+        self._done(k, m)
+
+    def _done(self, k: int, m: int) -> None:
+        """(chunk, micro-batch) is back-propagated; once every micro-batch of its call is, the gradients that stopped
+        at the call's leaves go on into the model's own code."""
+        step = self._step
+        call = step.micro_batches.pop((k, m)).call
+        state = step.calls[id(call)]
+        state.back_propagated += 1
+        if state.back_propagated == len(state.forwarded):
+            del step.calls[id(call)]
+            _backward_into_user_graph(state)
+
+    def end_step(self) -> None:
+        self._wait_sends()
+        self._step = _StepState()
+
+    def _wait_sends(self, done_only: bool = False) -> None:
+        """Wait for this step's sends to complete (``done_only``: release the completed ones, wait for none), each
+        named if it fails."""
+        step = self._step
+        waiting = []
+        for link, works, what in step.sends:
+            if done_only and not all(work.is_completed() for work in works):
+                waiting.append((link, works, what))
+            else:
+                link.wait(works, what, sending=True)
+        step.sends = waiting
+
+    # ---- errors and re-computation -------------------------------------------------------------------------------
+
+    def _where_it_failed(self, error: Exception, inputs: tuple[Tensor, ...], call: ChunkCall, m: int) -> str:
+        """A note for an error raised by a chunk's layers: the stage, its layers, the micro-batch, and, for a dtype
         error on a received input, the stage that sent that dtype."""
-        layers = self.layers
-        span = f"{layers.layer_range.start}..{layers.layer_range.stop - 1}"
-        note = f"raised by pipeline stage {layers.stage_index} (layers {span}) on micro-batch {m} of {num}"
-        if layers.region.container is None:
-            note += f" ({layers.describe_layers()})"
+        stage = self.stage
+        chunk_range = stage.chunk_ranges[call.chunk]
+        span = f"{chunk_range.start}..{chunk_range.stop - 1}"
+        chunk = f", model chunk {call.chunk}" if stage.num_chunks != stage.num_stages else ""
+        num = self._step.num_micro_batches
+        note = f"raised by pipeline stage {stage.stage_index}{chunk} (layers {span}) on micro-batch {m} of {num}"
+        if stage.region.container is None:
+            note += f" ({call.describe(stage.region.names)})"
         received = sorted({str(t.dtype) for t in inputs if t.is_floating_point()})
-        own = sorted({str(p.dtype) for p in layers.parameters() if p.is_floating_point()})
-        if not self.is_first and ("dtype" in str(error) or "scalar type" in str(error)) and received != own:
+        own = sorted({str(p.dtype) for p in self._weights[call.chunk] if p.is_floating_point()})
+        if call.chunk > 0 and ("dtype" in str(error) or "scalar type" in str(error)) and received != own:
             note += (
-                f"; it received {', '.join(received)} from stage {layers.stage_index - 1} but its parameters are"
+                f"; it received {', '.join(received)} from stage {self.owner(call.chunk - 1)} but its parameters are"
                 f" {', '.join(own)}: give every stage the same dtype (convert the whole model, e.g. model.double(),"
                 " or set the Trainer's precision)"
             )
@@ -334,186 +532,138 @@ class PipelineEngine:
 
     @contextlib.contextmanager
     def _recomputing(self, m: int) -> Iterator[None]:
-        with self.timeline.recomputing(m), _unchanged_running_stats(self._batch_norms):
+        batch_norms = [bn for chunk_norms in self._batch_norms.values() for bn in chunk_norms]
+        with self.timeline.recomputing(m), _unchanged_running_stats(batch_norms):
             yield
 
-    def _send(self, out: Activation, m: int, num: int) -> None:
-        """Send micro-batch ``m``'s output to the next stage, keeping at most ``_SENDS_IN_FLIGHT`` sends in flight."""
-        assert self.next is not None
-        outputs = microbatch.as_tensors(out, "a stage output")  # checked in _run
-        metas = tuple(TensorMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in outputs)
-        start = self.timeline.now()
-        sends = self._step.activation_sends
-        header = Header(ACTIVATION, m, num, metas, isinstance(out, tuple))
-        # The next stage posted this micro-batch's receive with the previous micro-batch's shapes (see _receiving).
-        sends.append(self.next.send_activation(header, tuple(t.detach() for t in outputs), self._step.sent_metas))
-        self._step.sent_metas = metas
-        while len(sends) > _SENDS_IN_FLIGHT:
-            self.next.wait(sends.popleft(), "the activations", sending=True)
-        self.timeline.add(SEND, m, start)
 
-    # ---- backward phase ------------------------------------------------------------------------------------------
+@dataclass
+class _CallState:
+    """One call of a chunk by the model's code in this step: its micro-batches' inputs, and how many are done."""
 
-    def backward(self) -> None:
-        """First and middle stages: the backward phase, with the gradients the next stage sends."""
-        assert self.next is not None
-        step = self._step
-        self._wait_sends()  # the activations were received long ago: release the sent outputs
-        link, timeline = self.next, self.timeline
-        # Each gradient receive is posted one ahead, into one of two buffers used in turn, so that it arrives during
-        # the previous micro-batch's backward.
-        # (A buffer is reused two receives later: each micro-batch's backward runs before the receive after next.)
-        receives = [a.micro_batch for a in step.backwards if a.kind == "recv_grad"]
-        posted: dict[int, tuple[tuple[Tensor, ...], list[dist.Work]]] = {}
+    call: ChunkCall
+    forwarded: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)  # part of the call -> its input leaves
+    back_propagated: int = 0
 
-        def post(i: int) -> None:
-            if i < len(receives):
-                m = receives[i]
-                posted[m] = link.recv_tensors(step.micro_batches[m].output_metas, slot=i % 2)
 
-        post(0)
-        grads: dict[int, tuple[Tensor, ...]] = {}
-        for action in step.backwards:
-            m, start = action.micro_batch, timeline.now()
-            if action.kind == "recv_grad":
-                post(receives.index(m) + 1)
-                tensors, works = posted.pop(m)
-                link.wait(works, "the gradient", m)
-                grads[m] = tensors
-                timeline.add(WAIT, m, start)
-            elif action.kind == "backward":
-                if step.micro_batches[m].outputs:
-                    torch.autograd.backward(step.micro_batches[m].outputs, list(grads.pop(m)))
-                timeline.add(BACKWARD, m, start)
-            else:
-                assert self.previous is not None
-                step.sends.extend(self.previous.send_tensors(_input_gradients(step.micro_batches[m].inputs)))
-                timeline.add(SEND, m, start)
-        self._backward_into_user_graph()
-        self.end_step()
-
-    def finish_last_backward(self) -> None:
-        """Last stage, after ``loss.backward()``: send the gradients no hook sent (inputs the loss did not use)."""
-        if self._step.gradient_sender is not None:
-            self._step.gradient_sender.flush(force=True)
-        self.end_step()
-
-    def end_step(self) -> None:
-        self._wait_sends()
-        self._step = _StepState()
-
-    def _wait_sends(self) -> None:
-        step = self._step
-        # Sends to the next stage (activations, skips) and to the previous one (gradients), each named if it fails.
-        while step.activation_sends:
-            assert self.next is not None
-            self.next.wait(step.activation_sends.popleft(), "the activations", sending=True)
-        if step.sends:
-            assert self.previous is not None
-            self.previous.wait(step.sends, "the gradients", sending=True)
-        step.sends.clear()
-
-    def _backward_into_user_graph(self) -> None:
-        """Carry the gradients that stopped at this stage's leaves into the model's code, in one backward: the first
-        stage's input (joined over the micro-batches) and every stage's side arguments (masks, position embeddings,
-        an encoder's output), which the user's code before the pipelined blocks computed."""
-        step = self._step
-        targets, grads = [], []
-        micro_batches = [step.micro_batches[m] for m in sorted(step.micro_batches)]
-        for i, original in enumerate(step.user_input):
+def _backward_into_user_graph(state: _CallState) -> None:
+    """Carry the gradients that stopped at a call's leaves into the model's code, in one backward: the first chunk's
+    input (joined over the micro-batches) and every side argument (masks, position embeddings, an encoder's output)
+    that the model's code before the blocks computed."""
+    targets, grads = [], []
+    parts = [state.forwarded[m] for m in sorted(state.forwarded)]
+    if state.call.chunk == 0:
+        for i, original in enumerate(microbatch.as_tensors(state.call.stage_input, _WHERE_INPUT)):
             if original.requires_grad:
-                parts = [_grad_or_zeros(mb.inputs[i]) for mb in micro_batches]
+                pieces = [_grad_or_zeros(inputs[i]) for inputs in parts]
                 targets.append(original)
-                grads.append(torch.cat(parts) if len(parts) > 1 else parts[0])
-        for original, grad in self.layers.side_gradients():
-            targets.append(original)
-            grads.append(grad)
-        if targets:
-            torch.autograd.backward(targets, grads)
+                grads.append(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
+    for original, grad in state.call.side_gradients():
+        targets.append(original)
+        grads.append(grad)
+    if targets:
+        torch.autograd.backward(targets, grads)
 
 
-class _OrderedGradientSender:
-    """Last stage: sends each micro-batch's input gradients upstream in the schedule's backward order.
+class _Inbox:
+    """The activations one stage sends to this one in a step, in the order this stage's schedule takes them.
 
-    Autograd fires the gradient hooks as it reaches each micro-batch (in reverse order, since the loss is computed on
-    the concatenation); a fixed order lets the receiver post its receives before anything arrives, and a gradient
-    that arrives before its turn waits here.
+    The next message's header and tensors are received while this stage computes: their receives are posted when
+    the current one is taken, the tensors' with its shapes (the sender corrects a wrong guess, see
+    :meth:`Link.send_activation`). Each (chunk, micro-batch) is received into buffers of its own, reused from step
+    to step.
     """
 
-    def __init__(self, link: Link, order: list[int], sends: list[dist.Work], timeline: StepTimeline) -> None:
+    def __init__(self, link: Link, expected: Callable[[], list[Key]]) -> None:
         self.link = link
-        self.sends = sends
-        self.timeline = timeline
-        self.mark: Stamp | None = None  # where the backward of the next micro-batch to finish began
-        self.inputs: dict[int, tuple[Tensor, ...]] = {}
-        self.grads: dict[int, tuple[Tensor, ...]] = {}
-        self.order = deque(order)
+        self._expected = expected
+        self._order: list[Key] | None = None
+        self._index = 0
+        self._header: Header | None = None  # the next message's, when read ahead
+        self._pending: PendingHeader | None = None
+        self._posted: PostedTensors | None = None
 
-    def watch(self, m: int, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        """Micro-batch ``m``'s inputs as the layers should use them: their gradients all reach :meth:`_ready`.
+    def first_header(self) -> Header:
+        """The step's first message's header (it tells the count of micro-batches), before any is taken."""
+        if self._header is None:
+            self._header = self.link.recv_header()
+        return self._header
 
-        The gradients are caught on their way to the inputs (by :class:`_CatchGradients`), so none is accumulated
-        into, or copied to, an input's ``.grad``.
-        """
-        self.inputs[m] = inputs
-        needing = [i for i, t in enumerate(inputs) if t.requires_grad]
-        if not needing:
-            return inputs
-        caught = _CatchGradients.apply(partial(self._ready, m), *(inputs[i] for i in needing))
-        watched = list(inputs)
-        for i, tensor in zip(needing, caught):
-            watched[i] = tensor
-        return tuple(watched)
+    def take(self, k: int, m: int) -> tuple[Header, tuple[Tensor, ...]]:
+        if self._order is None:
+            self._order = self._expected()
+        link = self.link
+        if self._header is None:
+            self._header = self._pending.wait() if self._pending is not None else link.recv_header(m)
+        header, self._header = self._header, None
+        if header.kind == SKIP:
+            self._check(header, k, m)
+            self._advance(None)
+            return header, ()
+        received = link.recv_activation(header, (k, m), self._posted)
+        self._check(header, k, m)
+        self._advance(header)
+        link.wait(received.works, "the activation", m)
+        return header, received.buffers
 
-    def watch_output(self, joined: Activation) -> None:
-        """Mark when the gradient reaches the pipelined output: the pipeline's backward starts there."""
-        needs_grad = [t for t in microbatch.as_tensors(joined, "the pipelined output") if t.requires_grad]
-        if needs_grad:
-            torch.autograd.graph.register_multi_grad_hook(needs_grad, self._backward_begins, mode="any")
+    def _advance(self, header: Header | None) -> None:
+        """Post the next message's receives, guessing its shapes from this one's."""
+        assert self._order is not None
+        self._index += 1
+        self._pending = self._posted = None
+        if self._index < len(self._order):
+            following = self._order[self._index]
+            self._pending = self.link.post_header(following[1])
+            if header is not None:
+                self._posted = self.link.post_activation(header.tensors, following)
 
-    def _backward_begins(self, _grad: Tensor) -> None:
-        self.mark = self.timeline.now()
-
-    def _ready(self, m: int, grads: tuple[Tensor | None, ...]) -> None:
-        # Autograd runs the micro-batches' backwards one after another: this one ran since the last mark.
-        if self.mark is not None:
-            self.timeline.add(BACKWARD, m, self.mark)
-        self.grads[m] = tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(grads, self._needing(m)))
-        self.flush()
-        self.mark = self.timeline.now() if self.mark is not None else None
-
-    def flush(self, force: bool = False) -> None:
-        while self.order and (force or self.order[0] in self.grads):
-            m = self.order.popleft()
-            grads = self.grads.pop(m, None)
-            if grads is None:  # the loss did not reach this micro-batch: its gradient is zero
-                grads = tuple(torch.zeros_like(t) for t in self._needing(m))
-            start = self.timeline.now()
-            self.sends.extend(self.link.send_tensors(grads))
-            self.timeline.add(SEND, m, start)
-
-    def _needing(self, m: int) -> list[Tensor]:
-        return [t for t in self.inputs.get(m, ()) if t.requires_grad]
+    def _check(self, header: Header, k: int, m: int) -> None:
+        if (header.chunk, header.micro_batch) != (k, m):
+            raise PipelineMismatchError(
+                f"stage {self.link.stage} expected the input of chunk {k} for micro-batch {m} from stage"
+                f" {self.link.peer_stage}, which sent chunk {header.chunk}'s for micro-batch {header.micro_batch}:"
+                " the stages run different schedules or different micro-batch counts."
+            )
 
 
-class _CatchGradients(torch.autograd.Function):
-    """Identity in forward; in backward hands all its outputs' gradients to ``ready`` at once and stops there.
+class _GradientInbox:
+    """The gradients one stage sends back to this one in a step, in the order this stage's schedule takes them; the
+    next one's receive is posted when the current one is taken, if its forward has run (its shapes are known)."""
 
-    Autograd calls its backward once every gradient of the micro-batch is known (the ones the loss does not reach
-    as zeros), which is when they can be sent upstream.
-    """
+    def __init__(self, link: Link, order: list[Key]) -> None:
+        self.link = link
+        self._order = order
+        self._index = 0
+        self._posted: tuple[tuple[Tensor, ...], list[dist.Work]] | None = None
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: FunctionCtx, ready: Callable[[tuple[Tensor, ...]], None], *inputs: Tensor
-    ) -> tuple[Tensor, ...]:
-        ctx.ready = ready  # type: ignore[attr-defined]
-        return tuple(t.view_as(t) for t in inputs)
+    def take(self, k: int, m: int, micro_batches: dict[Key, _MicroBatch]) -> tuple[Tensor, ...]:
+        assert self._order[self._index] == (k, m)
+        if self._posted is None:
+            self._posted = self.link.recv_gradients(micro_batches[(k, m)].output_metas)
+        (tensors, works), self._posted = self._posted, None
+        self._index += 1
+        if self._index < len(self._order) and self._order[self._index] in micro_batches:
+            self._posted = self.link.recv_gradients(micro_batches[self._order[self._index]].output_metas)
+        self.link.wait(works, "the gradient", m)
+        return tensors
 
-    @staticmethod
-    def backward(ctx: FunctionCtx, *grads: Tensor) -> tuple[None, ...]:  # type: ignore[override]
-        ctx.ready(grads)  # type: ignore[attr-defined]
-        return (None,) * (len(grads) + 1)
+
+def _cut(out: Any, grad: bool) -> tuple[Any, tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """The last chunk's output as the user's code gets it: every floating-point tensor replaced by a leaf (needing a
+    gradient when training), so that the user's loss ends there and each micro-batch's backward starts there;
+    with the original tensors and the leaves, in the same order."""
+    originals: list[Tensor] = []
+    leaves: list[Tensor] = []
+
+    def cut(tensor: Tensor) -> Tensor:
+        if not (grad and tensor.is_floating_point() and tensor.requires_grad):
+            return tensor
+        leaf = tensor.detach().requires_grad_(True)
+        originals.append(tensor)
+        leaves.append(leaf)
+        return leaf
+
+    return microbatch.map_tensors(out, cut), tuple(originals), tuple(leaves)
 
 
 @contextlib.contextmanager
@@ -529,15 +679,11 @@ def _unchanged_running_stats(batch_norms: list[_BatchNorm]) -> Iterator[None]:
 
 
 def _leaf(tensor: Tensor, requires_grad: bool) -> Tensor:
-    """A stage input as an autograd leaf, so that each micro-batch's backward stops at the stage boundary."""
+    """A chunk input as an autograd leaf, so that each micro-batch's backward stops at the chunk boundary."""
     leaf = tensor.detach()
     if requires_grad and leaf.is_floating_point():
         leaf.requires_grad_(True)
     return leaf
-
-
-def _input_gradients(inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    return tuple(_grad_or_zeros(t) for t in inputs if t.requires_grad)
 
 
 def _grad_or_zeros(tensor: Tensor) -> Tensor:

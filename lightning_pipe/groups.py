@@ -49,19 +49,12 @@ class PipelineGroups:
         return self.layout.pipeline_ranks(self.replica)
 
     @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
-
-    @property
-    def last_stage_rank(self) -> int:
-        return self.stage_ranks[-1]
+    def loss_rank(self) -> int:
+        """The global rank of this pipeline's stage that holds the model's last chunk (the loss, the step results)."""
+        return self.stage_ranks[self.layout.loss_stage]
 
     def link(self, stage: int) -> Link:
-        """The connection from this rank's stage to ``stage`` of the same pipeline (a neighbour)."""
+        """The connection from this rank's stage to ``stage`` of the same pipeline."""
         return Link(
             self.stage_ranks[stage], self.pipeline, self.meta, self.device,
             stage=self.stage, peer_stage=stage, timeout=self.timeout,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Union
 
 import torch
@@ -63,6 +64,57 @@ def split(value: Activation, num_micro_batches: int) -> list[Activation]:
         return list(torch.tensor_split(value, chunks))
     per_tensor = [torch.tensor_split(tensor, chunks) for tensor in value]
     return [tuple(parts) for parts in zip(*per_tensor)]
+
+
+def split_batch(batch: Any, num_micro_batches: int) -> list[Any]:
+    """A training batch as Lightning hands it to ``training_step`` (tensors, or tuples, lists and dicts of them),
+    split into ``min(num_micro_batches, batch size)`` micro-batches of the same structure: every tensor whose dim 0
+    is the batch size is split along it (sizes differ by at most 1), everything else is passed to each whole."""
+    size = batch_size_of(batch)
+    parts = max(1, min(num_micro_batches, size))
+    pieces: list[list[Tensor]] = []
+
+    def take(tensor: Tensor) -> Tensor:
+        if tensor.dim() and tensor.shape[0] == size:
+            pieces.append(list(torch.tensor_split(tensor, parts)))
+            return tensor
+        pieces.append([tensor] * parts)
+        return tensor
+
+    map_tensors(batch, take)
+    return [_rebuilt(batch, iter([piece[i] for piece in pieces])) for i in range(parts)]
+
+
+def batch_size_of(batch: Any) -> int:
+    """The batch size of a training batch: dim 0 of its first tensor with one (as Lightning reads it)."""
+    sizes: list[int] = []
+    map_tensors(batch, lambda tensor: sizes.append(tensor.shape[0]) if tensor.dim() else None)
+    if not sizes:
+        raise ValueError(
+            "the training batch holds no tensor with a batch dimension, so it cannot be split into micro-batches;"
+            " return tensors with the batch first from the DataLoader, or use schedule='gpipe', which splits only"
+            " the input of the pipelined blocks."
+        )
+    return sizes[0]
+
+
+def _rebuilt(structure: Any, tensors: Iterator[Tensor]) -> Any:
+    """``structure`` with its tensors, in :func:`map_tensors`' order, replaced by the next of ``tensors``."""
+    return map_tensors(structure, lambda _: next(tensors))
+
+
+def map_tensors(value: Any, function: Callable[[Tensor], Any]) -> Any:
+    """``value`` with ``function`` applied to every tensor in it, through the structures :func:`join` joins."""
+    if isinstance(value, Tensor):
+        return function(value)
+    if hasattr(value, "to_tuple") and hasattr(value, "keys"):  # a Hugging Face ModelOutput
+        return type(value)(**{key: map_tensors(value[key], function) for key in value.keys()})
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        return type(value)(map_tensors(item, function) for item in value)
+    if isinstance(value, Mapping):  # a dict, or a mapping type that builds from one (a tokenizer's BatchEncoding)
+        items = {key: map_tensors(item, function) for key, item in value.items()}
+        return items if type(value) is dict else type(value)(items)
+    return value
 
 
 def join(outputs: list[Any]) -> Any:

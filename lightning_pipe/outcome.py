@@ -51,24 +51,72 @@ class StepOutcome:
 
 
 @contextlib.contextmanager
-def recording_logs(module: LightningModule) -> Iterator[list[LogRecord]]:
-    """Within the block, every ``module.log`` call (``log_dict`` included) is also recorded into the yielded list."""
+def recording_logs(module: LightningModule, log: bool = True) -> Iterator[list[LogRecord]]:
+    """Within the block, every ``module.log`` call (``log_dict`` included) is recorded into the yielded list, and
+    logged as usual unless ``log`` is false (see :func:`merged_logs`)."""
     records: list[LogRecord] = []
     original_log = module.log
 
-    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        original_log(name, value, *args, **kwargs)
+    def recorded_log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if log:
+            original_log(name, value, *args, **kwargs)
         kwargs.pop("sync_dist_group", None)  # a process group cannot travel; replays use the strategy's group
         attribute = None
         if isinstance(value, Metric):
             attribute = kwargs.pop("metric_attribute", None) or _attribute_of(module, value)
         records.append(LogRecord(name, _portable(value), _named_arguments(args, kwargs), attribute))
 
-    module.log = log  # type: ignore[method-assign]
+    module.log = recorded_log  # type: ignore[method-assign]
     try:
         yield records
     finally:
         del module.log  # the instance attribute shadowed the class's method
+
+
+def merged_logs(records: dict[int, list[LogRecord]], weights: dict[int, float]) -> list[LogRecord]:
+    """The ``self.log`` calls of one step that ran once per micro-batch (``records`` and ``weights`` by micro-batch),
+    as one step's calls: each name's values averaged with the micro-batches' weights (their shares of the batch), so
+    that a mean over samples comes out as one device computes it on the whole batch. A logged metric's value for the
+    batch is merged the same way; its state already holds every micro-batch's update."""
+    merged: dict[str, LogRecord] = {}
+    values: dict[str, list[tuple[float, Any]]] = {}
+    for m in sorted(records):
+        for record in records[m]:
+            merged.setdefault(record.name, record)
+            values.setdefault(record.name, []).append((weights[m], record.value))
+    result = []
+    for name, record in merged.items():
+        pairs = values[name]
+        total = sum(weight for weight, _ in pairs)
+        if all(isinstance(value, (Tensor, numbers.Number)) and not isinstance(value, bool) for _, value in pairs):
+            value = sum(weight * value for weight, value in pairs) / total
+        else:
+            value = pairs[-1][1]  # not a number: the last micro-batch's
+        result.append(LogRecord(name, value, record.kwargs, record.metric_attribute))
+    return result
+
+
+def merged_output(results: dict[int, Any], weights: dict[int, float]) -> Any:
+    """What a training step that ran once per micro-batch returns for the whole batch: ``None`` if every
+    micro-batch's step did; else the loss (or ``{"loss": ..., ...}``) averaged with the weights of the micro-batches
+    that returned one, detached (its backward has run), other dict entries merged alike when they are numbers,
+    joined along dim 0 when they are batches, else the last micro-batch's."""
+    returned = {m: result for m, result in results.items() if result is not None}
+    if not returned:
+        return None
+    first = next(iter(returned.values()))
+    if isinstance(first, Tensor):
+        return sum(weights[m] * result.detach() for m, result in returned.items())
+    merged = {}
+    for key in first:
+        items = [(weights[m], result[key]) for m, result in returned.items()]
+        if key == "loss" or all(isinstance(v, Tensor) and v.dim() == 0 for _, v in items):
+            merged[key] = sum(weight * value.detach() for weight, value in items)
+        elif all(isinstance(v, Tensor) for _, v in items):
+            merged[key] = torch.cat([value.detach() for _, value in items])
+        else:
+            merged[key] = items[-1][1]
+    return merged
 
 
 def replay_logs(module: LightningModule, records: list[LogRecord]) -> None:

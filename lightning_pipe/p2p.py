@@ -7,6 +7,7 @@ a GPU stream. A gradient message needs no header: the receiver sent the matching
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -18,6 +19,7 @@ HEADER_LENGTH = 64
 _DATA_TAG = 0
 _HEADER_TAG = 1
 _RESHAPED_TAG = 2  # a micro-batch's tensors whose shapes differ from the previous micro-batch's (see send_activation)
+_GRADIENT_TAG = 3  # gradients flow against the activations, on the same pair of stages with interleaved chunks
 
 # Message kinds (the header's first entry).
 ACTIVATION = 1
@@ -51,16 +53,18 @@ class TensorMeta:
 
 @dataclass(frozen=True)
 class Header:
-    """The header of one message: its kind, which micro-batch of how many, and the tensors that follow."""
+    """The header of one message: its kind, which micro-batch of how many and for which model chunk, and the tensors
+    that follow."""
 
     kind: int
     micro_batch: int = 0
     num_micro_batches: int = 0
     tensors: tuple[TensorMeta, ...] = ()
     is_tuple: bool = False
+    chunk: int = 0  # the chunk that receives the tensors as its input
 
     def encode(self) -> Tensor:
-        values = [self.kind, self.micro_batch, self.num_micro_batches, int(self.is_tuple), len(self.tensors)]
+        values = [self.kind, self.micro_batch, self.num_micro_batches, self.chunk, int(self.is_tuple), len(self.tensors)]
         for meta in self.tensors:
             if meta.dtype not in _DTYPE_CODES:
                 names = ", ".join(str(dtype).removeprefix("torch.") for dtype in _DTYPES)
@@ -82,14 +86,14 @@ class Header:
     @staticmethod
     def decode(header: Tensor) -> Header:
         values = header.tolist()
-        kind, micro_batch, num_micro_batches, is_tuple, count = values[:5]
-        metas, pos = [], 5
+        kind, micro_batch, num_micro_batches, chunk, is_tuple, count = values[:6]
+        metas, pos = [], 6
         for _ in range(count):
             dtype_code, requires_grad, ndim = values[pos : pos + 3]
             shape = tuple(values[pos + 3 : pos + 3 + ndim])
             metas.append(TensorMeta(shape, _DTYPES[dtype_code], bool(requires_grad)))
             pos += 3 + ndim
-        return Header(kind, micro_batch, num_micro_batches, tuple(metas), bool(is_tuple))
+        return Header(kind, micro_batch, num_micro_batches, tuple(metas), bool(is_tuple), chunk)
 
 
 def _same_shapes(a: tuple[TensorMeta, ...], b: tuple[TensorMeta, ...]) -> bool:
@@ -131,8 +135,8 @@ class Link:
     """The connection from this stage to one neighbour: sends and receives of headers and tensors.
 
     Headers and tensors travel under different tags, so the receive of the next header can be posted before the
-    current micro-batch's tensors have arrived. Receive buffers are kept per slot (the caller's choice, e.g. the
-    micro-batch index) and reused while the shapes repeat: a slot's previous contents must no longer be needed when
+    current micro-batch's tensors have arrived. Activation buffers are kept per slot (the caller's choice, e.g. the
+    chunk and micro-batch) and reused while the shapes repeat: a slot's previous contents must no longer be needed when
     it is received into again.
 
     Activations: a receive posted before the sender sends completes as the data arrives, one posted after costs a
@@ -158,7 +162,7 @@ class Link:
         self.device = device
         # Who waits on whom, for the error when a wait fails (the groups' timeout ends every wait).
         self.stage, self.peer_stage, self.timeout = stage, peer_stage, timeout
-        self._buffers: dict[tuple[int, int], Tensor] = {}  # (slot, position in the message) -> receive buffer
+        self._buffers: dict[tuple[Hashable, int], Tensor] = {}  # (slot, position in the message) -> receive buffer
         self._placeholder_cache: dict[tuple[tuple[int, ...], torch.dtype], Tensor] = {}
 
     def send_header(self, header: Header) -> dist.Work:
@@ -176,6 +180,16 @@ class Link:
     def send_tensors(self, tensors: tuple[Tensor, ...], tag: int = _DATA_TAG) -> list[dist.Work]:
         return [dist.isend(tensor.contiguous(), self.peer, group=self.data_group, tag=tag) for tensor in tensors]
 
+    def send_gradients(self, gradients: tuple[Tensor, ...]) -> list[dist.Work]:
+        """Send the gradients of a micro-batch's activations back to the stage that sent them."""
+        return self.send_tensors(gradients, _GRADIENT_TAG)
+
+    def recv_gradients(self, metas: tuple[TensorMeta, ...]) -> tuple[tuple[Tensor, ...], list[dist.Work]]:
+        """Post the receive of the gradients of activations of shapes ``metas`` (this stage sent them: no header);
+        into fresh buffers, valid once the returned works are waited for."""
+        buffers = tuple(torch.empty(meta.shape, dtype=meta.dtype, device=self.device) for meta in metas)
+        return buffers, [dist.irecv(b, self.peer, group=self.data_group, tag=_GRADIENT_TAG) for b in buffers]
+
     def send_activation(
         self, header: Header, tensors: tuple[Tensor, ...], expected: tuple[TensorMeta, ...] | None
     ) -> list[dist.Work]:
@@ -191,11 +205,11 @@ class Link:
             return works + self.send_tensors(tensors)
         return works + self.send_tensors(self._placeholders(expected)) + self.send_tensors(tensors, _RESHAPED_TAG)
 
-    def post_activation(self, metas: tuple[TensorMeta, ...], slot: int) -> PostedTensors:
+    def post_activation(self, metas: tuple[TensorMeta, ...], slot: Hashable) -> PostedTensors:
         """Post the receive of the next micro-batch's tensors ahead of its header, guessing their shapes."""
         return self._post(metas, slot, _DATA_TAG)
 
-    def recv_activation(self, header: Header, slot: int, posted: PostedTensors | None) -> PostedTensors:
+    def recv_activation(self, header: Header, slot: Hashable, posted: PostedTensors | None) -> PostedTensors:
         """The receive of the tensors ``header`` announces: ``posted`` (see :meth:`post_activation`) if it guessed
         their shapes; else its placeholders are waited for and a receive of the right shapes is posted."""
         if posted is None:
@@ -205,7 +219,7 @@ class Link:
         self.wait(posted.works, "the placeholder of the activation", header.micro_batch)
         return self._post(header.tensors, slot, _RESHAPED_TAG)
 
-    def _post(self, metas: tuple[TensorMeta, ...], slot: int, tag: int) -> PostedTensors:
+    def _post(self, metas: tuple[TensorMeta, ...], slot: Hashable, tag: int) -> PostedTensors:
         buffers = tuple(self._buffer(slot, position, meta) for position, meta in enumerate(metas))
         works = [dist.irecv(buffer, self.peer, group=self.data_group, tag=tag) for buffer in buffers]
         return PostedTensors(metas, buffers, works)
@@ -220,20 +234,7 @@ class Link:
             placeholders.append(self._placeholder_cache[key])
         return tuple(placeholders)
 
-    def recv_tensors(
-        self, metas: tuple[TensorMeta, ...], slot: int | None = None
-    ) -> tuple[tuple[Tensor, ...], list[dist.Work]]:
-        """Post receives; the buffers are valid once the returned works are waited on.
-
-        With a ``slot`` the buffers of that slot's previous receive are reused if the shapes match, else fresh ones
-        are kept for the next time; without one, fresh buffers are returned and not kept.
-        """
-        buffers = tuple(self._buffer(slot, position, meta) for position, meta in enumerate(metas))
-        return buffers, [dist.irecv(buffer, self.peer, group=self.data_group, tag=_DATA_TAG) for buffer in buffers]
-
-    def _buffer(self, slot: int | None, position: int, meta: TensorMeta) -> Tensor:
-        if slot is None:
-            return torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+    def _buffer(self, slot: Hashable, position: int, meta: TensorMeta) -> Tensor:
         buffer = self._buffers.get((slot, position))
         if buffer is None or buffer.shape != meta.shape or buffer.dtype != meta.dtype:
             buffer = self._buffers[(slot, position)] = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)

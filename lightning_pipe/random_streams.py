@@ -70,9 +70,11 @@ class StageRandomStreams:
         self._shared_state = torch.random.get_rng_state().numpy().tobytes()
         self._steps += 1
 
-    def seeded_run(self, run: Callable[..., T], micro_batch: int) -> Callable[..., T]:
-        """``run`` under micro-batch ``micro_batch``'s stream in this step, with the same seed every time it runs."""
-        seed = micro_batch_seed(self._shared_state, self._steps, self.replica, self.stage, micro_batch)
+    def seeded_run(self, run: Callable[..., T], micro_batch: int, chunk: int | None = None) -> Callable[..., T]:
+        """``run`` under micro-batch ``micro_batch``'s stream in this step, with the same seed every time it runs;
+        with virtual stages, each model ``chunk`` has streams of its own (one chunk per stage: the stage's)."""
+        chunk = self.stage if chunk is None else chunk
+        seed = micro_batch_seed(self._shared_state, self._steps, self.replica, chunk, micro_batch)
 
         def on_own_stream(*args: object) -> T:
             with seeded(self.device, seed):

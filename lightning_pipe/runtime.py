@@ -31,8 +31,12 @@ from torch import Tensor
 
 from lightning_pipe.engine import PipelineEngine
 from lightning_pipe.groups import PipelineGroups
+from lightning_pipe import microbatch
 from lightning_pipe.outcome import (
+    LogRecord,
     StepOutcome,
+    merged_logs,
+    merged_output,
     adopt_random_states,
     load_metric_states,
     logged_metric_states,
@@ -42,7 +46,7 @@ from lightning_pipe.outcome import (
     replay_logs,
 )
 from lightning_pipe.p2p import PipelineCommunicationError, failed_wait
-from lightning_pipe.stage import StageBlocks
+from lightning_pipe.stage import ChunkCall, StageBlocks
 
 _OUTSIDE_STEP_TIMEOUT = timedelta(seconds=60)
 
@@ -56,43 +60,63 @@ class HandedOff(BaseException):
 
 class StageRuntime:
     """Runs steps on this rank's stage: ``run_step`` for the user's step hooks, ``backward_from_next_stage`` and
-    ``end_backward`` around Lightning's backward, ``run_on_last_stage`` for hooks that consume step results."""
+    ``end_backward`` around Lightning's backward, ``run_on_last_stage`` for hooks that consume step results.
 
-    def __init__(self, groups: PipelineGroups, engine: PipelineEngine, stage: StageBlocks) -> None:
+    ``scale_loss`` turns a micro-batch's loss into what its backward starts from in a per-micro-batch step (its
+    share of the batch, Lightning's gradient accumulation, a gradient scaler); ``step_context`` is the precision's
+    context for the user's step (autocast), entered around each call of it there, and not around backward.
+    """
+
+    def __init__(
+        self,
+        groups: PipelineGroups,
+        engine: PipelineEngine,
+        stage: StageBlocks,
+        scale_loss: Callable[[Tensor], Tensor] = lambda loss: loss,
+        step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> None:
         self.groups = groups
         self.engine = engine
         self.stage = stage
+        self.scale_loss = scale_loss
+        self.step_context = step_context
         self.step_skipped = False  # the last training step returned None: no backward, no optimizer step
         self._called = False  # whether the pipeline ran in the current step
-        self._batch_sizes_checked: set[int | None] = set()  # for BatchNorm, see `_run_pipeline`
+        self._micro_batch: int | None = None  # in a per-micro-batch step: the micro-batch the user's step runs on
+        self._batch_sizes_checked: set[int | None] = set()  # for BatchNorm, see `_run_chunk`
         self.epoch_last_batch: int | None = None  # the training DataLoader's smaller last batch, if it has one
-        stage.on_last_local_call = self._run_pipeline
+        stage.on_chunk_end = self._run_chunk
         stage.on_outside_step_start = self._outside_step_starts
         stage.outside_step_output = self._share_last_output
 
     @property
-    def is_first(self) -> bool:
-        return self.groups.is_first
+    def is_last(self) -> bool:
+        """Whether this stage computes the model's output: the loss, the metrics, the step's results."""
+        return self.engine.holds_last_chunk
 
     @property
-    def is_last(self) -> bool:
-        return self.groups.is_last
+    def per_micro_batch(self) -> bool:
+        """Whether training steps call the user's ``training_step`` once per micro-batch (every schedule but GPipe)."""
+        return self.engine.schedule.per_micro_batch
 
     # ---- the step ------------------------------------------------------------------------------------------------
 
     def run_step(self, module: LightningModule, hook: str, args: tuple, kwargs: dict) -> tuple[StepOutcome, Any]:
         """Run one step of the user's ``hook`` (``"training_step"``, ...) through the pipeline; every stage learns
         the outcome. The step's output is the user's on the last stage, ``None`` elsewhere."""
-        user_step = partial(getattr(module, hook), *args, **kwargs)
-        outcome = StepOutcome()
-        if self.is_last:
-            with recording_logs(module) as records:
-                output = self.forward_step(user_step)
-            loss = _loss_value(output) if hook == "training_step" else None
-            outcome = StepOutcome(output is None, loss, records, logged_metric_states(module, records))
+        if hook == "training_step" and self.per_micro_batch:
+            outcome, output = self._run_per_micro_batch(module, args, kwargs)
         else:
-            output = self.forward_step(user_step)
-        outcome = self.share_outcome(module, outcome)
+            user_step = partial(getattr(module, hook), *args, **kwargs)
+            outcome = StepOutcome()
+            if self.is_last:
+                with recording_logs(module) as records:
+                    output = self.forward_step(user_step)
+                loss = _loss_value(output) if hook == "training_step" else None
+                outcome = StepOutcome(output is None, loss, records, logged_metric_states(module, records))
+            else:
+                output = self.forward_step(user_step)
+            outcome = self.share_outcome(module, outcome)
         if hook == "training_step":
             self.step_skipped = outcome.skipped
         if outcome.skipped:
@@ -100,23 +124,17 @@ class StageRuntime:
         return outcome, output
 
     def forward_step(self, user_step: Callable[[], Any]) -> Any:
-        """Run ``user_step`` (code that calls the pipelined blocks once) in this stage's role; its result on the
-        last stage, ``None`` elsewhere. Nothing is shared: :meth:`run_step` adds that for Lightning's steps."""
+        """Run ``user_step`` (code that calls the pipelined blocks once, with the whole batch) in this stage's role;
+        its result on the last stage, ``None`` elsewhere. Nothing is shared: :meth:`run_step` adds that for
+        Lightning's steps."""
         with self._user_step():
             try:
                 output = user_step()
             except HandedOff:
                 return None
-            if self.is_last:
-                if not self._called and not self.is_first:
-                    self.engine.drain()
-                return output
-            # The step returned before reaching this stage's blocks: so must the first stage's have.
-            if self.is_first:
-                self.engine.send_skip()
-            else:
-                self.engine.pass_skip()
-            return None
+            if not self._called:  # the step returned before reaching the blocks: so must the other stages' have
+                self.engine.skip_step()
+            return output if self.is_last else None
 
     @contextlib.contextmanager
     def _user_step(self) -> Iterator[None]:
@@ -129,28 +147,69 @@ class StageRuntime:
         finally:
             self.stage.in_step = False
 
-    def _run_pipeline(self) -> Any:
-        """At this stage's last block: run the forward phase in this stage's role. In a step, a stage other than the
-        last ends the user's step here; the last stage returns the joined output."""
-        engine, stage = self.engine, self.stage
-        if not stage.in_step:
-            return self._run_pipeline_outside_step()
-        self._called = True
-        if torch.is_grad_enabled() and stage.batch_size() not in self._batch_sizes_checked:
-            # Before the first training step, for its batches and the epoch's last; again for any other batch size.
-            stage.check_micro_batches_fit_batch_norm(engine.num_micro_batches, self.epoch_last_batch)
-            self._batch_sizes_checked |= {stage.batch_size(), self.epoch_last_batch}
-        if self.is_first and self.is_last:
-            return engine.forward_local(stage.stage_input())
+    def _run_per_micro_batch(self, module: LightningModule, args: tuple, kwargs: dict) -> tuple[StepOutcome, Any]:
+        """A training step of a per-micro-batch schedule: the user's ``training_step`` runs once per micro-batch (the
+        batch split along dim 0, the same ``batch_idx``), whenever the schedule runs a forward; each loss, weighted
+        by its micro-batch's share of the batch, is back-propagated when the schedule says. The last stage merges
+        what the steps logged and returned into one step's worth, which every stage then replays."""
+        batch, rest = args[0], args[1:]
+        parts = microbatch.split_batch(batch, self.engine.num_micro_batches)
+        sizes = [microbatch.batch_size_of(part) for part in parts]
+        results: dict[int, Any] = {}
+        records: dict[int, list[LogRecord]] = {}
+
+        def run_user_step(chunk: int, m: int) -> None:
+            self.stage.begin_step(in_step=True, targets=[chunk])
+            self._micro_batch, self._called = m, False
+            try:
+                with self.step_context():
+                    if chunk != self.engine.last_chunk:
+                        module.training_step(parts[m], *rest, **kwargs)
+                        return
+                    with recording_logs(module, log=False) as records[m]:
+                        results[m] = module.training_step(parts[m], *rest, **kwargs)
+            except HandedOff:
+                return
+            finally:
+                self._micro_batch = None
+                self.stage.in_step = False
+            if self._called:
+                loss = _loss_tensor(results[m])
+                self.engine.set_loss(m, None if loss is None else self.scale_loss(loss * (sizes[m] / sum(sizes))))
+
+        self.engine.begin_step()
+        self.engine.run_schedule(len(parts), run_user_step)
+        outcome, output = StepOutcome(), None
         if self.is_last:
-            return engine.forward_last()
-        if torch.is_grad_enabled():
-            stage.detach_side_arguments()  # each micro-batch's backward stops at them; see the engine's backward
-        if self.is_first:
-            engine.forward_first(stage.stage_input())
+            weights = {m: sizes[m] / sum(sizes) for m in results}
+            logs = merged_logs(records, weights)
+            replay_logs(module, logs)  # what the steps logged, once for the whole step
+            output = merged_output(results, weights)
+            outcome = StepOutcome(output is None, _loss_value(output), logs, logged_metric_states(module, logs))
+        return self.share_outcome(module, outcome), output
+
+    def _run_chunk(self, chunk: int) -> Any:
+        """At the last block of a chunk this call runs: run the chunk in this stage's role. The last chunk returns
+        its output to the model's code; in a step, the stage's last chunk of the call ends the user's step there."""
+        engine, stage = self.engine, self.stage
+        grad = torch.is_grad_enabled()
+        call = stage.chunk_call(chunk, detach_side_arguments=grad and (stage.in_step or self.groups.num_stages > 1))
+        if not stage.in_step:
+            return self._run_chunk_outside_step(call)
+        self._called = True
+        if self._micro_batch is not None:
+            output = engine.forward_micro_batch(call, self._micro_batch)
         else:
-            engine.relay()
-        raise HandedOff
+            if grad and call.batch not in self._batch_sizes_checked:
+                # Before the first training step, for its batches and the epoch's last; again for any other size.
+                stage.check_micro_batches_fit_batch_norm(call, engine.num_micro_batches, self.epoch_last_batch)
+                self._batch_sizes_checked |= {call.batch, self.epoch_last_batch}
+            output = engine.forward_chunk(call)
+        if chunk == engine.last_chunk:
+            return output
+        if chunk == max(stage.targets):
+            raise HandedOff
+        return None
 
     def _outside_step_starts(self) -> None:
         """The model's code reached the pipelined blocks outside a step: every stage must, see below."""
@@ -158,24 +217,20 @@ class StageRuntime:
             self._all_stages_call_the_model()
         self.engine.begin_step()
 
-    def _run_pipeline_outside_step(self) -> Any:
+    def _run_chunk_outside_step(self, call: ChunkCall) -> Any:
         """A call outside a step (Lightning's ModelSummary, a callback calling ``pl_module(x)`` on every rank).
 
         Every stage of the pipeline must make the call: the input flows through the stages without gradients and
         every stage gets the last stage's output at the end of the blocks, so the caller's code runs on as on one
-        device.
+        device. With one stage the blocks simply run, in the caller's graph.
         """
-        engine, stage, output = self.engine, self.stage, None
-        if self.is_first and self.is_last:
-            return engine.forward_local(stage.stage_input())
+        if self.groups.num_stages == 1:
+            inputs = microbatch.as_tensors(call.stage_input, "the input of the pipelined module")
+            return self.stage.run_micro_batch(call, 0, 1, isinstance(call.stage_input, tuple), *inputs)
         with torch.no_grad():
-            if self.is_first:
-                engine.forward_first(stage.stage_input())
-            elif self.is_last:
-                output = engine.forward_last()
-            else:
-                engine.relay()
-            engine.end_step()
+            output = self.engine.forward_chunk(call)
+        if call.chunk == max(self.stage.chunk_ranges):
+            self.engine.end_step()
         return output
 
     def _all_stages_call_the_model(self) -> None:
@@ -195,7 +250,7 @@ class StageRuntime:
         if self.groups.num_stages == 1:
             return output
         holder = [apply_to_collection(output, Tensor, lambda t: t.to("cpu"))]
-        dist.broadcast_object_list(holder, src=self.groups.last_stage_rank, group=self.groups.meta)
+        dist.broadcast_object_list(holder, src=self.groups.loss_rank, group=self.groups.meta)
         return apply_to_collection(holder[0], Tensor, lambda t: t.to(self.groups.device))
 
     def run_on_last_stage(self, module: LightningModule, user_hook: Callable[[], None]) -> None:
@@ -219,7 +274,7 @@ class StageRuntime:
             outcome.random_states = random_states(groups.device)
         holder = [outcome]
         try:
-            dist.broadcast_object_list(holder, src=groups.last_stage_rank, group=groups.meta)
+            dist.broadcast_object_list(holder, src=groups.loss_rank, group=groups.meta)
         except RuntimeError as error:
             raise self._outcome_not_shared(error) from error
         outcome = holder[0]
@@ -237,27 +292,24 @@ class StageRuntime:
         if self.is_last:
             waited = "sending the step's results (loss, logs) to the other stages"
             return failed_wait(groups.describe(), waited, "another stage of its pipeline", timeout, error)
-        last = groups.describe(groups.num_stages - 1)
+        last = groups.describe(groups.layout.loss_stage)
         waited = "waiting for the last stage's step results (loss, logs)"
         return failed_wait(groups.describe(), waited, last, timeout, error)
 
     # ---- backward ------------------------------------------------------------------------------------------------
 
-    @property
-    def holds_loss(self) -> bool:
-        """Whether backward starts here from the loss (the last stage) rather than from gradients that arrive."""
-        return self.is_last
+    def backward(self) -> None:
+        """A whole-batch step's backward of the blocks, as the schedule says: on the last stage from the gradients the
+        user's ``loss.backward()`` left on the leaves of the blocks' output, elsewhere from those the next stage
+        sends."""
+        self.engine.backward_phase()
 
-    def backward_from_next_stage(self) -> None:
-        """First and middle stages: back-propagate with the gradients the next stage sends."""
-        self.engine.backward()
 
-    def end_backward(self) -> None:
-        """Last stage, after the loss's backward: send the gradients autograd did not reach."""
-        if self.is_last and not self.is_first:
-            self.engine.finish_last_backward()
+def _loss_tensor(output: Any) -> Tensor | None:
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    return loss if isinstance(loss, Tensor) else None
 
 
 def _loss_value(output: Any) -> float | None:
-    loss = output.get("loss") if isinstance(output, Mapping) else output
-    return float(loss.detach()) if isinstance(loss, Tensor) else None
+    loss = _loss_tensor(output)
+    return float(loss.detach()) if loss is not None else None

@@ -9,17 +9,20 @@ The model keeps its code: its ``nn.Sequential`` still runs its children in order
 During a step every call is observed, in order, and checked: its first argument must be the previous block's output
 (or that output's first item), and no argument may be an earlier block's output (a skip past the next block). A
 call returns a placeholder computed on the meta device, with the shapes and structure of the block's real output,
-so the model's code runs on as on one device, until the call of this stage's last block: there the pipeline runs
-(``on_last_local_call``, the runtime's). Per micro-batch, :meth:`StageBlocks.run_micro_batch` then runs this stage's
-blocks on the micro-batch with each block's own arguments, split along the batch dimension where they have it.
+so the model's code runs on as on one device, until the call of the last block of one of this stage's chunks (a
+stage holds one contiguous chunk of blocks, or several with virtual stages): there the pipeline runs that chunk
+(``on_chunk_end``, the runtime's). :meth:`StageBlocks.chunk_call` keeps what the chunk's blocks were called with,
+and :meth:`StageBlocks.run_micro_batch` runs them on a micro-batch with each block's own arguments, split along the
+batch dimension where they have it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from functools import partial
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +46,33 @@ class _Call:
     args: tuple
     kwargs: dict
     output: Any = None  # what the call returned to the model's code
+
+
+@dataclass
+class ChunkCall:
+    """What the model's code called one chunk's blocks with, in one call of the user's step: all the engine needs to
+    run the chunk on a micro-batch, then or later (a re-computation in backward, a later tick of the schedule)."""
+
+    chunk: int
+    calls: list[_Call]
+    batch: int  # the batch size of the chunk's input in this call
+    # Side arguments that need a gradient, as leaves: id(user tensor) -> (it, its leaf). Each micro-batch's backward
+    # stops there; their gradients are carried into the model's code once every micro-batch of the call is done.
+    leaves: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+
+    @property
+    def stage_input(self) -> Any:
+        """The chunk's input: the first argument of its first block's call."""
+        return self.calls[0].args[0]
+
+    def side_gradients(self) -> list[tuple[Tensor, Tensor]]:
+        """(side argument, its gradient over the call's micro-batches) for the model's own graph."""
+        return [(original, leaf.grad) for original, leaf in self.leaves.values() if leaf.grad is not None]
+
+    def describe(self, names: Sequence[str]) -> str:
+        """Its blocks by name (``names``: the region's), as errors name them."""
+        first, last = names[self.calls[0].index], names[self.calls[-1].index]
+        return first if first == last else f"{first} .. {last}"
 
 
 class RemoteBlock(nn.Module):
@@ -75,39 +105,46 @@ class RemoteBlock(nn.Module):
 
 
 class StageBlocks:
-    """The blocks ``local`` (indices into ``region``) of ``model`` held by this rank, as one pipeline stage."""
+    """The blocks of ``model`` held by this rank, as one pipeline stage: ``local`` is their range of indices into
+    ``region``, or with virtual stages a mapping from each of this stage's chunks (numbered along the model, of
+    ``num_chunks``) to its range."""
 
     def __init__(
         self,
         model: nn.Module,
         region: Region,
-        local: range,
+        local: range | Mapping[int, range],
         stage_index: int,
         num_stages: int,
         unsplit_arguments: Sequence[str] = (),
+        num_chunks: int | None = None,
     ) -> None:
         self.model = model
         self.region = region
-        self.layer_range = local
+        self.chunk_ranges = dict(local) if isinstance(local, Mapping) else {stage_index: local}
+        self.indices = sorted(i for chunk_range in self.chunk_ranges.values() for i in chunk_range)
+        self.num_chunks = num_chunks if num_chunks is not None else num_stages
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.unsplit_arguments = frozenset(unsplit_arguments)
         self.originals = region.blocks(model)  # every block as the user built it (the remote ones are not used)
-        self.blocks = [self.originals[i] for i in local]
-        # Set by the runtime. At this stage's last block: run the pipeline (in a step, a stage other than the last
-        # does not return from it). Outside a step (a callback calling the model): when the model's call reaches
-        # the region, and at the region's end, where every stage gets the last stage's real output.
-        self.on_last_local_call: Callable[[], Any] | None = None
+        self.blocks = [self.originals[i] for i in self.indices]
+        self._chunk_ends = {chunk_range[-1]: chunk for chunk, chunk_range in self.chunk_ranges.items()}
+        # Set by the runtime. At the last block of a chunk this call runs (see `begin_step`): run the chunk; the
+        # chunk's real output if the model's code should go on with it, else None (the block answers a placeholder),
+        # unless the runtime ends the user's step there. Outside a step (a callback calling the model): when the
+        # model's call reaches the region, and at the region's end, where every stage gets the last stage's output.
+        self.on_chunk_end: Callable[[int], Any] | None = None
         self.on_outside_step_start: Callable[[], None] | None = None
         self.outside_step_output: Callable[[Any], Any] | None = None
         self.in_step = False
+        self.targets: frozenset[int] = frozenset(self.chunk_ranges)  # the chunks this call of the user's step runs
         self._executing = False  # the engine runs real blocks: their forward goes straight through
         self._calls: list[_Call] = []
         self._takes_first_item: bool | None = None  # the model passes output[0], not the output, to the next block
         self._meta_states: dict[int, dict[str, Tensor]] = {}
         self._meta_outputs: dict[int, dict[Hashable, Any]] = {}  # per block: its meta output, by input signature
         self._argument_names_of: dict[int, list[str] | None] = {}
-        self.leaves: dict[int, tuple[Tensor, Tensor]] = {}  # id(user tensor) -> (it, its leaf), for side arguments
         self._nested_tensor_setting: tuple[nn.TransformerEncoder, bool] | None = None
         # Compiled calls of local blocks, run on micro-batches (a block compiled in place, or by `compile_stage`):
         # the model's own call of a block must reach the routing uncompiled, for it drives the pipeline.
@@ -121,7 +158,7 @@ class StageBlocks:
         """Put the stand-ins into the model: remote blocks replaced, local blocks' ``forward`` routed here."""
         self._nested_tensor_setting = _avoid_nested_tensors(self.model, self.region)
         for index, (name, block) in enumerate(zip(self.region.names, self.originals)):
-            if index in self.layer_range:
+            if index in self.indices:
                 block.forward = self._routed(index, block)  # type: ignore[method-assign]
                 if getattr(block, "_compiled_call_impl", None) is not None:  # `block.compile()`
                     self.compiled_calls[index], block._compiled_call_impl = block._compiled_call_impl, None
@@ -138,7 +175,7 @@ class StageBlocks:
             undo()
         self._undo = []
         for index, (name, block) in enumerate(zip(self.region.names, self.originals)):
-            if index in self.layer_range:
+            if index in self.indices:
                 block.__dict__.pop("forward", None)
                 if index in self._compiled_in_place:
                     block._compiled_call_impl = self.compiled_calls[index]
@@ -173,10 +210,11 @@ class StageBlocks:
 
     # ---- the model's calls ---------------------------------------------------------------------------------------
 
-    def begin_step(self, in_step: bool) -> None:
+    def begin_step(self, in_step: bool, targets: Iterator[int] | None = None) -> None:
+        """A new call of the model's code: it runs the chunks ``targets`` (by default every chunk of this stage)."""
         self.in_step = in_step
+        self.targets = frozenset(self.chunk_ranges if targets is None else targets)
         self._calls = []
-        self.leaves = {}
 
     def block_called(self, index: int, args: tuple, kwargs: dict) -> Any:
         """A call of block ``index`` by the model's code: checked, recorded, answered."""
@@ -190,16 +228,15 @@ class StageBlocks:
         args, kwargs = _map_caches(args, _no_cache), _map_caches(kwargs, _no_cache)
         call = _Call(index, args, kwargs)
         self._calls.append(call)
-        is_last_stage = self.stage_index == self.num_stages - 1
-        if index == self.layer_range.stop - 1:
-            assert self.on_last_local_call is not None
-            output = self.on_last_local_call()
-            call.output = output if is_last_stage else self._placeholder(index, args, kwargs)
-        else:
-            call.output = self._placeholder(index, args, kwargs)
+        output = None
+        chunk = self._chunk_ends.get(index)
+        if chunk is not None and chunk in self.targets:
+            assert self.on_chunk_end is not None
+            output = self.on_chunk_end(chunk)
+        call.output = output if output is not None else self._placeholder(index, args, kwargs)
         if index == len(self.region) - 1 and not self.in_step:
             assert self.outside_step_output is not None
-            call.output = self.outside_step_output(call.output if is_last_stage else None)
+            call.output = self.outside_step_output(output)
         return call.output
 
     def _check_order(self, index: int, args: tuple, kwargs: dict) -> None:
@@ -277,15 +314,18 @@ class StageBlocks:
             known[key] = _map_tensors(output, _fresh_meta)
         return output
 
-    def check_micro_batches_fit_batch_norm(self, num_micro_batches: int, epoch_last_batch: int | None = None) -> None:
-        """Raise before the step runs if a micro-batch is too small for a BatchNorm of this stage in training, in this
-        step or in the epoch's smaller ``epoch_last_batch``: the shapes each BatchNorm sees come from this step's
-        calls of this stage's blocks, re-run on the meta device."""
-        if not any(isinstance(module, _BatchNorm) for module in self.modules()):
+    def check_micro_batches_fit_batch_norm(
+        self, chunk_call: ChunkCall, num_micro_batches: int, epoch_last_batch: int | None = None
+    ) -> None:
+        """Raise before the chunk runs if a micro-batch is too small for one of its BatchNorms in training, in this
+        step or in the epoch's smaller ``epoch_last_batch``: the shapes each BatchNorm sees come from this call of the
+        chunk's blocks, re-run on the meta device."""
+        blocks = [self.originals[call.index] for call in chunk_call.calls]
+        if not any(isinstance(module, _BatchNorm) for block in blocks for module in block.modules()):
             return
-        batch_size = self.batch_size()
+        batch_size = chunk_call.batch
         with observed_batch_norm_inputs(self.model, batch_size) as values:  # named as in the model
-            for call in self._local_calls():
+            for call in chunk_call.calls:
                 self._placeholder(call.index, call.args, call.kwargs, reuse=False)  # the hooks must see the shapes
         check_micro_batches_fit_batch_norm(self.model, values, batch_size, num_micro_batches)
         if epoch_last_batch is not None:
@@ -308,51 +348,37 @@ class StageBlocks:
                 value = self.travelling(block(value))
         return value
 
-    def stage_input(self) -> Activation:
-        """The first stage's input: the first argument of its first block's call."""
-        return self._local_calls()[0].args[0]
+    def chunk_call(self, chunk: int, detach_side_arguments: bool) -> ChunkCall:
+        """What the model's code called ``chunk``'s blocks with in this call. With ``detach_side_arguments`` (when a
+        backward will follow), side arguments that need a gradient become leaves: see :class:`ChunkCall`."""
+        chunk_range = self.chunk_ranges[chunk]
+        calls = [call for call in self._calls if call.index in chunk_range]
+        if len(calls) != len(chunk_range):
+            raise PipelineOrderError("the pipeline ran before every block of this stage was called")
+        first = calls[0].args[0]
+        chunk_call = ChunkCall(chunk, calls, (first if isinstance(first, tuple) else (first,))[0].shape[0])
+        if detach_side_arguments:
+            leaf = partial(_leaf_of, chunk_call.leaves)
+            chunk_call.calls = [
+                _Call(call.index, (call.args[0], *_map_tensors(call.args[1:], leaf)), _map_tensors(call.kwargs, leaf))
+                for call in calls
+            ]
+        return chunk_call
 
-    def batch_size(self) -> int:
-        first = self._local_calls()[0].args[0]
-        tensors = first if isinstance(first, tuple) else (first,)
-        return tensors[0].shape[0]
-
-    def detach_side_arguments(self) -> None:
-        """Side arguments that need a gradient become leaves: every micro-batch's backward stops there, and
-        :meth:`backward_into_user_graph` carries their gradients into the model's code once per step."""
-        for call in self._local_calls():
-            call.args = (call.args[0], *_map_tensors(call.args[1:], self._leaf))
-            call.kwargs = _map_tensors(call.kwargs, self._leaf)
-
-    def _leaf(self, tensor: Tensor) -> Tensor:
-        if not tensor.requires_grad:
-            return tensor
-        if id(tensor) not in self.leaves:
-            self.leaves[id(tensor)] = (tensor, tensor.detach().requires_grad_(True))
-        return self.leaves[id(tensor)][1]
-
-    def side_gradients(self) -> list[tuple[Tensor, Tensor]]:
-        """(side argument, its gradient over every micro-batch) for the user's graph, once per step."""
-        pairs = [(original, leaf.grad) for original, leaf in self.leaves.values() if leaf.grad is not None]
-        self.leaves = {}
-        return pairs
-
-    def run_micro_batch(self, m: int, num: int, is_tuple: bool, *tensors: Tensor) -> Any:
-        """This stage's blocks on micro-batch ``m`` of ``num``: the last block's output."""
-        # NOTE: the stage's first block gets a copy of its input. A block that works in place (VGG's
+    def run_micro_batch(self, chunk_call: ChunkCall, m: int, num: int, is_tuple: bool, *tensors: Tensor) -> Any:
+        """The chunk's blocks on micro-batch ``m`` of ``num`` of its call: the last block's output."""
+        # NOTE: the chunk's first block gets a copy of its input. A block that works in place (VGG's
         # `nn.ReLU(inplace=True)` starting a stage) would otherwise modify a received leaf, the view through which
         # its gradient is caught, the first stage's slice of the user's tensor, or the input that re-computation
         # in backward reads again.
         copies = tuple(t.clone() for t in tensors)
         value: Any = copies if is_tuple else copies[0]
-        calls = self._local_calls()
-        batch = self.batch_size()
         output: Any = None
         with self._real_calls():
-            for i, call in enumerate(calls):
-                args = (value, *self._split(call, call.args[1:], m, num, batch, positional=True))
-                kwargs = self._split(call, call.kwargs, m, num, batch, positional=False)
-                output = self.compiled_calls.get(self.layer_range[i], self.blocks[i])(*args, **kwargs)
+            for call in chunk_call.calls:
+                args = (value, *self._split(call, call.args[1:], m, num, chunk_call.batch, positional=True))
+                kwargs = self._split(call, call.kwargs, m, num, chunk_call.batch, positional=False)
+                output = self.compiled_calls.get(call.index, self.originals[call.index])(*args, **kwargs)
                 value = self.travelling(output)
         return output
 
@@ -387,15 +413,15 @@ class StageBlocks:
             self._argument_names_of[call.index] = names
         return self._argument_names_of[call.index]
 
-    def _local_calls(self) -> list[_Call]:
-        calls = [call for call in self._calls if call.index in self.layer_range]
-        if len(calls) != len(self.layer_range):
-            raise PipelineOrderError("the pipeline ran before every block of this stage was called")
-        return calls
 
-    def describe_layers(self) -> str:
-        first, last = self.region.names[self.layer_range.start], self.region.names[self.layer_range.stop - 1]
-        return first if first == last else f"{first} .. {last}"
+
+def _leaf_of(leaves: dict[int, tuple[Tensor, Tensor]], tensor: Tensor) -> Tensor:
+    """``tensor``'s leaf in ``leaves`` (made on first sight) if it needs a gradient, else ``tensor``."""
+    if not tensor.requires_grad:
+        return tensor
+    if id(tensor) not in leaves:
+        leaves[id(tensor)] = (tensor, tensor.detach().requires_grad_(True))
+    return leaves[id(tensor)][1]
 
 
 def _avoid_nested_tensors(model: nn.Module, region: Region) -> tuple[nn.TransformerEncoder, bool] | None:

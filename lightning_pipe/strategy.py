@@ -87,7 +87,7 @@ from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
 from lightning_pipe.sharded import load as load_sharded
 from lightning_pipe.sharded import save as save_sharded
 from lightning_pipe.runtime import StageRuntime
-from lightning_pipe.schedule import Schedule
+from lightning_pipe.schedule import PipelineSchedule, StageActions
 from lightning_pipe.stage import StageBlocks
 from lightning_pipe.summary import StageSummary, build_stage_summary, outside_warning, stage_devices
 from lightning_pipe.tied import TiedParameters, parameters_shared_across_stages, replicated_parameters
@@ -160,10 +160,15 @@ class GPipeStrategy(ParallelStrategy):
             in host memory. By default each rank keeps only its own stage (the other layers stay on the meta
             device) and the trained model lives in the checkpoints. A model built the usual way always comes back
             whole on every rank.
-        schedule: the order of each stage's forwards, backwards, sends and receives in a step: ``"gpipe"`` or a
-            function ``(stage, num_stages, num_micro_batches, checkpoint) -> list[Action]`` (see
-            :mod:`lightning_pipe.schedule`). Every forward comes before the first backward, since the loss is computed
-            on the whole mini-batch.
+        schedule: the order of each stage's forwards, backwards, sends and receives in a step (see
+            docs/schedules.md): ``"gpipe"`` (the default; the loss on the whole batch), or a schedule with a loss per
+            micro-batch, for which ``training_step`` runs once per micro-batch: ``"1f1b"`` (at most ``S - stage``
+            micro-batches' activations held), ``"interleaved_1f1b"`` (``virtual_stages`` model chunks per stage: a
+            smaller bubble), ``"zero_bubble"`` (backward split into input and weight gradients, the latter filling the
+            bubble) or ``"zbv"`` (two chunks per stage in a V). Or a function ``(stage, num_stages,
+            num_micro_batches, virtual_stages) -> list[Action]`` (see :mod:`lightning_pipe.schedule`).
+        virtual_stages: model chunks per stage for the schedules that interleave them (``"interleaved_1f1b"``:
+            2 by default; ``"zbv"``: 2); the pipelined blocks are split into ``num_stages * virtual_stages`` chunks.
         deferred_batch_norm: update BatchNorm running statistics once per mini-batch, from the whole mini-batch's
             statistics, so that they equal one device's. By default (GPipe's semantics) each micro-batch updates
             them with its own statistics. Either way each micro-batch is normalised by its own statistics.
@@ -198,7 +203,8 @@ class GPipeStrategy(ParallelStrategy):
         mesh_order: tuple[str, str] = ("pp", "dp"),
         save_distributed_checkpoint: bool | None = None,
         gather_model_after_run: bool = False,
-        schedule: str | Schedule = "gpipe",
+        schedule: str | PipelineSchedule | StageActions = "gpipe",
+        virtual_stages: int | None = None,
         compile: bool | Mapping[str, Any] = False,
     ) -> None:
         super().__init__(
@@ -226,6 +232,7 @@ class GPipeStrategy(ParallelStrategy):
             save_distributed_checkpoint=save_distributed_checkpoint,
             gather_model_after_run=gather_model_after_run,
             schedule=schedule,
+            virtual_stages=virtual_stages,
             compile=compile,
         )
         # The settings the process-group, setup, step and checkpoint sections read.
@@ -235,6 +242,7 @@ class GPipeStrategy(ParallelStrategy):
         self._trace_steps = self._settings.trace_steps
         self._mesh_order = self._settings.mesh_order
         self._save_distributed_checkpoint = self._settings.save_distributed_checkpoint
+        self._virtual_stages = self._settings.virtual_stages
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
@@ -263,12 +271,21 @@ class GPipeStrategy(ParallelStrategy):
         return self._settings.pipeline_config(self.num_processes * self.num_nodes)
 
     @property
+    def chunk_config(self) -> PipelineParallelConfig:
+        """The counts the partition splits the blocks by: one part per model chunk (``virtual_stages`` per stage)."""
+        config = self.config
+        return PipelineParallelConfig(config.num_stages * self._virtual_stages, config.num_micro_batches)
+
+    @property
     def layout(self) -> PipelineLayout:
         """Which rank holds which stage of which replica (``devices * num_nodes = num_stages * replicas``)."""
         if self._layout is None:
             num_stages = self.config.num_stages
             replicas = max(1, self.num_processes * self.num_nodes // num_stages)
-            self._layout = PipelineLayout(num_stages, replicas, pipeline_outermost=self._mesh_order[0] == "pp")
+            self._layout = PipelineLayout(
+                num_stages, replicas, pipeline_outermost=self._mesh_order[0] == "pp",
+                loss_on_first_stage=self._settings.schedule.owner(num_stages * self._virtual_stages - 1, num_stages) == 0 and num_stages > 1,
+            )
         return self._layout
 
     @property
@@ -315,7 +332,7 @@ class GPipeStrategy(ParallelStrategy):
         if settings.num_stages is not None:
             check_process_count(settings.num_stages, self.num_processes, self.num_nodes)
         elif isinstance(settings.balance, list):  # with num_stages set, `PipelineSettings` compared the two
-            check_one_count_per_stage(settings.balance, self.config.num_stages)
+            check_one_count_per_stage(settings.balance, self.chunk_config.num_stages)
         self.config  # noqa: B018  (validates the resolved counts before any process starts)
         if settings.start_method == "popen":
             self._launcher = CheckedSubprocessScriptLauncher(
@@ -334,7 +351,7 @@ class GPipeStrategy(ParallelStrategy):
         settings = self._settings
         region = self._find_region(model)
         check_compiled(model, region)
-        stage_ranges(self.config, len(region), settings.balance if isinstance(settings.balance, list) else None)
+        stage_ranges(self.chunk_config, len(region), settings.balance if isinstance(settings.balance, list) else None)
         profiling_sample(settings.balance, settings.sample, model)
 
     def setup_environment(self) -> None:
@@ -432,7 +449,7 @@ class GPipeStrategy(ParallelStrategy):
 
     def _partition(self, module: LightningModule) -> None:
         """Replace the pipelined ``nn.Sequential`` by this rank's :class:`StageLayers` and build its runtime."""
-        config = self.config
+        config, schedule, v = self.config, self._settings.schedule, self._virtual_stages
         self._check_every_rank_built_the_same_model(module)
         region = self._find_region(module)
         check_compiled(module, region)
@@ -440,11 +457,17 @@ class GPipeStrategy(ParallelStrategy):
         layers = nn.Sequential(*blocks)  # the blocks in order, for the partition plan and the whole model
         self._plan, self._plan_module_name = self._decide_partition(module, layers), region.label
         self._outside = outside_parameters(module, region)
-        ranges = self._plan.ranges
-        ties = parameters_shared_across_stages(blocks, ranges)  # before materialising replaces parameters
+        chunk_ranges = self._plan.ranges  # one per model chunk: num_stages * virtual_stages
+        held = [
+            sorted(i for k in schedule.chunks(s, config.num_stages, v) for i in chunk_ranges[k])
+            for s in range(config.num_stages)
+        ]
+        ties = parameters_shared_across_stages(blocks, held)  # before materialising replaces parameters
         whole_model_state = list(module.state_dict().keys())
         whole_model_parameters = [parameter_name for parameter_name, _ in module.named_parameters()]
-        stage = StageBlocks(module, region, ranges[self.stage_index], self.stage_index, config.num_stages)
+        index = self.stage_index
+        local = {k: chunk_ranges[k] for k in schedule.chunks(index, config.num_stages, v)}
+        stage = StageBlocks(module, region, local, index, config.num_stages, num_chunks=len(chunk_ranges))
         stage.install()
         # Built on the meta device: only what this rank runs becomes real (the stage, the replicated modules).
         self._deferred = self.reduce_boolean_decision(holds_meta_tensors(layers), all=False)
@@ -453,7 +476,7 @@ class GPipeStrategy(ParallelStrategy):
             for block in stage.blocks:
                 defer_batch_norms(block)
         self._pipelined = PipelinedModule(
-            region.label, layers, ranges, whole_model_state, whole_model_parameters, put_back=stage.uninstall
+            region.label, layers, held, whole_model_state, whole_model_parameters, put_back=stage.uninstall
         )
         self._replicated = replicated_parameters(module, region.names)
         self._tied = TiedParameters(ties, stage, self.layout, self._replicated, self._timeout)
@@ -462,19 +485,23 @@ class GPipeStrategy(ParallelStrategy):
         rank_zero_info(str(summary))
         if (warning := outside_warning(summary)) is not None:
             rank_zero_warn(warning, category=PossibleUserWarning)
-        groups, index = self.groups, self.stage_index
+        groups = self.groups
         timeline = StepTimeline(self.root_device, enabled=self._log_bubble_fraction or bool(self._trace_steps))
         # One stage draws from the global stream, as one device does; several need streams of their own.
         streams = StageRandomStreams(self.root_device, index, groups.replica) if config.num_stages > 1 else None
+        neighbours = {schedule.owner(k + step, config.num_stages) for k in local for step in (-1, 1)
+                      if 0 <= k + step < len(chunk_ranges)} - {index}
         engine = PipelineEngine(
             stage, config.num_micro_batches, self._settings.recompute,
-            previous=groups.link(index - 1) if not groups.is_first else None,
-            next=groups.link(index + 1) if not groups.is_last else None,
-            schedule=self._settings.schedule,
+            links={peer: groups.link(peer) for peer in sorted(neighbours)},
+            schedule=schedule,
+            virtual_stages=v,
             timeline=timeline,
             random_streams=streams,
         )
-        self._runtime = StageRuntime(groups, engine, stage)
+        self._runtime = StageRuntime(
+            groups, engine, stage, scale_loss=self._scale_micro_batch_loss, step_context=self.precision_plugin.train_step_context
+        )
         self._tracer = None
         if timeline.enabled and config.num_stages > 1:
             trace_dir = self._settings.trace_dir or Path(module.trainer.default_root_dir)
@@ -504,7 +531,7 @@ class GPipeStrategy(ParallelStrategy):
     def _decide_partition(self, module: LightningModule, sequential: nn.Sequential) -> PartitionPlan:
         """The split, decided on global rank 0 (profiling there when ``balance`` asks) and broadcast, so that every
         rank applies the same split even where measurements differ between ranks."""
-        settings, config = self._settings, self.config
+        settings, config = self._settings, self.chunk_config
         decided: PartitionPlan | str | None = None
         error: Exception | None = None
         if self.global_rank == 0:
@@ -582,6 +609,7 @@ class GPipeStrategy(ParallelStrategy):
                 " the Trainer has set up (e.g. in a callback's on_fit_start or after trainer.fit)."
             )
         ranks = self.layout.pipeline_ranks(0)
+        schedule, num_stages = self._settings.schedule, self.layout.num_stages
         assert self.parallel_devices is not None
         devices = stage_devices(ranks, self.parallel_devices, self.num_nodes)
         busy = self._last_observation.busy_seconds if self._last_observation is not None else None
@@ -596,6 +624,9 @@ class GPipeStrategy(ParallelStrategy):
             busy,
             built_whole=not self._deferred,
             outside=self._outside,
+            owners=[schedule.owner(k, num_stages) for k in range(len(self._plan.ranges))],
+            schedule=schedule.name,
+            ideal_bubble=schedule.ideal_bubble(num_stages, self.config.num_micro_batches, self._virtual_stages),
         )
 
     def _observe_step(self) -> None:
@@ -621,7 +652,11 @@ class GPipeStrategy(ParallelStrategy):
             self._runtime.epoch_last_batch = _epoch_last_batch_reached(self.lightning_module.trainer)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.train_step_context():
+        assert self._runtime is not None
+        # A per-micro-batch step enters the precision's context around each call of the user's step, not around the
+        # backwards it runs in between.
+        context = nullcontext() if self._runtime.per_micro_batch else self.precision_plugin.train_step_context()
+        with context:
             outcome, output = self._run_step("training_step", args, kwargs)
         if outcome.skipped:
             # Lightning refuses `None` from a distributed training_step. A placeholder loss that `backward` ignores,
@@ -663,18 +698,30 @@ class GPipeStrategy(ParallelStrategy):
         assert runtime is not None and module is not None
         if runtime.step_skipped:
             return closure_loss
-        if runtime.holds_loss:
-            closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        self.pre_backward(closure_loss)
+        if runtime.per_micro_batch:
+            # The step ran every backward where its schedule said; Lightning's hooks still run around this call
+            # (on_before_backward after the fact, with the step's loss), and the precision's scaling was applied per
+            # micro-batch (see `_scale_micro_batch_loss`).
+            Precision.pre_backward(self.precision_plugin, closure_loss, module)
         else:
-            # The loss lives on the last stage; here the gradients arrive from the next stage instead.
-            self.pre_backward(closure_loss)
             closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-            runtime.backward_from_next_stage()
-            closure_loss = self.precision_plugin.post_backward(closure_loss, module)
-            self.post_backward(closure_loss)
-        runtime.end_backward()
+            if runtime.is_last:  # the user's loss.backward(), through the model's head to the blocks' output
+                self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+            runtime.backward()  # the blocks' own backward, micro-batch by micro-batch
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
         self._observe_step()
         return closure_loss
+
+    def _scale_micro_batch_loss(self, loss: Tensor) -> Tensor:
+        """What a per-micro-batch step back-propagates of a micro-batch's (weighted) loss: divided over Lightning's
+        gradient accumulation, and scaled by the gradient scaler, as Lightning does with one step's loss."""
+        module = self.lightning_module
+        assert module is not None
+        loss = loss / module.trainer.accumulate_grad_batches
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return scaler.scale(loss) if scaler is not None else loss
 
     def optimizer_step(
         self,

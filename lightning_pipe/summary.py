@@ -16,7 +16,7 @@ that was logged or traced (see ``GPipeStrategy(log_bubble_fraction=..., trace_st
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,9 +30,10 @@ MAX_OUTSIDE_SHARE = 0.2  # of the parameters running whole on every stage, above
 
 @dataclass(frozen=True)
 class StageRow:
-    """One stage of the pipeline (of replica 0)."""
+    """One model chunk of the pipeline (of replica 0): with one chunk per stage, one stage."""
 
     stage: int
+    chunk: int
     rank: int
     device: str
     layers: range
@@ -52,7 +53,7 @@ class StageSummary:
     balance: str
     num_micro_batches: int
     recompute: str  # the re-computation mode (the public option `checkpoint`)
-    rows: list[StageRow]
+    rows: list[StageRow]  # one per model chunk, in model order
     replicated_parameters: int
     imbalance: float  # slowest stage over the mean stage
     imbalance_basis: str  # what was compared: measured busy time, profiled time, memory or parameters
@@ -62,6 +63,12 @@ class StageSummary:
     # What runs whole on every stage: the modules (or loose parameters) outside the pipelined region, with their
     # parameter counts.
     outside: tuple[tuple[str, int], ...] = ()
+    schedule: str = "gpipe"
+    ideal_bubble: float | None = None  # the schedule's idle share of a step with equal chunks
+
+    @property
+    def num_stages(self) -> int:
+        return len({row.stage for row in self.rows})
 
     @property
     def outside_share(self) -> float:
@@ -71,8 +78,10 @@ class StageSummary:
         return self.replicated_parameters / total if total else 0.0
 
     def __str__(self) -> str:
+        chunked = len(self.rows) != self.num_stages
         columns: list[tuple[str, list[str]]] = [
             ("Stage", [str(row.stage) for row in self.rows]),
+            *([("Chunk", [str(row.chunk) for row in self.rows])] if chunked else []),
             ("Rank", [str(row.rank) for row in self.rows]),
             ("Device", [row.device for row in self.rows]),
             ("Layers", [f"{row.layers.start}-{row.layers.stop - 1}" for row in self.rows]),
@@ -85,10 +94,12 @@ class StageSummary:
         widths = [max(len(name), *(len(cell) for cell in cells)) for name, cells in columns]
         header = " | ".join(name.ljust(width) for (name, _), width in zip(columns, widths))
         num_layers = sum(len(row.layers) for row in self.rows)
+        chunks = f" in {len(self.rows)} chunks" if chunked else ""
+        bubble = f" (ideal bubble {self.ideal_bubble:.2f})" if self.ideal_bubble is not None else ""
         lines = [
-            f"GPipe: pipelining '{self.module_name}' ({num_layers} layers) over {len(self.rows)} stages,"
-            f" balance={self.balance!r}, {self.num_micro_batches} micro-batches per batch,"
-            f" checkpoint={self.recompute!r}",
+            f"GPipe: pipelining '{self.module_name}' ({num_layers} layers) over {self.num_stages} stages{chunks},"
+            f" schedule={self.schedule!r}{bubble}, balance={self.balance!r}, {self.num_micro_batches} micro-batches"
+            f" per batch, checkpoint={self.recompute!r}",
             header,
             "-" * len(header),
         ]
@@ -123,14 +134,20 @@ def build_stage_summary(
     busy_seconds: Sequence[float] | None = None,
     built_whole: bool = False,
     outside: Sequence[tuple[str, int]] = (),
+    owners: Sequence[int] | None = None,
+    schedule: str = "gpipe",
+    ideal_bubble: float | None = None,
 ) -> StageSummary:
-    """The summary of ``plan``; ``ranks[s]`` and ``devices[s]`` say where stage ``s`` runs; ``recompute`` is the
+    """The summary of ``plan``, whose ranges are the model's chunks, held by the stages ``owners`` (by default chunk
+    ``s`` on stage ``s``); ``ranks[s]`` and ``devices[s]`` say where stage ``s`` runs; ``recompute`` is the
     re-computation mode, whose repeated forwards count in the profiled time. ``built_whole``: every rank built the
     whole pipelined module (no deferred construction). ``outside``: the modules outside the pipelined region that hold
     parameters, with their counts (:func:`lightning_pipe.region.outside_parameters`)."""
     repeated = recompute_fraction(recompute, num_micro_batches)
+    owners = list(owners) if owners is not None else list(range(len(plan.ranges)))
     rows = []
-    for stage, layer_range in enumerate(plan.ranges):
+    for chunk, layer_range in enumerate(plan.ranges):
+        stage = owners[chunk]
         layers = [plan.layers[i] for i in layer_range]
         profiles = [plan.profiles[i] for i in layer_range] if plan.profiles is not None else None
         time_seconds = (
@@ -145,6 +162,7 @@ def build_stage_summary(
         rows.append(
             StageRow(
                 stage,
+                chunk,
                 ranks[stage],
                 devices[stage],
                 layer_range,
@@ -153,22 +171,28 @@ def build_stage_summary(
                 time_seconds,
                 memory,
                 profiles is not None,
-                busy_seconds[stage] if busy_seconds is not None else None,
+                busy_seconds[stage] if busy_seconds is not None and stage not in owners[:chunk] else None,
             )
         )
+    num_stages = max(owners) + 1
+
+    def per_stage(value: Callable[[StageRow], float]) -> list[float]:
+        return [sum(value(row) for row in rows if row.stage == stage) for stage in range(num_stages)]
+
     if busy_seconds is not None:
         totals, basis = list(busy_seconds), "measured busy time in the last step"
     elif plan.profiles is not None and plan.method == "memory":
-        totals, basis = [float(row.memory_bytes) for row in rows], "profiled memory"
+        totals, basis = per_stage(lambda row: float(row.memory_bytes)), "profiled memory"
     elif plan.profiles is not None:
-        totals, basis = [row.time_seconds or 0.0 for row in rows], "profiled time"
+        totals, basis = per_stage(lambda row: row.time_seconds or 0.0), "profiled time"
     else:
-        totals, basis = [float(row.parameters) for row in rows], "parameters"
-    stage_bytes = [sum(plan.layers[i].parameter_bytes for i in layer_range) for layer_range in plan.ranges]
+        totals, basis = per_stage(lambda row: float(row.parameters)), "parameters"
+    chunk_bytes = [sum(plan.layers[i].parameter_bytes for i in layer_range) for layer_range in plan.ranges]
+    stage_bytes = [sum(b for b, owner in zip(chunk_bytes, owners) if owner == stage) for stage in range(num_stages)]
     saving = sum(stage_bytes) - min(stage_bytes) if built_whole else 0
     return StageSummary(
         module_name, plan.method, num_micro_batches, recompute, rows, replicated_parameters, imbalance(totals), basis,
-        saving, tuple(outside),
+        saving, tuple(outside), schedule, ideal_bubble,
     )
 
 
