@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.profile import LayerProfile, pipelined_input, profile_layers
-from lightning_pipe.schedule import recomputes
+from lightning_pipe.schedule import SCHEDULES
 
 if TYPE_CHECKING:
     from lightning_pipe.config import PipelineParallelConfig
@@ -206,8 +206,9 @@ class PartitionPlan:
 
 def recompute_fraction(mode: str, num_micro_batches: int) -> float:
     """The share of micro-batches whose forward runs again in backward under the re-computation ``mode`` (the
-    public ``checkpoint`` option), as :func:`lightning_pipe.schedule.recomputes` decides it."""
-    return sum(recomputes(mode, m, num_micro_batches) for m in range(num_micro_batches)) / num_micro_batches
+    public ``checkpoint`` option) in GPipe, as :func:`lightning_pipe.schedule.with_recompute` decides it."""
+    forwards = [a for a in SCHEDULES["gpipe"].stage_actions(0, 1, num_micro_batches, 1, mode) if a.kind == "forward"]  # type: ignore[arg-type]
+    return sum(a.recompute for a in forwards) / num_micro_batches
 
 
 def needs_sample(balance: Balance) -> bool:

@@ -33,7 +33,7 @@ from lightning_pipe.batchnorm import DeferredBatchNorm
 from lightning_pipe.microbatch import Activation
 from lightning_pipe.p2p import ACTIVATION, SKIP, Header, Link, PendingHeader, PostedTensors, TensorMeta
 from lightning_pipe.random_streams import StageRandomStreams
-from lightning_pipe.schedule import Action, Schedule, phases
+from lightning_pipe.schedule import Action, PipelineSchedule, phases
 from lightning_pipe.settings import RecomputeMode
 from lightning_pipe.stage import StageBlocks
 from lightning_pipe.trace.timeline import BACKWARD, FORWARD, SEND, WAIT, Stamp, StepTimeline
@@ -96,7 +96,7 @@ class PipelineEngine:
         recompute: RecomputeMode,
         previous: Link | None,
         next: Link | None,
-        schedule: Schedule,
+        schedule: PipelineSchedule,
         timeline: StepTimeline | None = None,
         random_streams: StageRandomStreams | None = None,
     ) -> None:
@@ -105,6 +105,11 @@ class PipelineEngine:
         self.recompute = recompute
         self.previous = previous
         self.next = next
+        if schedule.per_micro_batch or schedule.virtual_stages != 1:
+            raise ValueError(
+                f"schedule={schedule.name!r} needs a loss per micro-batch or several chunks per stage, which this"
+                " engine does not run yet; use schedule='gpipe'."
+            )
         self.schedule = schedule
         self.random_streams = random_streams
         self._step = _StepState()
@@ -133,7 +138,8 @@ class PipelineEngine:
     def _actions(self, num_micro_batches: int) -> list[Action]:
         """This step's forward phase; its backward phase is kept for :meth:`backward`."""
         stage, num_stages = self.layers.stage_index, self.layers.num_stages
-        forwards, backwards = phases(self.schedule(stage, num_stages, num_micro_batches, self.recompute), num_micro_batches)
+        actions = self.schedule.stage_actions(stage, num_stages, num_micro_batches, 1, self.recompute)
+        forwards, backwards = phases(actions, num_micro_batches)
         self._step.backwards = backwards if torch.is_grad_enabled() else []
         return forwards
 

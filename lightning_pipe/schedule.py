@@ -1,139 +1,597 @@
 """Pipeline schedules: the ordered actions each stage performs in one training step, which the engine executes.
 
-A schedule is a pure function ``(stage, num_stages, num_micro_batches, recompute) -> list[Action]``. GPipe with 3
-stages and 4 micro-batches, forward (F) and backward (B) of micro-batch ``m`` at these clock ticks when each takes
-one tick (stages wait on their neighbours; ``.`` is the idle bubble; :func:`render_timeline` draws it from the
-actions)::
+The pipelined blocks are cut into ``S·v`` contiguous *chunks* (``S`` stages, ``v`` virtual stages: chunks per
+stage); chunk 0 runs first, chunk ``S·v - 1`` last and feeds the loss. A placement puts each chunk on a stage:
+``"loop"``, chunk ``k`` on stage ``k % S``; ``"v"`` (``v = 2``), down the stages and back up, so that the first
+stage holds the first and the last chunk. A schedule lists, for each stage, its forwards and backwards of (chunk,
+micro-batch) pairs and the messages between them; the engine executes each list strictly in order.
 
-    tick     0  1  2  3  4  5  6  7  8  9  10 11
-    stage 0  F0 F1 F2 F3 .  .  .  .  B3 B2 B1 B0
-    stage 1  .  F0 F1 F2 F3 .  .  B3 B2 B1 B0 .
-    stage 2  .  .  F0 F1 F2 F3 B3 B2 B1 B0 .  .
+GPipe with 3 stages and 4 micro-batches, at the ticks :func:`clock_cycles` finds when a forward (``F``) takes one
+tick and a backward (``B``, input and weight gradients) two (``.`` is the idle bubble; :func:`render_timeline`
+draws it from the actions; ``render_timeline(3, 4)``)::
 
-Every stage runs all forwards, then all backwards: the loss is computed on the joined output of all micro-batches
-(the user's ``training_step`` sees the whole mini-batch), so no backward can start before the last forward. Any
-schedule of that shape runs unchanged (the order of the backwards is free). Schedules that interleave forwards and
-backwards (1F1B, zero-bubble) need a loss per micro-batch instead.
+    tick     0  1  2  3  4  5  6  7  8  9  10 11 12 13 14 15 16 17
+    stage 0  F0 F1 F2 F3 .  .  .  .  .  .  B3 -- B2 -- B1 -- B0 --
+    stage 1  .  F0 F1 F2 F3 .  .  .  B3 -- B2 -- B1 -- B0 -- .  .
+    stage 2  .  .  F0 F1 F2 F3 B3 -- B2 -- B1 -- B0 -- .  .  .  .
+
+GPipe runs every forward before the first backward: its loss is computed on the joined output of all micro-batches
+(the user's ``training_step`` sees the whole mini-batch). The other schedules (1F1B, interleaved 1F1B, zero bubble,
+ZB-V) interleave forwards and backwards and need a loss per micro-batch (``per_micro_batch``). docs/schedules.md
+compares them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field, replace
+from typing import Literal, NamedTuple
 
-# recv: wait for a micro-batch's activations from the previous stage; send: pass its output to the next one;
-# recv_grad / send_grad: the same for gradients, in the other direction. forward and backward run this stage's
-# layers; a forward with ``recompute`` keeps only its inputs and runs again inside its backward.
-ActionKind = Literal["recv", "forward", "send", "recv_grad", "backward", "send_grad"]
-FORWARD_PHASE: tuple[ActionKind, ...] = ("recv", "forward", "send")
-BACKWARD_PHASE: tuple[ActionKind, ...] = ("recv_grad", "backward", "send_grad")
+# recv: wait for a micro-batch's activations from the stage holding the previous chunk; send: pass a chunk's output
+# to the stage holding the next one; recv_grad / send_grad: the same for gradients, in the other direction. forward
+# and backward run one chunk's layers; backward_input computes only the gradient of the chunk's input (what the
+# previous chunk waits for), backward_weight later the weights' gradients (what nobody waits for).
+ActionKind = Literal[
+    "recv", "forward", "send", "recv_grad", "backward", "backward_input", "backward_weight", "send_grad"
+]
+Placement = Literal["loop", "v"]
+RecomputeMode = Literal["always", "except_last", "never"]
+COMPUTE_KINDS: tuple[ActionKind, ...] = ("forward", "backward", "backward_input", "backward_weight")
+INPUT_GRADIENT_KINDS: tuple[ActionKind, ...] = ("backward", "backward_input")  # what send_grad and the chunk before wait on
 
 
 @dataclass(frozen=True)
 class Action:
-    """One unit of work of a stage for one micro-batch."""
+    """One unit of work of a stage: ``kind`` on micro-batch ``micro_batch`` of model chunk ``chunk``."""
 
     kind: ActionKind
     micro_batch: int
-    recompute: bool = False  # forward only: re-compute the activations in backward instead of keeping them
+    chunk: int  # the model chunk, 0..S·v-1 (on a stage holding it)
+    recompute: bool = False  # forward only: keep only the inputs and run the forward again inside the backward
 
     def __str__(self) -> str:
-        short = {"recv": "R", "forward": "F", "send": "S", "recv_grad": "r", "backward": "B", "send_grad": "s"}
-        return f"{short[self.kind]}{self.micro_batch}"
+        flag = ", recomputed" if self.recompute else ""
+        return f"{self.kind}(chunk {self.chunk}, micro-batch {self.micro_batch}{flag})"
 
 
-Schedule = Callable[[int, int, int, str], list[Action]]
+# (stage, num_stages, num_micro_batches, virtual_stages) -> that stage's actions, in the order it runs them.
+StageActions = Callable[[int, int, int, int], list[Action]]
 
 
-def recomputes(mode: str, micro_batch: int, num_micro_batches: int) -> bool:
-    """Whether micro-batch ``micro_batch`` re-computes its forward in backward under the activation re-computation
-    ``mode`` (the public ``checkpoint`` option): ``"always"``; ``"except_last"``, every micro-batch but the last,
-    whose backward comes first, so its activations would be freed soonest anyway; ``"never"``."""
-    if mode == "always":
-        return True
+def owner(chunk: int, num_stages: int, placement: Placement = "loop") -> int:
+    """The stage that holds ``chunk``: ``chunk % S`` in a loop; down the stages and back up in a V."""
+    if placement == "v":
+        return chunk if chunk < num_stages else 2 * num_stages - 1 - chunk
+    return chunk % num_stages
+
+
+def stage_chunks(stage: int, num_stages: int, virtual_stages: int, placement: Placement = "loop") -> list[int]:
+    """The chunks ``stage`` holds, in model order."""
+    return [k for k in range(num_stages * virtual_stages) if owner(k, num_stages, placement) == stage]
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """A schedule: the function that lists each stage's actions, and what the engine must know to run them.
+
+    ``per_micro_batch``: the loss is computed per micro-batch, so a micro-batch's backward may start right after
+    its last forward (every built-in schedule but GPipe, whose loss is computed on the whole mini-batch).
+    ``virtual_stages`` is the default number of chunks per stage, ``min_virtual_stages`` and ``max_virtual_stages``
+    (``None``: no limit) the allowed ones. ``bubble_formula(S, M, v)`` is the idle share of a step that the schedule
+    is designed for (``None``: the simulated one, :func:`clock_cycles`).
+    """
+
+    name: str
+    actions: StageActions = field(repr=False)
+    per_micro_batch: bool
+    placement: Placement = "loop"
+    virtual_stages: int = 1
+    min_virtual_stages: int = 1
+    max_virtual_stages: int | None = 1
+    bubble_formula: Callable[[int, int, int], float] | None = field(default=None, repr=False)
+
+    def owner(self, chunk: int, num_stages: int) -> int:
+        """The stage holding ``chunk``."""
+        return owner(chunk, num_stages, self.placement)
+
+    def chunks(self, stage: int, num_stages: int, virtual_stages: int) -> list[int]:
+        """The chunks ``stage`` holds, in model order."""
+        return stage_chunks(stage, num_stages, virtual_stages, self.placement)
+
+    def stage_actions(
+        self,
+        stage: int,
+        num_stages: int,
+        num_micro_batches: int,
+        virtual_stages: int,
+        recompute: RecomputeMode = "never",
+    ) -> list[Action]:
+        """``stage``'s actions with the re-computation flags of ``recompute`` (the public ``checkpoint`` option)."""
+        return with_recompute(self.actions(stage, num_stages, num_micro_batches, virtual_stages), recompute)
+
+    def ideal_bubble(self, num_stages: int, num_micro_batches: int, virtual_stages: int) -> float:
+        """The idle share of a step with equal chunks, forward, input gradient and weight gradient one tick each."""
+        if self.bubble_formula is not None:
+            return self.bubble_formula(num_stages, num_micro_batches, virtual_stages)
+        return clock_cycles(num_stages, num_micro_batches, self, virtual_stages).bubble_fraction
+
+    def checked_virtual_stages(self, virtual_stages: object, key: str = "") -> int:
+        """``virtual_stages``, or the default for ``None``; a ``ValueError`` naming the setting when this schedule
+        cannot run that many chunks per stage. ``key`` prefixes the setting's name (``"strategy."`` under Hydra)."""
+        if virtual_stages is None:
+            return self.virtual_stages
+        low, high = self.min_virtual_stages, self.max_virtual_stages
+        if (
+            isinstance(virtual_stages, bool)
+            or not isinstance(virtual_stages, int)
+            or virtual_stages < low
+            or (high is not None and virtual_stages > high)
+        ):
+            allowed = f"exactly {low}" if low == high else f"{low} or more" if high is None else f"{low} to {high}"
+            fix = f"leave {key}virtual_stages unset (the default is {self.virtual_stages})"
+            if high == 1:
+                fix += f", or use {key}schedule='interleaved_1f1b' for several chunks per stage"
+            raise ValueError(
+                f"{key}virtual_stages={virtual_stages!r} is invalid for {key}schedule={self.name!r}, which runs"
+                f" {allowed} model chunk(s) per stage; {fix}."
+            )
+        return virtual_stages
+
+
+def with_recompute(actions: list[Action], mode: RecomputeMode) -> list[Action]:
+    """``actions`` with each forward's ``recompute`` flag set by the re-computation ``mode``: ``"always"``;
+    ``"never"``; ``"except_last"``, every forward except those whose stage's next compute action is their own
+    backward (their activations are freed soonest anyway): in GPipe the last micro-batch, in 1F1B every forward
+    on the last stage."""
+    if mode == "never":
+        return actions
+    kept: set[tuple[int, int]] = set()
     if mode == "except_last":
-        return micro_batch < num_micro_batches - 1
-    return False
+        compute = [a for a in actions if a.kind in COMPUTE_KINDS]
+        kept = {
+            (a.chunk, a.micro_batch)
+            for a, after in zip(compute, compute[1:])
+            if a.kind == "forward" and after.kind in INPUT_GRADIENT_KINDS
+            and (after.chunk, after.micro_batch) == (a.chunk, a.micro_batch)
+        }
+    return [
+        replace(a, recompute=True) if a.kind == "forward" and (a.chunk, a.micro_batch) not in kept else a
+        for a in actions
+    ]
 
 
-def gpipe(stage: int, num_stages: int, num_micro_batches: int, recompute: str) -> list[Action]:
-    """GPipe: receive, forward and send micro-batches 0..M-1, then receive the gradient, backward and send the input
-    gradient of M-1..0 (the order in which autograd reaches them from a loss on the joined output)."""
-    first, last = stage == 0, stage == num_stages - 1
-    actions: list[Action] = []
-    for m in range(num_micro_batches):
-        actions += [Action("recv", m)] if not first else []
-        actions.append(Action("forward", m, recomputes(recompute, m, num_micro_batches)))
-        actions += [Action("send", m)] if not last else []
-    for m in reversed(range(num_micro_batches)):
-        actions += [Action("recv_grad", m)] if not last else []
-        actions.append(Action("backward", m))
-        actions += [Action("send_grad", m)] if not first else []
-    return actions
+def _with_messages(
+    compute: list[Action], stage: int, num_stages: int, virtual_stages: int, placement: Placement
+) -> list[Action]:
+    """``compute`` (forwards and backwards) with the messages it needs: a receive right before a forward whose
+    input comes from another stage, a send right after it when the next chunk is elsewhere; the same for gradients
+    around each input-gradient backward. The messages then follow the compute order, so two stages agree on their
+    order whenever they agree on the order of the chunks' forwards and backwards."""
+    last = num_stages * virtual_stages - 1
+    elsewhere = lambda chunk: owner(chunk, num_stages, placement) != stage  # noqa: E731
+    listed: list[Action] = []
+    for action in compute:
+        k, m = action.chunk, action.micro_batch
+        if action.kind == "forward":
+            listed += [Action("recv", m, k)] if k > 0 and elsewhere(k - 1) else []
+            listed.append(action)
+            listed += [Action("send", m, k)] if k < last and elsewhere(k + 1) else []
+        elif action.kind in INPUT_GRADIENT_KINDS:
+            listed += [Action("recv_grad", m, k)] if k < last and elsewhere(k + 1) else []
+            listed.append(action)
+            listed += [Action("send_grad", m, k)] if k > 0 and elsewhere(k - 1) else []
+        else:
+            listed.append(action)
+    return listed
 
 
-SCHEDULES: dict[str, Schedule] = {"gpipe": gpipe}
+# ---- the schedules ---------------------------------------------------------------------------------------------
+
+
+def gpipe(
+    stage: int, num_stages: int, num_micro_batches: int, virtual_stages: int = 1, *, split_backward: bool = False
+) -> list[Action]:
+    """GPipe: forwards of micro-batches 0..M-1, then backwards of M-1..0 (the order in which autograd reaches them
+    from a loss on the joined output). One chunk per stage.
+
+    ``split_backward`` defers each micro-batch's weight gradients: the stage computes the input gradient (``I``),
+    sends it, and only then the weight gradients (``W``), so the stage before starts sooner and the drain bubble
+    shrinks from ``(S-1)·(I+W)`` to ``(S-1)·I`` (``render_timeline(3, 4, gpipe_schedule(split_backward=True))``)::
+
+        tick     0  1  2  3  4  5  6  7  8  9  10 11 12 13 14 15 16
+        stage 0  F0 F1 F2 F3 .  .  .  .  .  I3 W3 I2 W2 I1 W1 I0 W0
+        stage 1  .  F0 F1 F2 F3 .  .  .  I3 W3 I2 W2 I1 W1 I0 W0 .
+        stage 2  .  .  F0 F1 F2 F3 .  I3 W3 I2 W2 I1 W1 I0 W0 .  .
+    """
+    backward = [Action("backward_input", 0, stage), Action("backward_weight", 0, stage)] if split_backward else [
+        Action("backward", 0, stage)
+    ]
+    compute = [Action("forward", m, stage) for m in range(num_micro_batches)]
+    compute += [replace(a, micro_batch=m) for m in reversed(range(num_micro_batches)) for a in backward]
+    return _with_messages(compute, stage, num_stages, 1, "loop")
+
+
+def _gpipe_bubble(split_backward: bool) -> Callable[[int, int, int], float]:
+    """GPipe's idle share: the fill ``(S-1)·F`` plus the drain, ``(S-1)·(I+W)``, or ``(S-1)·I`` with the weight
+    gradients deferred, over the step ``M·(F+I+W)`` plus both."""
+
+    def bubble(num_stages: int, num_micro_batches: int, virtual_stages: int) -> float:
+        idle = (num_stages - 1) * (2 if split_backward else 3)
+        return idle / (3 * num_micro_batches + idle)
+
+    return bubble
+
+
+def gpipe_schedule(split_backward: bool = False) -> PipelineSchedule:
+    """GPipe as a :class:`PipelineSchedule`, its weight gradients deferred with ``split_backward``."""
+    actions: StageActions = (lambda s, n, m, v: gpipe(s, n, m, v, split_backward=True)) if split_backward else gpipe
+    return PipelineSchedule("gpipe", actions, per_micro_batch=False, bubble_formula=_gpipe_bubble(split_backward))
+
+
+SCHEDULES: dict[str, PipelineSchedule] = {"gpipe": gpipe_schedule()}
+
+
+def custom_schedule(
+    actions: StageActions,
+    num_stages: int = 2,
+    num_micro_batches: int | None = None,
+    virtual_stages: int = 1,
+    placement: Placement = "loop",
+    per_micro_batch: bool | None = None,
+) -> PipelineSchedule:
+    """The user's function ``(stage, num_stages, num_micro_batches, virtual_stages) -> list[Action]`` as a schedule
+    (named after the function) that runs with ``virtual_stages`` or more chunks per stage (exactly 2 in a V).
+    ``per_micro_batch`` (``None``: read from the lists for ``num_stages`` stages and ``num_micro_batches``, by
+    default ``4·num_stages``): whether some stage runs a forward after a backward, which needs a loss per
+    micro-batch."""
+    if per_micro_batch is None:
+        per_micro_batch = any(
+            _forward_after_backward(actions(stage, num_stages, num_micro_batches or 4 * num_stages, virtual_stages))
+            for stage in range(num_stages)
+        )
+    fixed = placement == "v"
+    return PipelineSchedule(
+        getattr(actions, "__name__", "custom"), actions, per_micro_batch, placement,
+        virtual_stages=2 if fixed else virtual_stages, min_virtual_stages=2 if fixed else 1,
+        max_virtual_stages=2 if fixed else None,
+    )
+
+
+def _forward_after_backward(actions: list[Action]) -> bool:
+    kinds = [a.kind for a in actions if a.kind in COMPUTE_KINDS]
+    return "forward" in kinds[next((i for i, kind in enumerate(kinds) if kind != "forward"), len(kinds)):]
+
+
+def check_schedule(
+    schedule: PipelineSchedule, num_stages: int, num_micro_batches: int, virtual_stages: int | None = None
+) -> None:
+    """Raise a ``ValueError`` naming the stage, the action and the broken rule unless ``schedule`` runs correctly
+    with every micro-batch count from 1 to ``num_micro_batches`` (a smaller last batch splits into fewer)."""
+    for count in range(1, num_micro_batches + 1):
+        clock_cycles(num_stages, count, schedule, virtual_stages)
+
+
+# ---- the simulator ----------------------------------------------------------------------------------------------
+
+# Ticks of each compute action in the ideal timeline: a chunk's forward, input gradient and weight gradient cost
+# the same (the Zero Bubble paper's assumption); a full backward is both gradients. Messages are free and instant.
+DEFAULT_COSTS: dict[str, int] = {"forward": 1, "backward_input": 1, "backward_weight": 1, "backward": 2}
+_ACTIVATION, _GRADIENT = "activation", "gradient"
+
+
+class ScheduledAction(NamedTuple):
+    """A compute action at its place in the ideal timeline: it runs from tick ``start`` up to ``end``."""
+
+    start: int
+    end: int
+    action: Action
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """A schedule executed with ideal costs (:func:`clock_cycles`).
+
+    ``intervals[stage]`` holds the stage's compute actions at their ticks; ``peak_in_flight[stage]`` the most
+    (chunk, micro-batch) pairs whose forward had run and whose backward (or weight gradient) had not, at any
+    point: the activations the stage holds at once, in units of one chunk's activations of one micro-batch.
+    """
+
+    intervals: tuple[tuple[ScheduledAction, ...], ...]
+    peak_in_flight: tuple[int, ...]
+
+    @property
+    def makespan(self) -> int:
+        """Ticks from the first action's start to the last one's end."""
+        return max((stage[-1].end for stage in self.intervals if stage), default=0)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The idle share of the makespan, over all stages."""
+        busy = sum(a.end - a.start for stage in self.intervals for a in stage)
+        total = self.makespan * len(self.intervals)
+        return (total - busy) / total if total else 0.0
+
+    @property
+    def timeline(self) -> list[list[Action | None]]:
+        """``timeline[stage][tick]``: the compute action running then, or ``None`` (idle)."""
+        rows: list[list[Action | None]] = [[None] * self.makespan for _ in self.intervals]
+        for row, stage in zip(rows, self.intervals):
+            for start, end, action in stage:
+                row[start:end] = [action] * (end - start)
+        return rows
+
+
+def clock_cycles(
+    num_stages: int,
+    num_micro_batches: int,
+    schedule: str | PipelineSchedule = "gpipe",
+    virtual_stages: int | None = None,
+    costs: dict[str, int] = DEFAULT_COSTS,
+) -> Simulation:
+    """Check ``schedule``'s lists and execute them with ``costs`` ticks per compute action (:data:`DEFAULT_COSTS`).
+
+    Each stage runs its list strictly in order; a send is instant and never blocks, a receive waits until the
+    matching send has run. A ``ValueError`` names the stage, the action and the rule for: a (chunk, micro-batch)
+    run twice or never, an action before what it needs (its input, its output's gradient, its forward), a message
+    whose sender and receiver disagree on the order, and a deadlock (no stage can proceed while actions remain).
+    """
+    schedule = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
+    v = schedule.checked_virtual_stages(virtual_stages)
+    where = f"schedule {schedule.name!r} with {num_stages} stages, {num_micro_batches} micro-batches and {v} chunk(s) per stage"
+    lists = [schedule.actions(stage, num_stages, num_micro_batches, v) for stage in range(num_stages)]
+    grid = _Grid(num_stages, num_micro_batches, v, schedule.placement, schedule.per_micro_batch, where)
+    for stage, actions in enumerate(lists):
+        grid.check_stage(stage, actions)
+    grid.check_message_order(lists)
+    return Simulation(_run(lists, grid, costs), tuple(_peak_in_flight(actions) for actions in lists))
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """The shape of one step (stages, micro-batches, chunks and where they live) and the rules a stage's list obeys."""
+
+    num_stages: int
+    num_micro_batches: int
+    virtual_stages: int
+    placement: Placement
+    per_micro_batch: bool
+    where: str
+
+    @property
+    def last_chunk(self) -> int:
+        return self.num_stages * self.virtual_stages - 1
+
+    def owner(self, chunk: int) -> int:
+        return owner(chunk, self.num_stages, self.placement)
+
+    def fail(self, stage: int, index: int | None, action: Action, rule: str) -> ValueError:
+        at = f"action {index}, {action}," if index is not None else f"{action}"
+        return ValueError(f"{self.where}: stage {stage}'s {at} {rule}")
+
+    def check_stage(self, stage: int, actions: list[Action]) -> None:
+        """Each action where its inputs are ready, each (chunk, micro-batch) forwarded and back-propagated once."""
+        done: dict[str, set[tuple[int, int]]] = {kind: set() for kind in ActionKind.__args__}  # type: ignore[attr-defined]
+        local = stage_chunks(stage, self.num_stages, self.virtual_stages, self.placement)
+        for index, action in enumerate(actions):
+            rule = self._broken_rule(stage, action, done, local)
+            if rule is not None:
+                raise self.fail(stage, index, action, rule)
+            done[action.kind].add((action.chunk, action.micro_batch))
+        for k in local:
+            for m in range(self.num_micro_batches):
+                needed = [Action("forward", m, k)]
+                if (k, m) not in done["backward"]:
+                    needed += [Action("backward_input", m, k), Action("backward_weight", m, k)]
+                for action in needed:
+                    if (k, m) not in done[action.kind]:
+                        rule = "never runs: every (chunk, micro-batch) needs one forward and one backward (full, or"
+                        raise self.fail(stage, None, action, rule + " input then weight gradients) on its stage")
+
+    def _broken_rule(
+        self, stage: int, action: Action, done: dict[str, set[tuple[int, int]]], local: list[int]
+    ) -> str | None:
+        k, m, kind = action.chunk, action.micro_batch, action.kind
+        key = (k, m)
+        if not 0 <= k <= self.last_chunk:
+            return f"names a chunk outside 0..{self.last_chunk}"
+        if k not in local:
+            return f"runs a chunk that the {self.placement!r} placement puts on stage {self.owner(k)}"
+        if not 0 <= m < self.num_micro_batches:
+            return f"names a micro-batch outside 0..{self.num_micro_batches - 1}"
+        if action.recompute and kind != "forward":
+            return "re-computes, which only a forward can"
+        backed = done["backward"] | done["backward_input"]
+        if key in done[kind] or (kind in INPUT_GRADIENT_KINDS and key in backed):
+            return "runs twice: each action happens once per (chunk, micro-batch)"
+        previous_here = k > 0 and self.owner(k - 1) == stage
+        next_here = k < self.last_chunk and self.owner(k + 1) == stage
+        if kind == "recv" and (k == 0 or previous_here):
+            return "receives an activation that no other stage sends (the chunk's input is the data or is local)"
+        if kind == "recv_grad" and (k == self.last_chunk or next_here):
+            return "receives a gradient that no other stage sends (the chunk's output gradient is the loss or local)"
+        if kind == "send" and (k == self.last_chunk or next_here):
+            return "sends an activation that no other stage receives (the next chunk is on this stage or none)"
+        if kind == "send_grad" and (k == 0 or previous_here):
+            return "sends a gradient that no other stage receives (the previous chunk is on this stage or none)"
+        if kind == "forward" and k > 0 and key not in (done["forward"] if previous_here else done["recv"]):
+            source = f"forward(chunk {k - 1}, micro-batch {m})" if previous_here else "its receive"
+            return f"runs before {source}, which provides its input"
+        if kind == "send" and key not in done["forward"]:
+            return "sends an output before its forward"
+        if kind in INPUT_GRADIENT_KINDS:
+            if key not in done["forward"]:
+                return "runs before its forward"
+            if k < self.last_chunk and key not in (done["recv_grad"] if not next_here else set()):
+                if not next_here:
+                    return "runs before its recv_grad, which provides its output's gradient"
+                if (k + 1, m) not in backed:
+                    return f"runs before the backward of chunk {k + 1}, micro-batch {m}, which provides its output's gradient"
+            if k == self.last_chunk and not self.per_micro_batch:
+                missing = [mb for mb in range(self.num_micro_batches) if (k, mb) not in done["forward"]]
+                if missing:
+                    return (
+                        f"runs before the forward of micro-batch {missing[0]}: the loss is computed on the whole"
+                        " mini-batch, so every forward of the last chunk comes first (a schedule that interleaves"
+                        " needs per_micro_batch=True)"
+                    )
+        if kind == "backward_weight" and key not in done["backward_input"]:
+            return "runs before its backward_input (a full backward computes both gradients)"
+        if kind == "send_grad" and key not in backed:
+            return "sends a gradient before its backward"
+        return None
+
+    def message(self, stage: int, action: Action) -> tuple[tuple[int, int, str], tuple[int, int]] | None:
+        """The channel ``(sender, receiver, kind)`` and the message ``(boundary chunk, micro-batch)`` that ``action``
+        sends or receives; the boundary is the chunk an activation enters, or whose input a gradient is."""
+        k, m, kind = action.chunk, action.micro_batch, action.kind
+        if kind == "send":
+            return (stage, self.owner(k + 1), _ACTIVATION), (k + 1, m)
+        if kind == "recv":
+            return (self.owner(k - 1), stage, _ACTIVATION), (k, m)
+        if kind == "send_grad":
+            return (stage, self.owner(k - 1), _GRADIENT), (k, m)
+        if kind == "recv_grad":
+            return (self.owner(k + 1), stage, _GRADIENT), (k + 1, m)
+        return None
+
+    def check_message_order(self, lists: list[list[Action]]) -> None:
+        """For each pair of stages and each kind of message, the receiver receives in the order the sender sends:
+        point-to-point messages match in order, without tags."""
+        sent: dict[tuple[int, int, str], list[tuple[tuple[int, int], int, Action]]] = {}
+        received: dict[tuple[int, int, str], list[tuple[tuple[int, int], int, Action]]] = {}
+        for stage, actions in enumerate(lists):
+            for index, action in enumerate(actions):
+                found = self.message(stage, action)
+                if found is not None:
+                    channel, message = found
+                    side = sent if action.kind.startswith("send") else received
+                    side.setdefault(channel, []).append((message, index, action))
+        for channel in sorted(set(sent) | set(received)):
+            sender, receiver, kind = channel
+            sends, receives = sent.get(channel, []), received.get(channel, [])
+            for n in range(max(len(sends), len(receives))):
+                if n >= len(receives):
+                    _, index, action = sends[n]
+                    raise self.fail(sender, index, action, f"is an {kind} that stage {receiver} never receives")
+                if n >= len(sends):
+                    _, index, action = receives[n]
+                    raise self.fail(receiver, index, action, f"waits for an {kind} that stage {sender} never sends")
+                if sends[n][0] != receives[n][0]:
+                    _, index, action = receives[n]
+                    raise self.fail(
+                        receiver, index, action,
+                        f"is its receive number {n} from stage {sender}, but stage {sender}'s send number {n} there is"
+                        f" {sends[n][2]} (action {sends[n][1]}): a stage must receive its {kind}s in the order they"
+                        " are sent",
+                    )
+
+
+def _run(lists: list[list[Action]], grid: _Grid, costs: dict[str, int]) -> tuple[tuple[ScheduledAction, ...], ...]:
+    """Each stage's compute actions at the ticks they run, each stage going as far as its receives allow; a
+    ``ValueError`` if every unfinished stage waits for a message that will never be sent."""
+    position, clock = [0] * len(lists), [0] * len(lists)
+    sent_at: dict[tuple[int, int, str], list[int]] = {}
+    taken: dict[tuple[int, int, str], int] = {}
+    intervals: list[list[ScheduledAction]] = [[] for _ in lists]
+    progress = True
+    while progress:
+        progress = False
+        for stage, actions in enumerate(lists):
+            while position[stage] < len(actions):
+                action = actions[position[stage]]
+                found = grid.message(stage, action)
+                if action.kind in COMPUTE_KINDS:
+                    start = clock[stage]
+                    clock[stage] += costs[action.kind]
+                    intervals[stage].append(ScheduledAction(start, clock[stage], action))
+                elif action.kind in ("send", "send_grad"):
+                    assert found is not None
+                    sent_at.setdefault(found[0], []).append(clock[stage])
+                else:
+                    assert found is not None
+                    channel = found[0]
+                    n = taken.get(channel, 0)
+                    if n >= len(sent_at.get(channel, [])):
+                        break  # blocked: the message has not been sent yet
+                    clock[stage] = max(clock[stage], sent_at[channel][n])
+                    taken[channel] = n + 1
+                position[stage] += 1
+                progress = True
+    blocked = [stage for stage, actions in enumerate(lists) if position[stage] < len(actions)]
+    if blocked:
+        waits = "; ".join(
+            f"stage {s} waits at action {position[s]}, {lists[s][position[s]]}, for stage"
+            f" {grid.message(s, lists[s][position[s]])[0][0]}"  # type: ignore[index]
+            for s in blocked
+        )
+        raise ValueError(f"{grid.where}: deadlock, no stage can proceed while actions remain: {waits}.")
+    return tuple(tuple(stage) for stage in intervals)
+
+
+def _peak_in_flight(actions: list[Action]) -> int:
+    """The most (chunk, micro-batch) pairs forwarded and not yet back-propagated (weights included) at once."""
+    held = peak = 0
+    for action in actions:
+        if action.kind == "forward":
+            held += 1
+            peak = max(peak, held)
+        elif action.kind in ("backward", "backward_weight"):
+            held -= 1
+    return peak
+
+
+# ---- the picture ------------------------------------------------------------------------------------------------
+
+
+def render_timeline(
+    num_stages: int,
+    num_micro_batches: int,
+    schedule: str | PipelineSchedule = "gpipe",
+    virtual_stages: int | None = None,
+) -> str:
+    """The ideal timeline (:func:`clock_cycles`) as a text table, one column per tick.
+
+    ``F3`` is the forward of micro-batch 3, ``B3`` its full backward, ``I3`` its input gradient and ``W3`` its
+    weight gradient; an action of several ticks continues with ``--``; ``.`` is idle. With several chunks per
+    stage a letter names the stage's chunk, in model order: ``F3a`` runs the stage's first chunk, ``F3b`` its
+    second (in a V, ``a`` is on the way down and ``b`` on the way back up).
+    """
+    schedule = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
+    v = schedule.checked_virtual_stages(virtual_stages)
+    simulation = clock_cycles(num_stages, num_micro_batches, schedule, v)
+    letters = {k: "abcdefghijklmnopqrstuvwxyz"[i] for s in range(num_stages) for i, k in enumerate(schedule.chunks(s, num_stages, v))}
+    short = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
+
+    def label(action: Action) -> str:
+        return f"{short[action.kind]}{action.micro_batch}{letters[action.chunk] if v > 1 else ''}"
+
+    width = max(3, len(f"F{num_micro_batches - 1}") + (2 if v > 1 else 1))
+    cells = []
+    for stage in simulation.intervals:
+        row = ["."] * simulation.makespan
+        for start, end, action in stage:
+            row[start:end] = [label(action)] + ["-" * (width - 2)] * (end - start - 1)
+        cells.append(row)
+    header = "tick     " + "".join(f"{tick:<{width}}" for tick in range(simulation.makespan))
+    rows = [f"stage {s:<3}" + "".join(f"{cell:<{width}}" for cell in row) for s, row in enumerate(cells)]
+    return "\n".join(line.rstrip() for line in [header, *rows])
 
 
 def phases(actions: list[Action], num_micro_batches: int) -> tuple[list[Action], list[Action]]:
     """The forward phase (run inside the pipelined call) and the backward phase (run by ``backward``) of a stage's
-    actions; a ``ValueError`` if the schedule interleaves them or misses a micro-batch."""
-    split = next((i for i, action in enumerate(actions) if action.kind in BACKWARD_PHASE), len(actions))
+    actions, for the engine that runs whole-batch schedules; a ``ValueError`` if the schedule interleaves them,
+    misses a micro-batch or splits its backwards."""
+    split = next((i for i, a in enumerate(actions) if a.kind not in ("recv", "forward", "send")), len(actions))
     forwards, backwards = actions[:split], actions[split:]
-    if any(action.kind in FORWARD_PHASE for action in backwards):
+    if any(action.kind in ("recv", "forward", "send") for action in backwards):
         raise ValueError(
             "the schedule runs a forward after a backward; the loss is computed on the whole mini-batch, so every"
             " forward must come before the first backward."
         )
+    if any(action.kind in ("backward_input", "backward_weight") for action in backwards):
+        raise ValueError("the schedule splits its backwards into input and weight gradients, which the engine cannot run yet.")
     for phase, kind in ((forwards, "forward"), (backwards, "backward")):
         done = sorted(action.micro_batch for action in phase if action.kind == kind)
         if backwards and done != list(range(num_micro_batches)):
             raise ValueError(f"the schedule's {kind}s cover micro-batches {done}, not each of 0..{num_micro_batches - 1} once.")
     return forwards, backwards
-
-
-def clock_cycles(
-    num_stages: int, num_micro_batches: int, schedule: Schedule = gpipe, recompute: str = "never"
-) -> list[list[Action | None]]:
-    """The ideal timeline of ``schedule``: ``timeline[stage][tick]`` is the forward or backward running then, or
-    ``None`` for a bubble. Every forward and backward takes one tick and messages none: a stage runs its next
-    action as soon as the neighbour it waits on (the previous stage for a forward, the next for a backward) has
-    finished that micro-batch."""
-    queues = [
-        [a for a in schedule(s, num_stages, num_micro_batches, recompute) if a.kind in ("forward", "backward")]
-        for s in range(num_stages)
-    ]
-    finished: dict[tuple[int, str, int], int] = {}  # (stage, kind, micro-batch) -> tick it ran at
-    timeline: list[list[Action | None]] = [[] for _ in range(num_stages)]
-    tick = 0
-    while any(queues):
-        for stage, queue in enumerate(queues):
-            action = queue[0] if queue else None
-            if action is not None:
-                source = stage - 1 if action.kind == "forward" else stage + 1
-                if 0 <= source < num_stages and finished.get((source, action.kind, action.micro_batch), tick) >= tick:
-                    action = None  # its input is not there yet
-            if action is not None:
-                queue.pop(0)
-                finished[(stage, action.kind, action.micro_batch)] = tick
-            timeline[stage].append(action)
-        tick += 1
-    return timeline
-
-
-def ideal_bubble_fraction(num_stages: int, num_micro_batches: int) -> float:
-    """Fraction of a step each stage idles in GPipe with equal stages: ``(S - 1) / (M + S - 1)``."""
-    return (num_stages - 1) / (num_micro_batches + num_stages - 1)
-
-
-def render_timeline(num_stages: int, num_micro_batches: int, schedule: Schedule = gpipe) -> str:
-    """The ideal timeline as the text table shown in this module's docstring."""
-    timeline = clock_cycles(num_stages, num_micro_batches, schedule)
-    width = max(3, len(str(num_micro_batches - 1)) + 2)
-    header = "tick     " + "".join(f"{tick:<{width}}" for tick in range(len(timeline[0])))
-    rows = [
-        f"stage {stage:<3}" + "".join(f"{str(action) if action else '.':<{width}}" for action in row)
-        for stage, row in enumerate(timeline)
-    ]
-    return "\n".join(line.rstrip() for line in [header, *rows])

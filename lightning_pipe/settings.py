@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import torch
 
@@ -26,11 +26,10 @@ from lightning_pipe.balance import (
     check_one_count_per_stage,
 )
 from lightning_pipe.config import PipelineParallelConfig, require_positive_int
-from lightning_pipe.schedule import SCHEDULES, Schedule
+from lightning_pipe.schedule import SCHEDULES, PipelineSchedule, RecomputeMode, StageActions, check_schedule, custom_schedule
 
-# Which micro-batches run their stage's forward again in backward instead of keeping its activations (the public
-# option ``checkpoint``; :func:`lightning_pipe.schedule.recomputes` decides it per micro-batch).
-RecomputeMode = Literal["always", "except_last", "never"]
+# Which forwards run again in backward instead of keeping their activations (the public option ``checkpoint``;
+# :func:`lightning_pipe.schedule.with_recompute` decides it per forward).
 RECOMPUTE_MODES: tuple[str, ...] = get_args(RecomputeMode)
 MESH_ORDERS: tuple[tuple[str, str], ...] = (("pp", "dp"), ("dp", "pp"))
 START_METHODS: tuple[str, ...] = ("popen", "spawn", "fork", "forkserver")
@@ -58,7 +57,8 @@ class PipelineSettings:
     start_method: str = "popen"
     save_distributed_checkpoint: bool | None = None  # None: sharded for a model built on the meta device
     gather_model_after_run: bool = False
-    schedule: str | Schedule = field(default="gpipe", compare=False)
+    schedule: str | PipelineSchedule | StageActions = field(default="gpipe", compare=False)
+    virtual_stages: int | None = None  # model chunks per stage; None: the schedule's default
     compile: bool | dict[str, Any] = False  # True, or torch.compile's keyword arguments, for each stage's layers
     key: InitVar[str] = ""
 
@@ -69,6 +69,10 @@ class PipelineSettings:
         for name, count in (("num_stages", num_stages), ("num_micro_batches", num_micro_batches)):
             if count is not None:
                 require_positive_int(f"{key}{name}", count)
+        schedule = _checked_schedule(self.schedule, key, num_stages, num_micro_batches)
+        virtual_stages = schedule.checked_virtual_stages(self.virtual_stages, key)
+        if num_stages is not None and not _is_built_in(schedule):  # the user's own: run it before any process starts
+            check_schedule(schedule, num_stages, num_micro_batches or MICRO_BATCHES_PER_STAGE * num_stages, virtual_stages)
         checked = {
             "num_stages": num_stages,
             "num_micro_batches": num_micro_batches,
@@ -79,7 +83,8 @@ class PipelineSettings:
             "trace_dir": _checked_trace_dir(self.trace_dir, key),
             "mesh_order": _checked_mesh_order(self.mesh_order, key),
             "start_method": _checked_start_method(self.start_method, key),
-            "schedule": _checked_schedule(self.schedule, key),
+            "schedule": schedule,
+            "virtual_stages": virtual_stages,
             "compile": _checked_compile(self.compile, key),
         }
         for name in ("log_bubble_fraction", "deferred_batch_norm", "save_distributed_checkpoint",
@@ -107,6 +112,12 @@ class PipelineSettings:
             return {} if self.compile else None
         return self.compile
 
+    def check_schedule(self, config: PipelineParallelConfig) -> None:
+        """Run the user's own schedule through :func:`~lightning_pipe.schedule.check_schedule` for the resolved
+        counts ``config``; with ``num_stages`` set, the constructor did."""
+        if self.num_stages is None and not _is_built_in(self.schedule):  # type: ignore[arg-type]
+            check_schedule(self.schedule, config.num_stages, config.num_micro_batches, self.virtual_stages)  # type: ignore[arg-type]
+
     def pipeline_config(self, num_processes: int) -> PipelineParallelConfig:
         """The stage and micro-batch counts; without settings, one stage per process of ``num_processes`` and
         ``MICRO_BATCHES_PER_STAGE`` micro-batches per stage."""
@@ -114,16 +125,26 @@ class PipelineSettings:
         return PipelineParallelConfig(num_stages, self.num_micro_batches or MICRO_BATCHES_PER_STAGE * num_stages)
 
 
-def _checked_schedule(schedule: object, key: str) -> Schedule:
-    """The schedule function: one named in ``SCHEDULES``, or the user's own."""
+def _checked_schedule(
+    schedule: object, key: str, num_stages: int | None, num_micro_batches: int | None
+) -> PipelineSchedule:
+    """The schedule: one named in ``SCHEDULES``, a :class:`PipelineSchedule`, or the user's function wrapped into one
+    (whether it needs a loss per micro-batch is read from its lists for the configured counts, or 2 stages and 8
+    micro-batches when they are not set)."""
     if isinstance(schedule, str) and schedule in SCHEDULES:
         return SCHEDULES[schedule]
+    if isinstance(schedule, PipelineSchedule):
+        return schedule
     if isinstance(schedule, str) or not callable(schedule):
         raise ValueError(
             f"{key}schedule={schedule!r} is not a schedule; use one of {', '.join(map(repr, SCHEDULES))} or a function"
-            " (stage, num_stages, num_micro_batches, checkpoint) -> list[Action] (see lightning_pipe.schedule)."
+            " (stage, num_stages, num_micro_batches, virtual_stages) -> list[Action] (see lightning_pipe.schedule)."
         )
-    return schedule  # type: ignore[return-value]
+    return custom_schedule(schedule, num_stages or 2, num_micro_batches)  # type: ignore[arg-type]
+
+
+def _is_built_in(schedule: PipelineSchedule) -> bool:
+    return SCHEDULES.get(schedule.name) is schedule
 
 
 def validate_recompute_mode(mode: object, key: str = "") -> RecomputeMode:

@@ -87,7 +87,7 @@ from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
 from lightning_pipe.sharded import load as load_sharded
 from lightning_pipe.sharded import save as save_sharded
 from lightning_pipe.runtime import StageRuntime
-from lightning_pipe.schedule import Schedule
+from lightning_pipe.schedule import PipelineSchedule, StageActions
 from lightning_pipe.stage import StageBlocks
 from lightning_pipe.summary import StageSummary, build_stage_summary, outside_warning, stage_devices
 from lightning_pipe.tied import TiedParameters, parameters_shared_across_stages, replicated_parameters
@@ -160,10 +160,13 @@ class GPipeStrategy(ParallelStrategy):
             in host memory. By default each rank keeps only its own stage (the other layers stay on the meta
             device) and the trained model lives in the checkpoints. A model built the usual way always comes back
             whole on every rank.
-        schedule: the order of each stage's forwards, backwards, sends and receives in a step: ``"gpipe"`` or a
-            function ``(stage, num_stages, num_micro_batches, checkpoint) -> list[Action]`` (see
-            :mod:`lightning_pipe.schedule`). Every forward comes before the first backward, since the loss is computed
-            on the whole mini-batch.
+        schedule: the order of each stage's forwards, backwards, sends and receives in a step: ``"gpipe"``, a
+            :class:`~lightning_pipe.schedule.PipelineSchedule`, or a function ``(stage, num_stages,
+            num_micro_batches, virtual_stages) -> list[Action]`` (see :mod:`lightning_pipe.schedule`), checked by
+            the schedule simulator before any process starts. Every forward comes before the first backward, since
+            the loss is computed on the whole mini-batch.
+        virtual_stages: model chunks per stage, for schedules that interleave several; ``None``: the schedule's
+            default (1 for ``"gpipe"``).
         deferred_batch_norm: update BatchNorm running statistics once per mini-batch, from the whole mini-batch's
             statistics, so that they equal one device's. By default (GPipe's semantics) each micro-batch updates
             them with its own statistics. Either way each micro-batch is normalised by its own statistics.
@@ -198,7 +201,8 @@ class GPipeStrategy(ParallelStrategy):
         mesh_order: tuple[str, str] = ("pp", "dp"),
         save_distributed_checkpoint: bool | None = None,
         gather_model_after_run: bool = False,
-        schedule: str | Schedule = "gpipe",
+        schedule: str | PipelineSchedule | StageActions = "gpipe",
+        virtual_stages: int | None = None,
         compile: bool | Mapping[str, Any] = False,
     ) -> None:
         super().__init__(
@@ -226,6 +230,7 @@ class GPipeStrategy(ParallelStrategy):
             save_distributed_checkpoint=save_distributed_checkpoint,
             gather_model_after_run=gather_model_after_run,
             schedule=schedule,
+            virtual_stages=virtual_stages,
             compile=compile,
         )
         # The settings the process-group, setup, step and checkpoint sections read.
@@ -316,7 +321,7 @@ class GPipeStrategy(ParallelStrategy):
             check_process_count(settings.num_stages, self.num_processes, self.num_nodes)
         elif isinstance(settings.balance, list):  # with num_stages set, `PipelineSettings` compared the two
             check_one_count_per_stage(settings.balance, self.config.num_stages)
-        self.config  # noqa: B018  (validates the resolved counts before any process starts)
+        settings.check_schedule(self.config)  # (resolving the counts validates them) before any process starts
         if settings.start_method == "popen":
             self._launcher = CheckedSubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
