@@ -198,10 +198,10 @@ def gpipe(
     sends it, and only then the weight gradients (``W``), so the stage before starts sooner and the drain bubble
     shrinks from ``(S-1)·(I+W)`` to ``(S-1)·I`` (``render_timeline(3, 4, gpipe_schedule(split_backward=True))``)::
 
-        tick     0  1  2  3  4  5  6  7  8  9  10 11 12 13 14 15 16
-        stage 0  F0 F1 F2 F3 .  .  .  .  .  I3 W3 I2 W2 I1 W1 I0 W0
-        stage 1  .  F0 F1 F2 F3 .  .  .  I3 W3 I2 W2 I1 W1 I0 W0 .
-        stage 2  .  .  F0 F1 F2 F3 .  I3 W3 I2 W2 I1 W1 I0 W0 .  .
+        tick     0  1  2  3  4  5  6  7  8  9  10 11 12 13 14 15
+        stage 0  F0 F1 F2 F3 .  .  .  .  I3 W3 I2 W2 I1 W1 I0 W0
+        stage 1  .  F0 F1 F2 F3 .  .  I3 W3 I2 W2 I1 W1 I0 W0 .
+        stage 2  .  .  F0 F1 F2 F3 I3 W3 I2 W2 I1 W1 I0 W0 .  .
     """
     backward = [Action("backward_input", 0, stage), Action("backward_weight", 0, stage)] if split_backward else [
         Action("backward", 0, stage)
@@ -231,7 +231,13 @@ def gpipe_schedule(split_backward: bool = False) -> PipelineSchedule:
 def one_f_one_b(stage: int, num_stages: int, num_micro_batches: int, virtual_stages: int = 1) -> list[Action]:
     """1F1B (PipeDream-Flush, Megatron's default): ``S - stage - 1`` forwards to fill the pipeline, then one forward
     and one backward in turn, then the remaining backwards. GPipe's bubble, but a stage holds at most ``S - stage``
-    micro-batches' activations instead of ``M``. One chunk per stage.
+    micro-batches' activations instead of ``M``. One chunk per stage (``render_timeline(4, 8, "1f1b")``)::
+
+        tick     0  1  2  3  4  5  6  7  8  9  10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32
+        stage 0  F0 F1 F2 F3 .  .  .  .  .  .  B0 -- F4 B1 -- F5 B2 -- F6 B3 -- F7 B4 -- .  B5 -- .  B6 -- .  B7 --
+        stage 1  .  F0 F1 F2 .  .  .  .  B0 -- F3 B1 -- F4 B2 -- F5 B3 -- F6 B4 -- F7 B5 -- .  B6 -- .  B7 -- .  .
+        stage 2  .  .  F0 F1 .  .  B0 -- F2 B1 -- F3 B2 -- F4 B3 -- F5 B4 -- F6 B5 -- F7 B6 -- .  B7 -- .  .  .  .
+        stage 3  .  .  .  F0 B0 -- F1 B1 -- F2 B2 -- F3 B3 -- F4 B4 -- F5 B5 -- F6 B6 -- F7 B7 -- .  .  .  .  .  .
     """
     warm_up = min(num_stages - stage - 1, num_micro_batches)
     forward = [Action("forward", m, stage) for m in range(num_micro_batches)]
@@ -254,7 +260,13 @@ def interleaved_one_f_one_b(stage: int, num_stages: int, num_micro_batches: int,
     to divide evenly. Here the rounds are as even as possible and at least ``S`` long (``M // S`` rounds; all ``M``
     in one when ``M < S``), so any ``M`` runs: a round at least ``S`` long keeps the first stage busy until the
     round's first micro-batch comes back around the loop. The warm-up covers the first round's chunks but the
-    last, plus two forwards for every stage further down: ``(v-1)·R + 2·(S-1-stage)``.
+    last, plus two forwards for every stage further down: ``(v-1)·R + 2·(S-1-stage)``. (Rounds of exactly ``S``
+    and a shorter last one would idle the first stage at every chunk of the short round, and deadlock at 4 stages,
+    5 micro-batches and 3 chunks per stage.) ``render_timeline(2, 3, "interleaved_1f1b")``::
+
+        tick     0   1   2   3   4   5   6   7   8   9   10  11  12  13  14  15  16  17  18  19  20
+        stage 0  F0a F1a F2a F0b F1b F2b .   B0b --- .   B1b --- .   B2b --- B0a --- B1a --- B2a ---
+        stage 1  .   F0a F1a F2a F0b B0b --- F1b B1b --- F2b B2b --- B0a --- B1a --- B2a --- .   .
     """
     rounds = _rounds(num_micro_batches, num_stages)
     chunks = stage_chunks(stage, num_stages, virtual_stages)
@@ -282,7 +294,14 @@ def zero_bubble(stage: int, num_stages: int, num_micro_batches: int, virtual_sta
     (``I``), which the stage before waits for, and the weight gradient (``W``), which nobody waits for. Stage ``s``
     defers its first ``s`` weight gradients: the ``I`` reach the first stage sooner, and the deferred ``W`` fill the
     cool-down. A third of 1F1B's bubble when ``F``, ``I`` and ``W`` take equal time; at most ``S`` micro-batches
-    in flight on any stage (1F1B's peak, on its first stage). One chunk per stage.
+    in flight on any stage (1F1B's peak, on its first stage). One chunk per stage
+    (``render_timeline(4, 8, "zero_bubble")``)::
+
+        tick     0  1  2  3  4  5  6  7  8  9  10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26
+        stage 0  F0 F1 F2 F3 .  .  .  I0 W0 F4 I1 W1 F5 I2 W2 F6 I3 W3 F7 I4 W4 I5 W5 I6 W6 I7 W7
+        stage 1  .  F0 F1 F2 .  .  I0 F3 I1 W0 F4 I2 W1 F5 I3 W2 F6 I4 W3 F7 I5 W4 I6 W5 I7 W6 W7
+        stage 2  .  .  F0 F1 .  I0 F2 I1 F3 I2 W0 F4 I3 W1 F5 I4 W2 F6 I5 W3 F7 I6 W4 I7 W5 W6 W7
+        stage 3  .  .  .  F0 I0 F1 I1 F2 I2 F3 I3 W0 F4 I4 W1 F5 I5 W2 F6 I6 W3 F7 I7 W4 W5 W6 W7
     """
     warm_up = min(num_stages - stage - 1, num_micro_batches)
     forwards = [Action("forward", m, stage) for m in range(num_micro_batches)]
@@ -310,6 +329,11 @@ def zbv(stage: int, num_stages: int, num_micro_batches: int, virtual_stages: int
     gradients first and the deferred weight gradients last. The phases assume at least ``2S-1`` micro-batches:
     with fewer, the schedule is planned for ``2S-1`` and the actions of micro-batches that do not exist are left
     out (which keeps the order valid: actions depend only on actions of their own micro-batch).
+    ``render_timeline(2, 4, "zbv")``::
+
+        tick     0   1   2   3   4   5   6   7   8   9   10  11  12  13  14  15  16  17  18  19  20  21  22  23  24
+        stage 0  F0a F1a F2a F0b I0b W0b F1b I1b W1b F3a I0a W0a F2b I2b W2b I1a W1a F3b I3b W3b I2a W2a I3a W3a .
+        stage 1  .   F0a F0b F1a F1b I0b W0b F2a I0a W0a F2b I1b W1b F3a I1a W1a F3b I2b W2b I2a I3b I3a W2a W3b W3a
     """
     down, up = stage, 2 * num_stages - 1 - stage
     planned = max(num_micro_batches, 2 * num_stages - 1)
