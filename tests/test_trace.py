@@ -9,7 +9,7 @@ from collections import defaultdict
 import pytest
 
 from helpers.launch import launch
-from lightning_pipe.schedule import clock_cycles, ideal_bubble_fraction
+from lightning_pipe.schedule import SCHEDULES, clock_cycles
 from lightning_pipe.trace.timeline import BACKWARD, FORWARD, RECOMPUTE, Interval, bubble_fraction, stage_extent
 from lightning_pipe.trace import TracedStep, main, write_chrome_trace
 
@@ -20,11 +20,15 @@ ALIGNMENT_TOLERANCE_US = {"one host": 1.0, "host per rank": 2000.0}
 
 def ideal_intervals(num_stages: int, num_micro_batches: int) -> list[list[Interval]]:
     """Each stage's forwards and backwards at the ticks of the ideal GPipe timeline, one second per tick."""
-    timeline = clock_cycles(num_stages, num_micro_batches)
+    simulation = clock_cycles(num_stages, num_micro_batches)
     return [
-        [Interval(a.kind, a.micro_batch, float(tick), tick + 1.0) for tick, a in enumerate(row) if a is not None]
-        for row in timeline
+        [Interval(a.kind, a.micro_batch, float(start), float(end)) for start, end, a in stage]
+        for stage in simulation.intervals
     ]
+
+
+def ideal_bubble_fraction(num_stages: int, num_micro_batches: int) -> float:
+    return SCHEDULES["gpipe"].ideal_bubble(num_stages, num_micro_batches, 1)
 
 
 @pytest.mark.parametrize(("stages", "micro_batches"), [(2, 1), (2, 4), (3, 8), (4, 4)])

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_pipe.schedule import ideal_bubble_fraction
+from lightning_pipe.schedule import SCHEDULES
 from lightning_pipe.trace.chrome import TracedStep, write_chrome_trace
 from lightning_pipe.trace.timeline import FORWARD, Interval, StageExtent, StepTimeline, bubble_fraction, stage_extent
 
@@ -119,7 +119,7 @@ class PipelineTracer:
             observation = StepObservation(
                 step,
                 bubble_fraction(extents),
-                ideal_bubble_fraction(self.num_stages, m),
+                SCHEDULES["gpipe"].ideal_bubble(self.num_stages, m, 1),  # the engine runs GPipe
                 [0.0 if math.isnan(row[4]) else row[4] for row in rows],
             )
         if step in self.trace_steps and observation is not None:
