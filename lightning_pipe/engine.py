@@ -78,6 +78,15 @@ class _MicroBatch:
 
 
 @dataclass
+class _Output:
+    """A chunk's output on its way to the next chunk: detached, with which tensors need a gradient."""
+
+    tensors: tuple[Tensor, ...]
+    requires_grad: tuple[bool, ...]
+    is_tuple: bool
+
+
+@dataclass
 class _StepState:
     """What one step leaves between the engine's calls: the micro-batches in flight, messages, calls in progress."""
 
@@ -86,7 +95,7 @@ class _StepState:
     next_action: int = 0  # the first action not executed yet
     micro_batches: dict[Key, _MicroBatch] = field(default_factory=dict)
     skipped: set[Key] = field(default_factory=set)  # per-micro-batch steps: pairs whose step returned before them
-    outputs: dict[Key, tuple[Activation, bool]] = field(default_factory=dict)  # to send or hand over, is_tuple
+    outputs: dict[Key, _Output] = field(default_factory=dict)  # to send, or to hand to the next chunk here
     input_grads: dict[Key, tuple[Tensor, ...]] = field(default_factory=dict)  # to send, or for the chunk before
     calls: dict[int, _CallState] = field(default_factory=dict)  # id(call) -> its micro-batches in this step
     inboxes: dict[int, _Inbox] = field(default_factory=dict)  # per stage sending activations here
@@ -318,8 +327,8 @@ class PipelineEngine:
             assert own is not None
             return tuple(_leaf(t, grad and t.requires_grad) for t in microbatch.as_tensors(own, _WHERE_INPUT)), isinstance(own, tuple)
         if self._here(k - 1):
-            out, is_tuple = self._step.outputs.pop((k - 1, m))
-            return tuple(_leaf(t, grad and t.requires_grad) for t in microbatch.as_tensors(out, "")), is_tuple
+            out = self._step.outputs.pop((k - 1, m))
+            return tuple(_leaf(t, grad and needs) for t, needs in zip(out.tensors, out.requires_grad)), out.is_tuple
         start = self.timeline.now()
         header, tensors = self._inbox(k - 1).take(k, m)
         self.timeline.add(WAIT, m, start)
@@ -387,8 +396,9 @@ class PipelineEngine:
                 microbatch.check_batch_kept(inputs, outputs, k, m)
             micro_batch.outputs = tuple(get_gradient_edge(t) for t in outputs if t.requires_grad)
             micro_batch.output_metas = tuple(TensorMeta(tuple(t.shape), t.dtype, False) for t in outputs if t.requires_grad)
-            detached = tuple(t.detach() for t in outputs)
-            step.outputs[(k, m)] = (detached if isinstance(out, tuple) else detached[0], isinstance(out, tuple))
+            step.outputs[(k, m)] = _Output(
+                tuple(t.detach() for t in outputs), tuple(t.requires_grad for t in outputs), isinstance(out, tuple)
+            )
         if grad:
             step.micro_batches[(k, m)] = micro_batch
             step.calls.setdefault(id(call), _CallState(call)).forwarded[m] = inputs
@@ -401,12 +411,12 @@ class PipelineEngine:
     def _send_activation(self, k: int, m: int) -> None:
         """Send chunk ``k``'s output of micro-batch ``m`` to the stage holding chunk ``k + 1``."""
         step = self._step
-        out, is_tuple = step.outputs.pop((k, m))
-        outputs = microbatch.as_tensors(out, "a chunk's output")
-        metas = tuple(TensorMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in outputs)
+        out = step.outputs.pop((k, m))
+        outputs = out.tensors
+        metas = tuple(TensorMeta(tuple(t.shape), t.dtype, needs) for t, needs in zip(outputs, out.requires_grad))
         peer = self.owner(k + 1)
         start = self.timeline.now()
-        header = Header(ACTIVATION, m, step.num_micro_batches, metas, is_tuple, k + 1)
+        header = Header(ACTIVATION, m, step.num_micro_batches, metas, out.is_tuple, k + 1)
         link = self.links[peer]
         # The receiver posted this message's receive with the previous message's shapes (see _Inbox).
         works = link.send_activation(header, outputs, step.sent_metas.get(peer))
