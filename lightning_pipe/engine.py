@@ -96,7 +96,7 @@ class _StepState:
     micro_batches: dict[Key, _MicroBatch] = field(default_factory=dict)
     skipped: set[Key] = field(default_factory=set)  # per-micro-batch steps: pairs whose step returned before them
     outputs: dict[Key, _Output] = field(default_factory=dict)  # to send, or to hand to the next chunk here
-    input_grads: dict[Key, tuple[Tensor, ...]] = field(default_factory=dict)  # to send, or for the chunk before
+    input_grads: dict[Key, tuple[Tensor, ...]] = field(default_factory=dict)  # to send to the chunk before
     calls: dict[int, _CallState] = field(default_factory=dict)  # id(call) -> its micro-batches in this step
     inboxes: dict[int, _Inbox] = field(default_factory=dict)  # per stage sending activations here
     gradient_inboxes: dict[int, _GradientInbox] = field(default_factory=dict)
@@ -452,9 +452,7 @@ class PipelineEngine:
                 micro_batch.loss.backward()  # to the leaves of the chunk's output (and through the model's head)
                 micro_batch.loss = None
             micro_batch.output_grads = tuple(_grad_or_zeros(t) for t in micro_batch.user_outputs)
-        elif self._here(k + 1):
-            micro_batch.output_grads = step.input_grads.pop((k + 1, m))
-        assert micro_batch.output_grads is not None
+        assert micro_batch.output_grads is not None  # received, or handed over by the next chunk on this stage
         pairs = [(edge, g) for edge, g in zip(micro_batch.outputs, micro_batch.output_grads) if edge is not None]
         edges, grads = [edge for edge, _ in pairs], [g for _, g in pairs]
         needing = [t for t in micro_batch.inputs if t.requires_grad]
@@ -470,7 +468,10 @@ class PipelineEngine:
         self.timeline.add(BACKWARD, m, start)
         if k > 0:
             gradients = tuple(_grad_or_zeros(t) for t in needing)
-            step.input_grads[(k - 1, m) if self._here(k - 1) else (k, m)] = gradients
+            if self._here(k - 1):
+                step.micro_batches[(k - 1, m)].output_grads = gradients
+            else:
+                step.input_grads[(k, m)] = gradients
         if not split:
             self._done(k, m)
 
@@ -594,18 +595,17 @@ class _Inbox:
         self._posted: PostedTensors | None = None
 
     def first_header(self) -> Header:
-        """The step's first message's header (it tells the count of micro-batches), before any is taken."""
+        """The next message's header, before it is taken: a step's first tells the count of micro-batches."""
         if self._header is None:
-            self._header = self.link.recv_header()
+            self._header = self._pending.wait() if self._pending is not None else self.link.recv_header()
+            self._pending = None
         return self._header
 
     def take(self, k: int, m: int) -> tuple[Header, tuple[Tensor, ...]]:
         if self._order is None:
             self._order = self._expected()
         link = self.link
-        if self._header is None:
-            self._header = self._pending.wait() if self._pending is not None else link.recv_header(m)
-        header, self._header = self._header, None
+        header, self._header = self.first_header(), None
         if header.kind == SKIP:
             self._check(header, k, m)
             self._advance(None)

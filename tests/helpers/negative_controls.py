@@ -10,13 +10,12 @@ from lightning_pipe import engine
 
 
 def drop_gradient_of(micro_batch: int) -> Callable[[], None]:
-    """The last stage sends zeros instead of one micro-batch's input gradient; returns what undoes it."""
-    original = engine._OrderedGradientSender._ready
+    """Every stage that receives gradients takes zeros instead of one micro-batch's; returns what undoes it."""
+    original = engine._GradientInbox.take
 
-    def ready(self, m, grads):
-        if m == micro_batch:
-            grads = tuple(torch.zeros_like(g) if g is not None else None for g in grads)
-        original(self, m, grads)
+    def take(self, k, m, micro_batches):
+        grads = original(self, k, m, micro_batches)
+        return tuple(torch.zeros_like(g) for g in grads) if m == micro_batch else grads
 
-    engine._OrderedGradientSender._ready = ready
-    return lambda: setattr(engine._OrderedGradientSender, "_ready", original)
+    engine._GradientInbox.take = take
+    return lambda: setattr(engine._GradientInbox, "take", original)

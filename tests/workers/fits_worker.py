@@ -24,6 +24,7 @@ from helpers.models import MODELS, loaders, sequence_loaders
 from helpers.negative_controls import drop_gradient_of
 from helpers.recording import MetricRecorder
 from lightning_pipe import tied
+from lightning_pipe.schedule import gpipe_schedule
 
 
 def record_dropout_masks(model, rows):
@@ -81,6 +82,8 @@ def main(spec_path):
             from test_equivalence import backwards_in_forward_order
 
             run.setdefault("strategy", {})["schedule"] = backwards_in_forward_order
+        if run.get("schedule") == "gpipe_split":  # GPipe with deferred weight gradients
+            run.setdefault("strategy", {})["schedule"] = gpipe_schedule(split_backward=True)
         torch._dynamo.reset()  # an earlier run's compiled code would serve this run's layers of the same types
         graphs_before = models.compiled_graphs
         out = Path(spec["out"]) / run["name"]

@@ -1,0 +1,140 @@
+"""Every schedule trains as one device does.
+
+A per-micro-batch schedule calls ``training_step`` once per micro-batch and weights each loss by its micro-batch's
+share of the batch: it equals one device with ``accumulate_grad_batches=M`` on batches of ``B/M``, and, for a loss
+that is a mean over samples (the test model's cross-entropy), one device on the whole batch, whose logged loss it
+logs too. GPipe with deferred weight gradients equals one device like GPipe.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.compare import merged_state_dict, rank_results, relative_weight_error, single_device_run
+from helpers.launch import launch
+
+TOLERANCE = 1e-5  # of the total weight change during training
+PER_MICRO_BATCH = ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+BATCH = 16
+
+
+def runs_for(devices: int) -> list[dict]:
+    runs = []
+    for schedule in PER_MICRO_BATCH:
+        strategy = {"schedule": schedule}
+        runs += [
+            {"name": f"{schedule}_m4", "num_micro_batches": 4, "strategy": strategy},
+            # 50 samples in batches of 16: micro-batches of 5, 5, 6 samples; the last batch of 2 has 2 of 1.
+            {"name": f"{schedule}_m3_uneven", "num_micro_batches": 3, "train_samples": 50, "strategy": strategy},
+        ]
+        if devices == 2:
+            runs.append({"name": f"{schedule}_always", "num_micro_batches": 4, "checkpoint": "always",
+                         "strategy": strategy})
+    runs.append({"name": "gpipe_split", "num_micro_batches": 4, "schedule": "gpipe_split"})
+    if devices == 2:
+        one_f_one_b = {"schedule": "1f1b"}
+        runs += [
+            {"name": "interleaved_v3", "num_micro_batches": 4,
+             "strategy": {"schedule": "interleaved_1f1b", "virtual_stages": 3}},
+            {"name": "accumulate", "num_micro_batches": 2, "trainer": {"accumulate_grad_batches": 2}, "strategy": one_f_one_b},
+            {"name": "clip_norm", "num_micro_batches": 4, "trainer": {"gradient_clip_val": 0.05}, "strategy": one_f_one_b},
+            {"name": "skips", "model": "skips", "num_micro_batches": 4, "strategy": one_f_one_b},
+            {"name": "fp16_overflow", "model": "poisoned", "num_micro_batches": 4, "fp16": True, "strategy": one_f_one_b},
+            {"name": "dropped", "num_micro_batches": 4, "drop_gradient_of": 1, "strategy": {"schedule": "zero_bubble"}},
+        ]
+    return runs
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}procs")
+def pipelined(request, tmp_path_factory):
+    devices = request.param
+    tmp = tmp_path_factory.mktemp(f"schedules{devices}")
+    runs = runs_for(devices)
+    launch("fits_worker.py", {"devices": devices, "out": str(tmp), "runs": runs}, tmp, timeout=900)
+    return devices, tmp, {run["name"]: run for run in runs}
+
+
+_references: dict[tuple, tuple] = {}
+
+
+def reference(run: dict, **changes):
+    run = {**run, **changes}
+    keys = ("model", "train_samples", "max_epochs", "lr", "fp16", "batch_size")
+    key = (*(run.get(k) for k in keys), tuple(sorted(run.get("trainer", {}).items())))
+    if key not in _references:
+        _references[key] = single_device_run(run)
+    return _references[key]
+
+
+def weight_error(tmp, run, **reference_changes) -> float:
+    initial, expected, _ = reference(run, **reference_changes)
+    return relative_weight_error(initial, expected, merged_state_dict(tmp / run["name"]))
+
+
+def assert_equals_the_whole_batch(tmp, run):
+    """One device on the whole batch: the weights, and the loss logged at every step and at the end."""
+    assert weight_error(tmp, run) < TOLERANCE
+    _, _, expected = reference(run)
+    for result in rank_results(tmp / run["name"]):
+        assert result["train_losses"] == pytest.approx(expected["train_losses"], rel=1e-5)
+        for key in ("train_loss", "val_loss"):
+            assert result["final_metrics"][key] == pytest.approx(expected["final_metrics"][key], rel=1e-5)
+
+
+@pytest.mark.parametrize("schedule", PER_MICRO_BATCH)
+def test_per_micro_batch_schedule_equals_one_device_accumulating_micro_batches(pipelined, schedule):
+    _, tmp, runs = pipelined
+    run = runs[f"{schedule}_m4"]
+    trainer = {"accumulate_grad_batches": 4, **run.get("trainer", {})}
+    assert weight_error(tmp, run, batch_size=BATCH // 4, trainer=trainer) < TOLERANCE
+
+
+@pytest.mark.parametrize("schedule", PER_MICRO_BATCH)
+def test_per_micro_batch_schedule_equals_one_device_on_the_whole_batch(pipelined, schedule):
+    _, tmp, runs = pipelined
+    assert_equals_the_whole_batch(tmp, runs[f"{schedule}_m4"])
+
+
+@pytest.mark.parametrize("schedule", PER_MICRO_BATCH)
+def test_uneven_micro_batches_and_a_smaller_last_batch_equal_one_device(pipelined, schedule):
+    _, tmp, runs = pipelined
+    assert_equals_the_whole_batch(tmp, runs[f"{schedule}_m3_uneven"])
+
+
+@pytest.mark.parametrize("schedule", PER_MICRO_BATCH)
+def test_recomputed_forwards_equal_one_device(pipelined, schedule):
+    devices, tmp, runs = pipelined
+    if devices != 2:
+        pytest.skip("checked with 2 stages")
+    assert_equals_the_whole_batch(tmp, runs[f"{schedule}_always"])
+
+
+def test_gpipe_with_deferred_weight_gradients_equals_one_device(pipelined):
+    _, tmp, runs = pipelined
+    assert_equals_the_whole_batch(tmp, runs["gpipe_split"])
+
+
+@pytest.mark.parametrize("name", ["interleaved_v3", "accumulate", "clip_norm", "skips"])
+def test_lightning_features_under_a_per_micro_batch_schedule_equal_one_device(pipelined, name):
+    """Three chunks per stage; Lightning's accumulation on top; clipping by the global norm; a step returning None."""
+    devices, tmp, runs = pipelined
+    if devices != 2:
+        pytest.skip("checked with 2 stages")
+    assert weight_error(tmp, runs[name]) < TOLERANCE
+
+
+def test_an_overflow_on_one_stage_skips_the_step_everywhere_under_a_per_micro_batch_schedule(pipelined):
+    devices, tmp, runs = pipelined
+    if devices != 2:
+        pytest.skip("checked with 2 stages")
+    run = runs["fp16_overflow"]
+    assert weight_error(tmp, run) < TOLERANCE
+    _, _, expected = reference(run)
+    assert {result["grad_scale"] for result in rank_results(tmp / run["name"])} == {expected["grad_scale"]}
+
+
+def test_comparison_detects_a_dropped_micro_batch_gradient(pipelined):
+    devices, tmp, runs = pipelined
+    if devices != 2:
+        pytest.skip("checked with 2 stages")
+    assert weight_error(tmp, runs["dropped"]) > 100 * TOLERANCE
