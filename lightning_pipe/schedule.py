@@ -133,7 +133,7 @@ class PipelineSchedule:
                 fix += f", or use {key}schedule='interleaved_1f1b' for several chunks per stage"
             raise ValueError(
                 f"{key}virtual_stages={virtual_stages!r} is invalid for {key}schedule={self.name!r}, which runs"
-                f" {allowed} model chunk(s) per stage; {fix}."
+                f" {allowed} model {'chunk' if high == 1 else 'chunks'} per stage; {fix}."
             )
         return virtual_stages
 
@@ -498,13 +498,20 @@ def clock_cycles(
     """
     schedule = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     v = schedule.checked_virtual_stages(virtual_stages)
-    where = f"schedule {schedule.name!r} with {num_stages} stages, {num_micro_batches} micro-batches and {v} chunk(s) per stage"
+    where = (
+        f"schedule {schedule.name!r} with {_count(num_stages, 'stage')}, {_count(num_micro_batches, 'micro-batch')}"
+        f" and {_count(v, 'chunk')} per stage"
+    )
     lists = [schedule.actions(stage, num_stages, num_micro_batches, v) for stage in range(num_stages)]
     grid = _Grid(num_stages, num_micro_batches, v, schedule.placement, schedule.per_micro_batch, where)
     for stage, actions in enumerate(lists):
         grid.check_stage(stage, actions)
     grid.check_message_order(lists)
     return Simulation(_run(lists, grid, costs), tuple(_peak_in_flight(actions) for actions in lists))
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}es" if noun.endswith("h") else f"{number} {noun}s"
 
 
 @dataclass(frozen=True)
@@ -541,8 +548,10 @@ class _Grid:
         for k in local:
             for m in range(self.num_micro_batches):
                 needed = [Action("forward", m, k)]
-                if (k, m) not in done["backward"]:
-                    needed += [Action("backward_input", m, k), Action("backward_weight", m, k)]
+                if (k, m) in done["backward_input"]:
+                    needed.append(Action("backward_weight", m, k))
+                elif (k, m) not in done["backward"]:
+                    needed.append(Action("backward", m, k))
                 for action in needed:
                     if (k, m) not in done[action.kind]:
                         rule = "never runs: every (chunk, micro-batch) needs one forward and one backward (full, or"
