@@ -148,9 +148,8 @@ def test_placements_put_chunks_in_a_loop_or_a_v():
     assert [stage_chunks(s, 4, 2, "v") for s in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
     assert SCHEDULES["zbv"].owner(7, 4) == 0 and SCHEDULES["interleaved_1f1b"].owner(7, 4) == 3
     # The last stage of a V runs its two chunks back to back: no message between them.
-    last_stage = SCHEDULES["zbv"].actions(3, 4, 8, 2)
-    assert not any(a.kind in ("send", "recv") and a.chunk in (3, 4) and (a.kind == "send") == (a.chunk == 3)
-                   for a in last_stage)
+    messages = {(a.kind, a.chunk) for a in SCHEDULES["zbv"].actions(3, 4, 8, 2) if a.kind in ("send", "recv")}
+    assert messages == {("recv", 3), ("send", 4)}  # from stage 2 into chunk 3; out of chunk 4 to stage 2
 
 
 @pytest.mark.parametrize(
@@ -227,9 +226,11 @@ def test_the_unbroken_edit_passes():  # the negative tests below change one thin
         (edited("gpipe", lambda s, acts: [Action("forward", 0, 1 - s)] + acts[1:] if s == 0 else acts),
          r"stage 0's action 0, forward\(chunk 1, micro-batch 0\), runs a chunk that the 'loop' placement puts on"
          r" stage 1"),
+        (edited("gpipe", lambda s, acts: [Action("recv", 0, 0), *acts] if s == 0 else acts),
+         r"stage 0's action 0, recv\(chunk 0, micro-batch 0\), crosses no stage boundary: the chunk's input is the data"),
     ],
     ids=["missing backward", "duplicated forward", "forward before its input", "backward before its forward",
-         "weight gradient before input gradient", "chunk on the wrong stage"],
+         "weight gradient before input gradient", "chunk on the wrong stage", "message within a stage"],
 )
 def test_checker_names_the_stage_the_action_and_the_broken_rule(schedule, message):
     with pytest.raises(ValueError, match=message) as error:
