@@ -37,7 +37,8 @@ ActionKind = Literal[
 Placement = Literal["loop", "v"]
 RecomputeMode = Literal["always", "except_last", "never"]
 COMPUTE_KINDS: tuple[ActionKind, ...] = ("forward", "backward", "backward_input", "backward_weight")
-INPUT_GRADIENT_KINDS: tuple[ActionKind, ...] = ("backward", "backward_input")  # what send_grad and the chunk before wait on
+# What computes a chunk's input gradient: what its send_grad, and the backward of the chunk before, wait for.
+INPUT_GRADIENT_KINDS: tuple[ActionKind, ...] = ("backward", "backward_input")
 
 
 @dataclass(frozen=True)
@@ -752,7 +753,7 @@ def render_timeline(
     schedule = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     v = schedule.checked_virtual_stages(virtual_stages)
     simulation = clock_cycles(num_stages, num_micro_batches, schedule, v)
-    letters = {k: "abcdefghijklmnopqrstuvwxyz"[i] for s in range(num_stages) for i, k in enumerate(schedule.chunks(s, num_stages, v))}
+    letters = {k: chr(ord("a") + i) for s in range(num_stages) for i, k in enumerate(schedule.chunks(s, num_stages, v))}
     short = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
 
     def label(action: Action) -> str:
@@ -782,9 +783,13 @@ def phases(actions: list[Action], num_micro_batches: int) -> tuple[list[Action],
             " forward must come before the first backward."
         )
     if any(action.kind in ("backward_input", "backward_weight") for action in backwards):
-        raise ValueError("the schedule splits its backwards into input and weight gradients, which the engine cannot run yet.")
+        raise ValueError(
+            "the schedule splits its backwards into input and weight gradients, which the engine cannot run yet."
+        )
     for phase, kind in ((forwards, "forward"), (backwards, "backward")):
         done = sorted(action.micro_batch for action in phase if action.kind == kind)
         if backwards and done != list(range(num_micro_batches)):
-            raise ValueError(f"the schedule's {kind}s cover micro-batches {done}, not each of 0..{num_micro_batches - 1} once.")
+            raise ValueError(
+                f"the schedule's {kind}s cover micro-batches {done}, not each of 0..{num_micro_batches - 1} once."
+            )
     return forwards, backwards

@@ -67,7 +67,9 @@ def runs_for(devices: int) -> list[dict]:
     return runs
 
 
-def backwards_in_forward_order(stage: int, num_stages: int, num_micro_batches: int, virtual_stages: int) -> list[Action]:
+def backwards_in_forward_order(
+    stage: int, num_stages: int, num_micro_batches: int, virtual_stages: int
+) -> list[Action]:
     """A test-only schedule: GPipe, with every stage running the backwards in forward order (0 first). Adding it
     took this function and the `schedule` setting, nothing else."""
     actions = gpipe(stage, num_stages, num_micro_batches, virtual_stages)

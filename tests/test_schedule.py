@@ -35,8 +35,8 @@ def short(actions: list[Action]) -> list[str]:
     return [f"{SHORT[a.kind]}{a.micro_batch}" for a in actions]
 
 
-def idle_ticks(name: str | PipelineSchedule, num_stages: int, num_micro_batches: int, v: int | None = None) -> list[int]:
-    simulation = clock_cycles(num_stages, num_micro_batches, name, v)
+def idle_ticks(name: str | PipelineSchedule, num_stages: int, num_micro_batches: int) -> list[int]:
+    simulation = clock_cycles(num_stages, num_micro_batches, name)
     return [simulation.makespan - sum(a.end - a.start for a in stage) for stage in simulation.intervals]
 
 
@@ -139,7 +139,8 @@ def test_interleaved_one_f_one_b_runs_any_micro_batch_count():
     assert schedule_module._rounds(10, 4) == [range(0, 5), range(5, 10)]
     assert schedule_module._rounds(11, 4) == [range(0, 6), range(6, 11)]
     assert schedule_module._rounds(5, 4) == [range(0, 5)] and schedule_module._rounds(3, 4) == [range(0, 3)]
-    forwards = [(a.chunk, a.micro_batch) for a in SCHEDULES["interleaved_1f1b"].actions(1, 2, 3, 2) if a.kind == "forward"]
+    actions = SCHEDULES["interleaved_1f1b"].actions(1, 2, 3, 2)
+    forwards = [(a.chunk, a.micro_batch) for a in actions if a.kind == "forward"]
     assert forwards == [(1, 0), (1, 1), (1, 2), (3, 0), (3, 1), (3, 2)]
 
 
@@ -227,7 +228,7 @@ def test_the_unbroken_edit_passes():  # the negative tests below change one thin
          r"stage 0's action 0, forward\(chunk 1, micro-batch 0\), runs a chunk that the 'loop' placement puts on"
          r" stage 1"),
         (edited("gpipe", lambda s, acts: [Action("recv", 0, 0), *acts] if s == 0 else acts),
-         r"stage 0's action 0, recv\(chunk 0, micro-batch 0\), crosses no stage boundary: the chunk's input is the data"),
+         r"stage 0's action 0, recv\(chunk 0, micro-batch 0\), crosses no stage boundary: the chunk's input is"),
     ],
     ids=["missing backward", "duplicated forward", "forward before its input", "backward before its forward",
          "weight gradient before input gradient", "chunk on the wrong stage", "message within a stage"],
@@ -255,9 +256,12 @@ def test_checker_finds_receives_out_of_the_senders_order():
         rest = [a for a in actions if a not in order]
         return order[2:4] + order[0:2] + order[4:] + rest
 
-    with pytest.raises(ValueError, match=r"stage 1's action 0, recv\(chunk 1, micro-batch 1\), is its receive number 0"
-                                         r" from stage 0, but stage 0's send number 0 there is send\(chunk 0, micro-batch"
-                                         r" 0\) \(action 1\): a stage must receive its activations in the order"):
+    message = (
+        r"stage 1's action 0, recv\(chunk 1, micro-batch 1\), is its receive number 0 from stage 0, but stage 0's"
+        r" send number 0 there is send\(chunk 0, micro-batch 0\) \(action 1\): a stage must receive its activations in"
+        r" the order they are sent"
+    )
+    with pytest.raises(ValueError, match=message):
         clock_cycles(2, 2, edited("gpipe", swap_receives))
 
 
@@ -304,7 +308,9 @@ def test_a_users_function_becomes_a_schedule_that_interleaves_when_its_lists_do(
 # ---- the pictures ----------------------------------------------------------------------------------------------
 
 # A docstring's table follows the call that draws it: ``render_timeline(4, 8, "1f1b")``::
-TABLE = re.compile(r"``render_timeline\((?P<args>[^`]*)\)``\)?::\n\n(?P<table>(?P<indent>[ ]+)tick.*\n(?:(?P=indent)stage .*\n)*)")
+TABLE = re.compile(
+    r"``render_timeline\((?P<args>[^`]*)\)``\)?::\n\n(?P<table>(?P<indent>[ ]+)tick.*\n(?:(?P=indent)stage .*\n)*)"
+)
 DOCUMENTED = [schedule_module, schedule_module.gpipe, schedule_module.one_f_one_b,
               schedule_module.interleaved_one_f_one_b, schedule_module.zero_bubble, schedule_module.zbv]
 

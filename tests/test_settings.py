@@ -142,8 +142,8 @@ def forward_before_its_receive(stage: int, num_stages: int, num_micro_batches: i
 
 def test_a_users_schedule_is_run_through_the_checker_before_any_process_starts():
     message = (
-        r"^schedule 'forward_before_its_receive' with 2 stages, 1 micro-batch and 1 chunk per stage: stage 1's action 0,"
-        r" forward\(chunk 1, micro-batch 0\), runs before its receive, which provides its input"
+        r"^schedule 'forward_before_its_receive' with 2 stages, 1 micro-batch and 1 chunk per stage: stage 1's"
+        r" action 0, forward\(chunk 1, micro-batch 0\), runs before its receive, which provides its input"
     )
     with pytest.raises(ValueError, match=message):
         GPipeStrategy(num_stages=2, schedule=forward_before_its_receive)
