@@ -76,7 +76,7 @@ class PipelineSettings:
         for name, count in (("num_stages", num_stages), ("num_micro_batches", num_micro_batches)):
             if count is not None:
                 require_positive_int(f"{key}{name}", count)
-        schedule = _checked_schedule(self.schedule, key, num_stages, num_micro_batches)
+        schedule = _checked_schedule(self.schedule, key, num_stages, num_micro_batches, self.virtual_stages)
         virtual_stages = schedule.checked_virtual_stages(self.virtual_stages, key)
         checked = {
             "num_stages": num_stages,
@@ -134,7 +134,7 @@ class PipelineSettings:
 
 
 def _checked_schedule(
-    schedule: object, key: str, num_stages: int | None, num_micro_batches: int | None
+    schedule: object, key: str, num_stages: int | None, num_micro_batches: int | None, virtual_stages: object
 ) -> PipelineSchedule:
     """The schedule: one named in ``SCHEDULES``, a :class:`PipelineSchedule`, or the user's function wrapped into one
     (whether it needs a loss per micro-batch is read from its lists for the configured counts, or 2 stages and 8
@@ -148,7 +148,8 @@ def _checked_schedule(
             f"{key}schedule={schedule!r} is not a schedule; use one of {', '.join(map(repr, SCHEDULES))} or a function"
             " (stage, num_stages, num_micro_batches, virtual_stages) -> list[Action] (see lightning_pipe.schedule)."
         )
-    return custom_schedule(schedule, num_stages or 2, num_micro_batches)  # type: ignore[arg-type]
+    chunks = virtual_stages if isinstance(virtual_stages, int) and not isinstance(virtual_stages, bool) else 1
+    return custom_schedule(schedule, num_stages or 2, num_micro_batches, max(1, chunks))  # type: ignore[arg-type]
 
 
 def _is_built_in(schedule: PipelineSchedule) -> bool:

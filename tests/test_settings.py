@@ -157,6 +157,9 @@ def test_schedule_settings_resolve_to_a_schedule_and_its_chunks_per_stage():
     assert PipelineSettings(schedule="interleaved_1f1b", virtual_stages=3).virtual_stages == 3
     settings = PipelineSettings(num_stages=3, schedule=lambda *counts: SCHEDULES["1f1b"].actions(*counts))
     assert settings.schedule.per_micro_batch and settings.virtual_stages == 1
+    interleaved = lambda *counts: SCHEDULES["interleaved_1f1b"].actions(*counts)  # noqa: E731
+    settings = PipelineSettings(num_stages=2, schedule=interleaved, virtual_stages=3)  # checked with 3 chunks
+    assert settings.schedule.per_micro_batch and settings.virtual_stages == 3 and settings.schedule.placement == "loop"
     assert PipelineSettings(schedule="zbv").schedule is SCHEDULES["zbv"]
     node = OmegaConf.create({"num_stages": 2, "schedule": "interleaved_1f1b", "virtual_stages": 4})
     assert PipelineSettings.from_options(node, key="strategy.").virtual_stages == 4
