@@ -207,8 +207,8 @@ class PartitionPlan:
 def recompute_fraction(mode: str, num_micro_batches: int) -> float:
     """The share of micro-batches whose forward runs again in backward under the re-computation ``mode`` (the
     public ``checkpoint`` option) in GPipe, as :func:`lightning_pipe.schedule.with_recompute` decides it."""
-    forwards = [a for a in SCHEDULES["gpipe"].stage_actions(0, 1, num_micro_batches, 1, mode) if a.kind == "forward"]  # type: ignore[arg-type]
-    return sum(a.recompute for a in forwards) / num_micro_batches
+    actions = SCHEDULES["gpipe"].stage_actions(0, 1, num_micro_batches, 1, mode)  # type: ignore[arg-type]
+    return sum(a.recompute for a in actions if a.kind == "forward") / num_micro_batches
 
 
 def needs_sample(balance: Balance) -> bool:

@@ -77,7 +77,11 @@ class GPipeStrategyConfig:
     """After a run of a model built on the meta device, send the whole model to global rank 0 (costs it the whole
     model in host memory); by default each rank keeps its own stage."""
     schedule: str = "gpipe"
-    """The order of each stage's forwards, backwards, sends and receives in a step (``lightning_pipe.schedule``)."""
+    """The order of each stage's forwards, backwards, sends and receives in a step: ``gpipe``, ``1f1b``,
+    ``interleaved_1f1b``, ``zero_bubble`` or ``zbv`` (``lightning_pipe.schedule``; docs/schedules.md compares them)."""
+    virtual_stages: Optional[int] = None
+    """Model chunks per stage, for schedules that run several (``interleaved_1f1b``: 2 or more); null: the
+    schedule's default (2 for ``interleaved_1f1b`` and ``zbv``, 1 for the others)."""
     compile: Any = False
     """Compile each stage's layers with ``torch.compile``: ``true``, or its keyword arguments (``{mode:
     max-autotune}``); every layer separately, so no compiled code spans two stages. (``Any``: a bool or a mapping;

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 # recv: wait for a micro-batch's activations from the stage holding the previous chunk; send: pass a chunk's output
 # to the stage holding the next one; recv_grad / send_grad: the same for gradients, in the other direction. forward
@@ -37,7 +37,8 @@ ActionKind = Literal[
 Placement = Literal["loop", "v"]
 RecomputeMode = Literal["always", "except_last", "never"]
 COMPUTE_KINDS: tuple[ActionKind, ...] = ("forward", "backward", "backward_input", "backward_weight")
-INPUT_GRADIENT_KINDS: tuple[ActionKind, ...] = ("backward", "backward_input")  # what send_grad and the chunk before wait on
+# What computes a chunk's input gradient: what its send_grad, and the backward of the chunk before, wait for.
+INPUT_GRADIENT_KINDS: tuple[ActionKind, ...] = ("backward", "backward_input")
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class PipelineSchedule:
                 fix += f", or use {key}schedule='interleaved_1f1b' for several chunks per stage"
             raise ValueError(
                 f"{key}virtual_stages={virtual_stages!r} is invalid for {key}schedule={self.name!r}, which runs"
-                f" {allowed} model chunk(s) per stage; {fix}."
+                f" {allowed} model {'chunk' if high == 1 else 'chunks'} per stage; {fix}."
             )
         return virtual_stages
 
@@ -211,21 +212,11 @@ def gpipe(
     return _with_messages(compute, stage, num_stages, 1, "loop")
 
 
-def _gpipe_bubble(split_backward: bool) -> Callable[[int, int, int], float]:
-    """GPipe's idle share: the fill ``(S-1)·F`` plus the drain, ``(S-1)·(I+W)``, or ``(S-1)·I`` with the weight
-    gradients deferred, over the step ``M·(F+I+W)`` plus both."""
-
-    def bubble(num_stages: int, num_micro_batches: int, virtual_stages: int) -> float:
-        idle = (num_stages - 1) * (2 if split_backward else 3)
-        return idle / (3 * num_micro_batches + idle)
-
-    return bubble
-
-
 def gpipe_schedule(split_backward: bool = False) -> PipelineSchedule:
     """GPipe as a :class:`PipelineSchedule`, its weight gradients deferred with ``split_backward``."""
     actions: StageActions = (lambda s, n, m, v: gpipe(s, n, m, v, split_backward=True)) if split_backward else gpipe
-    return PipelineSchedule("gpipe", actions, per_micro_batch=False, bubble_formula=_gpipe_bubble(split_backward))
+    formula = _drain_of_input_gradients_bubble if split_backward else _fill_and_drain_bubble
+    return PipelineSchedule("gpipe", actions, per_micro_batch=False, bubble_formula=formula)
 
 
 def one_f_one_b(stage: int, num_stages: int, num_micro_batches: int, virtual_stages: int = 1) -> list[Action]:
@@ -372,22 +363,53 @@ def zbv(stage: int, num_stages: int, num_micro_batches: int, virtual_stages: int
     return _with_messages(compute, stage, num_stages, 2, "v")
 
 
-def _gpipe_like_bubble(num_stages: int, num_micro_batches: int, virtual_stages: int) -> float:
+# ---- bubble formulas: the idle share of a step with F = I = W (a full backward B = I + W), equal chunks ---------
+
+
+def _fill_and_drain_bubble(num_stages: int, num_micro_batches: int, virtual_stages: int) -> float:
+    """GPipe and 1F1B: a stage idles while the pipeline fills, ``(S-1)·F``, and drains, ``(S-1)·B``, beside its
+    ``M·(F+B)`` of work: ``(S-1)/(M+S-1)``."""
     return (num_stages - 1) / (num_micro_batches + num_stages - 1)
+
+
+def _drain_of_input_gradients_bubble(num_stages: int, num_micro_batches: int, virtual_stages: int) -> float:
+    """GPipe with deferred weight gradients: the drain passes only input gradients, ``(S-1)·I``:
+    ``2(S-1)/(3M+2(S-1))``."""
+    idle = 2 * (num_stages - 1)
+    return idle / (3 * num_micro_batches + idle)
+
+
+def _interleaved_bubble(num_stages: int, num_micro_batches: int, virtual_stages: int) -> float:
+    """Interleaved 1F1B: the fill and drain pass chunks ``v`` times smaller: ``(S-1)/(v·M+S-1)`` (every ``M >= S``
+    with rounds of at least ``S``)."""
+    return (num_stages - 1) / (virtual_stages * num_micro_batches + num_stages - 1)
+
+
+def _zero_bubble_h1_bubble(num_stages: int, num_micro_batches: int, virtual_stages: int) -> float:
+    """ZB-H1: the deferred weight gradients fill all but ``(S-1)·(F+I-W) = (S-1)·F`` of 1F1B's ``(S-1)·(F+I+W)``:
+    ``(S-1)/(3M+S-1)``, a third of 1F1B's idle time (``M >= S``)."""
+    return (num_stages - 1) / (3 * num_micro_batches + num_stages - 1)
+
+
+def _zbv_bubble(num_stages: int, num_micro_batches: int, virtual_stages: int) -> float:
+    """ZB-V: only the first forward's trip down the V, ``S-1`` chunk ticks, against ``6M`` of work per stage:
+    ``(S-1)/(6M+S-1)``, half of ZB-H1's idle time (``M >= 2S-1``; fewer leave gaps in the warm-up)."""
+    return (num_stages - 1) / (6 * num_micro_batches + num_stages - 1)
 
 
 SCHEDULES: dict[str, PipelineSchedule] = {
     "gpipe": gpipe_schedule(),
-    "1f1b": PipelineSchedule("1f1b", one_f_one_b, per_micro_batch=True, bubble_formula=_gpipe_like_bubble),
+    "1f1b": PipelineSchedule("1f1b", one_f_one_b, per_micro_batch=True, bubble_formula=_fill_and_drain_bubble),
     "interleaved_1f1b": PipelineSchedule(
         "interleaved_1f1b", interleaved_one_f_one_b, per_micro_batch=True, virtual_stages=2, min_virtual_stages=2,
-        max_virtual_stages=None, bubble_formula=lambda s, m, v: (s - 1) / (v * m + s - 1),
+        max_virtual_stages=None, bubble_formula=_interleaved_bubble,
     ),
     "zero_bubble": PipelineSchedule(
-        "zero_bubble", zero_bubble, per_micro_batch=True, bubble_formula=lambda s, m, v: (s - 1) / (3 * m + s - 1)
+        "zero_bubble", zero_bubble, per_micro_batch=True, bubble_formula=_zero_bubble_h1_bubble
     ),
     "zbv": PipelineSchedule(
-        "zbv", zbv, per_micro_batch=True, placement="v", virtual_stages=2, min_virtual_stages=2, max_virtual_stages=2
+        "zbv", zbv, per_micro_batch=True, placement="v", virtual_stages=2, min_virtual_stages=2,
+        max_virtual_stages=2, bubble_formula=_zbv_bubble,
     ),
 }
 
@@ -419,8 +441,9 @@ def custom_schedule(
 
 
 def _forward_after_backward(actions: list[Action]) -> bool:
-    kinds = [a.kind for a in actions if a.kind in COMPUTE_KINDS]
-    return "forward" in kinds[next((i for i, kind in enumerate(kinds) if kind != "forward"), len(kinds)):]
+    """Whether a forward follows a backward (of any kind) in ``actions``."""
+    backwards = [i for i, a in enumerate(actions) if a.kind in COMPUTE_KINDS and a.kind != "forward"]
+    return bool(backwards) and any(a.kind == "forward" for a in actions[backwards[0] :])
 
 
 def check_schedule(
@@ -472,15 +495,6 @@ class Simulation:
         total = self.makespan * len(self.intervals)
         return (total - busy) / total if total else 0.0
 
-    @property
-    def timeline(self) -> list[list[Action | None]]:
-        """``timeline[stage][tick]``: the compute action running then, or ``None`` (idle)."""
-        rows: list[list[Action | None]] = [[None] * self.makespan for _ in self.intervals]
-        for row, stage in zip(rows, self.intervals):
-            for start, end, action in stage:
-                row[start:end] = [action] * (end - start)
-        return rows
-
 
 def clock_cycles(
     num_stages: int,
@@ -498,13 +512,20 @@ def clock_cycles(
     """
     schedule = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     v = schedule.checked_virtual_stages(virtual_stages)
-    where = f"schedule {schedule.name!r} with {num_stages} stages, {num_micro_batches} micro-batches and {v} chunk(s) per stage"
+    where = (
+        f"schedule {schedule.name!r} with {_count(num_stages, 'stage')}, {_count(num_micro_batches, 'micro-batch')}"
+        f" and {_count(v, 'chunk')} per stage"
+    )
     lists = [schedule.actions(stage, num_stages, num_micro_batches, v) for stage in range(num_stages)]
     grid = _Grid(num_stages, num_micro_batches, v, schedule.placement, schedule.per_micro_batch, where)
     for stage, actions in enumerate(lists):
         grid.check_stage(stage, actions)
     grid.check_message_order(lists)
     return Simulation(_run(lists, grid, costs), tuple(_peak_in_flight(actions) for actions in lists))
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}es" if noun.endswith("h") else f"{number} {noun}s"
 
 
 @dataclass(frozen=True)
@@ -531,7 +552,7 @@ class _Grid:
 
     def check_stage(self, stage: int, actions: list[Action]) -> None:
         """Each action where its inputs are ready, each (chunk, micro-batch) forwarded and back-propagated once."""
-        done: dict[str, set[tuple[int, int]]] = {kind: set() for kind in ActionKind.__args__}  # type: ignore[attr-defined]
+        done: dict[str, set[tuple[int, int]]] = {kind: set() for kind in get_args(ActionKind)}
         local = stage_chunks(stage, self.num_stages, self.virtual_stages, self.placement)
         for index, action in enumerate(actions):
             rule = self._broken_rule(stage, action, done, local)
@@ -541,8 +562,10 @@ class _Grid:
         for k in local:
             for m in range(self.num_micro_batches):
                 needed = [Action("forward", m, k)]
-                if (k, m) not in done["backward"]:
-                    needed += [Action("backward_input", m, k), Action("backward_weight", m, k)]
+                if (k, m) in done["backward_input"]:
+                    needed.append(Action("backward_weight", m, k))
+                elif (k, m) not in done["backward"]:
+                    needed.append(Action("backward", m, k))
                 for action in needed:
                     if (k, m) not in done[action.kind]:
                         rule = "never runs: every (chunk, micro-batch) needs one forward and one backward (full, or"
@@ -551,8 +574,9 @@ class _Grid:
     def _broken_rule(
         self, stage: int, action: Action, done: dict[str, set[tuple[int, int]]], local: list[int]
     ) -> str | None:
+        """Why ``action`` cannot run after the actions ``done`` on ``stage`` (which holds the chunks ``local``), or
+        ``None``."""
         k, m, kind = action.chunk, action.micro_batch, action.kind
-        key = (k, m)
         if not 0 <= k <= self.last_chunk:
             return f"names a chunk outside 0..{self.last_chunk}"
         if k not in local:
@@ -562,44 +586,53 @@ class _Grid:
         if action.recompute and kind != "forward":
             return "re-computes, which only a forward can"
         backed = done["backward"] | done["backward_input"]
-        if key in done[kind] or (kind in INPUT_GRADIENT_KINDS and key in backed):
+        if (k, m) in (backed if kind in INPUT_GRADIENT_KINDS else done[kind]):
             return "runs twice: each action happens once per (chunk, micro-batch)"
-        previous_here = k > 0 and self.owner(k - 1) == stage
-        next_here = k < self.last_chunk and self.owner(k + 1) == stage
-        if kind == "recv" and (k == 0 or previous_here):
-            return "receives an activation that no other stage sends (the chunk's input is the data or is local)"
-        if kind == "recv_grad" and (k == self.last_chunk or next_here):
-            return "receives a gradient that no other stage sends (the chunk's output gradient is the loss or local)"
-        if kind == "send" and (k == self.last_chunk or next_here):
-            return "sends an activation that no other stage receives (the next chunk is on this stage or none)"
-        if kind == "send_grad" and (k == 0 or previous_here):
-            return "sends a gradient that no other stage receives (the previous chunk is on this stage or none)"
-        if kind == "forward" and k > 0 and ((k - 1, m) not in done["forward"] if previous_here else key not in done["recv"]):
-            source = f"forward(chunk {k - 1}, micro-batch {m})" if previous_here else "its receive"
-            return f"runs before {source}, which provides its input"
-        if kind == "send" and key not in done["forward"]:
-            return "sends an output before its forward"
-        if kind in INPUT_GRADIENT_KINDS:
-            if key not in done["forward"]:
-                return "runs before its forward"
-            if k < self.last_chunk and key not in (done["recv_grad"] if not next_here else set()):
-                if not next_here:
-                    return "runs before its recv_grad, which provides its output's gradient"
-                if (k + 1, m) not in backed:
-                    return f"runs before the backward of chunk {k + 1}, micro-batch {m}, which provides its output's gradient"
-            if k == self.last_chunk and not self.per_micro_batch:
-                missing = [mb for mb in range(self.num_micro_batches) if (k, mb) not in done["forward"]]
-                if missing:
-                    return (
-                        f"runs before the forward of micro-batch {missing[0]}: the loss is computed on the whole"
-                        " mini-batch, so every forward of the last chunk comes first (a schedule that interleaves"
-                        " needs per_micro_batch=True)"
-                    )
-        if kind == "backward_weight" and key not in done["backward_input"]:
-            return "runs before its backward_input (a full backward computes both gradients)"
-        if kind == "send_grad" and key not in backed:
-            return "sends a gradient before its backward"
+        if kind in ("recv", "send_grad") and not self._crosses_stages(stage, k - 1):
+            return "crosses no stage boundary: the chunk's input is the data or computed on this stage"
+        if kind in ("send", "recv_grad") and not self._crosses_stages(stage, k + 1):
+            return "crosses no stage boundary: the chunk's output feeds the loss or a chunk on this stage"
+        for kinds, (chunk, micro_batch), what in self._prerequisites(stage, action):
+            if not any((chunk, micro_batch) in done[before] for before in kinds):
+                return f"runs before {what}"
+        if kind in INPUT_GRADIENT_KINDS and k == self.last_chunk and not self.per_micro_batch:
+            missing = [mb for mb in range(self.num_micro_batches) if (k, mb) not in done["forward"]]
+            if missing:
+                return (
+                    f"runs before the forward of micro-batch {missing[0]}: the loss is computed on the whole"
+                    " mini-batch, so every forward of the last chunk comes first (a schedule that interleaves"
+                    " needs per_micro_batch=True)"
+                )
         return None
+
+    def _crosses_stages(self, stage: int, chunk: int) -> bool:
+        """Whether a message between ``stage`` and ``chunk`` crosses to another stage (``chunk`` exists)."""
+        return 0 <= chunk <= self.last_chunk and self.owner(chunk) != stage
+
+    def _prerequisites(
+        self, stage: int, action: Action
+    ) -> list[tuple[tuple[ActionKind, ...], tuple[int, int], str]]:
+        """What must come before ``action`` on its stage: (any of these kinds, of this (chunk, micro-batch), why)."""
+        k, m, kind = action.chunk, action.micro_batch, action.kind
+        if kind == "forward" and k > 0:
+            if self._crosses_stages(stage, k - 1):
+                return [(("recv",), (k, m), "its receive, which provides its input")]
+            return [(("forward",), (k - 1, m), f"forward(chunk {k - 1}, micro-batch {m}), which provides its input")]
+        if kind == "send":
+            return [(("forward",), (k, m), "its forward")]
+        if kind in INPUT_GRADIENT_KINDS:
+            needed = [(("forward",), (k, m), "its forward")]
+            if self._crosses_stages(stage, k + 1):
+                needed.append((("recv_grad",), (k, m), "its recv_grad, which provides its output's gradient"))
+            elif k < self.last_chunk:
+                why = f"the backward of chunk {k + 1}, micro-batch {m}, which provides its output's gradient"
+                needed.append((INPUT_GRADIENT_KINDS, (k + 1, m), why))
+            return needed
+        if kind == "backward_weight":
+            return [(("backward_input",), (k, m), "its backward_input (a full backward computes both gradients)")]
+        if kind == "send_grad":
+            return [(INPUT_GRADIENT_KINDS, (k, m), "its backward")]
+        return []
 
     def message(self, stage: int, action: Action) -> tuple[tuple[int, int, str], tuple[int, int]] | None:
         """The channel ``(sender, receiver, kind)`` and the message ``(boundary chunk, micro-batch)`` that ``action``
@@ -720,7 +753,7 @@ def render_timeline(
     schedule = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     v = schedule.checked_virtual_stages(virtual_stages)
     simulation = clock_cycles(num_stages, num_micro_batches, schedule, v)
-    letters = {k: "abcdefghijklmnopqrstuvwxyz"[i] for s in range(num_stages) for i, k in enumerate(schedule.chunks(s, num_stages, v))}
+    letters = {k: chr(ord("a") + i) for s in range(num_stages) for i, k in enumerate(schedule.chunks(s, num_stages, v))}
     short = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
 
     def label(action: Action) -> str:
@@ -750,9 +783,13 @@ def phases(actions: list[Action], num_micro_batches: int) -> tuple[list[Action],
             " forward must come before the first backward."
         )
     if any(action.kind in ("backward_input", "backward_weight") for action in backwards):
-        raise ValueError("the schedule splits its backwards into input and weight gradients, which the engine cannot run yet.")
+        raise ValueError(
+            "the schedule splits its backwards into input and weight gradients, which the engine cannot run yet."
+        )
     for phase, kind in ((forwards, "forward"), (backwards, "backward")):
         done = sorted(action.micro_batch for action in phase if action.kind == kind)
         if backwards and done != list(range(num_micro_batches)):
-            raise ValueError(f"the schedule's {kind}s cover micro-batches {done}, not each of 0..{num_micro_batches - 1} once.")
+            raise ValueError(
+                f"the schedule's {kind}s cover micro-batches {done}, not each of 0..{num_micro_batches - 1} once."
+            )
     return forwards, backwards

@@ -26,7 +26,14 @@ from lightning_pipe.balance import (
     check_one_count_per_stage,
 )
 from lightning_pipe.config import PipelineParallelConfig, require_positive_int
-from lightning_pipe.schedule import SCHEDULES, PipelineSchedule, RecomputeMode, StageActions, check_schedule, custom_schedule
+from lightning_pipe.schedule import (
+    SCHEDULES,
+    PipelineSchedule,
+    RecomputeMode,
+    StageActions,
+    check_schedule,
+    custom_schedule,
+)
 
 # Which forwards run again in backward instead of keeping their activations (the public option ``checkpoint``;
 # :func:`lightning_pipe.schedule.with_recompute` decides it per forward).
@@ -69,10 +76,8 @@ class PipelineSettings:
         for name, count in (("num_stages", num_stages), ("num_micro_batches", num_micro_batches)):
             if count is not None:
                 require_positive_int(f"{key}{name}", count)
-        schedule = _checked_schedule(self.schedule, key, num_stages, num_micro_batches)
+        schedule = _checked_schedule(self.schedule, key, num_stages, num_micro_batches, self.virtual_stages)
         virtual_stages = schedule.checked_virtual_stages(self.virtual_stages, key)
-        if num_stages is not None and not _is_built_in(schedule):  # the user's own: run it before any process starts
-            check_schedule(schedule, num_stages, num_micro_batches or MICRO_BATCHES_PER_STAGE * num_stages, virtual_stages)
         checked = {
             "num_stages": num_stages,
             "num_micro_batches": num_micro_batches,
@@ -95,6 +100,8 @@ class PipelineSettings:
                 raise ValueError(f"{key}{name}={value!r} is invalid; use {choices}.")
         for name, value in checked.items():  # the checked, normalised values (a frozen dataclass)
             object.__setattr__(self, name, value)
+        if num_stages is not None:  # else the strategy does once the process count is known
+            self.check_schedule(self.pipeline_config(num_stages))
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], key: str = "") -> PipelineSettings:
@@ -113,10 +120,11 @@ class PipelineSettings:
         return self.compile
 
     def check_schedule(self, config: PipelineParallelConfig) -> None:
-        """Run the user's own schedule through :func:`~lightning_pipe.schedule.check_schedule` for the resolved
-        counts ``config``; with ``num_stages`` set, the constructor did."""
-        if self.num_stages is None and not _is_built_in(self.schedule):  # type: ignore[arg-type]
-            check_schedule(self.schedule, config.num_stages, config.num_micro_batches, self.virtual_stages)  # type: ignore[arg-type]
+        """Run the user's own schedule through :func:`~lightning_pipe.schedule.check_schedule` for the counts of
+        ``config`` (the built-in schedules are checked by the tests), before any process starts."""
+        schedule: PipelineSchedule = self.schedule  # type: ignore[assignment]  (checked in __post_init__)
+        if not _is_built_in(schedule):
+            check_schedule(schedule, config.num_stages, config.num_micro_batches, self.virtual_stages)
 
     def pipeline_config(self, num_processes: int) -> PipelineParallelConfig:
         """The stage and micro-batch counts; without settings, one stage per process of ``num_processes`` and
@@ -126,7 +134,7 @@ class PipelineSettings:
 
 
 def _checked_schedule(
-    schedule: object, key: str, num_stages: int | None, num_micro_batches: int | None
+    schedule: object, key: str, num_stages: int | None, num_micro_batches: int | None, virtual_stages: object
 ) -> PipelineSchedule:
     """The schedule: one named in ``SCHEDULES``, a :class:`PipelineSchedule`, or the user's function wrapped into one
     (whether it needs a loss per micro-batch is read from its lists for the configured counts, or 2 stages and 8
@@ -140,7 +148,8 @@ def _checked_schedule(
             f"{key}schedule={schedule!r} is not a schedule; use one of {', '.join(map(repr, SCHEDULES))} or a function"
             " (stage, num_stages, num_micro_batches, virtual_stages) -> list[Action] (see lightning_pipe.schedule)."
         )
-    return custom_schedule(schedule, num_stages or 2, num_micro_batches)  # type: ignore[arg-type]
+    chunks = virtual_stages if isinstance(virtual_stages, int) and not isinstance(virtual_stages, bool) else 1
+    return custom_schedule(schedule, num_stages or 2, num_micro_batches, max(1, chunks))  # type: ignore[arg-type]
 
 
 def _is_built_in(schedule: PipelineSchedule) -> bool:

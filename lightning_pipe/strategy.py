@@ -333,7 +333,9 @@ class GPipeStrategy(ParallelStrategy):
             check_process_count(settings.num_stages, self.num_processes, self.num_nodes)
         elif isinstance(settings.balance, list):  # with num_stages set, `PipelineSettings` compared the two
             check_one_count_per_stage(settings.balance, self.chunk_config.num_stages)
-        settings.check_schedule(self.config)  # (resolving the counts validates them) before any process starts
+        self.config  # noqa: B018  (validates the resolved counts before any process starts)
+        if settings.num_stages is None:  # with num_stages set, `PipelineSettings` ran the user's schedule already
+            settings.check_schedule(self.config)
         if settings.start_method == "popen":
             self._launcher = CheckedSubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes

@@ -14,6 +14,7 @@ from torch import nn
 from lightning_pipe import GPipeStrategy, PipelineParallelConfig
 from lightning_pipe.balance import profiling_sample
 from lightning_pipe.hydra import validate_strategy_config
+from lightning_pipe.schedule import SCHEDULES, gpipe
 from lightning_pipe.settings import PipelineSettings, check_process_count
 
 # (settings, the message's start; "{key}" is "" in Python and "strategy." under Hydra)
@@ -68,7 +69,24 @@ INVALID = {
     "gather_model_after_run": (
         {"gather_model_after_run": None}, "{key}gather_model_after_run=None is invalid; use True or False."
     ),
-    "schedule": ({"schedule": "1f1b"}, "{key}schedule='1f1b' is not a schedule; use one of 'gpipe' or a function"),
+    "schedule": (
+        {"schedule": "2f2b"},
+        "{key}schedule='2f2b' is not a schedule; use one of 'gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble', 'zbv'"
+        " or a function (stage, num_stages, num_micro_batches, virtual_stages) -> list[Action]",
+    ),
+    "virtual_stages": (
+        {"virtual_stages": 2},
+        "{key}virtual_stages=2 is invalid for {key}schedule='gpipe', which runs exactly 1 model chunk per stage; leave"
+        " {key}virtual_stages unset (the default is 1), or use {key}schedule='interleaved_1f1b' for several chunks",
+    ),
+    "virtual_stages of a V": (
+        {"schedule": "zbv", "virtual_stages": 3},
+        "{key}virtual_stages=3 is invalid for {key}schedule='zbv', which runs exactly 2 model chunks per stage;",
+    ),
+    "virtual_stages of interleaved": (
+        {"schedule": "interleaved_1f1b", "virtual_stages": 1},
+        "{key}virtual_stages=1 is invalid for {key}schedule='interleaved_1f1b', which runs 2 or more model chunks",
+    ),
     "compile type": (
         {"compile": "yes"},
         "{key}compile='yes' is invalid; use True, False or a mapping of torch.compile's keyword arguments",
@@ -114,6 +132,37 @@ def test_balance_length_is_checked_against_the_stage_count_resolved_from_the_dev
     strategy = GPipeStrategy(balance=[1, 2, 3])  # no num_stages: one stage per process, known at launch
     with pytest.raises(ValueError, match=r"^balance=\[1, 2, 3\] has 3 entries but there are 2 stages"):
         Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+
+
+def forward_before_its_receive(stage: int, num_stages: int, num_micro_batches: int, virtual_stages: int) -> list:
+    """GPipe, with the second stage computing micro-batch 0 before receiving it: a user's broken schedule."""
+    actions = gpipe(stage, num_stages, num_micro_batches, virtual_stages)
+    return [actions[1], actions[0], *actions[2:]] if stage == 1 else actions
+
+
+def test_a_users_schedule_is_run_through_the_checker_before_any_process_starts():
+    message = (
+        r"^schedule 'forward_before_its_receive' with 2 stages, 1 micro-batch and 1 chunk per stage: stage 1's"
+        r" action 0, forward\(chunk 1, micro-batch 0\), runs before its receive, which provides its input"
+    )
+    with pytest.raises(ValueError, match=message):
+        GPipeStrategy(num_stages=2, schedule=forward_before_its_receive)
+    strategy = GPipeStrategy(schedule=forward_before_its_receive)  # no num_stages: checked when the count is known
+    with pytest.raises(ValueError, match=message):
+        Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+
+
+def test_schedule_settings_resolve_to_a_schedule_and_its_chunks_per_stage():
+    assert PipelineSettings(schedule="interleaved_1f1b").virtual_stages == 2
+    assert PipelineSettings(schedule="interleaved_1f1b", virtual_stages=3).virtual_stages == 3
+    settings = PipelineSettings(num_stages=3, schedule=lambda *counts: SCHEDULES["1f1b"].actions(*counts))
+    assert settings.schedule.per_micro_batch and settings.virtual_stages == 1
+    interleaved = lambda *counts: SCHEDULES["interleaved_1f1b"].actions(*counts)  # noqa: E731
+    settings = PipelineSettings(num_stages=2, schedule=interleaved, virtual_stages=3)  # checked with 3 chunks
+    assert settings.schedule.per_micro_batch and settings.virtual_stages == 3 and settings.schedule.placement == "loop"
+    assert PipelineSettings(schedule="zbv").schedule is SCHEDULES["zbv"]
+    node = OmegaConf.create({"num_stages": 2, "schedule": "interleaved_1f1b", "virtual_stages": 4})
+    assert PipelineSettings.from_options(node, key="strategy.").virtual_stages == 4
 
 
 def test_counts_default_to_a_stage_per_process_and_four_micro_batches_per_stage():

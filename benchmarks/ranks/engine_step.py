@@ -16,7 +16,7 @@ from lightning_pipe.engine import PipelineEngine
 from lightning_pipe.groups import init_pipeline_groups
 from lightning_pipe.microbatch import Activation
 from lightning_pipe.runtime import StageRuntime
-from lightning_pipe.schedule import gpipe
+from lightning_pipe.schedule import SCHEDULES
 from lightning_pipe.settings import RecomputeMode
 from lightning_pipe.region import container_region
 from lightning_pipe.stage import StageBlocks
@@ -41,7 +41,7 @@ class EngineStep:
             self.stage, num_micro_batches, checkpoint,
             previous=groups.link(index - 1) if not groups.is_first else None,
             next=groups.link(index + 1) if not groups.is_last else None,
-            schedule=gpipe,
+            schedule=SCHEDULES["gpipe"],
         )
         self.runtime = StageRuntime(groups, self.engine, self.stage)
 
