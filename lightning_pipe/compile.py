@@ -87,7 +87,7 @@ def compile_stage(model: nn.Module, region: Region, stage: StageBlocks, options:
     if options is None and wrapper is None:
         return
     compiler = wrapper.dynamo_ctx if options is None else partial(torch.compile, **options)
-    for index, block in zip(stage.layer_range, stage.blocks):
+    for index, block in zip(stage.indices, stage.blocks):
         if isinstance(block, OptimizedModule) or index in stage.compiled_calls:
             continue  # compiled by the user already
         # What `nn.Module.compile` does (the block's hooks and forward, compiled), through a function of this file:

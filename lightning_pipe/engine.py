@@ -23,7 +23,7 @@ may be split into the two (:mod:`lightning_pipe.split_backward`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
 from lightning_pipe import microbatch
 from lightning_pipe.batchnorm import DeferredBatchNorm
@@ -73,7 +73,8 @@ class _MicroBatch:
     user_outputs: tuple[Tensor, ...] = ()  # last chunk: the leaves the user's code got; the loss's gradient lands there
     output_grads: tuple[Tensor, ...] | None = None
     loss: Tensor | None = None  # last chunk of a per-micro-batch step: the micro-batch's scaled loss
-    recomputed: bool = False  # by torch.utils.checkpoint, in its backward
+    recomputed: bool = False  # by torch.utils.checkpoint, in its backward (which then cannot be split)
+    rerun: Callable[[], Any] | None = None  # a re-computed forward whose backward is split: see `_recompute_later`
     weights: WeightGradients | None = None  # left by the input half of a split backward
 
 
@@ -93,6 +94,7 @@ class _StepState:
     num_micro_batches: int = 0
     actions: list[Action] = field(default_factory=list)  # this stage's schedule for the step
     next_action: int = 0  # the first action not executed yet
+    split: set[Key] = field(default_factory=set)  # the pairs whose backward is split into input and weight halves
     micro_batches: dict[Key, _MicroBatch] = field(default_factory=dict)
     skipped: set[Key] = field(default_factory=set)  # per-micro-batch steps: pairs whose step returned before them
     outputs: dict[Key, _Output] = field(default_factory=dict)  # to send, or to hand to the next chunk here
@@ -169,6 +171,7 @@ class PipelineEngine:
         step.actions = self.schedule.stage_actions(
             stage.stage_index, stage.num_stages, num, self.virtual_stages, self.recompute
         )
+        step.split = {(a.chunk, a.micro_batch) for a in step.actions if a.kind == "backward_input"}
 
     # ---- whole-batch steps ---------------------------------------------------------------------------------------
 
@@ -372,9 +375,16 @@ class PipelineEngine:
         if self.random_streams is not None:  # inside what re-computation re-runs: its dropout draws the same mask
             run = self.random_streams.seeded_run(run, m, k)
         start = self.timeline.now()
+        step = self._step
         grad = torch.is_grad_enabled()
+        # A re-computed forward whose backward is split runs now without a graph, and again right before its input
+        # half (see `_recompute_later`): its outputs that may need a gradient are all the floating-point ones.
+        later = grad and action.recompute and (k, m) in step.split
+        micro_batch = _MicroBatch(call, inputs, recomputed=grad and action.recompute and not later)
         try:
-            if grad and action.recompute:
+            if later:
+                out, micro_batch.rerun = _recompute_later(run, inputs, self._recomputing(m))
+            elif grad and action.recompute:
                 context = partial(self._recomputation_contexts, m)
                 out = checkpoint(run, *inputs, use_reentrant=False, context_fn=context)
             else:
@@ -383,22 +393,21 @@ class PipelineEngine:
             error.add_note(self._where_it_failed(error, inputs, call, m))
             raise
         self.timeline.add(FORWARD, m, start)
-        step = self._step
-        micro_batch = _MicroBatch(call, inputs, recomputed=grad and action.recompute)
         result = None
         if k == self.last_chunk:
-            result, originals, micro_batch.user_outputs = _cut(out, grad)
-            micro_batch.outputs = tuple(get_gradient_edge(t) if t.requires_grad else None for t in originals)
+            result, originals, micro_batch.user_outputs = _cut(out, grad, every_float=later)
+            micro_batch.outputs = _edges(originals)
         else:
             out = self.stage.travelling(out)
             outputs = microbatch.as_tensors(out, f"the output of model chunk {k} for micro-batch {m}")
             if inputs:
                 microbatch.check_batch_kept(inputs, outputs, k, m)
-            micro_batch.outputs = tuple(get_gradient_edge(t) for t in outputs if t.requires_grad)
-            micro_batch.output_metas = tuple(TensorMeta(tuple(t.shape), t.dtype, False) for t in outputs if t.requires_grad)
-            step.outputs[(k, m)] = _Output(
-                tuple(t.detach() for t in outputs), tuple(t.requires_grad for t in outputs), isinstance(out, tuple)
+            needs = tuple(t.requires_grad or (later and t.is_floating_point()) for t in outputs)
+            micro_batch.outputs = _edges(t for t, needed in zip(outputs, needs) if needed)
+            micro_batch.output_metas = tuple(
+                TensorMeta(tuple(t.shape), t.dtype, False) for t, needed in zip(outputs, needs) if needed
             )
+            step.outputs[(k, m)] = _Output(tuple(t.detach() for t in outputs), needs, isinstance(out, tuple))
         if grad:
             step.micro_batches[(k, m)] = micro_batch
             step.calls.setdefault(id(call), _CallState(call)).forwarded[m] = inputs
@@ -453,6 +462,13 @@ class PipelineEngine:
                 micro_batch.loss = None
             micro_batch.output_grads = tuple(_grad_or_zeros(t) for t in micro_batch.user_outputs)
         assert micro_batch.output_grads is not None  # received, or handed over by the next chunk on this stage
+        if micro_batch.rerun is not None:  # the graph, for both halves of the backward
+            out, micro_batch.rerun = micro_batch.rerun(), None
+            if k == self.last_chunk:
+                micro_batch.outputs = _edges(_cut(out, True, every_float=True)[1])
+            else:
+                tensors = microbatch.as_tensors(self.stage.travelling(out), "")
+                micro_batch.outputs = _edges(t for t in tensors if t.is_floating_point())
         pairs = [(edge, g) for edge, g in zip(micro_batch.outputs, micro_batch.output_grads) if edge is not None]
         edges, grads = [edge for edge, _ in pairs], [g for _, g in pairs]
         needing = [t for t in micro_batch.inputs if t.requires_grad]
@@ -658,15 +674,15 @@ class _GradientInbox:
         return tensors
 
 
-def _cut(out: Any, grad: bool) -> tuple[Any, tuple[Tensor, ...], tuple[Tensor, ...]]:
-    """The last chunk's output as the user's code gets it: every floating-point tensor replaced by a leaf (needing a
-    gradient when training), so that the user's loss ends there and each micro-batch's backward starts there;
-    with the original tensors and the leaves, in the same order."""
+def _cut(out: Any, grad: bool, every_float: bool = False) -> tuple[Any, tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """The last chunk's output as the user's code gets it when training: every tensor that needs a gradient (with
+    ``every_float``, every floating-point one) replaced by a leaf that needs one, so that the user's loss ends there
+    and each micro-batch's backward starts there; with the original tensors and the leaves, in the same order."""
     originals: list[Tensor] = []
     leaves: list[Tensor] = []
 
     def cut(tensor: Tensor) -> Tensor:
-        if not (grad and tensor.is_floating_point() and tensor.requires_grad):
+        if not (grad and tensor.is_floating_point() and (tensor.requires_grad or every_float)):
             return tensor
         leaf = tensor.detach().requires_grad_(True)
         originals.append(tensor)
@@ -674,6 +690,39 @@ def _cut(out: Any, grad: bool) -> tuple[Any, tuple[Tensor, ...], tuple[Tensor, .
         return leaf
 
     return microbatch.map_tensors(out, cut), tuple(originals), tuple(leaves)
+
+
+def _edges(tensors: Iterable[Tensor]) -> tuple[GradientEdge | None, ...]:
+    """Where each tensor's gradient enters the graph (``None`` for one that needs none)."""
+    return tuple(get_gradient_edge(t) if t.requires_grad else None for t in tensors)
+
+
+def _recompute_later(
+    run: Callable[..., Any], inputs: tuple[Tensor, ...], recomputing: contextlib.AbstractContextManager
+) -> tuple[Any, Callable[[], Any]]:
+    """``run`` on ``inputs`` without a graph, and what runs it again with one, as ``torch.utils.checkpoint`` would
+    in backward: from the same random state, under the same autocast, not updating BatchNorm statistics again.
+
+    Used where a backward is split in two: checkpoint re-computes the forward for each backward call, here once for
+    both halves. (``torch.utils.checkpoint.GraphExecGroup`` shares one re-computation between calls only when they
+    unpack different saved tensors, which a layer whose input half and weight half read both its input and its
+    weight does not.)"""
+    devices, device_states = get_device_states(*inputs)
+    cpu_state = torch.get_rng_state()
+    device_type = next((t.device.type for t in inputs), "cpu")
+    autocast = {"device_type": device_type, "enabled": torch.is_autocast_enabled(device_type),
+                "dtype": torch.get_autocast_dtype(device_type)}
+    with torch.no_grad():
+        out = run(*inputs)
+
+    def rerun() -> Any:
+        with torch.random.fork_rng(devices=devices, device_type=device_type):
+            torch.set_rng_state(cpu_state)
+            set_device_states(devices, device_states, device_type=device_type)
+            with torch.enable_grad(), torch.autocast(**autocast), recomputing:
+                return run(*inputs)
+
+    return out, rerun
 
 
 @contextlib.contextmanager

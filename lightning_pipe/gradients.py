@@ -18,8 +18,27 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
+
+
+def swap_gradients(parameters: list[nn.Parameter], grads: list[Tensor | None]) -> list[Tensor | None]:
+    """Give ``parameters`` the gradients ``grads``; their gradients until now are returned.
+
+    A per-micro-batch step runs its backwards inside ``training_step``, but Lightning zeroes the gradients between a
+    step and its backward: the step's gradients wait aside (:func:`add_gradients` brings them back in ``backward``),
+    and the gradients accumulated before the step are back in place for Lightning to zero or keep."""
+    earlier = [p.grad for p in parameters]
+    for p, grad in zip(parameters, grads):
+        p.grad = grad
+    return earlier
+
+
+def add_gradients(parameters: list[nn.Parameter], grads: list[Tensor | None]) -> None:
+    """Accumulate ``grads`` into the parameters' gradients, as backward does."""
+    for p, grad in zip(parameters, grads):
+        if grad is not None:
+            p.grad = grad if p.grad is None else p.grad.add_(grad)
 
 
 def reduce_gradients(parameters: list[nn.Parameter], group: dist.ProcessGroup, average: bool) -> None:

@@ -47,8 +47,9 @@ class GPipeStrategyConfig:
     multiple is the number of data-parallel replicas of the pipeline)."""
     num_micro_batches: Optional[int] = None
     """Micro-batches per batch; null means ``4 * num_stages``, where GPipe's idle bubble becomes small."""
-    checkpoint: str = "except_last"
-    """Activation re-computation: ``always`` (least memory), ``except_last`` or ``never`` (fastest)."""
+    checkpoint: Optional[str] = None
+    """Activation re-computation: ``always`` (least memory), ``except_last`` or ``never`` (fastest); null:
+    ``except_last`` for GPipe, ``never`` for the per-micro-batch schedules."""
     balance: Any = None
     """Layers per stage as a list (``[3, 5]``), a balancing mode (``uniform``, ``parameters``, ``time``,
     ``memory``), or null for ``uniform``. (``Any``: OmegaConf cannot type a list-or-string field;

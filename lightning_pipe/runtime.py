@@ -1,18 +1,20 @@
 """One rank's stage at run time: the role it plays in a step, the user's step up to the hand-off, and backward.
 
-Every stage runs the user's step until the model's code calls this stage's last block (the blocks before it
-answer placeholders, see :mod:`lightning_pipe.stage`). There, in one step (``S`` stages):
+Every stage runs the user's step until the model's code calls the last block of one of this stage's chunks (the
+blocks before it answer placeholders, see :mod:`lightning_pipe.stage`). There the chunk runs:
 
-* the first stage splits the blocks' input into micro-batches, runs them through its blocks and sends them on;
-* a middle stage receives, runs and sends every micro-batch;
-* both then end the user's step with :class:`HandedOff`;
-* the last stage receives and runs every micro-batch: the call returns the joined output of all micro-batches and
-  the user's step runs on, so the loss, metrics and ``self.log`` see the whole mini-batch. Its outcome (skipped or
-  not, the loss, the logs, metric and random states) is then shared with the other stages, which replay it
-  (:mod:`lightning_pipe.outcome`).
+* **whole-batch steps** (GPipe, and every forward-only step): the chunk runs on every micro-batch of the batch,
+  receiving its inputs from the stage of the chunk before and sending its outputs on. A stage whose step has no
+  chunk left ends the user's step with :class:`HandedOff`; the stage with the model's last chunk gets the joined
+  output of all micro-batches and the user's step runs on, so the loss, metrics and ``self.log`` see the whole
+  mini-batch. Lightning's ``backward`` then runs the blocks' backward, micro-batch by micro-batch
+  (:meth:`PipelineEngine.backward_phase`);
+* **per-micro-batch steps** (1F1B, interleaved, zero bubble): the user's ``training_step`` runs once for each
+  forward of the schedule, on that micro-batch, up to that chunk; on the last chunk it runs to its end and its
+  loss is back-propagated when the schedule says (:meth:`PipelineEngine.run_schedule`).
 
-Backward: the last stage's ``loss.backward()`` reaches each micro-batch; the other stages run the backward phase
-with the gradients that arrive from the next stage (:meth:`PipelineEngine.backward`).
+Either way the step's outcome (skipped or not, the loss, the logs, metric and random states) is then shared by the
+last stage with the other stages, which replay it (:mod:`lightning_pipe.outcome`).
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ class StageRuntime:
         self.step_skipped = False  # the last training step returned None: no backward, no optimizer step
         self._called = False  # whether the pipeline ran in the current step
         self._micro_batch: int | None = None  # in a per-micro-batch step: the micro-batch the user's step runs on
-        self._batch_sizes_checked: set[int | None] = set()  # for BatchNorm, see `_run_chunk`
+        self._batch_sizes_checked: set[tuple[int, int | None]] = set()  # (chunk, batch size): see `_run_chunk`
+        self._batch_size = 0  # in a per-micro-batch step: the whole batch's
         self.epoch_last_batch: int | None = None  # the training DataLoader's smaller last batch, if it has one
         stage.on_chunk_end = self._run_chunk
         stage.on_outside_step_start = self._outside_step_starts
@@ -155,6 +158,7 @@ class StageRuntime:
         batch, rest = args[0], args[1:]
         parts = microbatch.split_batch(batch, self.engine.num_micro_batches)
         sizes = [microbatch.batch_size_of(part) for part in parts]
+        self._batch_size = sum(sizes)
         results: dict[int, Any] = {}
         records: dict[int, list[LogRecord]] = {}
 
@@ -197,13 +201,14 @@ class StageRuntime:
         if not stage.in_step:
             return self._run_chunk_outside_step(call)
         self._called = True
+        batch = self._batch_size if self._micro_batch is not None else call.batch
+        if grad and (chunk, batch) not in self._batch_sizes_checked:
+            # Before the first training step, for its batches and the epoch's last; again for any other size.
+            stage.check_micro_batches_fit_batch_norm(call, engine.num_micro_batches, self.epoch_last_batch, batch)
+            self._batch_sizes_checked |= {(chunk, batch), (chunk, self.epoch_last_batch)}
         if self._micro_batch is not None:
             output = engine.forward_micro_batch(call, self._micro_batch)
         else:
-            if grad and call.batch not in self._batch_sizes_checked:
-                # Before the first training step, for its batches and the epoch's last; again for any other size.
-                stage.check_micro_batches_fit_batch_norm(call, engine.num_micro_batches, self.epoch_last_batch)
-                self._batch_sizes_checked |= {call.batch, self.epoch_last_batch}
             output = engine.forward_chunk(call)
         if chunk == engine.last_chunk:
             return output

@@ -52,7 +52,7 @@ class PipelineSettings:
 
     num_stages: int | None = None  # None: one stage per process
     num_micro_batches: int | None = None  # None: MICRO_BATCHES_PER_STAGE per stage
-    recompute: RecomputeMode = "except_last"  # the public option `checkpoint`
+    recompute: RecomputeMode | None = None  # the public option `checkpoint`; None: the schedule's default
     balance: list[int] | BalanceMode | None = None
     module_name: str | tuple[str, ...] | None = None  # a container's path, or consecutive sibling modules
     sample: Any = field(default=None, compare=False, repr=False)
@@ -81,7 +81,7 @@ class PipelineSettings:
         checked = {
             "num_stages": num_stages,
             "num_micro_batches": num_micro_batches,
-            "recompute": validate_recompute_mode(self.recompute, key),
+            "recompute": default_recompute(schedule) if self.recompute is None else validate_recompute_mode(self.recompute, key),
             "balance": _checked_balance(self.balance, num_stages, key),
             "module_name": _checked_module_name(self.module_name, key),
             "trace_steps": _checked_trace_steps(self.trace_steps, key),
@@ -154,6 +154,12 @@ def _checked_schedule(
 
 def _is_built_in(schedule: PipelineSchedule) -> bool:
     return SCHEDULES.get(schedule.name) is schedule
+
+
+def default_recompute(schedule: PipelineSchedule) -> RecomputeMode:
+    """The re-computation a schedule runs with unless told: GPipe holds every micro-batch's activations until its
+    backward, so it re-computes all but the last; a per-micro-batch schedule bounds them already, and keeps them."""
+    return "never" if schedule.per_micro_batch else "except_last"
 
 
 def validate_recompute_mode(mode: object, key: str = "") -> RecomputeMode:

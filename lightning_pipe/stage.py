@@ -315,18 +315,22 @@ class StageBlocks:
         return output
 
     def check_micro_batches_fit_batch_norm(
-        self, chunk_call: ChunkCall, num_micro_batches: int, epoch_last_batch: int | None = None
+        self,
+        chunk_call: ChunkCall,
+        num_micro_batches: int,
+        epoch_last_batch: int | None = None,
+        batch_size: int | None = None,
     ) -> None:
         """Raise before the chunk runs if a micro-batch is too small for one of its BatchNorms in training, in this
-        step or in the epoch's smaller ``epoch_last_batch``: the shapes each BatchNorm sees come from this call of the
-        chunk's blocks, re-run on the meta device."""
+        step (a batch of ``batch_size``, by default the call's) or in the epoch's smaller ``epoch_last_batch``: the
+        shapes each BatchNorm sees come from this call of the chunk's blocks, re-run on the meta device."""
         blocks = [self.originals[call.index] for call in chunk_call.calls]
         if not any(isinstance(module, _BatchNorm) for block in blocks for module in block.modules()):
             return
-        batch_size = chunk_call.batch
-        with observed_batch_norm_inputs(self.model, batch_size) as values:  # named as in the model
+        with observed_batch_norm_inputs(self.model, chunk_call.batch) as values:  # named as in the model
             for call in chunk_call.calls:
                 self._placeholder(call.index, call.args, call.kwargs, reuse=False)  # the hooks must see the shapes
+        batch_size = batch_size or chunk_call.batch
         check_micro_batches_fit_batch_norm(self.model, values, batch_size, num_micro_batches)
         if epoch_last_batch is not None:
             check_micro_batches_fit_batch_norm(self.model, values, epoch_last_batch, num_micro_batches, True)

@@ -64,10 +64,12 @@ from lightning_pipe.consolidate import name_optimizer_state
 from lightning_pipe.engine import PipelineEngine
 from lightning_pipe.fingerprint import different_models_message, fingerprint_digest, model_fingerprint
 from lightning_pipe.gradients import (
+    add_gradients,
     agree_on_gradient_overflow,
     clip_grad_norm_over_pipeline,
     reduce_gradients,
     stop_agreeing_on_gradient_overflow,
+    swap_gradients,
 )
 from lightning_pipe.launch import (
     CheckedMultiProcessingLauncher,
@@ -123,8 +125,10 @@ class GPipeStrategy(ParallelStrategy):
             ``num_micro_batches``, may be passed here instead of both counts.
         num_micro_batches: micro-batches per mini-batch; defaults to ``4 * num_stages``, where GPipe's idle bubble
             becomes negligible.
-        checkpoint: activation re-computation: ``"always"``, ``"except_last"`` (every micro-batch but the last,
-            whose backward follows soonest) or ``"never"``.
+        checkpoint: activation re-computation: ``"always"``, ``"except_last"`` (every forward but those whose
+            backward follows next: in GPipe the last micro-batch's) or ``"never"``. By default ``"except_last"``
+            under GPipe, ``"never"`` under a per-micro-batch schedule, which holds few micro-batches' activations
+            anyway.
         balance: layers per stage, e.g. ``[3, 5]``, or how to choose them: ``"uniform"`` (the default: equal layer
             counts), ``"parameters"`` (equal parameter counts), ``"time"`` (equal forward + backward time, profiled
             per layer on the device) or ``"memory"`` (equal parameter + activation bytes, profiled). The profiled
@@ -184,7 +188,7 @@ class GPipeStrategy(ParallelStrategy):
         self,
         num_stages: int | PipelineParallelConfig | Mapping[str, Any] | None = None,
         num_micro_batches: int | None = None,
-        checkpoint: RecomputeMode = "except_last",
+        checkpoint: RecomputeMode | None = None,
         balance: Balance = None,
         module_name: str | Sequence[str] | None = None,
         accelerator: Accelerator | None = None,
@@ -262,6 +266,8 @@ class GPipeStrategy(ParallelStrategy):
         self._gather_model_after_run = self._settings.gather_model_after_run
         self._deferred = False  # the pipelined module was built on the meta device (see `model_sharded_context`)
         self._tied: TiedParameters | None = None  # parameters shared by layers of several stages
+        # A per-micro-batch step's gradients, from its `training_step` to Lightning's `backward` (see `swap_gradients`).
+        self._step_gradients: tuple[list[nn.Parameter], list[Tensor | None]] = ([], [])
 
     # ---- configuration -------------------------------------------------------------------------------------------
 
@@ -510,6 +516,7 @@ class GPipeStrategy(ParallelStrategy):
             self._tracer = PipelineTracer(
                 timeline, groups.meta, index, config.num_stages, self.global_rank, self._settings.trace_steps,
                 trace_path=trace_dir / TRACE_FILE_NAME if self.global_rank == 0 else None,
+                ideal_bubble=partial(schedule.ideal_bubble, config.num_stages, virtual_stages=v),
             )
 
     def _check_every_rank_built_the_same_model(self, module: LightningModule) -> None:
@@ -657,9 +664,14 @@ class GPipeStrategy(ParallelStrategy):
         assert self._runtime is not None
         # A per-micro-batch step enters the precision's context around each call of the user's step, not around the
         # backwards it runs in between.
-        context = nullcontext() if self._runtime.per_micro_batch else self.precision_plugin.train_step_context()
-        with context:
+        if self._runtime.per_micro_batch:  # its backwards run inside: see `swap_gradients`
+            trainable = [p for p in self.model.parameters() if p.requires_grad]
+            earlier = swap_gradients(trainable, [None] * len(trainable))
             outcome, output = self._run_step("training_step", args, kwargs)
+            self._step_gradients = (trainable, swap_gradients(trainable, earlier))
+        else:
+            with self.precision_plugin.train_step_context():
+                outcome, output = self._run_step("training_step", args, kwargs)
         if outcome.skipped:
             # Lightning refuses `None` from a distributed training_step. A placeholder loss that `backward` ignores,
             # and that the optimizer-step closure reports as None, gives one device's behaviour: no update.
@@ -701,13 +713,14 @@ class GPipeStrategy(ParallelStrategy):
         if runtime.step_skipped:
             return closure_loss
         self.pre_backward(closure_loss)
+        # Lightning's hooks run around this call in either mode. A per-micro-batch step ran every backward where its
+        # schedule said, each micro-batch's loss scaled as the precision scales this one (`_scale_micro_batch_loss`):
+        # here on_before_backward comes after the fact, and the scaler only starts its scale on a stage without loss.
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         if runtime.per_micro_batch:
-            # The step ran every backward where its schedule said; Lightning's hooks still run around this call
-            # (on_before_backward after the fact, with the step's loss), and the precision's scaling was applied per
-            # micro-batch (see `_scale_micro_batch_loss`).
-            Precision.pre_backward(self.precision_plugin, closure_loss, module)
+            add_gradients(*self._step_gradients)
+            self._step_gradients = ([], [])
         else:
-            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
             if runtime.is_last:  # the user's loss.backward(), through the model's head to the blocks' output
                 self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
             runtime.backward()  # the blocks' own backward, micro-batch by micro-batch

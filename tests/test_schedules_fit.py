@@ -128,9 +128,10 @@ def test_an_overflow_on_one_stage_skips_the_step_everywhere_under_a_per_micro_ba
     if devices != 2:
         pytest.skip("checked with 2 stages")
     run = runs["fp16_overflow"]
-    assert weight_error(tmp, run) < TOLERANCE
     _, _, expected = reference(run)
+    assert expected["grad_scale"] == 2.0**15  # one skipped step halved the initial 2**16
     assert {result["grad_scale"] for result in rank_results(tmp / run["name"])} == {expected["grad_scale"]}
+    assert weight_error(tmp, run) < 1e-2  # float16 products, summed per micro-batch: as tests/test_equivalence.py
 
 
 def test_comparison_detects_a_dropped_micro_batch_gradient(pipelined):

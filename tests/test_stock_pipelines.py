@@ -39,6 +39,11 @@ RUNS = {
         "gpt2_never": ("gpt2", {"num_micro_batches": 4, "checkpoint": "never"}),
         "gpt2_parameters": ("gpt2", {"num_micro_batches": 2, "balance": "parameters"}),
         "gpt2_list": ("gpt2", {"num_micro_batches": 2, "balance": [1, 3]}),
+        # Every schedule with a loss per micro-batch (the models' own mean losses equal the whole batch's).
+        "gpt2_1f1b": ("gpt2", {"num_micro_batches": 4, "schedule": "1f1b"}),
+        "llama_interleaved": ("llama", {"num_micro_batches": 2, "schedule": "interleaved_1f1b"}),
+        "llama_zero_bubble": ("llama", {"num_micro_batches": 4, "schedule": "zero_bubble"}),
+        "gpt2_zbv": ("gpt2", {"num_micro_batches": 2, "schedule": "zbv"}),
     },
     4: {
         "gpt2": ("gpt2", {"num_micro_batches": 4}),

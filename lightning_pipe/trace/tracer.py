@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,8 +92,11 @@ class PipelineTracer:
         rank: int,
         trace_steps: Sequence[int] = (),
         trace_path: Path | None = None,
+        ideal_bubble: Callable[[int], float] | None = None,
     ) -> None:
         self.timeline = timeline
+        # The schedule's idle share for a step of that many micro-batches (by default GPipe's, one chunk per stage).
+        self.ideal_bubble = ideal_bubble or (lambda m: SCHEDULES["gpipe"].ideal_bubble(num_stages, m, 1))
         self.group = group
         self.stage = stage
         self.num_stages = num_stages
@@ -119,7 +122,7 @@ class PipelineTracer:
             observation = StepObservation(
                 step,
                 bubble_fraction(extents),
-                SCHEDULES["gpipe"].ideal_bubble(self.num_stages, m, 1),  # the engine runs GPipe
+                self.ideal_bubble(m),
                 [0.0 if math.isnan(row[4]) else row[4] for row in rows],
             )
         if step in self.trace_steps and observation is not None:
