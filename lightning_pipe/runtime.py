@@ -61,8 +61,8 @@ class HandedOff(BaseException):
 
 
 class StageRuntime:
-    """Runs steps on this rank's stage: ``run_step`` for the user's step hooks, ``backward_from_next_stage`` and
-    ``end_backward`` around Lightning's backward, ``run_on_last_stage`` for hooks that consume step results.
+    """Runs steps on this rank's stage: ``run_step`` for the user's step hooks, ``backward`` in Lightning's backward
+    of a whole-batch step, ``run_on_last_stage`` for hooks that consume step results.
 
     ``scale_loss`` turns a micro-batch's loss into what its backward starts from in a per-micro-batch step (its
     share of the batch, Lightning's gradient accumulation, a gradient scaler); ``step_context`` is the precision's

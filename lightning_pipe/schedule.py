@@ -99,6 +99,19 @@ class PipelineSchedule:
         """The chunks ``stage`` holds, in model order."""
         return stage_chunks(stage, num_stages, virtual_stages, self.placement)
 
+    def neighbours(self, stage: int, num_stages: int, virtual_stages: int) -> list[int]:
+        """The other stages that ``stage`` exchanges activations or gradients with: those holding a chunk next to
+        one of its own."""
+        last = num_stages * virtual_stages - 1
+        return sorted({
+            self.owner(k + step, num_stages) for k in self.chunks(stage, num_stages, virtual_stages)
+            for step in (-1, 1) if 0 <= k + step <= last
+        } - {stage})
+
+    def loss_stage(self, num_stages: int, virtual_stages: int) -> int:
+        """The stage holding the model's last chunk, which computes the loss."""
+        return self.owner(num_stages * virtual_stages - 1, num_stages)
+
     def stage_actions(
         self,
         stage: int,

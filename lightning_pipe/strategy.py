@@ -290,7 +290,7 @@ class GPipeStrategy(ParallelStrategy):
             replicas = max(1, self.num_processes * self.num_nodes // num_stages)
             self._layout = PipelineLayout(
                 num_stages, replicas, pipeline_outermost=self._mesh_order[0] == "pp",
-                loss_on_first_stage=self._settings.schedule.owner(num_stages * self._virtual_stages - 1, num_stages) == 0 and num_stages > 1,
+                loss_on_first_stage=num_stages > 1 and self._settings.schedule.loss_stage(num_stages, self._virtual_stages) == 0,
             )
         return self._layout
 
@@ -497,11 +497,9 @@ class GPipeStrategy(ParallelStrategy):
         timeline = StepTimeline(self.root_device, enabled=self._log_bubble_fraction or bool(self._trace_steps))
         # One stage draws from the global stream, as one device does; several need streams of their own.
         streams = StageRandomStreams(self.root_device, index, groups.replica) if config.num_stages > 1 else None
-        neighbours = {schedule.owner(k + step, config.num_stages) for k in local for step in (-1, 1)
-                      if 0 <= k + step < len(chunk_ranges)} - {index}
         engine = PipelineEngine(
             stage, config.num_micro_batches, self._settings.recompute,
-            links={peer: groups.link(peer) for peer in sorted(neighbours)},
+            links={peer: groups.link(peer) for peer in schedule.neighbours(index, config.num_stages, v)},
             schedule=schedule,
             virtual_stages=v,
             timeline=timeline,

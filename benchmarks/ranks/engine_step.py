@@ -1,68 +1,87 @@
 """One training step of lightning_pipe's runtime without Lightning: what the strategy does per batch, nothing more.
 
-The stage is built as ``GPipeStrategy._partition`` builds it (:class:`StageBlocks` running this rank's blocks of the Sequential, the
-groups of :func:`init_pipeline_groups`, a :class:`PipelineEngine` running the GPipe schedule, a
-:class:`StageRuntime` playing this rank's role), and one step is driven as ``GPipeStrategy.backward`` drives it.
+The stage is built as ``GPipeStrategy._partition`` builds it (:class:`StageBlocks` holding this rank's chunks of the
+Sequential, the groups of :func:`init_pipeline_groups`, a :class:`PipelineEngine` running the schedule, a
+:class:`StageRuntime` playing this rank's role), and one step is driven as the strategy drives it: a whole-batch step
+(GPipe) as ``GPipeStrategy.training_step`` then ``backward``, a per-micro-batch step as ``training_step``.
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.engine import PipelineEngine
 from lightning_pipe.groups import init_pipeline_groups
 from lightning_pipe.microbatch import Activation
-from lightning_pipe.runtime import StageRuntime
-from lightning_pipe.schedule import SCHEDULES
-from lightning_pipe.settings import RecomputeMode
 from lightning_pipe.region import container_region
+from lightning_pipe.runtime import StageRuntime
+from lightning_pipe.schedule import SCHEDULES, PipelineSchedule
+from lightning_pipe.settings import RecomputeMode
 from lightning_pipe.stage import StageBlocks
 from lightning_pipe.topology import PipelineLayout
+
+
+class _MeanSquaredError(LightningModule):
+    """The user's module of a step: the pipelined Sequential and a mean-squared-error loss."""
+
+    def __init__(self, sequential: nn.Sequential) -> None:
+        super().__init__()
+        self.pipelined = sequential
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, target = batch
+        return F.mse_loss(self.pipelined(x), target)
 
 
 class EngineStep:
     """This rank's stage of ``sequential`` split over every rank of the (initialised) default group, and its step."""
 
-    def __init__(self, sequential: nn.Sequential, num_micro_batches: int, checkpoint: RecomputeMode) -> None:
+    def __init__(
+        self,
+        sequential: nn.Sequential,
+        num_micro_batches: int,
+        checkpoint: RecomputeMode,
+        schedule: str | PipelineSchedule = "gpipe",
+        virtual_stages: int | None = None,
+    ) -> None:
         num_stages = dist.get_world_size()
+        schedule = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
+        v = schedule.checked_virtual_stages(virtual_stages)
         device = next(sequential.parameters()).device
-        groups = init_pipeline_groups(
-            PipelineLayout(num_stages), dist.get_rank(), device, dist.get_backend(), None, ("pp", "dp")
-        )
+        layout = PipelineLayout(num_stages, loss_on_first_stage=num_stages > 1 and schedule.loss_stage(num_stages, v) == 0)
+        groups = init_pipeline_groups(layout, dist.get_rank(), device, dist.get_backend(), None, ("pp", "dp"))
         index = groups.stage
-        ranges = PipelineParallelConfig(num_stages, num_micro_batches).split_into_stages(len(sequential))
-        self.sequential, holder = sequential, nn.ModuleDict({"pipelined": sequential})
-        self.stage = StageBlocks(holder, container_region(holder, "pipelined"), ranges[index], index, num_stages)
+        chunks = PipelineParallelConfig(num_stages * v, num_micro_batches).split_into_stages(len(sequential))
+        self.module = _MeanSquaredError(sequential)
+        local = {k: chunks[k] for k in schedule.chunks(index, num_stages, v)}
+        self.stage = StageBlocks(
+            self.module, container_region(self.module, "pipelined"), local, index, num_stages, num_chunks=len(chunks)
+        )
         self.stage.install()
         self.engine = PipelineEngine(
             self.stage, num_micro_batches, checkpoint,
-            previous=groups.link(index - 1) if not groups.is_first else None,
-            next=groups.link(index + 1) if not groups.is_last else None,
-            schedule=SCHEDULES["gpipe"],
+            links={peer: groups.link(peer) for peer in schedule.neighbours(index, num_stages, v)},
+            schedule=schedule, virtual_stages=v,
         )
         self.runtime = StageRuntime(groups, self.engine, self.stage)
 
     def stage_forward(self, x: Tensor) -> Activation | None:
-        """The pipelined call of one step on this stage: the joined output on the last stage, else ``None``."""
-        return self.runtime.forward_step(lambda: self.sequential(x))
-
-    def forward(self, x: Tensor, target: Tensor) -> Tensor | None:
-        """The forward of every micro-batch; the last stage returns the loss on the joined output."""
-        output = self.stage_forward(x)
-        return F.mse_loss(output, target) if isinstance(output, Tensor) else None
-
-    def backward(self, loss: Tensor | None) -> None:
-        runtime = self.runtime
-        if runtime.holds_loss:
-            assert loss is not None
-            loss.backward()
-        else:
-            runtime.backward_from_next_stage()
-        runtime.end_backward()
+        """The pipelined call of one whole-batch step on this stage: the joined output on the last stage."""
+        return self.runtime.forward_step(lambda: self.module.pipelined(x))
 
     def step(self, x: Tensor, target: Tensor) -> None:
         """Forward and backward of one mini-batch (gradients accumulate in the stage's parameters)."""
-        self.backward(self.forward(x, target))
+        if self.runtime.per_micro_batch:
+            self.runtime.run_step(self.module, "training_step", ((x, target), 0), {})
+            return
+        self.backward(self.stage_forward(x), target)
+
+    def backward(self, output: Activation | None, target: Tensor) -> None:
+        """The backward of a whole-batch step whose forward returned ``output``."""
+        if self.runtime.is_last:
+            F.mse_loss(output, target).backward()  # to the leaves of the blocks' output
+        self.runtime.backward()

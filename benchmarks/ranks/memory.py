@@ -100,15 +100,14 @@ def _kept_for_backward(step: EngineStep, x: Tensor, target: Tensor) -> int:
     if isinstance(output, Tensor):
         held.pop(output.untyped_storage().data_ptr(), None)
     kept = sum({**held, **saved.sizes}.values())
-    loss = torch.nn.functional.mse_loss(output, target) if isinstance(output, Tensor) else None
-    step.backward(loss)
+    step.backward(output, target)
     return kept
 
 
 def _one_micro_batch(step: EngineStep, x: Tensor, num_micro_batches: int) -> tuple[int, int]:
     """(activations one micro-batch saves inside this stage, bytes of its input at the stage boundary)."""
     rows = -(-x.shape[0] // num_micro_batches)
-    stage_input = torch.randn(rows, x.shape[1], requires_grad=not step.engine.is_first)
+    stage_input = torch.randn(rows, x.shape[1], requires_grad=0 not in step.stage.chunk_ranges)
     parameters = storages_of(step.stage.parameters())
     with SavedStorages(parameters | storages_of([stage_input])) as saved:
         step.stage.run_alone(stage_input)
