@@ -97,7 +97,7 @@ class _StepState:
     split: set[Key] = field(default_factory=set)  # the pairs whose backward is split into input and weight halves
     micro_batches: dict[Key, _MicroBatch] = field(default_factory=dict)
     skipped: set[Key] = field(default_factory=set)  # per-micro-batch steps: pairs whose step returned before them
-    outputs: dict[Key, _Output] = field(default_factory=dict)  # to send, or to hand to the next chunk here
+    outputs: dict[Key, _Output] = field(default_factory=dict)  # chunk outputs: to send, hand over, or received
     input_grads: dict[Key, tuple[Tensor, ...]] = field(default_factory=dict)  # to send to the chunk before
     calls: dict[int, _CallState] = field(default_factory=dict)  # id(call) -> its micro-batches in this step
     inboxes: dict[int, _Inbox] = field(default_factory=dict)  # per stage sending activations here
@@ -188,7 +188,13 @@ class PipelineEngine:
         elif self._here(k - 1):
             num = step.num_micro_batches
         else:
-            num = self._inbox(k - 1).first_header().num_micro_batches
+            header = self._inbox(k - 1).first_header()
+            if header.kind == SKIP:
+                raise PipelineMismatchError(
+                    f"stage {self.stage.stage_index} reached model chunk {k} in this step, but stage"
+                    f" {self.owner(k - 1)}'s step returned before running chunk {k - 1}" + _SAME_PATH
+                )
+            num = header.num_micro_batches
         if not step.actions and torch.is_grad_enabled():
             self._plan(num)
         step.num_micro_batches = num
@@ -240,12 +246,14 @@ class PipelineEngine:
         for index, action in enumerate(step.actions):
             step.next_action = index + 1
             key = (action.chunk, action.micro_batch)
-            if action.kind == "forward" and key not in step.skipped:
-                run_user_step(*key)
-                if key not in step.micro_batches and key not in step.skipped:
-                    self._skip(action)  # the step returned before reaching the chunk's blocks
-            else:
+            if action.kind != "forward":
                 self._execute(action)
+            elif key in step.skipped:
+                self._pass_skip(*key)
+            else:
+                run_user_step(*key)
+                if key not in step.micro_batches:
+                    self._skip(*key)  # the step returned before reaching the chunk's blocks
         self.end_step()
 
     def forward_micro_batch(self, call: ChunkCall, m: int) -> Activation | None:
@@ -261,21 +269,27 @@ class PipelineEngine:
         step returned no loss, its gradients are zero)."""
         self._step.micro_batches[(self.last_chunk, m)].loss = loss
 
-    def _skip(self, action: Action) -> None:
-        """(chunk, micro-batch) does not run this step: the stages after it learn so instead of an activation."""
-        k, m = action.chunk, action.micro_batch
-        step = self._step
-        if k > 0 and not self._here(k - 1) and (k, m) not in step.skipped:
+    def _skip(self, k: int, m: int) -> None:
+        """The user's step on micro-batch ``m`` returned before reaching chunk ``k``: the micro-batch is skipped on
+        every stage (no backward, no gradient), as one device skips a step that returns ``None``."""
+        if k > 0:
             raise PipelineMismatchError(
-                f"stage {self.stage.stage_index}'s step on micro-batch {m} returned before reaching chunk {k}, but"
-                f" stage {self.owner(k - 1)} ran the chunk before it" + _SAME_PATH
+                f"stage {self.stage.stage_index}'s step on micro-batch {m} returned before reaching model chunk {k},"
+                f" but stage {self.owner(k - 1)} ran chunk {k - 1} on it" + _SAME_PATH
             )
-        step.skipped.add((k, m))
-        if k < self.last_chunk:
-            if self._here(k + 1):
-                step.skipped.add((k + 1, m))
-            else:
-                self._send_header(k + 1, Header(SKIP, m, step.num_micro_batches, chunk=k + 1))
+        self._step.skipped.add((k, m))
+        self._pass_skip(k, m)
+
+    def _pass_skip(self, k: int, m: int) -> None:
+        """(chunk ``k``, micro-batch ``m``) is skipped: so is the next chunk's, whose stage learns it instead of an
+        activation."""
+        step = self._step
+        if k == self.last_chunk:
+            return
+        if self._here(k + 1):
+            step.skipped.add((k + 1, m))
+        else:
+            self._send_header(k + 1, Header(SKIP, m, step.num_micro_batches, chunk=k + 1))
 
     # ---- skipped whole-batch steps ----------------------------------------------------------------------------
 
@@ -299,11 +313,9 @@ class PipelineEngine:
     def _execute(self, action: Action) -> None:
         key = (action.chunk, action.micro_batch)
         if key in self._step.skipped:
-            if action.kind == "recv":
-                self._take_input(*key, None)  # the SKIP the stage before sent in its place
             return
         if action.kind == "recv":
-            pass  # the input is taken by its forward (it may already have been posted ahead)
+            self._receive_input(*key)
         elif action.kind == "send":
             self._send_activation(*key)
         elif action.kind == "recv_grad":
@@ -329,16 +341,18 @@ class PipelineEngine:
         if k == 0:
             assert own is not None
             return tuple(_leaf(t, grad and t.requires_grad) for t in microbatch.as_tensors(own, _WHERE_INPUT)), isinstance(own, tuple)
-        if self._here(k - 1):
-            out = self._step.outputs.pop((k - 1, m))
-            return tuple(_leaf(t, grad and needs) for t, needs in zip(out.tensors, out.requires_grad)), out.is_tuple
+        out = self._step.outputs.pop((k - 1, m))  # handed over by chunk k - 1 on this stage, or received
+        return tuple(_leaf(t, grad and needs) for t, needs in zip(out.tensors, out.requires_grad)), out.is_tuple
+
+    def _receive_input(self, k: int, m: int) -> None:
+        """Receive micro-batch ``m``'s input of chunk ``k`` from the stage of chunk ``k - 1`` (or that it skipped it)."""
         start = self.timeline.now()
         header, tensors = self._inbox(k - 1).take(k, m)
         self.timeline.add(WAIT, m, start)
         if header.kind == SKIP:
             self._step.skipped.add((k, m))
-            return (), False
-        return tuple(_leaf(t, grad and meta.requires_grad) for t, meta in zip(tensors, header.tensors)), header.is_tuple
+        else:
+            self._step.outputs[(k - 1, m)] = _Output(tensors, tuple(t.requires_grad for t in header.tensors), header.is_tuple)
 
     def _inbox(self, sending_chunk: int) -> _Inbox:
         """The activations from the stage holding ``sending_chunk``, in this step's order."""

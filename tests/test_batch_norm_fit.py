@@ -141,7 +141,7 @@ def test_a_pipeline_stage_refuses_a_too_small_micro_batch_before_its_blocks_run(
     assert region.label == "conv1 .. avgpool"
     stage = StageBlocks(model, region, range(5, 9), stage_index=1, num_stages=2)
     stage.install()
-    stage.on_last_local_call = lambda: stage.check_micro_batches_fit_batch_norm(num_micro_batches=8)
+    stage.on_chunk_end = lambda chunk: stage.check_micro_batches_fit_batch_norm(stage.chunk_call(chunk, False), 8)
     stage.begin_step(in_step=True)
     with pytest.raises(ValueError) as error:
         model(x)
@@ -152,11 +152,11 @@ def test_a_pipeline_stage_refuses_a_too_small_micro_batch_before_its_blocks_run(
         " Use num_micro_batches=4 or fewer, or batches of at least 16 samples."
     )
 
-    def fixed() -> torch.Tensor:  # the fix the message names passes; the pipeline's output stands in after it
-        stage.check_micro_batches_fit_batch_norm(num_micro_batches=4)
+    def fixed(chunk: int) -> torch.Tensor:  # the fix the message names passes; the pipeline's output stands in after it
+        stage.check_micro_batches_fit_batch_norm(stage.chunk_call(chunk, False), 4)
         return torch.zeros(8, 64, 1, 1)
 
-    stage.on_last_local_call = fixed
+    stage.on_chunk_end = fixed
     stage.begin_step(in_step=True)
     assert model(x).shape == (8, 10)
 
@@ -190,7 +190,9 @@ def test_a_pipeline_stage_refuses_an_epochs_last_batch_too_small_for_its_micro_b
     model, x = resnet18(width=8), torch.randn(8, 3, 32, 32)
     stage = StageBlocks(model, find_region(model, None, x[:2]), range(5, 9), stage_index=1, num_stages=2)
     stage.install()
-    stage.on_last_local_call = lambda: stage.check_micro_batches_fit_batch_norm(2, epoch_last_batch=2)
+    stage.on_chunk_end = lambda chunk: stage.check_micro_batches_fit_batch_norm(
+        stage.chunk_call(chunk, False), 2, epoch_last_batch=2
+    )
     stage.begin_step(in_step=True)
     with pytest.raises(ValueError) as error:
         model(x)
@@ -200,11 +202,11 @@ def test_a_pipeline_stage_refuses_an_epochs_last_batch_too_small_for_its_micro_b
     with pytest.raises(ValueError, match="the epoch's last batch holds 1 sample and .* on one device either. Pass"):
         check_micro_batches_fit_batch_norm(mlp(), {"1": 1.0}, 1, 4, last_of_epoch=True)
 
-    def fits() -> torch.Tensor:  # a last batch of 4 gives micro-batches of 2: 2 values per channel in layer4
-        stage.check_micro_batches_fit_batch_norm(2, epoch_last_batch=4)
+    def fits(chunk: int) -> torch.Tensor:  # a last batch of 4 gives micro-batches of 2: 2 values per channel in layer4
+        stage.check_micro_batches_fit_batch_norm(stage.chunk_call(chunk, False), 2, epoch_last_batch=4)
         return torch.zeros(8, 64, 1, 1)
 
-    stage.on_last_local_call = fits
+    stage.on_chunk_end = fits
     stage.begin_step(in_step=True)
     assert model(x).shape == (8, 10)
 

@@ -108,7 +108,7 @@ def first_step(model: nn.Module, stage_index: int, num_stages: int) -> None:
     local = range(stage_index * per_stage, len(region) if stage_index == num_stages - 1 else (stage_index + 1) * per_stage)
     stage = StageBlocks(model, region, local, stage_index, num_stages)
     stage.install()
-    stage.on_last_local_call = lambda: pytest.fail("the pipeline ran: the order check came too late")
+    stage.on_chunk_end = lambda chunk: pytest.fail("the pipeline ran: the order check came too late")
     stage.begin_step(in_step=True)
     model(torch.randn(2, 4))
 
@@ -203,7 +203,7 @@ def test_blocks_run_on_the_meta_device_once_per_input_signature():
     model = Chain()
     stage = StageBlocks(model, container_region(model, "blocks"), range(0, 1), stage_index=0, num_stages=2)
     stage.install()
-    stage.on_last_local_call = lambda: None
+    stage.on_chunk_end = lambda chunk: None
 
     def step(x, **kwargs):
         stage.begin_step(in_step=True)

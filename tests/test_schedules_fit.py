@@ -39,6 +39,9 @@ def runs_for(devices: int) -> list[dict]:
             {"name": "accumulate", "num_micro_batches": 2, "trainer": {"accumulate_grad_batches": 2}, "strategy": one_f_one_b},
             {"name": "clip_norm", "num_micro_batches": 4, "trainer": {"gradient_clip_val": 0.05}, "strategy": one_f_one_b},
             {"name": "skips", "model": "skips", "num_micro_batches": 4, "strategy": one_f_one_b},
+            {"name": "skips_before", "model": "skips_before", "num_micro_batches": 4,
+             "strategy": {"schedule": "interleaved_1f1b"}},
+            {"name": "skips_some", "model": "skips_some", "num_micro_batches": 4, "strategy": {"schedule": "zbv"}},
             {"name": "fp16_overflow", "model": "poisoned", "num_micro_batches": 4, "fp16": True, "strategy": one_f_one_b},
             {"name": "dropped", "num_micro_batches": 4, "drop_gradient_of": 1, "strategy": {"schedule": "zero_bubble"}},
         ]
@@ -114,13 +117,24 @@ def test_gpipe_with_deferred_weight_gradients_equals_one_device(pipelined):
     assert_equals_the_whole_batch(tmp, runs["gpipe_split"])
 
 
-@pytest.mark.parametrize("name", ["interleaved_v3", "accumulate", "clip_norm", "skips"])
+@pytest.mark.parametrize("name", ["interleaved_v3", "accumulate", "clip_norm", "skips", "skips_before"])
 def test_lightning_features_under_a_per_micro_batch_schedule_equal_one_device(pipelined, name):
-    """Three chunks per stage; Lightning's accumulation on top; clipping by the global norm; a step returning None."""
+    """Three chunks per stage; Lightning's accumulation on top; clipping by the global norm; a step returning None
+    after the model ran, and before it ran."""
     devices, tmp, runs = pipelined
     if devices != 2:
         pytest.skip("checked with 2 stages")
     assert weight_error(tmp, runs[name]) < TOLERANCE
+
+
+def test_micro_batches_whose_step_returns_none_are_skipped_on_every_stage(pipelined):
+    """Three of the twenty micro-batches return before calling the model: as one device accumulating micro-batches,
+    they add no gradient."""
+    devices, tmp, runs = pipelined
+    if devices != 2:
+        pytest.skip("checked with 2 stages")
+    run = runs["skips_some"]
+    assert weight_error(tmp, run, batch_size=BATCH // 4, trainer={"accumulate_grad_batches": 4}) < TOLERANCE
 
 
 def test_an_overflow_on_one_stage_skips_the_step_everywhere_under_a_per_micro_batch_schedule(pipelined):

@@ -108,6 +108,25 @@ class SkipsSomeSteps(PipeClassifier):
         return None if batch_idx == 2 else {"loss": loss}
 
 
+class SkipsBeforeTheModel(PipeClassifier):
+    """``training_step`` returns None on batch 2 before calling the model: no stage runs its layers, no update."""
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            return None
+        return super().training_step(batch, batch_idx)
+
+
+class SkipsSomeMicroBatches(PipeClassifier):
+    """``training_step`` returns None before calling the model when its batch's first value is above 1.5: with the
+    classifier's data in batches (or micro-batches) of 4, batches 2, 9 and 18 of 20."""
+
+    def training_step(self, batch, batch_idx):
+        if batch[0][0, 0, 0] > 1.5:
+            return None
+        return super().training_step(batch, batch_idx)
+
+
 class PoisonedGradient(PipeClassifier):
     """At batch 2, an inf lands in the gradient of layer 0 (on the first stage only, in a pipeline)."""
 
@@ -353,7 +372,7 @@ def sequence_loaders(train_samples: int, val_samples: int, batch_size: int) -> t
             DataLoader(batches(val_samples, 1), batch_size=None))
 
 
-MODELS = {"dropout": DropoutClassifier, "two_dropouts": TwoDropoutsClassifier, "synced": SyncedLogging, "batchnorm": BatchNormClassifier, "one_batchnorm": OneBatchNormClassifier, "classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "poisoned": PoisonedGradient, "deferred": DeferredPipeClassifier, "resettable": ResettablePipeClassifier,
+MODELS = {"dropout": DropoutClassifier, "two_dropouts": TwoDropoutsClassifier, "synced": SyncedLogging, "batchnorm": BatchNormClassifier, "one_batchnorm": OneBatchNormClassifier, "classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "skips_before": SkipsBeforeTheModel, "skips_some": SkipsSomeMicroBatches, "poisoned": PoisonedGradient, "deferred": DeferredPipeClassifier, "resettable": ResettablePipeClassifier,
           "tied": TiedAcrossStages, "tied_momentum": TiedWithMomentum,
           "tied_deferred": DeferredTiedAcrossStages, "tied_outside": TiedToOutside, "tied_outside_only": TiedOutsideOnly,
           "compiled": CompiledPipelined, "compiled_layers": CompiledLayers, "counts": CountsForwards,
