@@ -486,8 +486,9 @@ class PipelineEngine:
         pairs = [(edge, g) for edge, g in zip(micro_batch.outputs, micro_batch.output_grads) if edge is not None]
         edges, grads = [edge for edge, _ in pairs], [g for _, g in pairs]
         needing = [t for t in micro_batch.inputs if t.requires_grad]
-        # A forward re-computed by torch.utils.checkpoint would be re-computed again by each half: not split.
-        if split and edges and not micro_batch.recomputed:
+        # Not split: a forward re-computed by torch.utils.checkpoint (re-computed again by each half), and compiled
+        # blocks (their backward computes every gradient at once, in each half).
+        if split and edges and not micro_batch.recomputed and not self.stage.compiled_calls:
             side_leaves = [leaf for _, leaf in micro_batch.call.leaves.values()]
             input_grads, micro_batch.weights = backward_input(edges, grads, needing, [*self._weights[k], *side_leaves])
             for leaf, input_grad in zip(needing, input_grads):

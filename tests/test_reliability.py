@@ -433,7 +433,7 @@ def test_pipelined_module_called_twice_in_a_step_names_the_fix():
     model.layers = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
     stage = StageBlocks(model, container_region(model, "layers"), range(2), stage_index=0, num_stages=1)
     stage.install()
-    engine = PipelineEngine(stage, 2, "never", previous=None, next=None, schedule=SCHEDULES["gpipe"])
+    engine = PipelineEngine(stage, 2, "never", links={}, schedule=SCHEDULES["gpipe"])
     alone = PipelineGroups(PipelineLayout(1), 0, torch.device("cpu"), None, None, None, None)  # no process groups
     runtime = StageRuntime(alone, engine, stage)
 
