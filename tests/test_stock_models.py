@@ -24,17 +24,24 @@ class StepLosses(Callback):
         self.losses.append(float(loss))
 
 
-def train_on_one_device(name: str, **options) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Per-step losses, the weights before and the weights after ``STEPS`` steps of the model ``name``."""
+def train_on_one_device(
+    name: str, accumulate: int = 1, **options
+) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Per-step losses, the weights before and the weights after ``STEPS`` steps of the model ``name``. With
+    ``accumulate``, each step accumulates that many batches of ``1/accumulate`` of the size (what a per-micro-batch
+    schedule equals for any loss); a step's loss is then the mean of its batches'."""
     seed_everything(0, verbose=False)
     model = STOCK_MODELS[name](**options)
+    if accumulate > 1:
+        model.batch_size //= accumulate
     before = {key: value.clone() for key, value in model.state_dict().items()}
     losses = StepLosses()
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=STEPS, callbacks=[losses], logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=0)
+                      num_sanity_val_steps=0, limit_val_batches=0, accumulate_grad_batches=accumulate)
     trainer.fit(model)
-    return losses.losses, before, model.state_dict()
+    steps = [losses.losses[i:i + accumulate] for i in range(0, len(losses.losses), accumulate)]
+    return [sum(step) / len(step) for step in steps], before, model.state_dict()
 
 
 @pytest.mark.parametrize("name", sorted(STOCK_MODELS))
