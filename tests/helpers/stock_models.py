@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from lightning.pytorch.demos.transformer import LightningTransformer, Transformer
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 VOCAB = 64
@@ -408,6 +409,76 @@ class VGG11Classifier(ImageClassifier):
         super().__init__(vgg11(num_classes=10, divisor=divisor, hidden=64, dropout=0.0), **kwargs)
 
 
+# -- a ViT with activation checkpointing around its blocks ---------------------------------------------------------
+
+
+def checkpoint_seq(functions, x, every: int = 1):
+    """timm's ``checkpoint_seq`` (``timm.models._manipulate``): the blocks in segments of ``every``, each segment under
+    ``torch.utils.checkpoint`` (non-reentrant). timm itself is not a test dependency."""
+    def run_function(start: int, end: int):
+        def forward(_x):
+            for j in range(start, end + 1):
+                _x = functions[j](_x)
+            return _x
+        return forward
+
+    for start in range(0, len(functions), every):
+        x = checkpoint(run_function(start, min(start + every - 1, len(functions) - 1)), x, use_reentrant=False)
+    return x
+
+
+class ViT(nn.Module):
+    """A small vision transformer as timm and hand-written ones are laid out (patch embedding, class token, position
+    embedding, ``blocks``, ``norm``, ``head``), whose forward calls its blocks under ``torch.utils.checkpoint`` in
+    training, in one of the ways projects write it (``checkpointing``):
+
+    * ``"loop"``: ``for block in self.blocks: x = checkpoint(block, x, use_reentrant=False)`` (litgpt, most GPTs);
+    * ``"loop_reentrant"``: the same with ``use_reentrant=True`` (older code);
+    * ``"sequential"``: ``checkpoint_sequential(self.blocks, 2, x)``, with its default (reentrant) mode;
+    * ``"timm"``: timm's ``checkpoint_seq(self.blocks, x, every=2)``: segments of two blocks, non-reentrant.
+    """
+
+    def __init__(self, checkpointing: str, depth: int = 4, dim: int = 32, patch: int = 8, size: int = 32,
+                 classes: int = 10) -> None:
+        super().__init__()
+        self.checkpointing = checkpointing
+        self.patch_embed = nn.Conv2d(3, dim, kernel_size=patch, stride=patch)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.randn(1, (size // patch) ** 2 + 1, dim) * 0.02)
+        self.blocks = nn.Sequential(*(
+            nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=2 * dim, dropout=0.0, batch_first=True,
+                                       norm_first=True)
+            for _ in range(depth)
+        ))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, images: Tensor) -> Tensor:
+        x = self.patch_embed(images).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(len(x), -1, -1), x], dim=1) + self.pos_embed
+        if not self.training:
+            x = self.blocks(x)
+        elif self.checkpointing == "loop":
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False)
+        elif self.checkpointing == "loop_reentrant":
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=True)
+        elif self.checkpointing == "sequential":
+            x = checkpoint_sequential(self.blocks, 2, x, use_reentrant=True)
+        else:
+            x = checkpoint_seq(self.blocks, x, every=2)
+        return self.head(self.norm(x)[:, 0])
+
+
+class ViTClassifier(ImageClassifier):
+    """The ViT on 32x32 images; ``checkpointing`` says how its forward checkpoints its blocks (see :class:`ViT`)."""
+
+    def __init__(self, checkpointing: str = "loop", **kwargs) -> None:
+        super().__init__(ViT(checkpointing), **kwargs)
+        self.example_input_array = None  # users of transformers rarely set one
+
+
 STOCK_MODELS: dict[str, type[LightningModule]] = {
     "gpt2": GPT2Module,
     "llama": LlamaModule,
@@ -415,6 +486,7 @@ STOCK_MODELS: dict[str, type[LightningModule]] = {
     "demo": DemoTransformer,
     "resnet18": ResNet18Classifier,
     "vgg11": VGG11Classifier,
+    "vit": ViTClassifier,
 }
 
 # Where each model keeps the blocks its forward calls one after another (its own loop or a Sequential).
@@ -425,4 +497,5 @@ BLOCKS: dict[str, list[str]] = {
     "demo": ["model.transformer.encoder.layers", "model.transformer.decoder.layers"],
     "resnet18": ["model"],  # its children in order: conv1, bn1, relu, maxpool, layer1..layer4, avgpool, fc
     "vgg11": ["model.features"],
+    "vit": ["model.blocks"],
 }
