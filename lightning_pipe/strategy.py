@@ -89,7 +89,13 @@ from lightning_pipe.sharded import save as save_sharded
 from lightning_pipe.runtime import StageRuntime
 from lightning_pipe.schedule import Schedule
 from lightning_pipe.stage import StageBlocks
-from lightning_pipe.summary import StageSummary, build_stage_summary, outside_warning, stage_devices
+from lightning_pipe.summary import (
+    StageSummary,
+    build_stage_summary,
+    model_checkpoint_note,
+    outside_warning,
+    stage_devices,
+)
 from lightning_pipe.tied import TiedParameters, parameters_shared_across_stages, replicated_parameters
 from lightning_pipe.topology import PipelineLayout
 from lightning_pipe.trace.timeline import StepTimeline
@@ -445,6 +451,7 @@ class GPipeStrategy(ParallelStrategy):
         whole_model_state = list(module.state_dict().keys())
         whole_model_parameters = [parameter_name for parameter_name, _ in module.named_parameters()]
         stage = StageBlocks(module, region, ranges[self.stage_index], self.stage_index, config.num_stages)
+        stage.on_model_checkpoint = partial(rank_zero_info, model_checkpoint_note(self._settings.recompute))
         stage.install()
         # Built on the meta device: only what this rank runs becomes real (the stage, the replicated modules).
         self._deferred = self.reduce_boolean_decision(holds_meta_tensors(layers), all=False)

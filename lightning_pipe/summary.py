@@ -186,6 +186,20 @@ def outside_warning(summary: StageSummary) -> str | None:
     )
 
 
+def model_checkpoint_note(recompute: str) -> str:
+    """The start-up note when the model's code calls its pipelined blocks under ``torch.utils.checkpoint``: the
+    pipeline's re-computation (the ``checkpoint`` option, ``recompute``) takes the place of the model's."""
+    what = {
+        "always": "every micro-batch's forward runs again in backward",
+        "except_last": "every micro-batch's forward but the last runs again in backward",
+        "never": "nothing runs again, which keeps every activation: pass checkpoint='except_last' to save memory",
+    }[recompute]
+    return (
+        "The model calls its pipelined blocks under torch.utils.checkpoint: the pipeline's own re-computation takes"
+        f" its place (checkpoint={recompute!r}: {what}), and the model's checkpoint re-runs no block."
+    )
+
+
 def stage_devices(ranks: Sequence[int], node_devices: Sequence[torch.device], num_nodes: int) -> list[str]:
     """The ``Device`` column: where each of ``ranks`` runs, with its node when there are several (every node runs
     one rank per device of ``node_devices``)."""

@@ -133,15 +133,22 @@ class CausalLM(TinyData, LightningModule):
 
 
 class GPT2Module(CausalLM):
-    """``GPT2LMHeadModel``: blocks in the ModuleList ``model.transformer.h``; the head shares the embedding's weight."""
+    """``GPT2LMHeadModel``: blocks in the ModuleList ``model.transformer.h``; the head shares the embedding's weight.
 
-    def __init__(self, layers: int = 4, **kwargs) -> None:
+    ``gradient_checkpointing``: Hugging Face's ``gradient_checkpointing_enable()`` (renamed
+    ``activation_checkpointing_enable()`` in transformers 5.x), which checkpoints inside each block.
+    """
+
+    def __init__(self, layers: int = 4, gradient_checkpointing: bool = False, **kwargs) -> None:
         from transformers import GPT2Config, GPT2LMHeadModel
 
         config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=layers, n_head=4,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                             bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
         super().__init__(GPT2LMHeadModel(config), **kwargs)
+        if gradient_checkpointing:
+            enable = getattr(self.model, "activation_checkpointing_enable", self.model.gradient_checkpointing_enable)
+            enable()
 
 
 class LlamaModule(CausalLM):
