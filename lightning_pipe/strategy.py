@@ -94,6 +94,7 @@ from lightning_pipe.summary import (
     build_stage_summary,
     model_checkpoint_note,
     outside_warning,
+    self_checkpointing_warning,
     stage_devices,
 )
 from lightning_pipe.tied import TiedParameters, parameters_shared_across_stages, replicated_parameters
@@ -469,6 +470,9 @@ class GPipeStrategy(ParallelStrategy):
         rank_zero_info(str(summary))
         if (warning := outside_warning(summary)) is not None:
             rank_zero_warn(warning, category=PossibleUserWarning)
+        checkpointing_themselves = any(getattr(m, "gradient_checkpointing", None) is True for m in stage.modules())
+        if checkpointing_themselves and self._settings.recompute != "never":
+            rank_zero_warn(self_checkpointing_warning(self._settings.recompute), category=PossibleUserWarning)
         groups, index = self.groups, self.stage_index
         timeline = StepTimeline(self.root_device, enabled=self._log_bubble_fraction or bool(self._trace_steps))
         # One stage draws from the global stream, as one device does; several need streams of their own.

@@ -200,6 +200,17 @@ def model_checkpoint_note(recompute: str) -> str:
     )
 
 
+def self_checkpointing_warning(recompute: str) -> str:
+    """The start-up warning when the pipelined blocks checkpoint themselves (Hugging Face's
+    ``gradient_checkpointing_enable()``) and the pipeline re-computes them too."""
+    return (
+        f"The pipelined blocks checkpoint themselves (gradient_checkpointing=True, e.g. Hugging Face's"
+        f" gradient_checkpointing_enable()), and checkpoint={recompute!r} makes the pipeline re-compute each"
+        " micro-batch's blocks once more in backward: a third forward where one device runs two. Pass"
+        " GPipeStrategy(checkpoint='never') to leave the re-computation to the blocks."
+    )
+
+
 def stage_devices(ranks: Sequence[int], node_devices: Sequence[torch.device], num_nodes: int) -> list[str]:
     """The ``Device`` column: where each of ``ranks`` runs, with its node when there are several (every node runs
     one rank per device of ``node_devices``)."""

@@ -198,6 +198,18 @@ def test_the_models_own_checkpointing_computes_no_block_more_often_than_one_devi
     assert output.count("The model calls its pipelined blocks under torch.utils.checkpoint") == fits_checkpointing
 
 
+def test_blocks_that_checkpoint_themselves_warn_that_the_pipeline_recomputes_them_too(pipelined):
+    """Hugging Face's gradient_checkpointing_enable() checkpoints inside each block: with checkpoint='except_last' the
+    pipeline would re-compute the blocks once more, and the start-up says so, naming checkpoint='never'."""
+    devices, tmp = pipelined
+    if devices != 2:
+        pytest.skip("checked on 2 stages")
+    output = (tmp / "stdout.txt").read_text() + (tmp / "stderr.txt").read_text()
+    warning = "The pipelined blocks checkpoint themselves (gradient_checkpointing=True"
+    assert output.count(warning) == 1  # the run with gradient_checkpointing_enable() only
+    assert "Pass GPipeStrategy(checkpoint='never') to leave the re-computation to the blocks." in output
+
+
 def test_a_trained_encoder_predicts_as_on_one_device_with_its_padding_mask(pipelined):
     """In eval without gradients nn.TransformerEncoder would pack the padded batch into a NestedTensor; pipelined,
     its layers take the padded path, whose outputs are the same."""
