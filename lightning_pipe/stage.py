@@ -159,6 +159,25 @@ class StageBlocks:
             else:
                 _replace_submodule(self.model, name, block)
 
+    @contextlib.contextmanager
+    def showing_whole_model(self) -> Iterator[None]:
+        """While open, the model holds every original block again, for code that reads the model as it was built
+        (Lightning's model summary): another stage's block is still not run here, its calls answered as its
+        stand-in's are."""
+        stand_ins = {}
+        for index, name in enumerate(self.region.names):
+            if index not in self.layer_range:
+                stand_ins[index] = self.model.get_submodule(name)
+                original = self.originals[index]
+                original._compiled_call_impl = stand_ins[index].__call__
+                _replace_submodule(self.model, name, original)
+        try:
+            yield
+        finally:
+            for index, stand_in in stand_ins.items():
+                self.originals[index]._compiled_call_impl = None
+                _replace_submodule(self.model, self.region.names[index], stand_in)
+
     def on_uninstall(self, undo: Callable[[], None]) -> None:
         """Run ``undo`` when the original blocks are put back (after the run)."""
         self._undo.append(undo)

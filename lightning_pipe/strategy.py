@@ -78,10 +78,18 @@ from lightning_pipe.launch import (
     note_sigterm,
 )
 from lightning_pipe.materialize import global_seed, holds_meta_tensors, materialize
+from lightning_pipe.model_summary import summarize_whole_model
 from lightning_pipe.groups import PipelineGroups, init_pipeline_groups
 from lightning_pipe.outcome import StepOutcome
 from lightning_pipe.random_streams import StageRandomStreams
-from lightning_pipe.region import Region, find_region, outside_parameters
+from lightning_pipe.region import (
+    MAX_OUTSIDE_SHARE,
+    Region,
+    find_region,
+    outside_parameters,
+    outside_share,
+    suggested_chain,
+)
 from lightning_pipe.settings import PipelineSettings, RecomputeMode, check_process_count
 from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
 from lightning_pipe.sharded import load as load_sharded
@@ -89,6 +97,7 @@ from lightning_pipe.sharded import save as save_sharded
 from lightning_pipe.runtime import StageRuntime
 from lightning_pipe.schedule import Schedule
 from lightning_pipe.stage import StageBlocks
+from lightning_pipe.step_probe import first_training_batch, random_state_kept, training_step_on
 from lightning_pipe.summary import (
     StageSummary,
     build_stage_summary,
@@ -250,6 +259,7 @@ class GPipeStrategy(ParallelStrategy):
         self._runtime: StageRuntime | None = None
         self._replicated: list[nn.Parameter] = []
         self._wrapped_hooks: list[str] = []
+        self._undo_summaries: Callable[[], None] = lambda: None  # Lightning's model summary callbacks as they were
         self._plan: PartitionPlan | None = None
         self._plan_module_name = ""
         self._outside: list[tuple[str, int]] = []  # what runs whole on every stage, with its parameter count
@@ -409,6 +419,8 @@ class GPipeStrategy(ParallelStrategy):
         self._broadcast_replicated_state()
         self._sync_metrics_within_replicas(module)
         self._wrap_epoch_end_hooks(module)
+        assert self._plan is not None
+        self._undo_summaries = summarize_whole_model(trainer.callbacks, self._runtime.stage, self._plan.ranges)
         self._runtime.share_outcome(module, StepOutcome())  # every stage starts from the last stage's random state
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -441,7 +453,7 @@ class GPipeStrategy(ParallelStrategy):
         """Replace the pipelined ``nn.Sequential`` by this rank's :class:`StageLayers` and build its runtime."""
         config = self.config
         self._check_every_rank_built_the_same_model(module)
-        region = self._find_region(module)
+        region = self.broadcast(self._find_region(module, module._trainer))  # every rank splits the same blocks
         check_compiled(module, region)
         blocks = region.blocks(module)
         layers = nn.Sequential(*blocks)  # the blocks in order, for the partition plan and the whole model
@@ -468,7 +480,7 @@ class GPipeStrategy(ParallelStrategy):
         compile_stage(module, region, stage, self._settings.compile_options)
         summary = self.stage_summary()
         rank_zero_info(str(summary))
-        if (warning := outside_warning(summary)) is not None:
+        if (warning := outside_warning(summary, suggested_chain(module, region))) is not None:
             rank_zero_warn(warning, category=PossibleUserWarning)
         checkpointing_themselves = any(getattr(m, "gradient_checkpointing", None) is True for m in stage.modules())
         if checkpointing_themselves and self._settings.recompute != "never":
@@ -508,9 +520,19 @@ class GPipeStrategy(ParallelStrategy):
         describe = lambda rank: f"rank {rank} (stage {self.layout.stage(rank)})"  # noqa: E731
         raise ValueError(different_models_message(every, describe))
 
-    def _find_region(self, module: LightningModule) -> Region:
+    def _find_region(self, module: LightningModule, trainer: Trainer | None = None) -> Region:
+        """The blocks to pipeline (see :func:`find_region`); with the ``trainer`` of a fit, also those that the
+        training step chains, when what the model and its ``forward`` show leaves much of the model outside."""
         sample = self._settings.sample if self._settings.sample is not None else getattr(module, "example_input_array", None)
-        return find_region(module, uncompiled_name(module, self._settings.module_name), sample)
+        name, num_stages = uncompiled_name(module, self._settings.module_name), self.config.num_stages
+        region = find_region(module, name, sample, num_stages=num_stages)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if name is None and fitting and outside_share(module, region) > MAX_OUTSIDE_SHARE:
+            with random_state_kept():
+                batch = first_training_batch(trainer, module)
+                if batch is not None:
+                    region = find_region(module, name, sample, training_step_on(batch), num_stages)
+        return region
 
     def _decide_partition(self, module: LightningModule, sequential: nn.Sequential) -> PartitionPlan:
         """The split, decided on global rank 0 (profiling there when ``balance`` asks) and broadcast, so that every
@@ -849,6 +871,7 @@ class GPipeStrategy(ParallelStrategy):
 
     def teardown(self) -> None:
         module = self.lightning_module
+        self._undo_summaries()
         if module is not None:
             for hook in self._wrapped_hooks:
                 module.__dict__.pop(hook, None)

@@ -23,9 +23,9 @@ import torch
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 
 from lightning_pipe.balance import PartitionPlan, imbalance, recompute_fraction
+from lightning_pipe.region import MAX_OUTSIDE_SHARE
 
 
-MAX_OUTSIDE_SHARE = 0.2  # of the parameters running whole on every stage, above which the start-up warns
 
 
 @dataclass(frozen=True)
@@ -172,17 +172,29 @@ def build_stage_summary(
     )
 
 
-def outside_warning(summary: StageSummary) -> str | None:
-    """The start-up warning when more than a fifth of the parameters run whole on every stage, else ``None``."""
+def outside_warning(summary: StageSummary, suggestion: Sequence[str] | None = None) -> str | None:
+    """The start-up warning when more than a fifth of the parameters run whole on every stage, else ``None``;
+    ``suggestion``: the consecutive sibling modules that would pipeline the most of them
+    (:func:`lightning_pipe.region.suggested_chain`)."""
     if summary.outside_share <= MAX_OUTSIDE_SHARE:
         return None
     largest = max(summary.outside, key=lambda item: item[1])[0] if summary.outside else "the rest of the model"
+    if suggestion:
+        fix = (
+            f" Pipeline them with the region: GPipeStrategy(module_name={list(suggestion)!r}) pipelines the most"
+            " parameters, if the model's code calls these modules one after another, each on the previous one's"
+            " output (or name a larger nn.Sequential or nn.ModuleList)."
+        )
+    else:
+        fix = (
+            " Pipeline a region that holds them: GPipeStrategy(module_name=...) naming a larger nn.Sequential or"
+            " nn.ModuleList, or a list of consecutive sibling modules."
+        )
     return (
         f"{summary.outside_share:.0%} of the model's parameters ({summary.replicated_parameters}) are outside the"
         f" pipelined '{summary.module_name}' and run whole on every stage (more than {MAX_OUTSIDE_SHARE:.0%}; the"
         f" largest is {largest}): every stage holds and computes them, so the pipeline saves less memory and time."
-        " Pipeline a region that holds them: GPipeStrategy(module_name=...) naming a larger nn.Sequential or"
-        " nn.ModuleList, or a list of consecutive sibling modules."
+        + fix
     )
 
 

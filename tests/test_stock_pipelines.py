@@ -9,6 +9,7 @@ tests/test_stock_models.py. Dropout is 0 in every model; ResNet-18's BatchNorm s
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -48,7 +49,10 @@ RUNS = {
         "vit_timm": ("vit", {"num_micro_batches": 2}, {"options": {"checkpointing": "timm"}}),
         "gpt2_gradient_checkpointing": ("gpt2", {"num_micro_batches": 2}, {"options": {"gradient_checkpointing": True}}),
         # Value-reading hooks on every block, without re-computation: each fires once per micro-batch.
-        "gpt2_hooks": ("gpt2", {"num_micro_batches": 2, "checkpoint": "never"}, {"hooks": True}),
+        "gpt2_hooks": ("gpt2", {"num_micro_batches": 2, "checkpoint": "never"},
+                       {"hooks": True, "summary": {"max_depth": 4, "rich": True}}),
+        # Lightning's first example: the chain its training step calls, found; its model summary as printed.
+        "autoencoder": ("autoencoder", {"num_micro_batches": 2}, {"summary": {"max_depth": 2, "rich": False}}),
     },
     4: {
         "gpt2": ("gpt2", {"num_micro_batches": 4}),
@@ -208,6 +212,48 @@ def test_blocks_that_checkpoint_themselves_warn_that_the_pipeline_recomputes_the
     warning = "The pipelined blocks checkpoint themselves (gradient_checkpointing=True"
     assert output.count(warning) == 1  # the run with gradient_checkpointing_enable() only
     assert "Pass GPipeStrategy(checkpoint='never') to leave the re-computation to the blocks." in output
+
+
+def test_lightnings_readme_autoencoder_is_pipelined_whole_from_what_its_training_step_calls(pipelined):
+    """Its forward calls only the encoder; its training step calls the encoder, then the decoder: that chain is
+    pipelined, nothing runs whole on every stage (the equality with one device is the test above)."""
+    devices, tmp = pipelined
+    if devices != 2:
+        pytest.skip("two blocks: two stages")
+    stages = json.loads((tmp / "autoencoder" / "stages.json").read_text())
+    assert stages == {"module_name": "encoder .. decoder", "replicated": 0}
+
+
+def test_lightnings_model_summary_lists_the_model_as_built_with_the_stage_of_each_layer(pipelined):
+    """The summary the ModelSummary callback prints at fit start on rank 0 (the last stage): the other stage's
+    modules with their own types and parameters, not stand-ins, and where each runs."""
+    devices, tmp = pipelined
+    if devices != 2:
+        pytest.skip("checked on 2 stages")
+    rows = [[cell.strip() for cell in line.split("|")] for line in (tmp / "autoencoder" / "summary.txt").read_text().splitlines()
+            if line.count("|") == 6]
+    assert [(row[1], row[2], row[3], row[6]) for row in rows[1:]] == [
+        ("encoder", "Sequential", "100 K", "stage 0"),
+        ("encoder.0", "Linear", "100 K", "stage 0"),
+        ("encoder.1", "ReLU", "0", "stage 0"),
+        ("encoder.2", "Linear", "387", "stage 0"),
+        ("decoder", "Sequential", "101 K", "stage 1"),
+        ("decoder.0", "Linear", "512", "stage 1"),
+        ("decoder.1", "ReLU", "0", "stage 1"),
+        ("decoder.2", "Linear", "101 K", "stage 1"),
+    ]
+    assert "202 K     Total params" in (tmp / "autoencoder" / "summary.txt").read_text()
+
+
+def test_rich_model_summary_shows_every_gpt2_block_with_its_parameters_and_stage(pipelined):
+    devices, tmp = pipelined
+    if devices != 2:
+        pytest.skip("checked on 2 stages")
+    text = (tmp / "gpt2_hooks" / "summary.txt").read_text()
+    assert "RemoteBlock" not in text
+    for block, stage in (("h.0", 0), ("h.1", 0), ("h.2", 1), ("h.3", 1)):
+        assert re.search(rf"model\.transformer\.{re.escape(block)} +│ GPT2Block │ 12\.7 K │.*│ stage {stage} ", text), block
+    assert "Total params: 54.0 K" in text
 
 
 def test_a_trained_encoder_predicts_as_on_one_device_with_its_padding_mask(pipelined):

@@ -70,10 +70,10 @@ def next_token_pairs(samples: int = 32, length: int = 12, seed: int = 0) -> Tens
     return TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
-def images(samples: int = 32, size: int = 32, classes: int = 10, seed: int = 0) -> TensorDataset:
+def images(samples: int = 32, size: int = 32, classes: int = 10, seed: int = 0, channels: int = 3) -> TensorDataset:
     """Random images whose class is the brightest of ``classes`` horizontal bands (learnable, deterministic)."""
     generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(samples, 3, size, size, generator=generator)
+    x = torch.randn(samples, channels, size, size, generator=generator)
     labels = torch.randint(0, classes, (samples,), generator=generator)
     band = size // classes
     for i, label in enumerate(labels.tolist()):
@@ -416,6 +416,48 @@ class VGG11Classifier(ImageClassifier):
         super().__init__(vgg11(num_classes=10, divisor=divisor, hidden=64, dropout=0.0), **kwargs)
 
 
+# -- Lightning's first example -------------------------------------------------------------------------------------
+
+
+def lit_autoencoder_class(lightning_module: type) -> type:
+    """The autoencoder of Lightning's README, on a LightningModule of either Lightning package (``lightning.pytorch``
+    or the standalone ``pytorch_lightning``), with MNIST-shaped random images instead of MNIST."""
+
+    class LitAutoEncoder(TinyData, lightning_module):
+        def __init__(self, batch_size: int = 8, samples: int = 32) -> None:
+            super().__init__()
+            self.encoder = nn.Sequential(nn.Linear(28 * 28, 128), nn.ReLU(), nn.Linear(128, 3))
+            self.decoder = nn.Sequential(nn.Linear(3, 128), nn.ReLU(), nn.Linear(128, 28 * 28))
+            self.batch_size, self.samples = batch_size, samples
+
+        def dataset(self, seed: int) -> Dataset:
+            return images(self.samples, size=28, seed=seed, channels=1)
+
+        def forward(self, x):
+            # in lightning, forward defines the prediction/inference actions
+            embedding = self.encoder(x)
+            return embedding
+
+        def training_step(self, batch, batch_idx):
+            # training_step defines the train loop. It is independent of forward
+            x, _ = batch
+            x = x.view(x.size(0), -1)
+            z = self.encoder(x)
+            x_hat = self.decoder(z)
+            loss = F.mse_loss(x_hat, x)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.Adam(self.parameters(), lr=1e-3)
+            return optimizer
+
+    return LitAutoEncoder
+
+
+LitAutoEncoder = lit_autoencoder_class(LightningModule)
+
+
 # -- a ViT with activation checkpointing around its blocks ---------------------------------------------------------
 
 
@@ -494,6 +536,7 @@ STOCK_MODELS: dict[str, type[LightningModule]] = {
     "resnet18": ResNet18Classifier,
     "vgg11": VGG11Classifier,
     "vit": ViTClassifier,
+    "autoencoder": LitAutoEncoder,
 }
 
 # Where each model keeps the blocks its forward calls one after another (its own loop or a Sequential).
@@ -505,4 +548,5 @@ BLOCKS: dict[str, list[str]] = {
     "resnet18": ["model"],  # its children in order: conv1, bn1, relu, maxpool, layer1..layer4, avgpool, fc
     "vgg11": ["model.features"],
     "vit": ["model.blocks"],
+    "autoencoder": ["encoder", "decoder"],
 }

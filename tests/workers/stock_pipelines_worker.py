@@ -5,16 +5,21 @@ Usage: python stock_pipelines_worker.py SPEC.json
 Each run writes DIR/NAME/rank{R}.pt (the model's state dict after fit) and DIR/NAME/rank{R}.json (per-step losses,
 a run with ``drop_gradient_of`` is the negative control; with ``predict``, DIR/NAME/predictions.pt after fit; with
 ``save``, DIR/NAME/model.ckpt; with ``validate``, DIR/NAME/validated{R}.json, ``trainer.validate``'s metrics; with
-``hooks``, DIR/NAME/hooks{R}.json: the calls of value-reading hooks on every block, see :func:`value_reading_hooks`).
+``hooks``, DIR/NAME/hooks{R}.json: the calls of value-reading hooks on every block, see :func:`value_reading_hooks`;
+with ``summary`` ({"max_depth": D, "rich": bool}), DIR/NAME/summary.txt on rank 0: what Lightning's ModelSummary or
+RichModelSummary callback printed, and DIR/NAME/stages.json: the strategy's pipelined region and its replicated
+parameters).
 """
 
 import json
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
 from torch import nn
 
 import lightning_pipe
@@ -69,17 +74,44 @@ def value_reading_hooks(model: nn.Module, containers: list[str]) -> tuple[dict[s
     return seen, torch.nn.modules.module.register_module_forward_hook(global_hook).remove
 
 
+class PrintedSummary(logging.Handler):
+    """What Lightning's ModelSummary callback logs (RichModelSummary prints to rich's console, recorded instead)."""
+
+    def __init__(self, rich: bool) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+        self.console = None
+        if rich:
+            from rich import get_console
+
+            self.console = get_console()
+            self.console.record = True
+        logging.getLogger("lightning.pytorch.callbacks.model_summary").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def text(self) -> str:
+        logging.getLogger("lightning.pytorch.callbacks.model_summary").removeHandler(self)
+        return self.console.export_text() if self.console is not None else "\n".join(self.lines)
+
+
 def main(spec_path):
     spec = json.loads(Path(spec_path).read_text())
     for run in spec["runs"]:
         out = Path(spec["out"]) / run["name"]
         out.mkdir(parents=True, exist_ok=True)
         losses = StepLosses()
+        summary = run.get("summary")
+        callbacks = [losses]
+        if summary:
+            printed = PrintedSummary(summary["rich"])
+            callbacks.append((RichModelSummary if summary["rich"] else ModelSummary)(max_depth=summary["max_depth"]))
         trainer = Trainer(
             strategy=lightning_pipe.GPipeStrategy(**run.get("strategy", {})),
             accelerator="cpu", devices=spec["devices"], max_steps=spec["steps"], logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            num_sanity_val_steps=0, limit_val_batches=0, callbacks=[losses],
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=bool(summary),
+            num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
         )
         seed_everything(0, verbose=False)
         model = STOCK_MODELS[run["model"]](**run.get("options", {}))
@@ -91,6 +123,11 @@ def main(spec_path):
         if remove_global_hook:
             remove_global_hook()
         rank = trainer.global_rank
+        if summary and rank == 0:
+            (out / "summary.txt").write_text(printed.text())
+            stages = trainer.strategy.stage_summary()
+            (out / "stages.json").write_text(json.dumps({"module_name": stages.module_name,
+                                                         "replicated": stages.replicated_parameters}))
         torch.save(model.state_dict(), out / f"rank{rank}.pt")
         if run.get("save"):  # every rank takes part; global rank 0 writes the whole model as one file
             trainer.save_checkpoint(out / "model.ckpt")
