@@ -37,7 +37,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -81,6 +81,7 @@ from lightning_pipe.materialize import global_seed, holds_meta_tensors, material
 from lightning_pipe.model_summary import summarize_whole_model
 from lightning_pipe.groups import PipelineGroups, init_pipeline_groups
 from lightning_pipe.outcome import StepOutcome
+from lightning_pipe.packages import LIGHTNING, LightningPackage, adopt_package, overrides, register_package
 from lightning_pipe.random_streams import StageRandomStreams
 from lightning_pipe.region import (
     MAX_OUTSIDE_SHARE,
@@ -130,8 +131,12 @@ _SYNC_DIST_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)"
 _EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
 
 
-class GPipeStrategy(ParallelStrategy):
+class GPipeStrategyMixin:
     """GPipe pipeline parallelism: the model's layers split into stages, one per process and device.
+
+    (The implementation, for either Lightning package: :class:`GPipeStrategy` is it with ``lightning.pytorch``'s
+    ``ParallelStrategy``, :class:`lightning_pipe.standalone.GPipeStrategy` with ``pytorch_lightning``'s; see
+    :mod:`lightning_pipe.packages`.)
 
     Args:
         num_stages: pipeline stages; defaults to the number of processes (``devices * num_nodes``). A
@@ -190,6 +195,7 @@ class GPipeStrategy(ParallelStrategy):
     """
 
     strategy_name = "gpipe"
+    lightning_package: LightningPackage  # what the class's Lightning package gives it
 
     def __init__(
         self,
@@ -275,6 +281,17 @@ class GPipeStrategy(ParallelStrategy):
     # ---- configuration -------------------------------------------------------------------------------------------
 
     @property
+    def accelerator(self) -> Accelerator | None:
+        return self._accelerator  # type: ignore[attr-defined]
+
+    @accelerator.setter
+    def accelerator(self, accelerator: Accelerator | None) -> None:
+        # The first thing a Trainer sets: the strategy becomes one of that Trainer's Lightning package.
+        if accelerator is not None:
+            adopt_package(self, accelerator)
+        self._accelerator = accelerator
+
+    @property
     def config(self) -> PipelineParallelConfig:
         """The resolved stage and micro-batch counts (known once the device count is)."""
         return self._settings.pipeline_config(self.num_processes * self.num_nodes)
@@ -335,18 +352,18 @@ class GPipeStrategy(ParallelStrategy):
             check_one_count_per_stage(settings.balance, self.config.num_stages)
         self.config  # noqa: B018  (validates the resolved counts before any process starts)
         if settings.start_method == "popen":
-            self._launcher = CheckedSubprocessScriptLauncher(
+            self._launcher = self.lightning_package.subprocess_launcher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
         else:
-            self._launcher = CheckedMultiProcessingLauncher(self, start_method=settings.start_method)
+            self._launcher = self.lightning_package.multiprocessing_launcher(self, start_method=settings.start_method)
         self._launcher.check_model = self._check_partition
 
     def _check_partition(self, model: LightningModule, trainer: Trainer | None = None) -> None:
         """Raise the partition's errors (no Sequential, too many stages, a bad balance) before processes start."""
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             _require_automatic_optimization(model)
-        if is_overridden("configure_model", model):
+        if overrides(model, "configure_model"):
             return  # the layers may exist only once configure_model has run, in each process: `setup` checks them
         settings = self._settings
         region = self._find_region(model)
@@ -409,7 +426,7 @@ class GPipeStrategy(ParallelStrategy):
         )
         if not self.is_distributed:
             # Every stage holds the last stage's logged values: Lightning's advice to synchronise them is moot.
-            warnings.filterwarnings("ignore", _SYNC_DIST_ADVICE, PossibleUserWarning)
+            warnings.filterwarnings("ignore", _SYNC_DIST_ADVICE, self.lightning_package.possible_user_warning)
         module = self.lightning_module
         if trainer.state.fn == TrainerFn.FITTING:
             _require_automatic_optimization(module)
@@ -481,10 +498,11 @@ class GPipeStrategy(ParallelStrategy):
         summary = self.stage_summary()
         rank_zero_info(str(summary))
         if (warning := outside_warning(summary, suggested_chain(module, region))) is not None:
-            rank_zero_warn(warning, category=PossibleUserWarning)
+            rank_zero_warn(warning, category=self.lightning_package.possible_user_warning)
         checkpointing_themselves = any(getattr(m, "gradient_checkpointing", None) is True for m in stage.modules())
         if checkpointing_themselves and self._settings.recompute != "never":
-            rank_zero_warn(self_checkpointing_warning(self._settings.recompute), category=PossibleUserWarning)
+            warning = self_checkpointing_warning(self._settings.recompute)
+            rank_zero_warn(warning, category=self.lightning_package.possible_user_warning)
         groups, index = self.groups, self.stage_index
         timeline = StepTimeline(self.root_device, enabled=self._log_bubble_fraction or bool(self._trace_steps))
         # One stage draws from the global stream, as one device does; several need streams of their own.
@@ -762,7 +780,7 @@ class GPipeStrategy(ParallelStrategy):
             names = [group_names(self.lightning_module, optimizer) for optimizer in self.optimizers]
             return load_sharded(checkpoint_path, set(self.lightning_module.state_dict()), names, weights_only)
         local_file = "://" not in str(checkpoint_path) and Path(checkpoint_path).is_file()
-        default_io = type(self.checkpoint_io).load_checkpoint is TorchCheckpointIO.load_checkpoint
+        default_io = type(self.checkpoint_io).load_checkpoint is self.lightning_package.torch_checkpoint_io.load_checkpoint
         if not (local_file and default_io and self.layout.num_stages > 1):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         return torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=weights_only)
@@ -897,6 +915,17 @@ class GPipeStrategy(ParallelStrategy):
                 description=f"GPipe pipeline parallelism with start_method={start_method!r}",
                 start_method=start_method,
             )
+
+
+class GPipeStrategy(GPipeStrategyMixin, ParallelStrategy):
+    __doc__ = GPipeStrategyMixin.__doc__
+
+
+GPipeStrategy.lightning_package = LightningPackage(
+    LIGHTNING, GPipeStrategy, CheckedSubprocessScriptLauncher, CheckedMultiProcessingLauncher, PossibleUserWarning,
+    TorchCheckpointIO, _ForwardRedirection,
+)
+register_package(GPipeStrategy.lightning_package)
 
 
 @contextmanager

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
@@ -35,6 +34,7 @@ from lightning_pipe.consolidate import (
     parameter_names,
     split_optimizer_state,
 )
+from lightning_pipe.launch import SpawnedRanks
 from lightning_pipe.materialize import mark_held_elsewhere
 
 
@@ -120,7 +120,7 @@ def refuse_checkpoint_without_stages(launcher: _Launcher | None, filepath: str |
     """Raise: this process holds no stage of a pipeline (the launching process of the spawn and fork launchers,
     whose workers have ended, or a process whose run failed), so the stages' optimizer states are out of reach and
     a checkpoint would hold part of them."""
-    if isinstance(launcher, _MultiProcessingLauncher):
+    if isinstance(launcher, SpawnedRanks):
         where = (
             "in the launching process of the spawn/fork launcher, after its worker processes ended: each stage's"
             " optimizer state ended with the worker that held it"
