@@ -26,11 +26,12 @@ def _register_for_pytorch_lightning() -> None:
     or newer one gets an error naming the releases that work."""
     if importlib.util.find_spec("pytorch_lightning") is None:
         return
-    from pytorch_lightning.strategies import ParallelStrategy as StandaloneParallelStrategy
-    from pytorch_lightning.strategies import StrategyRegistry as StandaloneRegistry
-
     version = importlib.metadata.version("pytorch-lightning")
     if Version(version) not in LIGHTNING_RELEASES:
+        try:
+            from pytorch_lightning.strategies import StrategyRegistry as StandaloneRegistry
+        except Exception:  # a release too old to import here is not one a project can train with either
+            return
 
         def refuse(**_: object) -> None:
             raise TypeError(
@@ -43,6 +44,9 @@ def _register_for_pytorch_lightning() -> None:
             if name not in StandaloneRegistry:
                 StandaloneRegistry.register(name, refuse, description=f"needs pytorch-lightning{LIGHTNING_RELEASES}")
         return
+    from pytorch_lightning.strategies import ParallelStrategy as StandaloneParallelStrategy
+    from pytorch_lightning.strategies import StrategyRegistry as StandaloneRegistry
+
     from lightning_pipe.standalone import GPipeStrategy as StandaloneGPipeStrategy
 
     if "gpipe" not in StandaloneRegistry:

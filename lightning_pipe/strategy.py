@@ -265,7 +265,7 @@ class GPipeStrategyMixin:
         self._runtime: StageRuntime | None = None
         self._replicated: list[nn.Parameter] = []
         self._wrapped_hooks: list[str] = []
-        self._undo_summaries: Callable[[], None] = lambda: None  # Lightning's model summary callbacks as they were
+        self._undo_summaries: Callable[[], None] | None = None  # puts Lightning's model summary callbacks back
         self._plan: PartitionPlan | None = None
         self._plan_module_name = ""
         self._outside: list[tuple[str, int]] = []  # what runs whole on every stage, with its parameter count
@@ -889,7 +889,9 @@ class GPipeStrategyMixin:
 
     def teardown(self) -> None:
         module = self.lightning_module
-        self._undo_summaries()
+        if self._undo_summaries is not None:
+            self._undo_summaries()
+            self._undo_summaries = None
         if module is not None:
             for hook in self._wrapped_hooks:
                 module.__dict__.pop(hook, None)
