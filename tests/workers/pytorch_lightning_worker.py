@@ -16,19 +16,14 @@ import lightning_pipe
 import pytorch_lightning as pl
 import torch
 
+from helpers.recording import StepLossRecording
 from helpers.stock_models import lit_autoencoder_class
 
 LitAutoEncoder = lit_autoencoder_class(pl.LightningModule)
 
 
-class StepLosses(pl.Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        if loss is not None:
-            self.losses.append(float(loss))
+class StepLosses(StepLossRecording, pl.Callback):
+    pass
 
 
 def main(spec_path):

@@ -24,19 +24,12 @@ from torch import nn
 
 import lightning_pipe
 from helpers.negative_controls import drop_gradient_of
+from helpers.recording import StepLossRecording
 from helpers.stock_models import BLOCKS, STOCK_MODELS
 
 
-class StepLosses(Callback):
-    """The loss of every training step, as the step returned it (on the last stage; other stages get ``None``)."""
-
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        if loss is not None:
-            self.losses.append(float(loss))
+class StepLosses(StepLossRecording, Callback):
+    pass
 
 
 def value_reading_hooks(model: nn.Module, containers: list[str]) -> tuple[dict[str, dict[str, int]], Callable]:
