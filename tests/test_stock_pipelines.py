@@ -41,12 +41,13 @@ RUNS = {
         "gpt2_never": ("gpt2", {"num_micro_batches": 4, "checkpoint": "never"}),
         "gpt2_parameters": ("gpt2", {"num_micro_batches": 2, "balance": "parameters"}),
         "gpt2_list": ("gpt2", {"num_micro_batches": 2, "balance": [1, 3]}),
-        # The model's own activation checkpointing: around its block calls, four ways; inside its blocks (HF's).
+        # The model's own activation checkpointing: around its block calls, five ways; inside its blocks (HF's).
         "vit_loop": ("vit", {"num_micro_batches": 2}, {"options": {"checkpointing": "loop"}}),
         "vit_loop_reentrant": ("vit", {"num_micro_batches": 2}, {"options": {"checkpointing": "loop_reentrant"},
                                                                  "hooks": True}),
         "vit_sequential": ("vit", {"num_micro_batches": 2}, {"options": {"checkpointing": "sequential"}}),
         "vit_timm": ("vit", {"num_micro_batches": 2}, {"options": {"checkpointing": "timm"}}),
+        "vit_trunk": ("vit", {"num_micro_batches": 2}, {"options": {"checkpointing": "trunk"}}),
         "gpt2_gradient_checkpointing": ("gpt2", {"num_micro_batches": 2}, {"options": {"gradient_checkpointing": True}}),
         # Value-reading hooks on every block, without re-computation: each fires once per micro-batch.
         "gpt2_hooks": ("gpt2", {"num_micro_batches": 2, "checkpoint": "never"},

@@ -484,7 +484,9 @@ class ViT(nn.Module):
     * ``"loop"``: ``for block in self.blocks: x = checkpoint(block, x, use_reentrant=False)`` (litgpt, most GPTs);
     * ``"loop_reentrant"``: the same with ``use_reentrant=True`` (older code);
     * ``"sequential"``: ``checkpoint_sequential(self.blocks, 2, x)``, with its default (reentrant) mode;
-    * ``"timm"``: timm's ``checkpoint_seq(self.blocks, x, every=2)``: segments of two blocks, non-reentrant.
+    * ``"timm"``: timm's ``checkpoint_seq(self.blocks, x, every=2)``: segments of two blocks, non-reentrant;
+    * ``"trunk"``: ``checkpoint(lambda x: self.norm(self.blocks(x)), x, use_reentrant=False)``: the blocks and the norm
+      after them in one checkpoint, whose re-computation in backward runs the norm again on the blocks' output.
     """
 
     def __init__(self, checkpointing: str, depth: int = 4, dim: int = 32, patch: int = 8, size: int = 32,
@@ -515,8 +517,10 @@ class ViT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=True)
         elif self.checkpointing == "sequential":
             x = checkpoint_sequential(self.blocks, 2, x, use_reentrant=True)
-        else:
+        elif self.checkpointing == "timm":
             x = checkpoint_seq(self.blocks, x, every=2)
+        else:
+            return self.head(checkpoint(lambda x: self.norm(self.blocks(x)), x, use_reentrant=False)[:, 0])
         return self.head(self.norm(x)[:, 0])
 
 
