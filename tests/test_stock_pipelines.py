@@ -61,6 +61,7 @@ RUNS = {
         "encoder": ("encoder", {"num_micro_batches": 4}),
         "resnet18": ("resnet18", {"num_micro_batches": 1}),
         "vgg11": ("vgg11", {"num_micro_batches": 4}),
+        "vit_loop": ("vit", {"num_micro_batches": 4}, {"options": {"checkpointing": "loop"}}),
         "vit_loop_reentrant": ("vit", {"num_micro_batches": 4}, {"options": {"checkpointing": "loop_reentrant"},
                                                                  "hooks": True}),
         "vit_sequential": ("vit", {"num_micro_batches": 4}, {"options": {"checkpointing": "sequential"}}),
