@@ -65,10 +65,6 @@ RELEASE_SETS = [
     ReleaseSet("below-torch", torch="2.9.1", lightning="2.6.6", below_range=True),
     # Lightning 2.3 imports pkg_resources, which setuptools 81 and newer no longer have.
     ReleaseSet("below-lightning", torch="2.13.0", lightning="2.3.3", below_range=True, also=("setuptools<81",)),
-    # A project that imports pytorch_lightning: its lowest release, and the one just below (refused by name).
-    ReleaseSet("pytorch-lightning-lowest", torch="2.13.0", lightning="2.4.0", pytorch_lightning="2.4.0"),
-    ReleaseSet("below-pytorch-lightning", torch="2.13.0", lightning="2.6.6", pytorch_lightning="2.3.3",
-               below_range=True, also=("setuptools<81",)),
 ]
 
 
