@@ -1,36 +1,63 @@
 """GPipe pipeline parallelism for PyTorch Lightning.
 
 ``import lightning_pipe`` registers the strategies ``"gpipe"``, ``"gpipe_spawn"`` and ``"gpipe_fork"``, so that
-``Trainer(strategy="gpipe", devices=N)`` trains an unchanged LightningModule on ``N`` pipeline stages.
+``Trainer(strategy="gpipe", devices=N)`` trains an unchanged LightningModule on ``N`` pipeline stages: the Trainer of
+``lightning.pytorch``, and that of the standalone ``pytorch_lightning`` package where it is installed (see
+:mod:`lightning_pipe.packages`).
 """
 
-import sys
+import importlib.metadata
+import importlib.util
 
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from packaging.version import Version
 
 from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.materialize import init_weights
+from lightning_pipe.packages import LIGHTNING_RELEASES
 from lightning_pipe.strategy import GPipeStrategy
 
 if "gpipe" not in StrategyRegistry:
     GPipeStrategy.register_strategies(StrategyRegistry)
 
 
-def _refuse_pytorch_lightning(**_: object) -> None:
-    raise TypeError(
-        "lightning_pipe works with the `lightning` package: replace `import pytorch_lightning as pl` with"
-        " `import lightning.pytorch as pl` (and `from pytorch_lightning import ...` with"
-        " `from lightning.pytorch import ...`), then use Trainer(strategy='gpipe')."
-    )
+def _register_for_pytorch_lightning() -> None:
+    """The standalone package's Trainer gets the strategy too, if its release is one ``lightning`` may be; an older
+    or newer one gets an error naming the releases that work."""
+    if importlib.util.find_spec("pytorch_lightning") is None:
+        return
+    version = importlib.metadata.version("pytorch-lightning")
+    if Version(version) not in LIGHTNING_RELEASES:
+        try:
+            from pytorch_lightning.strategies import StrategyRegistry as StandaloneRegistry
+        except Exception:  # a release too old to import here is not one a project can train with either
+            return
+
+        def refuse(**_: object) -> None:
+            raise TypeError(
+                f"lightning_pipe works with pytorch-lightning {LIGHTNING_RELEASES}, as with lightning; pytorch-lightning"
+                f" {version} is installed. Install pytorch-lightning{LIGHTNING_RELEASES}, or import the Trainer from"
+                " lightning.pytorch instead of pytorch_lightning."
+            )
+
+        for name in ("gpipe", "gpipe_spawn", "gpipe_fork"):
+            if name not in StandaloneRegistry:
+                StandaloneRegistry.register(name, refuse, description=f"needs pytorch-lightning{LIGHTNING_RELEASES}")
+        return
+    from pytorch_lightning.strategies import ParallelStrategy as StandaloneParallelStrategy
+    from pytorch_lightning.strategies import StrategyRegistry as StandaloneRegistry
+
+    from lightning_pipe.standalone import GPipeStrategy as StandaloneGPipeStrategy
+
+    if "gpipe" not in StandaloneRegistry:
+        StandaloneGPipeStrategy.register_strategies(StandaloneRegistry)
+    # Either package's Trainer takes either package's strategy object; it adopts the Trainer's package on set-up.
+    StandaloneParallelStrategy.register(GPipeStrategy)
+    ParallelStrategy.register(StandaloneGPipeStrategy)
+    GPipeStrategy.register(StandaloneGPipeStrategy)
 
 
-# A script that imported the standalone `pytorch_lightning` package gets a clear error, not "invalid strategy".
-if "pytorch_lightning" in sys.modules:
-    from pytorch_lightning.strategies import StrategyRegistry as _StandaloneRegistry
-
-    for _name in ("gpipe", "gpipe_spawn", "gpipe_fork"):
-        if _name not in _StandaloneRegistry:
-            _StandaloneRegistry.register(_name, _refuse_pytorch_lightning, description="needs `lightning`")
+_register_for_pytorch_lightning()
 
 __all__ = ["GPipeStrategy", "PipelineParallelConfig", "init_weights"]
 __version__ = "0.1.0"

@@ -24,17 +24,16 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.multiprocessing.spawn import ProcessRaisedException
 
 from lightning_pipe.materialize import holds_meta_tensors, mark_held_elsewhere
+from lightning_pipe.packages import lightning_module_base, overrides
 from lightning_pipe.root_cause import left_exception, leaving_the_exception, next_failure_key, raising_the_root_cause
 
 log = logging.getLogger(__name__)
@@ -51,7 +50,7 @@ class ModelCheck:
     _exceptions_dir: str | None = None  # where ranks started by spawn or fork leave the exception they end with
 
     def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
-        if self.check_model is not None and args and isinstance(args[0], LightningModule):
+        if self.check_model is not None and args and lightning_module_base(args[0]) is not None:
             self.check_model(args[0], trainer)
         function = partial(raising_the_root_cause, function, trainer, next_failure_key())
         if self._exceptions_dir is not None:
@@ -59,11 +58,10 @@ class ModelCheck:
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
 
-class CheckedSubprocessScriptLauncher(ModelCheck, _SubprocessScriptLauncher):
-    pass
+class SpawnedRanks(ModelCheck):
+    """A launcher mixin for the spawn and fork start methods: the ranks' exceptions and trained weights come back to
+    the launching process."""
 
-
-class CheckedMultiProcessingLauncher(ModelCheck, _MultiProcessingLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
         """torch raises a failed rank's traceback in the launching process as text (``ProcessRaisedException``):
         raise the rank's exception itself, as under the default launcher, with torch's text as its cause."""
@@ -91,7 +89,7 @@ class CheckedMultiProcessingLauncher(ModelCheck, _MultiProcessingLauncher):
         if path is not None:
             module = trainer.lightning_module
             weights = self._strategy.checkpoint_io.load_checkpoint(path)
-            if set(weights) - set(module.state_dict()) and is_overridden("configure_model", module, LightningModule):
+            if set(weights) - set(module.state_dict()) and overrides(module, "configure_model"):
                 with torch.device("meta"):
                     module.configure_model()
             deferred = holds_meta_tensors(module)
@@ -119,6 +117,15 @@ class CheckedMultiProcessingLauncher(ModelCheck, _MultiProcessingLauncher):
         )
 
 
+# The launchers of the `lightning` package (those of `pytorch_lightning` are in `lightning_pipe.standalone`).
+class CheckedSubprocessScriptLauncher(ModelCheck, _SubprocessScriptLauncher):
+    pass
+
+
+class CheckedMultiProcessingLauncher(SpawnedRanks, _MultiProcessingLauncher):
+    pass
+
+
 def note_sigterm(
     trainer: Trainer,
     launcher: _Launcher | None,
@@ -136,7 +143,8 @@ def note_sigterm(
     launcher or a cluster's, SIGTERM stops the run at the next training step on every rank: Lightning shares rank
     0's flag with every rank at the start of each step.
     """
-    if isinstance(launcher, _MultiProcessingLauncher) or isinstance(cluster_environment, TorchElasticEnvironment):
+    torchelastic = any(cls.__name__ == "TorchElasticEnvironment" for cls in type(cluster_environment).__mro__)
+    if isinstance(launcher, SpawnedRanks) or torchelastic:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
         return
@@ -190,8 +198,9 @@ def keep_process_groups_at_exit() -> None:
 def end_started_ranks_at_exit(launcher: _Launcher | None) -> bool:
     """If this process started the node's other ranks (popen launcher), end them when it exits, for they must not
     outlive it; whether it did."""
-    if isinstance(launcher, _SubprocessScriptLauncher) and launcher.procs:
-        atexit.register(_end_started_ranks, launcher.procs)
+    procs = getattr(launcher, "procs", None)  # the subprocess launcher's, of either Lightning package
+    if procs:
+        atexit.register(_end_started_ranks, procs)
         return True
     return False
 

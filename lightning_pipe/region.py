@@ -10,19 +10,29 @@ avgpool`` in a ResNet). The region is replaced at set-up by this rank's blocks a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_pipe.balance import min_max_partition, ranges_from_sizes, stage_costs
+from lightning_pipe.hooks import hooks_set_aside
+
 Container = (nn.Sequential, nn.ModuleList)
 # NOTE: two chained modules are most often a body and its head (`head(net(x))`): pipelined as two blocks, the body
-# would be one stage whole, where its own nn.Sequential splits evenly. A chain counts from three modules on; a
-# shorter one can still be named with module_name=[...].
+# would be one stage whole, where its own nn.Sequential splits evenly. A chain counts from three modules on, unless
+# nothing finer keeps most parameters in the pipeline (see `find_region`); any chain can be named with
+# module_name=[...].
 MIN_CHAIN = 3
+# The share of the model's parameters outside the region (run whole on every stage) above which the strategy looks
+# for a larger region, and warns if it finds none.
+MAX_OUTSIDE_SHARE = 0.2
 
 
 @dataclass(frozen=True)
@@ -53,7 +63,11 @@ def container_region(model: nn.Module, name: str) -> Region:
 
 
 def find_region(
-    model: nn.Module, module_name: str | Sequence[str] | None = None, sample: Any = None
+    model: nn.Module,
+    module_name: str | Sequence[str] | None = None,
+    sample: Any = None,
+    step: Callable[[nn.Module], Any] | None = None,
+    num_stages: int | None = None,
 ) -> Region:
     """The region to pipeline.
 
@@ -61,6 +75,12 @@ def find_region(
     sibling modules (``["model.conv1", ..., "model.avgpool"]``). Without it, among the outermost containers and,
     when a ``sample`` input of the model's ``forward`` is known, the chains of siblings observed in one forward on
     the meta device, the one holding the most parameters.
+
+    When that one leaves more than ``MAX_OUTSIDE_SHARE`` of the parameters outside (every stage would hold and run
+    them), the shorter or coarser chains observed (and, with ``step``, the chains that ``step(model)`` calls: the
+    training step on a batch's shapes) are weighed too, given ``num_stages``: a chain replaces it if its largest stage,
+    with what every stage holds besides, is smaller (Lightning's autoencoder: ``encoder, decoder``, called by
+    ``training_step``, not by ``forward``).
     """
     if isinstance(module_name, str):
         module = _get_submodule(model, module_name)
@@ -74,17 +94,68 @@ def find_region(
     if module_name is not None:
         return _sibling_region(model, list(module_name))
     candidates = [container_region(model, name) for name, _ in _outermost_containers(model)]
-    if sample is not None:
-        candidates += observed_chains(model, sample)
-    candidates = [region for region in candidates if len(region) > 0 and not _coarser_than_a_member(model, region)]
-    if not candidates:
-        raise ValueError(
-            f"{type(model).__name__} contains no nn.Sequential or nn.ModuleList to pipeline; hold the blocks to split"
-            " in one (e.g. `self.layers = nn.ModuleList(blocks)`), pass module_name=['a', 'b', ...] naming consecutive"
-            " sibling modules that the forward calls one after another, or set `example_input_array` so that the"
-            " strategy can observe which modules the forward chains."
-        )
-    return max(candidates, key=lambda region: (num_parameters(model, region), len(region)))
+    chains = observed_chains(model, partial(_forward, sample)) if sample is not None else []
+    fine = [r for r in [*candidates, *(c for c in chains if len(c) >= MIN_CHAIN)] if len(r) > 0]
+    fine = [region for region in fine if not _coarser_than_a_member(model, region)]
+    best = max(fine, key=lambda region: (num_parameters(model, region), len(region))) if fine else None
+    if best is not None and (num_stages is None or outside_share(model, best) <= MAX_OUTSIDE_SHARE):
+        return best
+    if num_stages is not None:
+        if step is not None:
+            chains += observed_chains(model, step)
+        weighed = [*([best] if best is not None else []), *(c for c in chains if c not in fine)]
+        if weighed:  # the first of equals: the container or fine chain
+            return min(weighed, key=lambda region: largest_stage(model, region, num_stages))
+    raise ValueError(
+        f"{type(model).__name__} contains no nn.Sequential or nn.ModuleList to pipeline; hold the blocks to split"
+        " in one (e.g. `self.layers = nn.ModuleList(blocks)`), pass module_name=['a', 'b', ...] naming consecutive"
+        " sibling modules that the forward calls one after another, or set `example_input_array` so that the"
+        " strategy can observe which modules the forward chains."
+    )
+
+
+def suggested_chain(model: nn.Module, region: Region) -> list[str] | None:
+    """What ``module_name=[...]`` could name to pipeline the largest module outside ``region`` with it: the
+    consecutive children of their closest common ancestor, from the one that holds that module to the one that holds
+    the region. ``None`` when nothing outside is a module, or the list would be the region itself."""
+    modules = [(name, n) for name, n in outside_parameters(model, region) if _is_module(model, name)]
+    if not modules:
+        return None
+    largest = max(modules, key=lambda item: item[1])[0].split(".")
+    inner = (region.container if region.container is not None else region.names[0]).split(".")
+    depth = 0
+    while depth < min(len(largest), len(inner)) - 1 and largest[depth] == inner[depth]:
+        depth += 1
+    parent = ".".join(largest[:depth])
+    children = [name for name, _ in (model.get_submodule(parent) if parent else model).named_children()]
+    first, last = sorted((children.index(largest[depth]), children.index(inner[depth])))
+    chain = [f"{parent}.{child}" if parent else child for child in children[first:last + 1]]
+    return chain if len(chain) > 1 and tuple(chain) != region.names else None
+
+
+def _is_module(model: nn.Module, name: str) -> bool:
+    try:
+        return isinstance(model.get_submodule(name), nn.Module)
+    except AttributeError:
+        return False
+
+
+def outside_share(model: nn.Module, region: Region) -> float:
+    """The share of the model's parameters outside ``region``: held and run whole on every stage."""
+    outside = sum(n for _, n in outside_parameters(model, region))
+    total = outside + num_parameters(model, region)
+    return outside / total if total else 0.0
+
+
+def largest_stage(model: nn.Module, region: Region, num_stages: int) -> float:
+    """The parameters of the largest stage, with those outside ``region`` that every stage holds, when the region's
+    blocks are split over ``num_stages`` stages as evenly as a contiguous split by parameters allows (infinite for a
+    region of fewer blocks than stages)."""
+    if len(region) < num_stages:
+        return math.inf
+    costs = [sum(p.numel() for p in block.parameters()) for block in region.blocks(model)]
+    ranges = ranges_from_sizes(min_max_partition(costs, num_stages))
+    return max(stage_costs(costs, ranges)) + sum(n for _, n in outside_parameters(model, region))
 
 
 def _coarser_than_a_member(model: nn.Module, region: Region) -> bool:
@@ -132,9 +203,12 @@ def outside_parameters(model: nn.Module, region: Region) -> list[tuple[str, int]
     return found
 
 
-def observed_chains(model: nn.Module, sample: Any) -> list[Region]:
-    """Chains of sibling modules that one forward of ``model`` on ``sample`` calls one after another (each call's
-    first argument is the previous call's output), found on the meta device: no memory, no change to the model."""
+def observed_chains(model: nn.Module, calling: Callable[[nn.Module], Any]) -> list[Region]:
+    """Chains of two or more sibling modules that ``calling(model)`` (a forward on a sample, a training step) calls one
+    after another (each call's first argument is the previous call's output), found on the meta device: no memory,
+    no user hook called, and the model as it was after (its modules' attributes, such as a cache that a forward
+    builds on its first call, are put back). A run that fails part-way (code that cannot run on the meta device)
+    still shows the calls made before."""
     calls: list[tuple[str, nn.Module, Any, Any]] = []  # (name, module, first argument, output)
     handles: list[RemovableHandle] = []
     names = {module: name for name, module in model.named_modules() if name}
@@ -143,17 +217,18 @@ def observed_chains(model: nn.Module, sample: Any) -> list[Region]:
         if module in names and args:
             calls.append((names[module], module, args[0], output))
 
-    for module in names:
-        handles.append(module.register_forward_hook(record))
-    try:
-        meta_state = {name: torch.empty_like(t, device="meta") for name, t in model.state_dict(keep_vars=True).items()}
-        with torch.no_grad():
-            torch.func.functional_call(model, meta_state, _to_meta(sample) if isinstance(sample, tuple) else (_to_meta(sample),), strict=False)
-    except Exception:  # a forward that cannot run on the meta device: containers only
-        return []
-    finally:
-        for handle in handles:
-            handle.remove()
+    with hooks_set_aside(model.modules()), _attributes_kept(model):
+        for module in names:
+            handles.append(module.register_forward_hook(record))
+        try:
+            meta_state = {f"model.{name}": torch.empty_like(t, device="meta") for name, t in model.state_dict(keep_vars=True).items()}
+            with torch.no_grad():
+                torch.func.functional_call(_Calling(model, calling), meta_state, (), strict=False)
+        except Exception:  # the calls made so far still count
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
     chains: list[Region] = []
     by_parent: dict[str, list[tuple[str, Any, Any]]] = {}
     for name, _, first, output in calls:  # calls complete inner-first; siblings keep their order
@@ -167,12 +242,42 @@ def observed_chains(model: nn.Module, sample: Any) -> list[Region]:
             if call[1] is run[-1][2] and call[0] not in {name for name, _, _ in run}:
                 run.append(call)
                 continue
-            if len(run) >= MIN_CHAIN:
+            if len(run) >= 2:
                 chains.append(Region(tuple(name for name, _, _ in run), None))
             run = [call]
-        if len(run) >= MIN_CHAIN:
+        if len(run) >= 2:
             chains.append(Region(tuple(name for name, _, _ in run), None))
     return chains
+
+
+@contextlib.contextmanager
+def _attributes_kept(model: nn.Module) -> Iterator[None]:
+    """Every module of ``model`` keeps the attributes it had: what code run inside sets or adds is undone."""
+    saved = [(module, dict(module.__dict__)) for module in model.modules()]
+    try:
+        yield
+    finally:
+        for module, attributes in saved:
+            for added in set(module.__dict__) - set(attributes):
+                del module.__dict__[added]
+            module.__dict__.update(attributes)
+
+
+class _Calling(nn.Module):
+    """``calling(model)`` as a module's forward, so that ``torch.func.functional_call`` runs it on the meta state."""
+
+    def __init__(self, model: nn.Module, calling: Callable[[nn.Module], Any]) -> None:
+        super().__init__()
+        self.model = model
+        self.calling = calling
+
+    def forward(self) -> Any:
+        return self.calling(self.model)
+
+
+def _forward(sample: Any, model: nn.Module) -> Any:
+    """``model``'s forward on ``sample`` (a tuple is the positional arguments), on the meta device."""
+    return model(*_to_meta(sample)) if isinstance(sample, tuple) else model(_to_meta(sample))
 
 
 def _sibling_region(model: nn.Module, names: list[str]) -> Region:

@@ -20,16 +20,20 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from functools import partial
+import sys
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from types import FrameType
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_pipe.batchnorm import check_micro_batches_fit_batch_norm, observed_batch_norm_inputs
+from lightning_pipe.hooks import hooks_set_aside
 from lightning_pipe.microbatch import Activation
 from lightning_pipe.region import Region
 
@@ -46,6 +50,9 @@ class _Call:
     args: tuple
     kwargs: dict
     output: Any = None  # what the call returned to the model's code
+    # The output with its autograd graph, where the model's code got it without (a reentrant checkpoint's forward):
+    # what the checkpoint's re-computation in backward gets.
+    graph_output: Any = None
 
 
 @dataclass
@@ -84,8 +91,12 @@ class RemoteBlock(nn.Module):
         self.block_name = name
         object.__setattr__(self, "_stage", stage)  # not a submodule: no parameters, no state
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Not through nn.Module's call: hooks on a stand-in never fire, for the block runs on another rank.
+        return self._stage.model_call(self.index, args, kwargs)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._stage.block_called(self.index, args, kwargs)
+        return self._stage.model_call(self.index, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
         """The original block's attribute, for code that reads one (``nn.TransformerEncoder`` reads
@@ -137,6 +148,9 @@ class StageBlocks:
         self.on_chunk_end: Callable[[int], Any] | None = None
         self.on_outside_step_start: Callable[[], None] | None = None
         self.outside_step_output: Callable[[Any], Any] | None = None
+        # Set by the strategy: said once when the model's code calls its blocks under torch.utils.checkpoint.
+        self.on_model_checkpoint: Callable[[], None] | None = None
+        self._said_model_checkpoints = False
         self.in_step = False
         self.targets: frozenset[int] = frozenset(self.chunk_ranges)  # the chunks this call of the user's step runs
         self._executing = False  # the engine runs real blocks: their forward goes straight through
@@ -163,6 +177,7 @@ class StageBlocks:
                 if getattr(block, "_compiled_call_impl", None) is not None:  # `block.compile()`
                     self.compiled_calls[index], block._compiled_call_impl = block._compiled_call_impl, None
                     self._compiled_in_place.add(index)
+                block._compiled_call_impl = self._routed_call(index, block)
             else:
                 _replace_submodule(self.model, name, RemoteBlock(index, name, self))
 
@@ -177,10 +192,28 @@ class StageBlocks:
         for index, (name, block) in enumerate(zip(self.region.names, self.originals)):
             if index in self.indices:
                 block.__dict__.pop("forward", None)
-                if index in self._compiled_in_place:
-                    block._compiled_call_impl = self.compiled_calls[index]
+                block._compiled_call_impl = self.compiled_calls[index] if index in self._compiled_in_place else None
             else:
                 _replace_submodule(self.model, name, block)
+
+    @contextlib.contextmanager
+    def showing_whole_model(self) -> Iterator[None]:
+        """While open, the model holds every original block again, for code that reads the model as it was built
+        (Lightning's model summary): another stage's block is still not run here, its calls answered as its
+        stand-in's are."""
+        stand_ins = {}
+        for index, name in enumerate(self.region.names):
+            if index not in self.indices:
+                stand_ins[index] = self.model.get_submodule(name)
+                original = self.originals[index]
+                original._compiled_call_impl = self._routed_call(index, original)  # its placeholder still runs it
+                _replace_submodule(self.model, name, original)
+        try:
+            yield
+        finally:
+            for index, stand_in in stand_ins.items():
+                self.originals[index]._compiled_call_impl = None
+                _replace_submodule(self.model, self.region.names[index], stand_in)
 
     def on_uninstall(self, undo: Callable[[], None]) -> None:
         """Run ``undo`` when the original blocks are put back (after the run)."""
@@ -192,9 +225,20 @@ class StageBlocks:
         def forward(*args: Any, **kwargs: Any) -> Any:
             if self._executing:  # looked up at call time: the class may change (deferred BatchNorm)
                 return (own or type(block).forward.__get__(block))(*args, **kwargs)
-            return self.block_called(index, args, kwargs)
+            return self.model_call(index, args, kwargs)
 
         return forward
+
+    def _routed_call(self, index: int, block: nn.Module) -> Callable[..., Any]:
+        """What ``block(...)`` runs (nn.Module's ``_compiled_call_impl``): the model's call is answered here without the
+        block's hooks and the global module hooks, which fire when the block runs on a micro-batch."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self._executing:
+                return block._call_impl(*args, **kwargs)
+            return self.model_call(index, args, kwargs)
+
+        return call
 
     def modules(self) -> Iterator[nn.Module]:
         for block in self.blocks:
@@ -215,6 +259,52 @@ class StageBlocks:
         self.in_step = in_step
         self.targets = frozenset(self.chunk_ranges if targets is None else targets)
         self._calls = []
+
+    def model_call(self, index: int, args: tuple, kwargs: dict) -> Any:
+        """A call of block ``index`` by the model's code, through its stand-in: answered by :meth:`block_called`,
+        also when the model wraps its calls in ``torch.utils.checkpoint``.
+
+        The pipeline's own re-computation takes the place of the model's checkpoint: under a non-reentrant one, the
+        pipeline's tensors are saved past it (it keeps none, so it re-computes nothing); a reentrant one computes
+        without gradients, so the call is computed with them and answered without. Either re-computation in backward
+        then gets the first call's output back: no block runs twice for it.
+        """
+        phase, frame = _model_checkpoint_phase()
+        if phase is None:
+            return self.block_called(index, args, kwargs)
+        if phase in (_RECOMPUTE, _RECOMPUTE_REENTRANT):
+            return self._output_again(index, reentrant=phase == _RECOMPUTE_REENTRANT)
+        if not self._said_model_checkpoints:
+            self._said_model_checkpoints = True
+            if self.on_model_checkpoint is not None:
+                self.on_model_checkpoint()
+        if phase == _NON_REENTRANT:
+            with torch.autograd.graph.saved_tensors_hooks(Tensor.detach, _same):  # innermost hooks win
+                return self.block_called(index, args, kwargs)
+        # Gradients where the checkpoint's backward would give them: an input of the checkpointed function needs one.
+        wants_gradients = any(t.requires_grad for t in _tensors_of(frame.f_locals["args"]))
+        with torch.set_grad_enabled(wants_gradients):
+            output = self.block_called(index, args, kwargs)
+        if not any(t.requires_grad for t in _tensors_of(output)):
+            return output  # a placeholder
+        call = self._calls[-1]
+        call.graph_output, call.output = output, _map_tensors(output, Tensor.detach)
+        return call.output
+
+    def _output_again(self, index: int, reentrant: bool) -> Any:
+        """The output of this step's call of block ``index`` for the model's checkpoint re-running the call in backward:
+        the real one with its graph (backward goes on into the pipeline from there), a placeholder's shapes otherwise
+        (as a leaf that needs a gradient where a reentrant checkpoint requires one)."""
+        call = next((call for call in reversed(self._calls) if call.index == index), None)
+        if call is None:
+            raise PipelineOrderError(
+                f"torch.utils.checkpoint re-ran {self.region.names[index]} in backward, but the step did not call it"
+            )
+        if call.graph_output is not None:
+            return call.graph_output
+        if not reentrant:
+            return call.output
+        return _map_tensors(call.output, lambda t: _fresh_meta(t).requires_grad_(t.is_floating_point()))
 
     def block_called(self, index: int, args: tuple, kwargs: dict) -> Any:
         """A call of block ``index`` by the model's code: checked, recorded, answered."""
@@ -303,7 +393,7 @@ class StageBlocks:
             self._meta_states[index] = {
                 name: torch.empty_like(t, device="meta") for name, t in _state(block).items()
             }
-        with self._real_calls(), torch.no_grad():
+        with self._real_calls(), torch.no_grad(), hooks_set_aside(block.modules()):  # no user hook sees meta tensors
             output = torch.func.functional_call(
                 block, self._meta_states[index], _map_tensors(args, _to_meta), _map_tensors(kwargs, _to_meta),
                 strict=False,
@@ -327,7 +417,8 @@ class StageBlocks:
         blocks = [self.originals[call.index] for call in chunk_call.calls]
         if not any(isinstance(module, _BatchNorm) for block in blocks for module in block.modules()):
             return
-        with observed_batch_norm_inputs(self.model, chunk_call.batch) as values:  # named as in the model
+        # The observers are registered once the user's hooks are set aside (the placeholders would set them aside too).
+        with hooks_set_aside(self.modules()), observed_batch_norm_inputs(self.model, chunk_call.batch) as values:
             for call in chunk_call.calls:
                 self._placeholder(call.index, call.args, call.kwargs, reuse=False)  # the hooks must see the shapes
         batch_size = batch_size or chunk_call.batch
@@ -426,6 +517,43 @@ def _leaf_of(leaves: dict[int, tuple[Tensor, Tensor]], tensor: Tensor) -> Tensor
     if id(tensor) not in leaves:
         leaves[id(tensor)] = (tensor, tensor.detach().requires_grad_(True))
     return leaves[id(tensor)][1]
+
+
+# Where a block call made by the model's code stands in torch.utils.checkpoint (see `StageBlocks.model_call`).
+_NON_REENTRANT, _REENTRANT, _RECOMPUTE, _RECOMPUTE_REENTRANT = "non-reentrant", "reentrant", "recompute", "recompute reentrant"
+_CHECKPOINT_SOURCE = torch_checkpoint.__file__
+_REENTRANT_FORWARD = torch_checkpoint.CheckpointFunction.forward.__code__
+_REENTRANT_BACKWARD = torch_checkpoint.CheckpointFunction.backward.__code__
+
+
+def _model_checkpoint_phase() -> tuple[str | None, FrameType | None]:
+    """The innermost ``torch.utils.checkpoint`` phase that the current call is made in, read from the call stack,
+    with its frame: a reentrant checkpoint's forward, a non-reentrant one's, either's re-computation in backward;
+    ``None`` outside."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename == _CHECKPOINT_SOURCE:
+            if code is _REENTRANT_FORWARD:
+                return _REENTRANT, frame
+            if code is _REENTRANT_BACKWARD:
+                return _RECOMPUTE_REENTRANT, frame
+            if code.co_name == "recompute_fn":
+                return _RECOMPUTE, frame
+            if code.co_name == "checkpoint":
+                return _NON_REENTRANT, frame
+        frame = frame.f_back
+    return None, None
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _tensors_of(value: Any) -> list[Tensor]:
+    found: list[Tensor] = []
+    _map_tensors(value, found.append)
+    return found
 
 
 def _avoid_nested_tensors(model: nn.Module, region: Region) -> tuple[nn.TransformerEncoder, bool] | None:

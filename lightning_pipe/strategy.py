@@ -37,7 +37,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -80,10 +80,19 @@ from lightning_pipe.launch import (
     note_sigterm,
 )
 from lightning_pipe.materialize import global_seed, holds_meta_tensors, materialize
+from lightning_pipe.model_summary import summarize_whole_model
 from lightning_pipe.groups import PipelineGroups, init_pipeline_groups
 from lightning_pipe.outcome import StepOutcome
+from lightning_pipe.packages import LIGHTNING, LightningPackage, adopt_package, overrides, register_package
 from lightning_pipe.random_streams import StageRandomStreams
-from lightning_pipe.region import Region, find_region, outside_parameters
+from lightning_pipe.region import (
+    MAX_OUTSIDE_SHARE,
+    Region,
+    find_region,
+    outside_parameters,
+    outside_share,
+    suggested_chain,
+)
 from lightning_pipe.settings import PipelineSettings, RecomputeMode, check_process_count
 from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
 from lightning_pipe.sharded import load as load_sharded
@@ -91,7 +100,15 @@ from lightning_pipe.sharded import save as save_sharded
 from lightning_pipe.runtime import StageRuntime
 from lightning_pipe.schedule import PipelineSchedule, StageActions
 from lightning_pipe.stage import StageBlocks
-from lightning_pipe.summary import StageSummary, build_stage_summary, outside_warning, stage_devices
+from lightning_pipe.step_probe import first_training_batch, random_state_kept, training_step_on
+from lightning_pipe.summary import (
+    StageSummary,
+    build_stage_summary,
+    model_checkpoint_note,
+    outside_warning,
+    self_checkpointing_warning,
+    stage_devices,
+)
 from lightning_pipe.tied import TiedParameters, parameters_shared_across_stages, replicated_parameters
 from lightning_pipe.topology import PipelineLayout
 from lightning_pipe.trace.timeline import StepTimeline
@@ -116,8 +133,12 @@ _SYNC_DIST_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)"
 _EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
 
 
-class GPipeStrategy(ParallelStrategy):
+class GPipeStrategyMixin:
     """GPipe pipeline parallelism: the model's layers split into stages, one per process and device.
+
+    (The implementation, for either Lightning package: :class:`GPipeStrategy` is it with ``lightning.pytorch``'s
+    ``ParallelStrategy``, :class:`lightning_pipe.standalone.GPipeStrategy` with ``pytorch_lightning``'s; see
+    :mod:`lightning_pipe.packages`.)
 
     Args:
         num_stages: pipeline stages; defaults to the number of processes (``devices * num_nodes``). A
@@ -183,6 +204,7 @@ class GPipeStrategy(ParallelStrategy):
     """
 
     strategy_name = "gpipe"
+    lightning_package: LightningPackage  # what the class's Lightning package gives it
 
     def __init__(
         self,
@@ -255,6 +277,7 @@ class GPipeStrategy(ParallelStrategy):
         self._runtime: StageRuntime | None = None
         self._replicated: list[nn.Parameter] = []
         self._wrapped_hooks: list[str] = []
+        self._undo_summaries: Callable[[], None] | None = None  # puts Lightning's model summary callbacks back
         self._plan: PartitionPlan | None = None
         self._plan_module_name = ""
         self._outside: list[tuple[str, int]] = []  # what runs whole on every stage, with its parameter count
@@ -270,6 +293,17 @@ class GPipeStrategy(ParallelStrategy):
         self._step_gradients: tuple[list[nn.Parameter], list[Tensor | None]] = ([], [])
 
     # ---- configuration -------------------------------------------------------------------------------------------
+
+    @property
+    def accelerator(self) -> Accelerator | None:
+        return self._accelerator  # type: ignore[attr-defined]
+
+    @accelerator.setter
+    def accelerator(self, accelerator: Accelerator | None) -> None:
+        # The first thing a Trainer sets: the strategy becomes one of that Trainer's Lightning package.
+        if accelerator is not None:
+            adopt_package(self, accelerator)
+        self._accelerator = accelerator
 
     @property
     def config(self) -> PipelineParallelConfig:
@@ -343,18 +377,18 @@ class GPipeStrategy(ParallelStrategy):
         if settings.num_stages is None:  # with num_stages set, `PipelineSettings` ran the user's schedule already
             settings.check_schedule(self.config)
         if settings.start_method == "popen":
-            self._launcher = CheckedSubprocessScriptLauncher(
+            self._launcher = self.lightning_package.subprocess_launcher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
         else:
-            self._launcher = CheckedMultiProcessingLauncher(self, start_method=settings.start_method)
+            self._launcher = self.lightning_package.multiprocessing_launcher(self, start_method=settings.start_method)
         self._launcher.check_model = self._check_partition
 
     def _check_partition(self, model: LightningModule, trainer: Trainer | None = None) -> None:
         """Raise the partition's errors (no Sequential, too many stages, a bad balance) before processes start."""
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             _require_automatic_optimization(model)
-        if is_overridden("configure_model", model):
+        if overrides(model, "configure_model"):
             return  # the layers may exist only once configure_model has run, in each process: `setup` checks them
         settings = self._settings
         region = self._find_region(model)
@@ -417,7 +451,7 @@ class GPipeStrategy(ParallelStrategy):
         )
         if not self.is_distributed:
             # Every stage holds the last stage's logged values: Lightning's advice to synchronise them is moot.
-            warnings.filterwarnings("ignore", _SYNC_DIST_ADVICE, PossibleUserWarning)
+            warnings.filterwarnings("ignore", _SYNC_DIST_ADVICE, self.lightning_package.possible_user_warning)
         module = self.lightning_module
         if trainer.state.fn == TrainerFn.FITTING:
             _require_automatic_optimization(module)
@@ -427,6 +461,8 @@ class GPipeStrategy(ParallelStrategy):
         self._broadcast_replicated_state()
         self._sync_metrics_within_replicas(module)
         self._wrap_epoch_end_hooks(module)
+        assert self._plan is not None
+        self._undo_summaries = summarize_whole_model(trainer.callbacks, self._runtime.stage, self._plan.ranges)
         self._runtime.share_outcome(module, StepOutcome())  # every stage starts from the last stage's random state
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -459,7 +495,7 @@ class GPipeStrategy(ParallelStrategy):
         """Replace the pipelined ``nn.Sequential`` by this rank's :class:`StageLayers` and build its runtime."""
         config, schedule, v = self.config, self._settings.schedule, self._virtual_stages
         self._check_every_rank_built_the_same_model(module)
-        region = self._find_region(module)
+        region = self.broadcast(self._find_region(module, module._trainer))  # every rank splits the same blocks
         check_compiled(module, region)
         blocks = region.blocks(module)
         layers = nn.Sequential(*blocks)  # the blocks in order, for the partition plan and the whole model
@@ -476,6 +512,7 @@ class GPipeStrategy(ParallelStrategy):
         index = self.stage_index
         local = {k: chunk_ranges[k] for k in schedule.chunks(index, config.num_stages, v)}
         stage = StageBlocks(module, region, local, index, config.num_stages, num_chunks=len(chunk_ranges))
+        stage.on_model_checkpoint = partial(rank_zero_info, model_checkpoint_note(self._settings.recompute))
         stage.install()
         # Built on the meta device: only what this rank runs becomes real (the stage, the replicated modules).
         self._deferred = self.reduce_boolean_decision(holds_meta_tensors(layers), all=False)
@@ -491,8 +528,12 @@ class GPipeStrategy(ParallelStrategy):
         compile_stage(module, region, stage, self._settings.compile_options)
         summary = self.stage_summary()
         rank_zero_info(str(summary))
-        if (warning := outside_warning(summary)) is not None:
-            rank_zero_warn(warning, category=PossibleUserWarning)
+        if (warning := outside_warning(summary, suggested_chain(module, region))) is not None:
+            rank_zero_warn(warning, category=self.lightning_package.possible_user_warning)
+        checkpointing_themselves = any(getattr(m, "gradient_checkpointing", None) is True for m in stage.modules())
+        if checkpointing_themselves and self._settings.recompute != "never":
+            warning = self_checkpointing_warning(self._settings.recompute)
+            rank_zero_warn(warning, category=self.lightning_package.possible_user_warning)
         groups = self.groups
         timeline = StepTimeline(self.root_device, enabled=self._log_bubble_fraction or bool(self._trace_steps))
         # One stage draws from the global stream, as one device does; several need streams of their own.
@@ -531,9 +572,19 @@ class GPipeStrategy(ParallelStrategy):
         describe = lambda rank: f"rank {rank} (stage {self.layout.stage(rank)})"  # noqa: E731
         raise ValueError(different_models_message(every, describe))
 
-    def _find_region(self, module: LightningModule) -> Region:
+    def _find_region(self, module: LightningModule, trainer: Trainer | None = None) -> Region:
+        """The blocks to pipeline (see :func:`find_region`); with the ``trainer`` of a fit, also those that the
+        training step chains, when what the model and its ``forward`` show leaves much of the model outside."""
         sample = self._settings.sample if self._settings.sample is not None else getattr(module, "example_input_array", None)
-        return find_region(module, uncompiled_name(module, self._settings.module_name), sample)
+        name, num_stages = uncompiled_name(module, self._settings.module_name), self.config.num_stages
+        region = find_region(module, name, sample, num_stages=num_stages)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if name is None and fitting and outside_share(module, region) > MAX_OUTSIDE_SHARE:
+            with random_state_kept():
+                batch = first_training_batch(trainer, module)
+                if batch is not None:
+                    region = find_region(module, name, sample, training_step_on(batch), num_stages)
+        return region
 
     def _decide_partition(self, module: LightningModule, sequential: nn.Sequential) -> PartitionPlan:
         """The split, decided on global rank 0 (profiling there when ``balance`` asks) and broadcast, so that every
@@ -789,7 +840,7 @@ class GPipeStrategy(ParallelStrategy):
             names = [group_names(self.lightning_module, optimizer) for optimizer in self.optimizers]
             return load_sharded(checkpoint_path, set(self.lightning_module.state_dict()), names, weights_only)
         local_file = "://" not in str(checkpoint_path) and Path(checkpoint_path).is_file()
-        default_io = type(self.checkpoint_io).load_checkpoint is TorchCheckpointIO.load_checkpoint
+        default_io = type(self.checkpoint_io).load_checkpoint is self.lightning_package.torch_checkpoint_io.load_checkpoint
         if not (local_file and default_io and self.layout.num_stages > 1):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         return torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=weights_only)
@@ -898,6 +949,9 @@ class GPipeStrategy(ParallelStrategy):
 
     def teardown(self) -> None:
         module = self.lightning_module
+        if self._undo_summaries is not None:
+            self._undo_summaries()
+            self._undo_summaries = None
         if module is not None:
             for hook in self._wrapped_hooks:
                 module.__dict__.pop(hook, None)
@@ -923,6 +977,17 @@ class GPipeStrategy(ParallelStrategy):
                 description=f"GPipe pipeline parallelism with start_method={start_method!r}",
                 start_method=start_method,
             )
+
+
+class GPipeStrategy(GPipeStrategyMixin, ParallelStrategy):
+    __doc__ = GPipeStrategyMixin.__doc__
+
+
+GPipeStrategy.lightning_package = LightningPackage(
+    LIGHTNING, GPipeStrategy, CheckedSubprocessScriptLauncher, CheckedMultiProcessingLauncher, PossibleUserWarning,
+    TorchCheckpointIO, _ForwardRedirection,
+)
+register_package(GPipeStrategy.lightning_package)
 
 
 @contextmanager

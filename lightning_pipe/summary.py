@@ -23,9 +23,9 @@ import torch
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 
 from lightning_pipe.balance import PartitionPlan, imbalance, recompute_fraction
+from lightning_pipe.region import MAX_OUTSIDE_SHARE
 
 
-MAX_OUTSIDE_SHARE = 0.2  # of the parameters running whole on every stage, above which the start-up warns
 
 
 @dataclass(frozen=True)
@@ -196,17 +196,54 @@ def build_stage_summary(
     )
 
 
-def outside_warning(summary: StageSummary) -> str | None:
-    """The start-up warning when more than a fifth of the parameters run whole on every stage, else ``None``."""
+def outside_warning(summary: StageSummary, suggestion: Sequence[str] | None = None) -> str | None:
+    """The start-up warning when more than a fifth of the parameters run whole on every stage, else ``None``;
+    ``suggestion``: the consecutive sibling modules that would pipeline the most of them
+    (:func:`lightning_pipe.region.suggested_chain`)."""
     if summary.outside_share <= MAX_OUTSIDE_SHARE:
         return None
     largest = max(summary.outside, key=lambda item: item[1])[0] if summary.outside else "the rest of the model"
+    if suggestion:
+        fix = (
+            f" Pipeline them with the region: GPipeStrategy(module_name={list(suggestion)!r}) pipelines the most"
+            " parameters, if the model's code calls these modules one after another, each on the previous one's"
+            " output (or name a larger nn.Sequential or nn.ModuleList)."
+        )
+    else:
+        fix = (
+            " Pipeline a region that holds them: GPipeStrategy(module_name=...) naming a larger nn.Sequential or"
+            " nn.ModuleList, or a list of consecutive sibling modules."
+        )
     return (
         f"{summary.outside_share:.0%} of the model's parameters ({summary.replicated_parameters}) are outside the"
         f" pipelined '{summary.module_name}' and run whole on every stage (more than {MAX_OUTSIDE_SHARE:.0%}; the"
         f" largest is {largest}): every stage holds and computes them, so the pipeline saves less memory and time."
-        " Pipeline a region that holds them: GPipeStrategy(module_name=...) naming a larger nn.Sequential or"
-        " nn.ModuleList, or a list of consecutive sibling modules."
+        + fix
+    )
+
+
+def model_checkpoint_note(recompute: str) -> str:
+    """The start-up note when the model's code calls its pipelined blocks under ``torch.utils.checkpoint``: the
+    pipeline's re-computation (the ``checkpoint`` option, ``recompute``) takes the place of the model's."""
+    what = {
+        "always": "every micro-batch's forward runs again in backward",
+        "except_last": "every micro-batch's forward but the last runs again in backward",
+        "never": "nothing runs again, which keeps every activation: pass checkpoint='except_last' to save memory",
+    }[recompute]
+    return (
+        "The model calls its pipelined blocks under torch.utils.checkpoint: the pipeline's own re-computation takes"
+        f" its place (checkpoint={recompute!r}: {what}), and the model's checkpoint re-runs no block."
+    )
+
+
+def self_checkpointing_warning(recompute: str) -> str:
+    """The start-up warning when the pipelined blocks checkpoint themselves (Hugging Face's
+    ``gradient_checkpointing_enable()``) and the pipeline re-computes them too."""
+    return (
+        f"The pipelined blocks checkpoint themselves (gradient_checkpointing=True, e.g. Hugging Face's"
+        f" gradient_checkpointing_enable()), and checkpoint={recompute!r} makes the pipeline re-compute each"
+        " micro-batch's blocks once more in backward: a third forward where one device runs two. Pass"
+        " GPipeStrategy(checkpoint='never') to leave the re-computation to the blocks."
     )
 
 

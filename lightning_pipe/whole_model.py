@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
@@ -35,6 +34,7 @@ from lightning_pipe.consolidate import (
     parameter_names,
     split_optimizer_state,
 )
+from lightning_pipe.launch import SpawnedRanks
 from lightning_pipe.materialize import mark_held_elsewhere
 
 
@@ -106,21 +106,22 @@ def group_names(module: LightningModule, optimizer: Optimizer) -> list[list[str]
 def _gather_to_last_stage(
     obj: Any, stage_ranks: Sequence[int], rank: int, group: dist.ProcessGroup | None
 ) -> list[Any] | None:
-    """Every stage's ``obj`` on the last stage of this pipeline (in stage order); None elsewhere."""
-    last = stage_ranks[-1]
-    gathered: list[Any] | None = [None] * len(stage_ranks) if rank == last else None
-    dist.gather_object(obj, gathered, dst=last, group=group)
+    """Every stage's ``obj`` on the stage of this pipeline that writes checkpoints, the one on the lowest rank (the
+    last stage; the first under a V schedule), in stage order; None elsewhere."""
+    writer = min(stage_ranks)
+    gathered: list[Any] | None = [None] * len(stage_ranks) if rank == writer else None
+    dist.gather_object(obj, gathered, dst=writer, group=group)
     if gathered is None:
         return None
-    # gather_object orders by rank within the group; the last stage holds the lowest rank.
-    return list(reversed(gathered))
+    by_rank = sorted(stage_ranks)  # gather_object orders by rank within the group
+    return [gathered[by_rank.index(stage_rank)] for stage_rank in stage_ranks]
 
 
 def refuse_checkpoint_without_stages(launcher: _Launcher | None, filepath: str | Path) -> None:
     """Raise: this process holds no stage of a pipeline (the launching process of the spawn and fork launchers,
     whose workers have ended, or a process whose run failed), so the stages' optimizer states are out of reach and
     a checkpoint would hold part of them."""
-    if isinstance(launcher, _MultiProcessingLauncher):
+    if isinstance(launcher, SpawnedRanks):
         where = (
             "in the launching process of the spawn/fork launcher, after its worker processes ended: each stage's"
             " optimizer state ended with the worker that held it"
@@ -236,12 +237,14 @@ def _gather_whole_model_to_last_stage(
     that a later setup does not re-initialise them as new.
     """
     layers = list(pipelined.sequential)
-    last_stage = len(stage_ranks) - 1
-    last = stage_ranks[last_stage]
+    last = min(stage_ranks)  # the writer: the last stage (the first under a V schedule)
+    last_stage = stage_ranks.index(last)
     stage_index = stage_ranks.index(rank)
     elsewhere = []
     with torch.no_grad():
-        for stage, layer_range in enumerate(pipelined.ranges[:last_stage]):
+        for stage, layer_range in enumerate(pipelined.ranges):
+            if stage == last_stage:
+                continue
             owner = stage_ranks[stage]
             for index in layer_range:
                 layer = layers[index]

@@ -66,15 +66,3 @@ class ManualOptimization(PipeClassifier):
 def test_manual_optimization_is_refused_before_launch():
     with pytest.raises(RuntimeError, match="supports automatic optimization only"):
         fit(ManualOptimization(), GPipeStrategy())
-
-
-def test_standalone_pytorch_lightning_gets_a_clear_error(tmp_path):
-    pytest.importorskip("pytorch_lightning")
-    script = (
-        "import pytorch_lightning as pl\n"
-        "import lightning_pipe\n"
-        "pl.Trainer(strategy='gpipe', accelerator='cpu', devices=2)\n"
-    )
-    result = run_python("-c", script, cwd=tmp_path, timeout=120, check=False)
-    assert result.returncode != 0
-    assert "replace `import pytorch_lightning as pl` with `import lightning.pytorch as pl`" in result.stderr

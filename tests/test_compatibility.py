@@ -12,6 +12,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from compat.check_releases import RELEASE_SETS, TABLE_PAGE, failed_tests, pytest_counts, read_rows
+from lightning_pipe.packages import LIGHTNING_RELEASES
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("torch", "lightning")
@@ -98,7 +99,8 @@ def private_names_imported_from_the_stack() -> set[str]:
     names = set()
     for path in (ROOT / "lightning_pipe").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("lightning", "torch"):
+            stack = ("lightning", "torch", "pytorch_lightning", "lightning_fabric")
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in stack:
                 names |= {alias.name for alias in node.names if alias.name.startswith("_")}
     return names
 
@@ -110,3 +112,8 @@ def test_internals_the_package_imports_are_listed_for_the_next_release_check():
     missing = private_names_imported_from_the_stack() - listed
     assert not missing, f"docs/compatibility.md's table of internals misses {sorted(missing)}"
     assert {"_WorkerOutput", "_destroy_dist_connection", "_BatchNorm"} <= private_names_imported_from_the_stack()
+
+
+def test_the_pytorch_lightning_releases_accepted_are_the_lightning_releases_declared():
+    """The standalone package is the same code under another name: the strategy takes it in lightning's range."""
+    assert LIGHTNING_RELEASES == declared()["lightning"].specifier

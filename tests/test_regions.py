@@ -11,8 +11,9 @@ from torch import nn
 from helpers.stock_models import STOCK_MODELS
 from lightning_pipe.balance import plan_partition
 from lightning_pipe.config import PipelineParallelConfig
-from lightning_pipe.region import container_region, find_region, outside_parameters
+from lightning_pipe.region import container_region, find_region, outside_parameters, suggested_chain
 from lightning_pipe.stage import PipelineOrderError, StageBlocks
+from lightning_pipe.step_probe import random_state_kept, training_step_on
 from lightning_pipe.summary import build_stage_summary, outside_warning
 
 
@@ -57,6 +58,60 @@ def test_a_resnet_pipelines_its_chain_of_children_and_keeps_only_the_head_whole(
     assert summary.module_name == "model.conv1 .. model.avgpool"
     assert summary.outside == (("model.fc", 650),)
     assert outside_warning(summary) is None
+
+
+def meta_batch(model) -> list[torch.Tensor]:
+    return [t.to("meta") for t in next(iter(model.train_dataloader()))]
+
+
+def test_a_chain_that_only_the_training_step_calls_is_found_and_leaves_nothing_outside():
+    """Lightning's README autoencoder: forward calls the encoder, training_step the encoder then the decoder. From
+    forward and the containers alone, the decoder (half the parameters) would be pipelined; the step's chain holds
+    them all and splits them evenly over two stages. The step's run reads no value: a user's hook does not fire."""
+    model = STOCK_MODELS["autoencoder"]()
+    assert find_region(model, num_stages=2).label == "decoder"
+    fired = []
+    model.encoder.register_forward_hook(lambda module, args, output: fired.append(output.sum().item()))
+    region = find_region(model, step=training_step_on(meta_batch(model)), num_stages=2)
+    assert region.names == ("encoder", "decoder")
+    assert outside_parameters(model, region) == [] and not fired
+    # Four stages cannot split two blocks: the decoder's three layers are what a split can try (and refuse, naming
+    # the stage count), as without the step.
+    assert find_region(model, step=training_step_on(meta_batch(model)), num_stages=4).label == "decoder"
+
+
+def test_the_step_search_leaves_the_model_as_it_was_and_keeps_a_finer_region():
+    """Lightning's demo transformer builds its position encoding on its first forward, on the device of its input:
+    the run on the meta device must not leave it there. Its step chains `transformer, decoder`, which would put the
+    whole nn.Transformer on one stage: the decoder's layers stay the region."""
+    model = STOCK_MODELS["demo"]()
+    region = find_region(model, step=training_step_on(meta_batch(model)), num_stages=2)
+    assert region.label == "model.transformer.decoder.layers"
+    assert model.model.pos_encoder.pe is None
+
+
+def test_the_warning_names_the_module_name_that_would_pipeline_the_most_parameters():
+    model = STOCK_MODELS["autoencoder"]()
+    region = find_region(model, num_stages=2)
+    assert suggested_chain(model, region) == ["encoder", "decoder"]
+    plan = plan_partition(model, nn.Sequential(*region.blocks(model)), PipelineParallelConfig(2, 2), None)
+    outside = outside_parameters(model, region)
+    summary = build_stage_summary(plan, region.label, [1, 0], ["cpu", "cpu"], sum(n for _, n in outside), 2, "never",
+                                  outside=outside)
+    warning = outside_warning(summary, suggested_chain(model, region))
+    assert warning.startswith("50% of the model's parameters (100867) are outside the pipelined 'decoder'")
+    assert "GPipeStrategy(module_name=['encoder', 'decoder']) pipelines the most parameters" in warning
+
+
+def test_the_start_up_search_draws_no_random_number_the_run_would_draw():
+    loader = torch.utils.data.DataLoader(torch.arange(10), shuffle=True)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    with random_state_kept():
+        next(iter(loader))
+        torch.rand(5)
+    assert torch.equal(torch.rand(3), expected)
 
 
 # -- models whose blocks are not a chain ------------------------------------------------------------------------

@@ -9,6 +9,7 @@ tests/test_stock_models.py. Dropout is 0 in every model; ResNet-18's BatchNorm s
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from lightning.pytorch import Trainer
 
 from helpers.compare import relative_weight_error
 from helpers.launch import launch
-from helpers.stock_models import STOCK_MODELS
+from helpers.stock_models import BLOCKS, STOCK_MODELS
 from test_stock_models import STEPS, train_on_one_device
 
 pytest.importorskip("transformers")
@@ -24,7 +25,8 @@ pytest.importorskip("transformers")
 TOLERANCE = 1e-5  # of the weights' change over the run, as tests/test_equivalence.py
 LOSS_TOLERANCE = 1e-4  # relative; ResNet-18's BatchNorm sums in another order on a stage (measured 1.3e-5)
 
-# name -> (model, strategy settings); 4 stages where the model has a block for each at little cost
+# name -> (model, strategy settings[, the run's other keys: the model's "options", "hooks"]); 4 stages where the model
+# has a block for each at little cost
 RUNS = {
     2: {
         "gpt2": ("gpt2", {"num_micro_batches": 2}),
@@ -39,6 +41,19 @@ RUNS = {
         "gpt2_never": ("gpt2", {"num_micro_batches": 4, "checkpoint": "never"}),
         "gpt2_parameters": ("gpt2", {"num_micro_batches": 2, "balance": "parameters"}),
         "gpt2_list": ("gpt2", {"num_micro_batches": 2, "balance": [1, 3]}),
+        # The model's own activation checkpointing: around its block calls, five ways; inside its blocks (HF's).
+        "vit_loop": ("vit", {"num_micro_batches": 2}, {"options": {"checkpointing": "loop"}}),
+        "vit_loop_reentrant": ("vit", {"num_micro_batches": 2}, {"options": {"checkpointing": "loop_reentrant"},
+                                                                 "hooks": True}),
+        "vit_sequential": ("vit", {"num_micro_batches": 2}, {"options": {"checkpointing": "sequential"}}),
+        "vit_timm": ("vit", {"num_micro_batches": 2}, {"options": {"checkpointing": "timm"}}),
+        "vit_trunk": ("vit", {"num_micro_batches": 2}, {"options": {"checkpointing": "trunk"}}),
+        "gpt2_gradient_checkpointing": ("gpt2", {"num_micro_batches": 2}, {"options": {"gradient_checkpointing": True}}),
+        # Value-reading hooks on every block, without re-computation: each fires once per micro-batch.
+        "gpt2_hooks": ("gpt2", {"num_micro_batches": 2, "checkpoint": "never"},
+                       {"hooks": True, "summary": {"max_depth": 4, "rich": True}}),
+        # Lightning's first example: the chain its training step calls, found; its model summary as printed.
+        "autoencoder": ("autoencoder", {"num_micro_batches": 2}, {"summary": {"max_depth": 2, "rich": False}}),
         # Every schedule with a loss per micro-batch: as one device accumulating the micro-batches (the language
         # models' token means over padded sequences differ from the whole batch's).
         "gpt2_1f1b": ("gpt2", {"num_micro_batches": 4, "schedule": "1f1b"}),
@@ -52,6 +67,11 @@ RUNS = {
         "encoder": ("encoder", {"num_micro_batches": 4}),
         "resnet18": ("resnet18", {"num_micro_batches": 1}),
         "vgg11": ("vgg11", {"num_micro_batches": 4}),
+        "vit_loop": ("vit", {"num_micro_batches": 4}, {"options": {"checkpointing": "loop"}}),
+        "vit_loop_reentrant": ("vit", {"num_micro_batches": 4}, {"options": {"checkpointing": "loop_reentrant"},
+                                                                 "hooks": True}),
+        "vit_sequential": ("vit", {"num_micro_batches": 4}, {"options": {"checkpointing": "sequential"}}),
+        "gpt2_hooks": ("gpt2", {"num_micro_batches": 4, "checkpoint": "never"}, {"hooks": True}),
     },
 }
 NEGATIVE_CONTROL = "vgg11_dropped_gradient"
@@ -66,7 +86,8 @@ LOSSES_ONLY = {"encoder"}
 def pipelined(request, tmp_path_factory):
     devices = request.param
     tmp = tmp_path_factory.mktemp(f"stock{devices}")
-    runs = [{"name": name, "model": model, "strategy": settings} for name, (model, settings) in RUNS[devices].items()]
+    runs = [{"name": name, "model": model, "strategy": settings, **(other[0] if other else {})}
+            for name, (model, settings, *other) in RUNS[devices].items()]
     if devices == 2:
         runs[[run["name"] for run in runs].index("encoder")]["predict"] = True
         runs[[run["name"] for run in runs].index("gpt2")].update(save=True, validate=True)
@@ -80,18 +101,27 @@ def pipelined(request, tmp_path_factory):
 _baselines: dict[tuple[str, int], tuple] = {}
 
 
-def one_device(model: str, accumulate: int = 1) -> tuple[list[float], dict, dict]:
-    if (model, accumulate) not in _baselines:
-        _baselines[(model, accumulate)] = train_on_one_device(model, accumulate)
-    return _baselines[(model, accumulate)]
+def one_device(model: str, accumulate: int = 1, **options) -> tuple[list[float], dict, dict]:
+    key = json.dumps([model, accumulate, options], sort_keys=True)
+    if key not in _baselines:
+        _baselines[key] = train_on_one_device(model, accumulate, **options)
+    return _baselines[key]
 
 
-def differences(tmp, name: str, model: str, settings: dict | None = None) -> tuple[float, float]:
+def run_of(devices: int, name: str) -> tuple[str, dict, dict]:
+    """(model, strategy settings, the run's other keys) of run ``name`` on ``devices`` stages."""
+    model, settings, *other = RUNS[devices][name]
+    return model, settings, other[0] if other else {}
+
+
+def differences(
+    tmp, name: str, model: str, options: dict | None = None, settings: dict | None = None
+) -> tuple[float, float]:
     """(largest relative difference of a step's loss, weights' difference relative to their change) vs one device:
-    under a per-micro-batch schedule, one device accumulating the micro-batches."""
+    under a per-micro-batch schedule (``settings``), one device accumulating the micro-batches."""
     settings = settings or {}
-    per_micro_batch = settings.get("schedule", "gpipe") != "gpipe"
-    losses, before, after = one_device(model, settings["num_micro_batches"] if per_micro_batch else 1)
+    accumulate = settings["num_micro_batches"] if settings.get("schedule", "gpipe") != "gpipe" else 1
+    losses, before, after = one_device(model, accumulate, **(options or {}))
     result = json.loads((tmp / name / "rank0.json").read_text())  # rank 0 holds the last stage: the loss
     assert len(result["losses"]) == STEPS
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], losses))
@@ -109,11 +139,134 @@ def test_stock_model_pipelines_unchanged_and_matches_one_device(pipelined, name)
     devices, tmp = pipelined
     if name not in RUNS[devices]:
         pytest.skip(f"{name} is not run on {devices} stages")
-    loss_error, weight_error = differences(tmp, name, *RUNS[devices][name])
+    model, settings, other = run_of(devices, name)
+    loss_error, weight_error = differences(tmp, name, model, other.get("options"), settings)
     assert loss_error < LOSS_TOLERANCE, f"{name} on {devices} stages: step losses differ by {loss_error:.2e} (relative)"
     if name in LOSSES_ONLY:
         return
     assert weight_error < TOLERANCE, f"{name} on {devices} stages: weights differ by {weight_error:.2e} of their change"
+
+
+BATCH = 8  # every stock model's batch size
+
+
+def hooks_seen(tmp, name: str, devices: int) -> dict[str, tuple[int, dict[str, int]]]:
+    """What the value-reading hooks of tests/workers/stock_pipelines_worker.py saw: by block or module name, the rank
+    where they fired and their counts. Checks that each block's hooks fired on one rank only: the rank that the
+    strategy's stage table says runs it."""
+    model, _, _ = run_of(devices, name)
+    container = BLOCKS[model][0]
+    seen: dict[str, tuple[int, dict[str, int]]] = {}
+    for rank in range(devices):
+        result = json.loads((tmp / name / f"hooks{rank}.json").read_text())
+        runs_here = {f"{container}.{i}" for row in result["stages"] if row["rank"] == rank for i in row["layers"]}
+        for module_name, counts in result["seen"].items():
+            block = module_name if module_name.count(".") == container.count(".") + 1 else module_name.rpartition(".")[0]
+            assert block in runs_here, f"{name}: hooks of {module_name} fired on rank {rank}, which does not run it"
+            assert module_name not in seen, f"{name}: hooks of {module_name} fired on two ranks"
+            seen[module_name] = (rank, counts)
+    blocks = {f"{container}.{i}" for i in range(len(STOCK_MODELS[model]().get_submodule(container)))}
+    assert blocks <= set(seen), f"{name}: the hooks of {sorted(blocks - set(seen))} never fired"
+    return seen
+
+
+def test_hooks_on_every_block_read_real_values_once_per_micro_batch_where_the_block_runs(pipelined):
+    """Forward pre-hooks, forward hooks and full backward hooks on each GPT-2 block and on a layer inside it, and a
+    global forward hook, all reading values (a meta tensor would raise): each fires on the rank that runs the block
+    only, once per micro-batch of every step, on the micro-batch's samples (no re-computation here)."""
+    devices, tmp = pipelined
+    _, settings, _ = run_of(devices, "gpt2_hooks")
+    per_step = settings["num_micro_batches"]
+    seen = hooks_seen(tmp, "gpt2_hooks", devices)
+    for module_name, (_, counts) in seen.items():
+        kinds = ("pre", "forward", "backward") + (("global",) if "ln_1" not in module_name else ())
+        expected = {kind: STEPS * per_step for kind in kinds} | {f"{kind}_samples": STEPS * BATCH for kind in kinds}
+        assert counts == expected, module_name
+
+
+def one_device_block_forwards(checkpointing: str) -> int:
+    """How many times one device runs each ViT block's forward in a training step (the model's checkpoint runs it
+    again in backward): counted by a forward pre-hook."""
+    model = STOCK_MODELS["vit"](checkpointing=checkpointing)
+    calls = []
+    model.model.blocks[0].register_forward_pre_hook(lambda module, args: calls.append(len(args[0])))
+    images, labels = next(iter(model.train_dataloader()))
+    model.training_step((images, labels), 0).backward()
+    return sum(calls)
+
+
+def test_the_models_own_checkpointing_computes_no_block_more_often_than_one_device(pipelined):
+    """A ViT whose loop checkpoints every block call (reentrant): one device runs each block on the batch twice per
+    step (forward, and the checkpoint's re-computation in backward). Pipelined, the strategy's re-computation takes
+    the checkpoint's place: the block runs on each micro-batch and again on all but the last (checkpoint='except_last'),
+    less than twice the batch; the start-up says so, once per fit."""
+    devices, tmp = pipelined
+    _, settings, _ = run_of(devices, "vit_loop_reentrant")
+    m = settings["num_micro_batches"]
+    one_device = one_device_block_forwards("loop_reentrant")
+    assert one_device == 2 * BATCH
+    seen = hooks_seen(tmp, "vit_loop_reentrant", devices)
+    blocks = [counts for name, (_, counts) in seen.items() if name.count(".") == 2]  # model.blocks.N
+    for counts in blocks:
+        assert counts["pre"] == STEPS * (2 * m - 1)
+        assert counts["pre_samples"] == STEPS * BATCH * (2 * m - 1) // m < STEPS * one_device
+    output = (tmp / "stdout.txt").read_text() + (tmp / "stderr.txt").read_text()
+    fits_checkpointing = sum(1 for name in RUNS[devices] if run_of(devices, name)[0] == "vit")
+    assert output.count("The model calls its pipelined blocks under torch.utils.checkpoint") == fits_checkpointing
+
+
+def test_blocks_that_checkpoint_themselves_warn_that_the_pipeline_recomputes_them_too(pipelined):
+    """Hugging Face's gradient_checkpointing_enable() checkpoints inside each block: with checkpoint='except_last' the
+    pipeline would re-compute the blocks once more, and the start-up says so, naming checkpoint='never'."""
+    devices, tmp = pipelined
+    if devices != 2:
+        pytest.skip("checked on 2 stages")
+    output = (tmp / "stdout.txt").read_text() + (tmp / "stderr.txt").read_text()
+    warning = "The pipelined blocks checkpoint themselves (gradient_checkpointing=True"
+    assert output.count(warning) == 1  # the run with gradient_checkpointing_enable() only
+    assert "Pass GPipeStrategy(checkpoint='never') to leave the re-computation to the blocks." in output
+
+
+def test_lightnings_readme_autoencoder_is_pipelined_whole_from_what_its_training_step_calls(pipelined):
+    """Its forward calls only the encoder; its training step calls the encoder, then the decoder: that chain is
+    pipelined, nothing runs whole on every stage (the equality with one device is the test above)."""
+    devices, tmp = pipelined
+    if devices != 2:
+        pytest.skip("two blocks: two stages")
+    stages = json.loads((tmp / "autoencoder" / "stages.json").read_text())
+    assert stages == {"module_name": "encoder .. decoder", "replicated": 0}
+
+
+def test_lightnings_model_summary_lists_the_model_as_built_with_the_stage_of_each_layer(pipelined):
+    """The summary the ModelSummary callback prints at fit start on rank 0 (the last stage): the other stage's
+    modules with their own types and parameters, not stand-ins, and where each runs."""
+    devices, tmp = pipelined
+    if devices != 2:
+        pytest.skip("checked on 2 stages")
+    rows = [[cell.strip() for cell in line.split("|")] for line in (tmp / "autoencoder" / "summary.txt").read_text().splitlines()
+            if line.count("|") == 6]
+    assert [(row[1], row[2], row[3], row[6]) for row in rows[1:]] == [
+        ("encoder", "Sequential", "100 K", "stage 0"),
+        ("encoder.0", "Linear", "100 K", "stage 0"),
+        ("encoder.1", "ReLU", "0", "stage 0"),
+        ("encoder.2", "Linear", "387", "stage 0"),
+        ("decoder", "Sequential", "101 K", "stage 1"),
+        ("decoder.0", "Linear", "512", "stage 1"),
+        ("decoder.1", "ReLU", "0", "stage 1"),
+        ("decoder.2", "Linear", "101 K", "stage 1"),
+    ]
+    assert "202 K     Total params" in (tmp / "autoencoder" / "summary.txt").read_text()
+
+
+def test_rich_model_summary_shows_every_gpt2_block_with_its_parameters_and_stage(pipelined):
+    devices, tmp = pipelined
+    if devices != 2:
+        pytest.skip("checked on 2 stages")
+    text = (tmp / "gpt2_hooks" / "summary.txt").read_text()
+    assert "RemoteBlock" not in text
+    for block, stage in (("h.0", 0), ("h.1", 0), ("h.2", 1), ("h.3", 1)):
+        assert re.search(rf"model\.transformer\.{re.escape(block)} +│ GPT2Block │ 12\.7 K │.*│ stage {stage} ", text), block
+    assert "Total params: 54.0 K" in text
 
 
 def test_a_trained_encoder_predicts_as_on_one_device_with_its_padding_mask(pipelined):

@@ -31,9 +31,11 @@ ROOT = Path(__file__).resolve().parents[2]
 TABLE_PAGE = ROOT / "docs" / "compatibility.md"
 # Equivalence with one device, Lightning parity, and what leans on torch's and Lightning's internals the most:
 # launchers and signals (test_reliability, test_launchers), distributed checkpoints (test_checkpoints).
+# The standalone pytorch-lightning package, where a set installs one: test_pytorch_lightning.
 TESTS = ["tests/test_equivalence.py", "tests/test_lightning_parity.py", "tests/test_microbatch.py",
-         "tests/test_schedule.py", "tests/test_reliability.py", "tests/test_launchers.py", "tests/test_checkpoints.py"]
-STACK = ("torch", "lightning", "torchmetrics")
+         "tests/test_schedule.py", "tests/test_reliability.py", "tests/test_launchers.py", "tests/test_checkpoints.py",
+         "tests/test_pytorch_lightning.py"]
+STACK = ("torch", "lightning", "torchmetrics", "pytorch-lightning")
 TABLE_START, TABLE_END = "<!-- results: start -->", "<!-- results: end -->"
 
 
@@ -47,6 +49,8 @@ class ReleaseSet:
     below_range: bool = False
     # What such an old release needs beside it to import at all in today's environment.
     also: tuple[str, ...] = ()
+    # The standalone package (`import pytorch_lightning`) installed beside lightning, at this release.
+    pytorch_lightning: str | None = None
 
 
 # The bounds declared in pyproject.toml, each met by at least one set. torch==2.13.0 is the CPU build wherever pip
@@ -74,7 +78,11 @@ def run(command: list[str], log, **kwargs) -> subprocess.CompletedProcess:
 
 
 def installed_versions(python: Path) -> dict[str, str]:
-    script = "import importlib.metadata as m\nfor name in %r:\n    print(name, m.version(name))" % (STACK,)
+    """The installed release of each package of the stack; ``-`` for one that is not installed."""
+    script = (
+        "import importlib.metadata as m\nfor name in %r:\n    try:\n        print(name, m.version(name))\n"
+        "    except m.PackageNotFoundError:\n        print(name, '-')"
+    ) % (STACK,)
     output = subprocess.run([str(python), "-c", script], capture_output=True, text=True, check=True).stdout
     return dict(line.split() for line in output.splitlines())
 
@@ -124,7 +132,8 @@ def check_in(venv: Path, release: ReleaseSet, log) -> dict[str, str]:
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
     pip = [str(python), "-m", "pip", "install"]
-    stack = run(pip + [f"torch=={release.torch}", f"lightning=={release.lightning}", *release.also], log,
+    standalone = [f"pytorch-lightning=={release.pytorch_lightning}"] if release.pytorch_lightning else []
+    stack = run(pip + [f"torch=={release.torch}", f"lightning=={release.lightning}", *standalone, *release.also], log,
                 env=environment)
     if stack.returncode != 0:
         return row | {"installed": "install failed, see the log", "kept": "-", "passed": "0", "failed": "-"}
@@ -136,7 +145,7 @@ def check_in(venv: Path, release: ReleaseSet, log) -> dict[str, str]:
         package = run(pip + ["-e", f"{ROOT}[test]"], log, env=environment)
     after = installed_versions(python)
     changed = [f"{name} {before[name]} → {after[name]}" for name in STACK if before[name] != after[name]]
-    row["installed"] = ", ".join(f"{name} {after[name]}" for name in STACK)
+    row["installed"] = ", ".join(f"{name} {after[name]}" for name in STACK if after[name] != "-")
     row["kept"] = "yes" if package.returncode == 0 and not changed else "NO: " + (", ".join(changed) or "failed")
     if release.below_range and row["kept"] == "yes":
         row["kept"] = "below the range: installed with --no-deps"

@@ -1,4 +1,4 @@
-"""A callback that records what Lightning shows a user: per-step training loss and the final metrics."""
+"""Callbacks that record what Lightning shows a user: per-step training loss and the final metrics."""
 
 from lightning.pytorch import Callback
 
@@ -22,3 +22,16 @@ class MetricRecorder(Callback):
     def summary(self) -> dict:
         return {"train_losses": self.train_losses, "final_metrics": self.final_metrics, "grad_scale": self.grad_scale,
                 "batches": self.batches}
+
+
+class StepLossRecording:
+    """The loss of every training step, as the step returned it (on the last stage; other stages get ``None``): a
+    callback once mixed with the ``Callback`` of either Lightning package."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            self.losses.append(float(loss))

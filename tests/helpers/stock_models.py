@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from lightning.pytorch.demos.transformer import LightningTransformer, Transformer
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 VOCAB = 64
@@ -69,10 +70,10 @@ def next_token_pairs(samples: int = 32, length: int = 12, seed: int = 0) -> Tens
     return TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
-def images(samples: int = 32, size: int = 32, classes: int = 10, seed: int = 0) -> TensorDataset:
+def images(samples: int = 32, size: int = 32, classes: int = 10, seed: int = 0, channels: int = 3) -> TensorDataset:
     """Random images whose class is the brightest of ``classes`` horizontal bands (learnable, deterministic)."""
     generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(samples, 3, size, size, generator=generator)
+    x = torch.randn(samples, channels, size, size, generator=generator)
     labels = torch.randint(0, classes, (samples,), generator=generator)
     band = size // classes
     for i, label in enumerate(labels.tolist()):
@@ -132,15 +133,22 @@ class CausalLM(TinyData, LightningModule):
 
 
 class GPT2Module(CausalLM):
-    """``GPT2LMHeadModel``: blocks in the ModuleList ``model.transformer.h``; the head shares the embedding's weight."""
+    """``GPT2LMHeadModel``: blocks in the ModuleList ``model.transformer.h``; the head shares the embedding's weight.
 
-    def __init__(self, layers: int = 4, **kwargs) -> None:
+    ``gradient_checkpointing``: Hugging Face's ``gradient_checkpointing_enable()`` (renamed
+    ``activation_checkpointing_enable()`` in transformers 5.x), which checkpoints inside each block.
+    """
+
+    def __init__(self, layers: int = 4, gradient_checkpointing: bool = False, **kwargs) -> None:
         from transformers import GPT2Config, GPT2LMHeadModel
 
         config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=layers, n_head=4,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                             bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
         super().__init__(GPT2LMHeadModel(config), **kwargs)
+        if gradient_checkpointing:
+            enable = getattr(self.model, "activation_checkpointing_enable", self.model.gradient_checkpointing_enable)
+            enable()
 
 
 class LlamaModule(CausalLM):
@@ -408,6 +416,122 @@ class VGG11Classifier(ImageClassifier):
         super().__init__(vgg11(num_classes=10, divisor=divisor, hidden=64, dropout=0.0), **kwargs)
 
 
+# -- Lightning's first example -------------------------------------------------------------------------------------
+
+
+def lit_autoencoder_class(lightning_module: type) -> type:
+    """The autoencoder of Lightning's README, on a LightningModule of either Lightning package (``lightning.pytorch``
+    or the standalone ``pytorch_lightning``), with MNIST-shaped random images instead of MNIST."""
+
+    class LitAutoEncoder(TinyData, lightning_module):
+        def __init__(self, batch_size: int = 8, samples: int = 32) -> None:
+            super().__init__()
+            self.encoder = nn.Sequential(nn.Linear(28 * 28, 128), nn.ReLU(), nn.Linear(128, 3))
+            self.decoder = nn.Sequential(nn.Linear(3, 128), nn.ReLU(), nn.Linear(128, 28 * 28))
+            self.batch_size, self.samples = batch_size, samples
+
+        def dataset(self, seed: int) -> Dataset:
+            return images(self.samples, size=28, seed=seed, channels=1)
+
+        def forward(self, x):
+            # in lightning, forward defines the prediction/inference actions
+            embedding = self.encoder(x)
+            return embedding
+
+        def training_step(self, batch, batch_idx):
+            # training_step defines the train loop. It is independent of forward
+            x, _ = batch
+            x = x.view(x.size(0), -1)
+            z = self.encoder(x)
+            x_hat = self.decoder(z)
+            loss = F.mse_loss(x_hat, x)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.Adam(self.parameters(), lr=1e-3)
+            return optimizer
+
+    return LitAutoEncoder
+
+
+LitAutoEncoder = lit_autoencoder_class(LightningModule)
+
+
+# -- a ViT with activation checkpointing around its blocks ---------------------------------------------------------
+
+
+def checkpoint_seq(functions, x, every: int = 1):
+    """timm's ``checkpoint_seq`` (``timm.models._manipulate``): the blocks in segments of ``every``, each segment under
+    ``torch.utils.checkpoint`` (non-reentrant). timm itself is not a test dependency."""
+    def run_function(start: int, end: int):
+        def forward(_x):
+            for j in range(start, end + 1):
+                _x = functions[j](_x)
+            return _x
+        return forward
+
+    for start in range(0, len(functions), every):
+        x = checkpoint(run_function(start, min(start + every - 1, len(functions) - 1)), x, use_reentrant=False)
+    return x
+
+
+class ViT(nn.Module):
+    """A small vision transformer as timm and hand-written ones are laid out (patch embedding, class token, position
+    embedding, ``blocks``, ``norm``, ``head``), whose forward calls its blocks under ``torch.utils.checkpoint`` in
+    training, in one of the ways projects write it (``checkpointing``):
+
+    * ``"loop"``: ``for block in self.blocks: x = checkpoint(block, x, use_reentrant=False)`` (litgpt, most GPTs);
+    * ``"loop_reentrant"``: the same with ``use_reentrant=True`` (older code);
+    * ``"sequential"``: ``checkpoint_sequential(self.blocks, 2, x)``, with its default (reentrant) mode;
+    * ``"timm"``: timm's ``checkpoint_seq(self.blocks, x, every=2)``: segments of two blocks, non-reentrant;
+    * ``"trunk"``: ``checkpoint(lambda x: self.norm(self.blocks(x)), x, use_reentrant=False)``: the blocks and the norm
+      after them in one checkpoint, whose re-computation in backward runs the norm again on the blocks' output.
+    """
+
+    def __init__(self, checkpointing: str, depth: int = 4, dim: int = 32, patch: int = 8, size: int = 32,
+                 classes: int = 10) -> None:
+        super().__init__()
+        self.checkpointing = checkpointing
+        self.patch_embed = nn.Conv2d(3, dim, kernel_size=patch, stride=patch)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.randn(1, (size // patch) ** 2 + 1, dim) * 0.02)
+        self.blocks = nn.Sequential(*(
+            nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=2 * dim, dropout=0.0, batch_first=True,
+                                       norm_first=True)
+            for _ in range(depth)
+        ))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, images: Tensor) -> Tensor:
+        x = self.patch_embed(images).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(len(x), -1, -1), x], dim=1) + self.pos_embed
+        if not self.training:
+            x = self.blocks(x)
+        elif self.checkpointing == "loop":
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False)
+        elif self.checkpointing == "loop_reentrant":
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=True)
+        elif self.checkpointing == "sequential":
+            x = checkpoint_sequential(self.blocks, 2, x, use_reentrant=True)
+        elif self.checkpointing == "timm":
+            x = checkpoint_seq(self.blocks, x, every=2)
+        else:
+            return self.head(checkpoint(lambda x: self.norm(self.blocks(x)), x, use_reentrant=False)[:, 0])
+        return self.head(self.norm(x)[:, 0])
+
+
+class ViTClassifier(ImageClassifier):
+    """The ViT on 32x32 images; ``checkpointing`` says how its forward checkpoints its blocks (see :class:`ViT`)."""
+
+    def __init__(self, checkpointing: str = "loop", **kwargs) -> None:
+        super().__init__(ViT(checkpointing), **kwargs)
+        self.example_input_array = None  # users of transformers rarely set one
+
+
 STOCK_MODELS: dict[str, type[LightningModule]] = {
     "gpt2": GPT2Module,
     "llama": LlamaModule,
@@ -415,6 +539,8 @@ STOCK_MODELS: dict[str, type[LightningModule]] = {
     "demo": DemoTransformer,
     "resnet18": ResNet18Classifier,
     "vgg11": VGG11Classifier,
+    "vit": ViTClassifier,
+    "autoencoder": LitAutoEncoder,
 }
 
 # Where each model keeps the blocks its forward calls one after another (its own loop or a Sequential).
@@ -425,4 +551,6 @@ BLOCKS: dict[str, list[str]] = {
     "demo": ["model.transformer.encoder.layers", "model.transformer.decoder.layers"],
     "resnet18": ["model"],  # its children in order: conv1, bn1, relu, maxpool, layer1..layer4, avgpool, fc
     "vgg11": ["model.features"],
+    "vit": ["model.blocks"],
+    "autoencoder": ["encoder", "decoder"],
 }

@@ -4,31 +4,89 @@ Usage: python stock_pipelines_worker.py SPEC.json
 (SPEC: {"devices": N, "out": DIR, "steps": S, "runs": [{"name": ..., "model": ..., "strategy": {...}}, ...]})
 Each run writes DIR/NAME/rank{R}.pt (the model's state dict after fit) and DIR/NAME/rank{R}.json (per-step losses,
 a run with ``drop_gradient_of`` is the negative control; with ``predict``, DIR/NAME/predictions.pt after fit; with
-``save``, DIR/NAME/model.ckpt; with ``validate``, DIR/NAME/validated{R}.json, ``trainer.validate``'s metrics).
+``save``, DIR/NAME/model.ckpt; with ``validate``, DIR/NAME/validated{R}.json, ``trainer.validate``'s metrics; with
+``hooks``, DIR/NAME/hooks{R}.json: the calls of value-reading hooks on every block, see :func:`value_reading_hooks`;
+with ``summary`` ({"max_depth": D, "rich": bool}), DIR/NAME/summary.txt on rank 0: what Lightning's ModelSummary or
+RichModelSummary callback printed, and DIR/NAME/stages.json: the strategy's pipelined region and its replicated
+parameters).
 """
 
 import json
+import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
+from torch import nn
 
 import lightning_pipe
 from helpers.negative_controls import drop_gradient_of
-from helpers.stock_models import STOCK_MODELS
+from helpers.recording import StepLossRecording
+from helpers.stock_models import BLOCKS, STOCK_MODELS
 
 
-class StepLosses(Callback):
-    """The loss of every training step, as the step returned it (on the last stage; other stages get ``None``)."""
+class StepLosses(StepLossRecording, Callback):
+    pass
 
-    def __init__(self) -> None:
-        self.losses: list[float] = []
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        if loss is not None:
-            self.losses.append(float(loss))
+def value_reading_hooks(model: nn.Module, containers: list[str]) -> tuple[dict[str, dict[str, int]], Callable]:
+    """Hooks as a project registers them to log activation statistics: a forward pre-hook, a forward hook and a full
+    backward hook on every block of ``containers`` and on the first module inside each block, and a global forward
+    hook that picks the blocks out; each reads values (``.item()``, which raises on the meta device). Returns what they
+    saw, by the block's or module's name and the hook's kind: how many calls, and how many samples; and what removes
+    the global hook."""
+    seen: dict[str, dict[str, int]] = {}
+
+    def reading(name: str, kind: str):
+        def hook(module, *tensors):
+            values = [t for t in tensors for t in (t if isinstance(t, tuple) else (t,)) if isinstance(t, torch.Tensor)]
+            assert all(torch.isfinite(t.float().mean()).item() for t in values)  # the values exist
+            counts = seen.setdefault(name, {}).setdefault(kind, 0)
+            seen[name][kind] = counts + 1
+            seen[name][f"{kind}_samples"] = seen[name].get(f"{kind}_samples", 0) + values[0].shape[0]
+        return hook
+
+    blocks = {}
+    for container in containers:
+        for index, block in enumerate(model.get_submodule(container)):
+            name = f"{container}.{index}"
+            inner_name, inner = next((n, m) for n, m in block.named_children())
+            blocks[block] = name
+            for target, target_name in ((block, name), (inner, f"{name}.{inner_name}")):
+                target.register_forward_pre_hook(reading(target_name, "pre"))
+                target.register_forward_hook(reading(target_name, "forward"))
+                target.register_full_backward_hook(reading(target_name, "backward"))
+
+    def global_hook(module, args, output):
+        if module in blocks:
+            reading(blocks[module], "global")(module, output)
+
+    return seen, torch.nn.modules.module.register_module_forward_hook(global_hook).remove
+
+
+class PrintedSummary(logging.Handler):
+    """What Lightning's ModelSummary callback logs (RichModelSummary prints to rich's console, recorded instead)."""
+
+    def __init__(self, rich: bool) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+        self.console = None
+        if rich:
+            from rich import get_console
+
+            self.console = get_console()
+            self.console.record = True
+        logging.getLogger("lightning.pytorch.callbacks.model_summary").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def text(self) -> str:
+        logging.getLogger("lightning.pytorch.callbacks.model_summary").removeHandler(self)
+        return self.console.export_text() if self.console is not None else "\n".join(self.lines)
 
 
 def main(spec_path):
@@ -37,19 +95,32 @@ def main(spec_path):
         out = Path(spec["out"]) / run["name"]
         out.mkdir(parents=True, exist_ok=True)
         losses = StepLosses()
+        summary = run.get("summary")
+        callbacks = [losses]
+        if summary:
+            printed = PrintedSummary(summary["rich"])
+            callbacks.append((RichModelSummary if summary["rich"] else ModelSummary)(max_depth=summary["max_depth"]))
         trainer = Trainer(
             strategy=lightning_pipe.GPipeStrategy(**run.get("strategy", {})),
             accelerator="cpu", devices=spec["devices"], max_steps=spec["steps"], logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            num_sanity_val_steps=0, limit_val_batches=0, callbacks=[losses],
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=bool(summary),
+            num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
         )
         seed_everything(0, verbose=False)
         model = STOCK_MODELS[run["model"]](**run.get("options", {}))
+        hooks, remove_global_hook = value_reading_hooks(model, BLOCKS[run["model"]]) if run.get("hooks") else (None, None)
         restore = drop_gradient_of(run["drop_gradient_of"]) if run.get("drop_gradient_of") is not None else None
         trainer.fit(model)
         if restore:
             restore()
+        if remove_global_hook:
+            remove_global_hook()
         rank = trainer.global_rank
+        if summary and rank == 0:
+            (out / "summary.txt").write_text(printed.text())
+            stages = trainer.strategy.stage_summary()
+            (out / "stages.json").write_text(json.dumps({"module_name": stages.module_name,
+                                                         "replicated": stages.replicated_parameters}))
         torch.save(model.state_dict(), out / f"rank{rank}.pt")
         if run.get("save"):  # every rank takes part; global rank 0 writes the whole model as one file
             trainer.save_checkpoint(out / "model.ckpt")
@@ -60,6 +131,9 @@ def main(spec_path):
             predictions = trainer.predict(model)
             if rank == 0:
                 torch.save(torch.cat(predictions), out / "predictions.pt")
+        if hooks is not None:  # with where the strategy says each block ran
+            rows = [{"rank": row.rank, "layers": list(row.layers)} for row in trainer.strategy.stage_summary().rows]
+            (out / f"hooks{rank}.json").write_text(json.dumps({"seen": hooks, "stages": rows}))
         (out / f"rank{rank}.json").write_text(json.dumps({"losses": losses.losses}))
 
 
