@@ -29,7 +29,8 @@ def train_on_one_device(
 ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Per-step losses, the weights before and the weights after ``STEPS`` steps of the model ``name``. With
     ``accumulate``, each step accumulates that many batches of ``1/accumulate`` of the size (what a per-micro-batch
-    schedule equals for any loss); a step's loss is then the mean of its batches'."""
+    schedule equals for any loss); a step's loss is then the mean of its batches' (Lightning hands each batch's
+    loss on divided by ``accumulate``: their sum)."""
     seed_everything(0, verbose=False)
     model = STOCK_MODELS[name](**options)
     if accumulate > 1:
@@ -41,7 +42,7 @@ def train_on_one_device(
                       num_sanity_val_steps=0, limit_val_batches=0, accumulate_grad_batches=accumulate)
     trainer.fit(model)
     steps = [losses.losses[i:i + accumulate] for i in range(0, len(losses.losses), accumulate)]
-    return [sum(step) / len(step) for step in steps], before, model.state_dict()
+    return [sum(step) for step in steps], before, model.state_dict()
 
 
 @pytest.mark.parametrize("name", sorted(STOCK_MODELS))
