@@ -219,6 +219,7 @@ class PipelineEngine:
         return microbatch.join([outputs[m] for m in range(num)])
 
     def _forward_only_actions(self, k: int, num: int) -> list[Action]:
+        """Chunk ``k``'s forwards without a backward to follow: each micro-batch received, run and sent on in turn."""
         actions: list[Action] = []
         for m in range(num):
             actions += [Action("recv", m, k)] if k > 0 and not self._here(k - 1) else []

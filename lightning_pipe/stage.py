@@ -366,10 +366,13 @@ class StageBlocks:
                 " pipeline a shorter chain (GPipeStrategy(module_name=...))."
             )
         self._takes_first_item = chosen
+        side = [value for value in [*args[1:], *kwargs.values()] if isinstance(value, Tensor)]
+        if not side:
+            return
         earlier = {id(call.output): call.index for call in self._calls[:-1]}
         earlier.update({id(_first_item(call.output)): call.index for call in self._calls[:-1] if _first_item(call.output) is not None})
-        for value in [*args[1:], *kwargs.values()]:
-            if id(value) in earlier and isinstance(value, Tensor):
+        for value in side:
+            if id(value) in earlier:
                 source = names[earlier[id(value)]]
                 raise PipelineOrderError(
                     f"the output of {source} reaches {names[index]} past the blocks between them (a skip connection);"
