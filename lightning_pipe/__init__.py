@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.materialize import init_weights
+from lightning_pipe.pretrained import PretrainedWeights
 from lightning_pipe.strategy import GPipeStrategy
 
 if "gpipe" not in StrategyRegistry:
@@ -32,5 +33,5 @@ if "pytorch_lightning" in sys.modules:
         if _name not in _StandaloneRegistry:
             _StandaloneRegistry.register(_name, _refuse_pytorch_lightning, description="needs `lightning`")
 
-__all__ = ["GPipeStrategy", "PipelineParallelConfig", "init_weights"]
+__all__ = ["GPipeStrategy", "PipelineParallelConfig", "PretrainedWeights", "init_weights"]
 __version__ = "0.1.0"

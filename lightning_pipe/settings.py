@@ -26,6 +26,7 @@ from lightning_pipe.balance import (
     check_one_count_per_stage,
 )
 from lightning_pipe.config import PipelineParallelConfig, require_positive_int
+from lightning_pipe.pretrained import PretrainedWeights, checked_pretrained
 from lightning_pipe.schedule import SCHEDULES, Schedule
 
 # Which micro-batches run their stage's forward again in backward instead of keeping its activations (the public
@@ -60,6 +61,7 @@ class PipelineSettings:
     gather_model_after_run: bool = False
     schedule: str | Schedule = field(default="gpipe", compare=False)
     compile: bool | dict[str, Any] = False  # True, or torch.compile's keyword arguments, for each stage's layers
+    pretrained: PretrainedWeights | None = None  # a path or a mapping enters; PretrainedWeights once checked
     key: InitVar[str] = ""
 
     def __post_init__(self, key: str) -> None:
@@ -81,6 +83,7 @@ class PipelineSettings:
             "start_method": _checked_start_method(self.start_method, key),
             "schedule": _checked_schedule(self.schedule, key),
             "compile": _checked_compile(self.compile, key),
+            "pretrained": checked_pretrained(self.pretrained, key),
         }
         for name in ("log_bubble_fraction", "deferred_batch_norm", "save_distributed_checkpoint",
                      "gather_model_after_run"):
