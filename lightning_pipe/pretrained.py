@@ -56,8 +56,10 @@ class PretrainedWeights:
             ``prefix + k`` (``"model."`` for ``self.model = GPT2LMHeadModel(config)``; ``""`` for a checkpoint of
             the LightningModule itself). ``None``: the prefix under which most stored names are keys of the model.
             Keys outside the prefix (your own head) start as they would without pretrained weights.
-        dtype: ``"precision"``: every tensor takes the dtype the model was built in, which the Trainer's precision
-            decides (float32, or bfloat16 under ``precision="bf16-true"``); ``"checkpoint"``: the stored dtype.
+        dtype: ``"precision"``: every floating-point tensor takes the Trainer's precision's dtype (float32 for
+            ``"32-true"`` and the mixed precisions, bfloat16 for ``"bf16-true"``), whatever the model was built in;
+            ``"checkpoint"``: every tensor takes its stored dtype (bf16 weights stay bf16 under any precision that
+            keeps them, as ``from_pretrained(dtype="auto")``).
     """
 
     path: Path
@@ -223,20 +225,23 @@ class PretrainedLoad:
         stored = open_stored_weights(weights.path)
         return cls(weights, stored, map_stored_keys(model, stored, weights.prefix))
 
-    def fill(self, module: nn.Module) -> list[str]:
-        """Read this rank's share into ``module`` (see :func:`fill_from_stored`) and mark it loaded."""
-        read = fill_from_stored(module, self.stored, self.mapping, self.weights.dtype)
+    def fill(self, module: nn.Module, precision_dtype: torch.dtype) -> list[str]:
+        """Read this rank's share into ``module`` (see :func:`fill_from_stored`) and mark it loaded;
+        ``precision_dtype`` is the floating-point dtype of the Trainer's precision."""
+        dtype = precision_dtype if self.weights.dtype == "precision" else None
+        read = fill_from_stored(module, self.stored, self.mapping, dtype)
         setattr(module, _LOADED, True)
         return read
 
 
 def fill_from_stored(
-    module: nn.Module, stored: StoredWeights, mapping: KeyMapping, dtype: PretrainedDtype
+    module: nn.Module, stored: StoredWeights, mapping: KeyMapping, floating_dtype: torch.dtype | None
 ) -> list[str]:
     """Copy the stored tensors into ``module``'s state-dict tensors that ``mapping`` fills and this rank holds (its
     stage and the replicated modules, allocated), each tied tensor once; returns the stored names read.
 
-    ``dtype="checkpoint"`` first gives each tensor its stored dtype; ``"precision"`` keeps the model's."""
+    Each floating-point tensor first takes ``floating_dtype``, or its stored dtype when that is ``None``; the others
+    keep the model's dtype."""
     targets: dict[str, list[Tensor]] = {}
     seen: set[int] = set()
     for key, tensor in module.state_dict(keep_vars=True).items():
@@ -244,9 +249,9 @@ def fill_from_stored(
         if source is None or id(tensor) in seen or tensor.is_meta:
             continue
         seen.add(id(tensor))
-        stored_dtype = stored.entries[source].dtype
-        if dtype == "checkpoint" and tensor.dtype != stored_dtype:
-            tensor.data = torch.empty_like(tensor, dtype=stored_dtype)
+        dtype = floating_dtype or stored.entries[source].dtype
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            tensor.data = torch.empty_like(tensor, dtype=dtype)
         targets.setdefault(source, []).append(tensor.detach())
     with torch.no_grad():
         stored.read_into(targets)

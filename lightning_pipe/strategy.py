@@ -177,7 +177,7 @@ class GPipeStrategy(ParallelStrategy):
             tensors: the path of a Hugging Face model directory (safetensors, single or sharded, or
             ``pytorch_model.bin``), of a weights file, or of a checkpoint of this package; or
             :class:`~lightning_pipe.PretrainedWeights` with the ``prefix`` where the stored model sits in the
-            LightningModule (inferred by default) and the ``dtype`` (the model's, or the stored one). Checked against
+            LightningModule (inferred by default) and the ``dtype`` (the precision's, or the stored one). Checked against
             the whole model on every rank before the first step (see :mod:`lightning_pipe.pretrained`); a model
             object loads them once (a later ``trainer.test`` keeps what ``fit`` trained).
     """
@@ -464,7 +464,9 @@ class GPipeStrategy(ParallelStrategy):
         filled = pretrained.mapping.filled if pretrained is not None else ()
         materialize(module, self.root_device, self.broadcast(global_seed()), filled)
         if pretrained is not None:
-            pretrained.fill(module)
+            with self.precision_plugin.tensor_init_context():  # sets the precision's dtype as torch's default
+                precision_dtype = torch.get_default_dtype()
+            pretrained.fill(module, precision_dtype)
         if self._deferred_batch_norm:
             for block in stage.blocks:
                 defer_batch_norms(block)
