@@ -9,6 +9,7 @@ stage writes its own shard at once and global rank 0 the index and config; and t
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -70,12 +71,16 @@ def write_index(directory: Path, shards: Mapping[str, Mapping[str, int]]) -> Non
     (directory / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def write_model_config(model: nn.Module, directory: Path) -> bool:
+def write_model_config(model: nn.Module, directory: Path, dtype: torch.dtype | None = None) -> bool:
     """Write the config of ``model`` when it is a Hugging Face model (``model.config.save_pretrained``, and its
-    generation config); whether it had one."""
+    generation config), saying ``dtype`` when the weights were cast (``from_pretrained(dtype="auto")`` reads it);
+    whether it had one."""
     config = getattr(model, "config", None)
     if not callable(getattr(config, "save_pretrained", None)):
         return False
+    if dtype is not None:
+        config = copy.deepcopy(config)
+        config.dtype = dtype
     config.save_pretrained(str(directory))
     generation = getattr(model, "generation_config", None)
     if callable(getattr(generation, "save_pretrained", None)):
@@ -121,15 +126,16 @@ def export_pretrained_by_stage(
     shards' names and sizes alone. Returns the keys left out (outside ``prefix``), described for a message, or
     ``""``."""
     written = None
+    cast = export_dtype(dtype)
     if writes:
         state = module.state_dict(keep_vars=True)
         keys = [key for key in pipelined.stage_keys(stage) if key.startswith(prefix)]
         name = shard_name(stage, len(stage_ranks))
-        written = (name, write_shard(directory, name, exported_tensors(state, keys, prefix, export_dtype(dtype))))
+        written = (name, write_shard(directory, name, exported_tensors(state, keys, prefix, cast)))
     shards = gather_to_last_stage(written, stage_ranks, rank, group)
     if shards is not None and writes:
         write_index(directory, dict(shards))
-        write_model_config(module.get_submodule(prefix[:-1]) if prefix else module, directory)
+        write_model_config(module.get_submodule(prefix[:-1]) if prefix else module, directory, cast)
     left_out = [key for key in pipelined.state_keys if not key.startswith(prefix)]
     return describe_names(left_out) if left_out else ""
 

@@ -156,7 +156,7 @@ def map_stored_keys(model: nn.Module, stored: StoredWeights, prefix: str | None)
     ignored = _ignored_stored_names(model, prefix)
     unused = [name for name in stored.entries if name not in used and not (ignored and ignored.search(name))]
     reshaped = [
-        f"{key!r}: model {list(tensors[key].shape)}, stored {list(stored.entries[name].shape)}"
+        f"{key!r} (model {list(tensors[key].shape)}, stored {list(stored.entries[name].shape)})"
         for key, name in sources.items() if tuple(tensors[key].shape) != stored.entries[name].shape
     ]
     problems = []

@@ -1,9 +1,10 @@
 """Worker: causal LMs fine-tuned from pretrained weights with the gpipe strategy, several runs in one launch.
 
 Usage: python pretrained_worker.py SPEC.json   (SPEC: {"devices": N, "out": DIR, "steps": S, "runs": [...]})
-A run is ``{"name", "path", "strategy": {GPipeStrategy options}, "precision", "validate_only", "validate_after_fit",
-"save_pretrained", "save_checkpoint", "fails"}``: the model of :class:`helpers.stock_models.PretrainedCausalLM` built
-in ``configure_model`` from ``path``'s config, ``GPipeStrategy(pretrained=path, ...)``, then ``trainer.fit`` for S
+A run is ``{"name", "path", "config", "strategy": {GPipeStrategy options}, "precision", "validate_only",
+"validate_after_fit", "save_pretrained", "save_checkpoint", "fails"}``: the model of
+:class:`helpers.stock_models.PretrainedCausalLM` built in ``configure_model`` from the config in ``config`` (by
+default ``path``), ``GPipeStrategy(pretrained=path, ...)``, then ``trainer.fit`` for S
 steps (or only ``trainer.validate``). Each rank writes DIR/NAME/rank{R}.pt: the tensors it holds when the run starts
 (``initial``) and ends (``final``), the stored names it read through ``safetensors.safe_open(...).get_tensor``
 (``read``), the training steps run, and with ``validate_after_fit`` what it holds after a validate that follows.
@@ -91,7 +92,7 @@ def main(spec_path):
             precision=run.get("precision", "32-true"), callbacks=[recorder],
         )
         seed_everything(0, verbose=False)
-        model = PretrainedCausalLM(run["path"])
+        model = PretrainedCausalLM(run.get("config", run["path"]))
         try:
             if run.get("validate_only"):
                 trainer.validate(model, verbose=False)
