@@ -96,7 +96,7 @@ def checked_pretrained(value: Any, key: str = "") -> PretrainedWeights | None:
         )
     if value.dtype not in PRETRAINED_DTYPES:
         raise ValueError(
-            f"{key}pretrained.dtype={value.dtype!r} is invalid; use 'precision' (the dtype the model is built in) or"
+            f"{key}pretrained.dtype={value.dtype!r} is invalid; use 'precision' (the Trainer precision's dtype) or"
             " 'checkpoint' (the stored dtype)."
         )
     try:
