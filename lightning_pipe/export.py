@@ -1,5 +1,5 @@
 """The trained model written out in its library's format: a Hugging Face directory of safetensors shards, their
-index and the model's config, written a shard at a time, so that no process ever holds more than one shard.
+index and the model's config, written a shard at a time: a process holds no more than the shard it writes.
 
 Two writers share it: :meth:`lightning_pipe.GPipeStrategy.save_pretrained` after (or during) a run, where every
 stage writes its own shard at once and global rank 0 the index and config; and the command
@@ -71,13 +71,12 @@ def write_index(directory: Path, shards: Mapping[str, Mapping[str, int]]) -> Non
     (directory / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def write_model_config(model: nn.Module, directory: Path, dtype: torch.dtype | None = None) -> bool:
+def write_model_config(model: nn.Module, directory: Path, dtype: torch.dtype | None = None) -> None:
     """Write the config of ``model`` when it is a Hugging Face model (``model.config.save_pretrained``, and its
-    generation config), saying ``dtype`` when the weights were cast (``from_pretrained(dtype="auto")`` reads it);
-    whether it had one."""
+    generation config), saying ``dtype`` when the weights were cast (``from_pretrained(dtype="auto")`` reads it)."""
     config = getattr(model, "config", None)
     if not callable(getattr(config, "save_pretrained", None)):
-        return False
+        return
     if dtype is not None:
         config = copy.deepcopy(config)
         config.dtype = dtype
@@ -85,7 +84,6 @@ def write_model_config(model: nn.Module, directory: Path, dtype: torch.dtype | N
     generation = getattr(model, "generation_config", None)
     if callable(getattr(generation, "save_pretrained", None)):
         generation.save_pretrained(str(directory))
-    return True
 
 
 def library_model_prefix(module: nn.Module) -> str:
@@ -180,20 +178,27 @@ def export_checkpoint(
         del tensors
     write_index(out, written)
     if config is not None:
-        copy_config(config, out)
+        copy_config(config, out, dtype)
     return [name for name in names if name not in wanted]
 
 
-def copy_config(source: Path, out: Path) -> None:
-    """Copy ``config.json`` and ``generation_config.json`` from ``source`` (a directory, or a config file itself)."""
+def copy_config(source: Path, out: Path, dtype: torch.dtype | None = None) -> None:
+    """Copy ``config.json`` and ``generation_config.json`` from ``source`` (a directory, or a config file itself);
+    the copied config says ``dtype`` when the weights were cast."""
     if source.is_file():
         shutil.copyfile(source, out / "config.json")
-        return
-    copied = [name for name in CONFIG_FILES if (source / name).is_file()]
-    if "config.json" not in copied:
-        raise ValueError(f"{str(source)!r} holds no config.json; give the pretrained model's directory or its config.")
-    for name in copied:
-        shutil.copyfile(source / name, out / name)
+    else:
+        copied = [name for name in CONFIG_FILES if (source / name).is_file()]
+        if "config.json" not in copied:
+            raise ValueError(
+                f"{str(source)!r} holds no config.json; give the pretrained model's directory or its config."
+            )
+        for name in copied:
+            shutil.copyfile(source / name, out / name)
+    if dtype is not None:
+        config = json.loads((out / "config.json").read_text())
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _shared_first_component(names: list[str]) -> str:

@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> None:
         description="Write the model of a gpipe checkpoint (consolidated file or sharded directory) as a Hugging Face"
         " directory (safetensors shards, their index, the config), one shard at a time.",
     )
-    parser.add_argument("checkpoint", type=Path, help="a consolidated checkpoint file or a sharded checkpoint directory")
+    parser.add_argument("checkpoint", type=Path,
+                        help="a consolidated checkpoint file or a sharded checkpoint directory")
     parser.add_argument("out_dir", type=Path, help="the directory to write")
     parser.add_argument(
         "--prefix", default=None,

@@ -14,8 +14,8 @@ on the whole model before anything is read, then read for this rank's stage alon
 2. allocates its stage and the replicated modules (:func:`lightning_pipe.materialize.materialize`, told which
    tensors are filled here, so that only the others are initialised: modules outside the prefix, such as a new
    head, and buffers no checkpoint holds, such as rotary frequencies);
-3. reads exactly the stored tensors of what it holds (:func:`fill_from_stored`), in the model's dtype or the
-   stored one.
+3. reads exactly the stored tensors of what it holds (:func:`fill_from_stored`), in the Trainer precision's dtype
+   or the stored one.
 """
 
 from __future__ import annotations
@@ -103,7 +103,9 @@ def checked_pretrained(value: Any, key: str = "") -> PretrainedWeights | None:
         check_stored_weights_path(value.path)
     except ValueError as error:
         raise ValueError(f"{key}pretrained: {error}") from None
-    prefix = value.prefix if value.prefix is None or value.prefix == "" or value.prefix.endswith(".") else f"{value.prefix}."
+    prefix = value.prefix
+    if prefix and not prefix.endswith("."):  # "model" means the module `model`: its keys start with "model."
+        prefix = f"{prefix}."
     return PretrainedWeights(Path(value.path), prefix, value.dtype)
 
 

@@ -236,18 +236,19 @@ def test_weights_that_do_not_fit_fail_on_every_rank_before_the_first_step_naming
 def test_the_export_command_writes_a_directory_from_pretrained_loads_from_a_checkpoint(
     pipelined, saved, tmp_path, source, capsys
 ):
-    checkpoint = pipelined[2] / "gpt2" / "sharded.ckpt"
-    if source == "consolidated":
+    checkpoint, cast = pipelined[2] / "gpt2" / "sharded.ckpt", []
+    if source == "consolidated":  # and cast to bfloat16 on the way
         consolidate(checkpoint, tmp_path / "whole.ckpt", weights_only=True)
-        checkpoint = tmp_path / "whole.ckpt"
+        checkpoint, cast = tmp_path / "whole.ckpt", ["--dtype", "bfloat16"]
     export_command([str(checkpoint), str(tmp_path / "out"), "--config", str(saved["gpt2"]), "--max-shard-size",
-                    "100KB"])
+                    "100KB", *cast])
     assert "wrote" in capsys.readouterr().out
     assert len(list((tmp_path / "out").glob("*.safetensors"))) > 1  # cut at --max-shard-size
     trained = merged(pipelined[2] / "gpt2")
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype="auto").state_dict()
     for key, value in loaded.items():
-        assert torch.equal(value, trained[f"model.{key}"]), key
+        expected = trained[f"model.{key}"].to(torch.bfloat16 if cast else torch.float32)
+        assert value.dtype == expected.dtype and torch.equal(value, expected), key
 
 
 # ---- without processes: formats, mapping, initialisation, dtypes, messages ---------------------------------------
