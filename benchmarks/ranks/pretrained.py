@@ -1,5 +1,5 @@
 """One rank of the pretrained-weights section (:mod:`sections.bench_pretrained`): a Llama saved as sharded safetensors
-fine-tuned for a few steps, its weights read per stage (``GPipeStrategy(pretrained=...)``) or with
+fine-tuned in float32 for a few steps, its weights read per stage (``GPipeStrategy(pretrained=...)``) or with
 ``from_pretrained`` in ``__init__``; each phase's peak resident memory its own, and the time to load."""
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ class FineTune(LightningModule):
 
         super().__init__()
         self.path = path
-        self.model = AutoModelForCausalLM.from_pretrained(path) if from_pretrained else None
+        # In the training dtype, as fine-tuning in float32 or a mixed precision needs it.
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32) if from_pretrained else None
 
     def configure_model(self) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM

@@ -1,13 +1,18 @@
 """Pretrained weights read per stage: peak resident memory per rank while the weights load and in the first steps,
 and the time to load, against ``from_pretrained`` in ``__init__``.
 
-A Llama of about 1.1 GiB of float32 parameters (untied embeddings, a small vocabulary so that the layers hold most
-of it) is saved with ``save_pretrained`` as sharded safetensors, then fine-tuned for a few steps on 4 stages (2 in
-quick mode) with SGD with momentum, in three runs in the same processes (see :mod:`ranks.pretrained`): a tiny model
-first, whose peak is the fixed footprint of a process; the model loaded with ``from_pretrained`` in ``__init__``
-(every rank reads and holds all of it, then keeps its stage); and the model built in ``configure_model()`` with
-``GPipeStrategy(pretrained=DIR)``, each rank reading only its stage's and the replicated modules' tensors. Before
-each large run, and between its load and its steps, the garbage is collected and the kernel's peak-RSS mark reset.
+A Llama of about 1 GiB in bfloat16 (untied embeddings, a small vocabulary so that the layers hold most of it) is
+saved with ``save_pretrained`` as sharded safetensors, as models on the Hugging Face Hub are stored, then fine-tuned
+in float32 for a few steps on 4 stages (2 in quick mode) with SGD with momentum, in three runs in the same processes
+(see :mod:`ranks.pretrained`): a tiny model first, whose peak is the fixed footprint of a process; the model loaded
+with ``from_pretrained(DIR, dtype=torch.float32)`` in ``__init__`` (every rank converts and holds all of it, then
+keeps its stage); and the model built in ``configure_model()`` with ``GPipeStrategy(pretrained=DIR)``, each rank
+reading only its stage's and the replicated modules' tensors, in the precision's dtype. Before each large run, and
+between its load and its steps, the garbage is collected and the kernel's peak-RSS mark reset.
+
+NOTE: a checkpoint already in the training dtype is memory-mapped by ``from_pretrained`` (transformers 5) rather
+than read: on the CPU it then costs resident memory only where pages are touched. A conversion, as here, or an
+older ``transformers`` reads all of it on every rank.
 """
 
 from __future__ import annotations
@@ -30,13 +35,14 @@ def sizes(quick: bool) -> dict[str, Any]:
     if quick:  # checks that the section runs: two processes, a tiny model
         return {"stages": 2, "hidden": 32, "intermediate": 64, "layers": 4, "heads": 4, "vocab": 128,
                 "batch": 2, "sequence": 8, "steps": 2, "shard": "100KB"}
-    # 22 layers of 12.6 M parameters and 2 × 8.4 M of embeddings: 1.12 GiB of float32 parameters.
-    return {"stages": 4, "hidden": 1024, "intermediate": 2816, "layers": 22, "heads": 16, "vocab": 8192,
+    # 18 layers of 28.3 M parameters and 2 × 12.6 M of embeddings: 0.99 GiB in bfloat16, 1.99 GiB in float32.
+    return {"stages": 4, "hidden": 1536, "intermediate": 4096, "layers": 18, "heads": 16, "vocab": 8192,
             "batch": 2, "sequence": 32, "steps": 2, "shard": "256MB"}
 
 
 def save_llama(path: Path, spec: dict[str, Any], layers: int, shard: str) -> int:
-    """A Llama of the spec's shape with random weights, saved as sharded safetensors; its parameter count."""
+    """A Llama of the spec's shape with random weights, saved in bfloat16 as sharded safetensors; its parameter
+    count."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
@@ -44,7 +50,7 @@ def save_llama(path: Path, spec: dict[str, Any], layers: int, shard: str) -> int
                          num_key_value_heads=spec["heads"], max_position_embeddings=spec["sequence"],
                          tie_word_embeddings=False)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.to_empty(device="cpu")
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -59,8 +65,8 @@ def run(quick: bool) -> dict[str, Any]:
     stages = spec["stages"]
     with tempfile.TemporaryDirectory(prefix="lightning_pipe_pretrained_") as tmp:
         parameters = save_llama(Path(tmp) / "model", spec, spec["layers"], spec["shard"])
-        tiny = {**spec, "hidden": 32, "intermediate": 64, "heads": 4, "vocab": 128}
-        save_llama(Path(tmp) / "tiny", tiny, 2, "10MB")
+        tiny = {**spec, "hidden": 32, "intermediate": 64, "heads": 4}  # the same vocabulary: the same tokens
+        save_llama(Path(tmp) / "tiny", tiny, spec["stages"], "10MB")  # a layer per stage
         files = len(list((Path(tmp) / "model").glob("*.safetensors")))
         answers = launch(pretrained.measure, stages, {**spec, "path": str(Path(tmp) / "model"),
                                                        "tiny_path": str(Path(tmp) / "tiny")})
@@ -89,15 +95,19 @@ def run(quick: bool) -> dict[str, Any]:
     saved = min(r["from_pretrained"]["load_peak_bytes"] - r["per_stage"]["load_peak_bytes"] for r in data_rows)
     markdown = (
         f"Llama ({spec['layers']} layers, hidden {spec['hidden']}, vocabulary {spec['vocab']}, untied embeddings):"
-        f" {parameters * 4 / GIB:.2f} GiB of float32 parameters saved with `save_pretrained` as {files} safetensors"
-        f" shards; fine-tuned on {stages} stages, batch {spec['batch']} × {spec['sequence']} tokens,"
-        f" {spec['steps']} steps, SGD with momentum, one compute thread per process. Peak resident set per rank"
+        f" {parameters * 2 / GIB:.2f} GiB in bfloat16, saved with `save_pretrained` as {files} safetensors shards"
+        f" (as Hub checkpoints are stored); fine-tuned in float32 ({parameters * 4 / GIB:.2f} GiB of parameters) on"
+        f" {stages} stages, batch {spec['batch']} × {spec['sequence']} tokens, {spec['steps']} steps, SGD with"
+        " momentum, one compute thread per process. Peak resident set per rank"
         " (`VmHWM`) from the model's construction until set-up has loaded the weights (*load*: `on_fit_start`),"
         " then, the mark reset, through the training steps (*steps*). *Per stage*: built in `configure_model()`,"
-        " `GPipeStrategy(pretrained=DIR)`; *from_pretrained*: `AutoModelForCausalLM.from_pretrained(DIR)` in"
-        " `__init__`, every rank reading all of it. Stage share: the rank's parameters (its layers and the"
+        " `GPipeStrategy(pretrained=DIR)` (float32: the precision's dtype); *from_pretrained*:"
+        " `AutoModelForCausalLM.from_pretrained(DIR, dtype=torch.float32)` in `__init__`, every rank converting all"
+        " of it. (A checkpoint already in the training dtype, `from_pretrained` of transformers 5 memory-maps"
+        " instead of reading: on the CPU it costs resident memory only where it is touched.) Stage share: the"
+        " rank's parameters (its layers and the"
         " embeddings, head and norm every stage holds), gradients and momentum. Fixed footprint: the peak of the"
-        " same run with a 2-layer Llama, in fresh processes. Load time: from the model's construction to"
+        " same run with a Llama of one tiny layer per stage, in fresh processes. Load time: from the model's construction to"
         " `on_fit_start` (process-group set-up excluded; it ran before).\n\n"
         f"{table}\n\n"
         + verdict(
@@ -107,7 +117,8 @@ def run(quick: bool) -> dict[str, Any]:
             f"{worst:.2f}× at worst",
         )
         + f"\n\nReading per stage lowers the peak while loading by {saved / 2**20:.0f} MiB on the rank where it gains"
-        " least: `from_pretrained` in `__init__` holds the whole model on every rank, one copy per process on a node."
+        " least: converted by `from_pretrained` in `__init__`, the whole model is on every rank, one copy per"
+        " process on a node."
     )
     data = {**spec, "parameters": parameters, "files": files, "rows": data_rows, "worst_ratio": worst,
             "target_ratio": TARGET_RATIO}
