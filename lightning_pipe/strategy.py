@@ -843,6 +843,11 @@ class GPipeStrategy(ParallelStrategy):
             )
         if prefix is None:
             prefix = self._pretrained_prefix if self._pretrained_prefix is not None else library_model_prefix(module)
+        if not any(key.startswith(prefix) for key in self._pipelined.state_keys):
+            raise ValueError(
+                f"save_pretrained(prefix={prefix!r}): no key of the model starts with it; give the path of the model"
+                f" to write in the LightningModule, with its dot (e.g. {library_model_prefix(module) or 'model.'!r})."
+            )
         left_out = export_pretrained_by_stage(
             module, self._pipelined, Path(directory), prefix, dtype, self.stage_index, self.groups.stage_ranks,
             self.global_rank, self.groups.meta, writes=self.layout.replica(self.global_rank) == 0,

@@ -21,6 +21,7 @@ from helpers.compare import relative_weight_error
 from helpers.launch import launch
 from helpers.stock_models import PretrainedCausalLM, gpt2_config, llama_config
 from lightning_pipe import PretrainedWeights, init_weights
+from lightning_pipe.export import library_model_prefix
 from lightning_pipe.export_pretrained import main as export_command
 from lightning_pipe.materialize import materialize
 from lightning_pipe.pretrained import PretrainedLoad, PretrainedMismatchError
@@ -356,6 +357,13 @@ def test_weights_of_another_model_are_refused_naming_the_prefixes_tried(saved):
     with pytest.raises(PretrainedMismatchError, match=r"no prefix makes a stored name a key of the model\. Stored"
                        r" names: \['h\.0\.attn\.c_attn\.bias'.*prefixes tried .*\[''"):
         PretrainedLoad.plan(module, PretrainedWeights(saved["gpt2_base"]))
+
+
+def test_the_export_finds_where_the_library_model_sits(saved):
+    module = built_on_meta(saved["gpt2"])
+    assert library_model_prefix(module) == "model."  # the outermost Hugging Face model, not its GPT2Model inside
+    module.other = transformers.GPT2Model(gpt2_config(1))
+    assert library_model_prefix(module) == ""  # two: the LightningModule's own keys, as they are
 
 
 def test_a_prefix_that_fits_several_places_equally_must_be_given(tmp_path):
