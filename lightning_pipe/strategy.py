@@ -177,9 +177,9 @@ class GPipeStrategy(ParallelStrategy):
             tensors: the path of a Hugging Face model directory (safetensors, single or sharded, or
             ``pytorch_model.bin``), of a weights file, or of a checkpoint of this package; or
             :class:`~lightning_pipe.PretrainedWeights` with the ``prefix`` where the stored model sits in the
-            LightningModule (inferred by default) and the ``dtype`` (the precision's, or the stored one). Checked against
-            the whole model on every rank before the first step (see :mod:`lightning_pipe.pretrained`); a model
-            object loads them once (a later ``trainer.test`` keeps what ``fit`` trained).
+            LightningModule (inferred by default) and the ``dtype`` (the precision's, or the stored one). Checked
+            against the whole model on every rank before the first step (see :mod:`lightning_pipe.pretrained`); a
+            model object loads them once (a later ``trainer.test`` keeps what ``fit`` trained).
     """
 
     strategy_name = "gpipe"
