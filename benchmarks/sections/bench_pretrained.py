@@ -40,7 +40,7 @@ SMALL_HEAP = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # resident memory follows the 
 def sizes(quick: bool) -> dict[str, Any]:
     if quick:  # checks that the section runs: two processes, a tiny model
         return {"stages": 2, "hidden": 32, "intermediate": 64, "layers": 4, "heads": 4, "vocab": 128,
-                "batch": 2, "sequence": 8, "steps": 2, "shard": "100KB"}
+                "batch": 2, "sequence": 8, "steps": 1, "shard": "100KB"}
     # 18 layers of 28.3 M parameters and 2 × 12.6 M of embeddings: 0.99 GiB in bfloat16, 1.99 GiB in float32.
     return {"stages": 4, "hidden": 1536, "intermediate": 4096, "layers": 18, "heads": 16, "vocab": 8192,
             "batch": 2, "sequence": 32, "steps": 2, "shard": "256MB"}
