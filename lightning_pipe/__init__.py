@@ -15,6 +15,7 @@ from packaging.version import Version
 from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.materialize import init_weights
 from lightning_pipe.packages import LIGHTNING_RELEASES
+from lightning_pipe.pretrained import PretrainedWeights
 from lightning_pipe.strategy import GPipeStrategy
 
 if "gpipe" not in StrategyRegistry:
@@ -59,5 +60,5 @@ def _register_for_pytorch_lightning() -> None:
 
 _register_for_pytorch_lightning()
 
-__all__ = ["GPipeStrategy", "PipelineParallelConfig", "init_weights"]
+__all__ = ["GPipeStrategy", "PipelineParallelConfig", "PretrainedWeights", "init_weights"]
 __version__ = "0.1.0"

@@ -87,6 +87,10 @@ class GPipeStrategyConfig:
     """Compile each stage's layers with ``torch.compile``: ``true``, or its keyword arguments (``{mode:
     max-autotune}``); every layer separately, so no compiled code spans two stages. (``Any``: a bool or a mapping;
     :func:`validate_config` checks it.)"""
+    pretrained: Any = None
+    """Start from stored weights, each rank reading only its stage's: the path of a Hugging Face model directory
+    or weights file, or ``{path: ..., prefix: model., dtype: checkpoint}`` (see ``lightning_pipe.PretrainedWeights``).
+    (``Any``: a string or a mapping; :func:`validate_config` checks it.)"""
 
 
 def register_configs() -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -42,13 +42,17 @@ def holds_meta_tensors(module: nn.Module, recurse: bool = True) -> bool:
     return any(t.is_meta for t in _tensors(module, recurse))
 
 
-def materialize(root: nn.Module, device: torch.device, seed: int) -> list[str]:
+def materialize(root: nn.Module, device: torch.device, seed: int, filled: Collection[str] = ()) -> list[str]:
     """Allocate every meta tensor of ``root`` on ``device`` and initialise it by the rule in this module's docstring.
 
     ``root`` is the LightningModule after the strategy replaced the pipelined ``nn.Sequential`` by this rank's stage,
     so what is left on meta is exactly what this rank needs: its stage's layers and the replicated modules outside
-    the pipeline. Tensors already real are left alone. Parameters tied between modules stay tied. Returns the
-    qualified names of the modules it initialised, in order.
+    the pipeline. Tensors already real are left alone. Parameters tied between modules stay tied. ``filled``: the
+    names (state-dict keys, ``"blocks.3.weight"``) of tensors the caller fills next from pretrained weights; they
+    are allocated and not initialised, so a module all of whose meta tensors are filled needs no initialiser, and a
+    module whose parameters are filled but whose buffers are not (rotary frequencies, computed when the model is
+    built) may have them filled by its Hugging Face model's ``_init_weights``, as ``from_pretrained`` fills them.
+    Returns the qualified names of the modules it initialised, in order.
     """
     holders = _meta_parameter_holders(root)
     initialised = []
@@ -64,11 +68,15 @@ def materialize(root: nn.Module, device: torch.device, seed: int) -> list[str]:
                 " checkpoint into a fresh model (`Model.load_from_checkpoint(path)` or `trainer.fit(model,"
                 " ckpt_path=path)` with a model built in configure_model)."
             )
-        _check_resettable(module, name)
+        prefix = f"{name}." if name else ""
+        unfilled = {n for n, t in _named_tensors(module) if t.is_meta and f"{prefix}{n}" not in filled}
+        buffers_only = bool(filled) and not unfilled & {n for n, _ in module.named_parameters(recurse=False)}
+        initialise = _initialiser(root, name, module, buffers_only) if unfilled else None
         module.to_empty(device=device, recurse=False)
-        with seeded(device, layer_seed(seed, name)):
-            module.reset_parameters()
-        initialised.append(name)
+        if initialise is not None:
+            with seeded(device, layer_seed(seed, name)):
+                initialise()
+            initialised.append(name)
     _retie(holders)
     _check_metrics(root)
     return initialised
@@ -118,16 +126,31 @@ def _tensors(module: nn.Module, recurse: bool) -> Iterator[Tensor]:
     return itertools.chain(module.parameters(recurse=recurse), module.buffers(recurse=recurse))
 
 
-def _check_resettable(module: nn.Module, name: str) -> None:
-    if not callable(getattr(module, "reset_parameters", None)):
-        own = itertools.chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False))
-        tensors = [tensor_name for tensor_name, _ in own]
-        raise TypeError(
-            f"module {name or '(the LightningModule)'!r} ({type(module).__name__}) holds tensors {tensors} on the meta"
-            " device but has no reset_parameters() to initialise them after they are allocated on their stage;"
-            f" define `{type(module).__name__}.reset_parameters(self)` that fills them (as nn.Linear's does), or"
-            " create them outside configure_model()."
-        )
+def _named_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """The module's own parameters and buffers (not its children's), by name."""
+    return itertools.chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False))
+
+
+def _initialiser(root: nn.Module, name: str, module: nn.Module, buffers_only: bool) -> Callable[[], None]:
+    """What fills ``module``'s tensors: its ``reset_parameters()``; when only buffers are left to fill (the
+    parameters come from pretrained weights), the ``_init_weights(module)`` of the Hugging Face model around it,
+    which computes buffers such as rotary frequencies; else a ``TypeError`` naming the fix."""
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        return reset
+    if buffers_only:
+        parts = name.split(".")
+        for depth in range(len(parts) - 1, -1, -1):  # the innermost enclosing model first
+            owner = root.get_submodule(".".join(parts[:depth]))
+            if callable(getattr(owner, "_init_weights", None)):
+                return lambda: owner._init_weights(module)
+    tensors = [tensor_name for tensor_name, _ in _named_tensors(module)]
+    raise TypeError(
+        f"module {name or '(the LightningModule)'!r} ({type(module).__name__}) holds tensors {tensors} on the meta"
+        " device but has no reset_parameters() to initialise them after they are allocated on their stage;"
+        f" define `{type(module).__name__}.reset_parameters(self)` that fills them (as nn.Linear's does), or"
+        " create them outside configure_model()."
+    )
 
 
 # Set on modules left on the meta device after a run because another rank holds their trained weights (see

@@ -35,7 +35,7 @@ class WholeModelSummary:
         return self.summary_data
 
 
-def summarize_whole_model(callbacks: Sequence[Any], stage: StageBlocks, ranges: Sequence[range]) -> Callable[[], None]:
+def summarize_whole_model(callbacks: Sequence[Any], stage: StageBlocks, ranges: Sequence[Sequence[int]]) -> Callable[[], None]:
     """Make Lightning's model summary callbacks among ``callbacks`` summarise the whole model, each row with the
     stages that run it (``ranges``: the blocks of each stage); returns what undoes it."""
     wrapped = [callback for callback in callbacks if _is_model_summary(callback)]
@@ -49,7 +49,7 @@ def summarize_whole_model(callbacks: Sequence[Any], stage: StageBlocks, ranges: 
     return undo
 
 
-def _whole_model_summary(summary: Callable[..., Any], stage: StageBlocks, ranges: Sequence[range]) -> Callable[..., Any]:
+def _whole_model_summary(summary: Callable[..., Any], stage: StageBlocks, ranges: Sequence[Sequence[int]]) -> Callable[..., Any]:
     def whole(trainer: Any, module: nn.Module) -> WholeModelSummary:
         with stage.showing_whole_model():
             lightning_summary = summary(trainer, module)
@@ -68,7 +68,7 @@ def _whole_model_summary(summary: Callable[..., Any], stage: StageBlocks, ranges
     return whole
 
 
-def where_it_runs(model: nn.Module, name: str, stage: StageBlocks, ranges: Sequence[range]) -> str:
+def where_it_runs(model: nn.Module, name: str, stage: StageBlocks, ranges: Sequence[Sequence[int]]) -> str:
     """``"stage 1"`` for a pipelined block and what it holds, ``"stages 0-1"`` for a module made of the blocks of
     several stages, and ``"every stage"`` for what every stage holds (the modules outside the pipelined blocks)."""
     stage_of = {block: s for s, blocks in enumerate(ranges) for block in (stage.region.names[i] for i in blocks)}

@@ -26,6 +26,7 @@ from lightning_pipe.balance import (
     check_one_count_per_stage,
 )
 from lightning_pipe.config import PipelineParallelConfig, require_positive_int
+from lightning_pipe.pretrained import PretrainedWeights, checked_pretrained
 from lightning_pipe.schedule import (
     SCHEDULES,
     PipelineSchedule,
@@ -67,6 +68,7 @@ class PipelineSettings:
     schedule: str | PipelineSchedule | StageActions = field(default="gpipe", compare=False)
     virtual_stages: int | None = None  # model chunks per stage; None: the schedule's default
     compile: bool | dict[str, Any] = False  # True, or torch.compile's keyword arguments, for each stage's layers
+    pretrained: PretrainedWeights | None = None  # a path or a mapping enters; PretrainedWeights once checked
     key: InitVar[str] = ""
 
     def __post_init__(self, key: str) -> None:
@@ -91,6 +93,7 @@ class PipelineSettings:
             "schedule": schedule,
             "virtual_stages": virtual_stages,
             "compile": _checked_compile(self.compile, key),
+            "pretrained": checked_pretrained(self.pretrained, key),
         }
         for name in ("log_bubble_fraction", "deferred_batch_norm", "save_distributed_checkpoint",
                      "gather_model_after_run"):

@@ -211,6 +211,12 @@ class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
             raise self.refused from error
 
 
+def read_entries(path: str | Path, tensors: dict[str, Tensor]) -> None:
+    """Fill ``tensors`` in place (cast to their dtype) from the entries of those names of the sharded checkpoint
+    ``path``; nothing else is read."""
+    _read(path, tensors, weights_only=True)
+
+
 def _read(path: str | Path, state_dict: dict[str, Any], weights_only: bool | None) -> None:
     """Fill ``state_dict`` (tensors in place, other values replaced) from the sharded checkpoint ``path``."""
     planner = _WeightsOnlyLoadPlanner(path, weights_only)

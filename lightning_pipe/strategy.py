@@ -79,11 +79,13 @@ from lightning_pipe.launch import (
     keep_process_groups_at_exit,
     note_sigterm,
 )
+from lightning_pipe.export import export_pretrained_by_stage, library_model_prefix
 from lightning_pipe.materialize import global_seed, holds_meta_tensors, materialize
 from lightning_pipe.model_summary import summarize_whole_model
 from lightning_pipe.groups import PipelineGroups, init_pipeline_groups
 from lightning_pipe.outcome import StepOutcome
 from lightning_pipe.packages import LIGHTNING, LightningPackage, adopt_package, overrides, register_package
+from lightning_pipe.pretrained import PretrainedLoad, PretrainedWeights, holds_pretrained_weights
 from lightning_pipe.random_streams import StageRandomStreams
 from lightning_pipe.region import (
     MAX_OUTSIDE_SHARE,
@@ -201,6 +203,13 @@ class GPipeStrategyMixin:
             ``torch.compile`` (``{"mode": "max-autotune"}``): every layer separately, as torchtitan compiles each
             block. A ``torch.compile`` wrapper around the pipelined module is honoured the same way, with its settings
             (see :mod:`lightning_pipe.compile`).
+        pretrained: start from stored weights, each rank reading only its stage's and the replicated modules'
+            tensors: the path of a Hugging Face model directory (safetensors, single or sharded, or
+            ``pytorch_model.bin``), of a weights file, or of a checkpoint of this package; or
+            :class:`~lightning_pipe.PretrainedWeights` with the ``prefix`` where the stored model sits in the
+            LightningModule (inferred by default) and the ``dtype`` (the precision's, or the stored one). Checked
+            against the whole model on every rank before the first step (see :mod:`lightning_pipe.pretrained`); a
+            model object loads them once (a later ``trainer.test`` keeps what ``fit`` trained).
     """
 
     strategy_name = "gpipe"
@@ -232,6 +241,7 @@ class GPipeStrategyMixin:
         schedule: str | PipelineSchedule | StageActions = "gpipe",
         virtual_stages: int | None = None,
         compile: bool | Mapping[str, Any] = False,
+        pretrained: str | Path | PretrainedWeights | Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -260,6 +270,7 @@ class GPipeStrategyMixin:
             schedule=schedule,
             virtual_stages=virtual_stages,
             compile=compile,
+            pretrained=pretrained,  # type: ignore[arg-type]  (a path or mapping becomes PretrainedWeights)
         )
         # The settings the process-group, setup, step and checkpoint sections read.
         self._module_name = self._settings.module_name
@@ -291,6 +302,7 @@ class GPipeStrategyMixin:
         self._tied: TiedParameters | None = None  # parameters shared by layers of several stages
         # A per-micro-batch step's gradients, from its `training_step` to Lightning's `backward` (see `swap_gradients`).
         self._step_gradients: tuple[list[nn.Parameter], list[Tensor | None]] = ([], [])
+        self._pretrained_prefix: str | None = None  # where the pretrained model sits, once its weights were mapped
 
     # ---- configuration -------------------------------------------------------------------------------------------
 
@@ -461,8 +473,8 @@ class GPipeStrategyMixin:
         self._broadcast_replicated_state()
         self._sync_metrics_within_replicas(module)
         self._wrap_epoch_end_hooks(module)
-        assert self._plan is not None
-        self._undo_summaries = summarize_whole_model(trainer.callbacks, self._runtime.stage, self._plan.ranges)
+        assert self._pipelined is not None
+        self._undo_summaries = summarize_whole_model(trainer.callbacks, self._runtime.stage, self._pipelined.ranges)
         self._runtime.share_outcome(module, StepOutcome())  # every stage starts from the last stage's random state
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -509,6 +521,7 @@ class GPipeStrategyMixin:
         ties = parameters_shared_across_stages(blocks, held)  # before materialising replaces parameters
         whole_model_state = list(module.state_dict().keys())
         whole_model_parameters = [parameter_name for parameter_name, _ in module.named_parameters()]
+        pretrained = self._plan_pretrained_load(module)  # checked on the whole model: every rank fails alike
         index = self.stage_index
         local = {k: chunk_ranges[k] for k in schedule.chunks(index, config.num_stages, v)}
         stage = StageBlocks(module, region, local, index, config.num_stages, num_chunks=len(chunk_ranges))
@@ -516,12 +529,18 @@ class GPipeStrategyMixin:
         stage.install()
         # Built on the meta device: only what this rank runs becomes real (the stage, the replicated modules).
         self._deferred = self.reduce_boolean_decision(holds_meta_tensors(layers), all=False)
-        materialize(module, self.root_device, self.broadcast(global_seed()))
+        filled = pretrained.mapping.filled if pretrained is not None else ()
+        materialize(module, self.root_device, self.broadcast(global_seed()), filled)
+        if pretrained is not None:
+            with self.precision_plugin.tensor_init_context():  # sets the precision's dtype as torch's default
+                precision_dtype = torch.get_default_dtype()
+            pretrained.fill(module, precision_dtype)
         if self._deferred_batch_norm:
             for block in stage.blocks:
                 defer_batch_norms(block)
         self._pipelined = PipelinedModule(
-            region.label, layers, held, whole_model_state, whole_model_parameters, put_back=stage.uninstall
+            region.label, layers, held, whole_model_state, whole_model_parameters, put_back=stage.uninstall,
+            block_names=region.names,
         )
         self._replicated = replicated_parameters(module, region.names)
         self._tied = TiedParameters(ties, stage, self.layout, self._replicated, self._timeout)
@@ -557,6 +576,23 @@ class GPipeStrategyMixin:
                 trace_path=trace_dir / TRACE_FILE_NAME if self.global_rank == 0 else None,
                 ideal_bubble=partial(schedule.ideal_bubble, config.num_stages, virtual_stages=v),
             )
+
+    def _plan_pretrained_load(self, module: LightningModule) -> PretrainedLoad | None:
+        """The pretrained weights to read into this model, checked against it; None when none were asked for or
+        this model object holds them already (from an earlier run, which may have trained them)."""
+        weights = self._settings.pretrained
+        if weights is None:
+            return None
+        if holds_pretrained_weights(module):
+            rank_zero_info(f"The model holds the weights of an earlier run: {str(weights.path)!r} is not read again.")
+            return None
+        load = PretrainedLoad.plan(module, weights)
+        self._pretrained_prefix = load.mapping.prefix
+        rank_zero_info(
+            f"Starting from the pretrained weights {load.stored.describe()}: {load.mapping.describe(load.stored)};"
+            " each rank reads its stage's share."
+        )
+        return load
 
     def _check_every_rank_built_the_same_model(self, module: LightningModule) -> None:
         """Raise on every rank if the ranks' models differ in any state-dict entry's name, shape or dtype."""
@@ -895,6 +931,41 @@ class GPipeStrategyMixin:
                             f" storage_options (got {storage_options!r}); pass save_distributed_checkpoint=False to"
                             " write one file through the checkpoint IO plugin.")
         save_sharded(checkpoint, filepath, self._pipelined.state_keys, self._pipelined.parameter_order)
+
+    def save_pretrained(
+        self, directory: str | Path, prefix: str | None = None, dtype: torch.dtype | str | None = None
+    ) -> None:
+        """Write the model as a Hugging Face directory that ``from_pretrained`` loads: one safetensors shard per
+        stage, written by the stage that holds it (nothing is gathered), the index and the model's config written
+        by global rank 0. Call it on every rank, as ``trainer.save_checkpoint``, after ``fit`` or in a callback.
+
+        ``prefix``: where the library's model sits in the LightningModule (``"model."``), whose keys lose it; by
+        default the prefix the pretrained weights were mapped with, else the one Hugging Face model's place, else
+        none. Keys outside it are left out (a warning names them). ``dtype``: cast every tensor (``"bfloat16"``);
+        by default each keeps its own.
+        """
+        module = self.lightning_module
+        if self._pipelined is None or module is None:
+            raise RuntimeError(
+                f"save_pretrained({str(directory)!r}) needs the pipeline's stages, which this process does not hold"
+                " (the launching process of gpipe_spawn / gpipe_fork, or a run that failed). Call it on every rank"
+                " with the default start method, or write a checkpoint and run"
+                " `python -m lightning_pipe.export_pretrained CHECKPOINT DIRECTORY`."
+            )
+        if prefix is None:
+            prefix = self._pretrained_prefix if self._pretrained_prefix is not None else library_model_prefix(module)
+        if not any(key.startswith(prefix) for key in self._pipelined.state_keys):
+            raise ValueError(
+                f"save_pretrained(prefix={prefix!r}): no key of the model starts with it; give the path of the model"
+                f" to write in the LightningModule, with its dot (e.g. {library_model_prefix(module) or 'model.'!r})."
+            )
+        left_out = export_pretrained_by_stage(
+            module, self._pipelined, Path(directory), prefix, dtype, self.stage_index, self.groups.stage_ranks,
+            self.global_rank, self.groups.meta, writes=self.layout.replica(self.global_rank) == 0,
+        )
+        if left_out:
+            rank_zero_warn(f"save_pretrained left out the keys outside the prefix {prefix!r}: {left_out}")
+        self.barrier()  # every rank returns once the directory is complete
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self._pipelined is None or self.layout.num_stages == 1 or checkpoint.get(SHARDED):

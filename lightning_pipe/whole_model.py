@@ -44,12 +44,21 @@ class PipelinedModule:
 
     name: str
     sequential: nn.Sequential
-    ranges: list[range]
+    ranges: list[list[int]]  # the blocks each stage holds (with virtual stages, several chunks' worth)
     state_keys: list[str]  # the whole model's state-dict keys, in order
     parameter_order: list[str]  # the whole model's parameter names, in order
     put_back: Callable[[], None]  # puts every block back where the model had it
     # After a run of a model built the usual way, every rank holds the whole trained model: nothing to gather.
     whole_on_every_rank: bool = False
+    block_names: tuple[str, ...] = ()  # each block's qualified name in the LightningModule, in order
+
+    def stage_keys(self, stage: int) -> list[str]:
+        """The state-dict keys that stage ``stage`` writes when each stage writes its own: its blocks' keys, and on
+        the first stage the keys outside the pipelined blocks (which every stage holds), in the whole model's
+        order."""
+        inside = tuple(f"{name}." for name in self.block_names)
+        mine = tuple(f"{self.block_names[i]}." for i in self.ranges[stage])
+        return [key for key in self.state_keys if key.startswith(mine) or (stage == 0 and not key.startswith(inside))]
 
 
 # ---- saving: the whole model on the last stage -------------------------------------------------------------------
@@ -67,7 +76,7 @@ def whole_state_dict(
     local = held_state_dict(module)
     if pipelined.whole_on_every_rank:
         return local
-    stages = _gather_to_last_stage(_to_cpu(local), stage_ranks, rank, group)
+    stages = gather_to_last_stage(_to_cpu(local), stage_ranks, rank, group)
     if stages is None:
         return local
     merged = {key: value for stage in stages for key, value in stage.items()}
@@ -91,7 +100,7 @@ def whole_optimizer_state(
     elsewhere."""
     local = optimizer.state_dict()
     named = name_optimizer_state(_to_cpu(local), group_names(module, optimizer))
-    stages = _gather_to_last_stage(named, stage_ranks, rank, group)
+    stages = gather_to_last_stage(named, stage_ranks, rank, group)
     if stages is None:
         return local
     return merge_optimizer_states(stages, parameter_order)
@@ -103,7 +112,7 @@ def group_names(module: LightningModule, optimizer: Optimizer) -> list[list[str]
     return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
 
-def _gather_to_last_stage(
+def gather_to_last_stage(
     obj: Any, stage_ranks: Sequence[int], rank: int, group: dist.ProcessGroup | None
 ) -> list[Any] | None:
     """Every stage's ``obj`` on the stage of this pipeline that writes checkpoints, the one on the lowest rank (the

@@ -11,7 +11,7 @@ from lightning.pytorch import Trainer
 from omegaconf import OmegaConf
 from torch import nn
 
-from lightning_pipe import GPipeStrategy, PipelineParallelConfig
+from lightning_pipe import GPipeStrategy, PipelineParallelConfig, PretrainedWeights
 from lightning_pipe.balance import profiling_sample
 from lightning_pipe.hydra import validate_strategy_config
 from lightning_pipe.schedule import SCHEDULES, gpipe
@@ -94,6 +94,27 @@ INVALID = {
     "compile arguments": (
         {"compile": {"mdoe": "max-autotune"}},
         "{key}compile={{'mdoe': 'max-autotune'}} is invalid; 'mdoe' is not a keyword argument of torch.compile,",
+    ),
+    "pretrained type": (
+        {"pretrained": 3}, "{key}pretrained=3 is invalid; give the path of a model directory or weights file"
+    ),
+    "pretrained path": (
+        {"pretrained": "/no/such/model"},
+        "{key}pretrained: '/no/such/model' does not exist; give a model directory or a weights file.",
+    ),
+    "pretrained directory": (
+        {"pretrained": str(Path(__file__).parent)},
+        "{key}pretrained: " + repr(str(Path(__file__).parent)) + " holds no weights this package reads: no"
+        " model.safetensors.index.json, model.safetensors, pytorch_model.bin.index.json or pytorch_model.bin",
+    ),
+    "pretrained mapping": (
+        {"pretrained": {"path": "/models/gpt2", "dtyp": "checkpoint"}},
+        "{key}pretrained={{'path': '/models/gpt2', 'dtyp': 'checkpoint'}} is invalid; give a path, or a mapping with"
+        " 'path'",
+    ),
+    "pretrained dtype": (
+        {"pretrained": {"path": str(Path(__file__)), "dtype": "fp8"}},
+        "{key}pretrained.dtype='fp8' is invalid; use 'precision' (the Trainer precision's dtype) or 'checkpoint'",
     ),
 }
 
@@ -198,6 +219,16 @@ def test_module_name_is_a_path_or_a_list_of_sibling_modules_kept_as_a_tuple():
     assert PipelineSettings(module_name=["m.conv1", "m.layer1"]).module_name == ("m.conv1", "m.layer1")
     node = OmegaConf.create({"num_stages": 2, "module_name": ["m.conv1", "m.layer1", "m.fc"]})
     assert PipelineSettings.from_options(node, key="strategy.").module_name == ("m.conv1", "m.layer1", "m.fc")
+
+
+def test_pretrained_setting_is_a_path_a_mapping_or_pretrained_weights_kept_as_pretrained_weights(tmp_path):
+    (tmp_path / "model.safetensors").touch()  # the check lists the directory; it reads no weights
+    assert PipelineSettings(pretrained=str(tmp_path)).pretrained == PretrainedWeights(tmp_path, None, "precision")
+    node = OmegaConf.create({"num_stages": 2, "pretrained": {"path": str(tmp_path), "prefix": "model",
+                                                             "dtype": "checkpoint"}})
+    from_hydra = PipelineSettings.from_options(node, key="strategy.").pretrained
+    assert from_hydra == PretrainedWeights(tmp_path, "model.", "checkpoint")  # the prefix ends with its dot
+    assert PipelineSettings(pretrained=from_hydra).pretrained == from_hydra
 
 
 def test_a_config_or_mapping_passed_as_num_stages_holds_both_counts():

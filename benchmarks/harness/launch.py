@@ -24,14 +24,19 @@ REPO = BENCHMARKS.parent
 
 
 def launch(
-    function: Callable[[dict[str, Any]], Any], world_size: int, spec: dict[str, Any], timeout: float = 600
+    function: Callable[[dict[str, Any]], Any],
+    world_size: int,
+    spec: dict[str, Any],
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run ``function(spec)``, a function of a ``ranks/`` module, on ``world_size`` ranks; the answers, by rank."""
+    """Run ``function(spec)``, a function of a ``ranks/`` module, on ``world_size`` ranks (``env`` added to their
+    environment); the answers, by rank."""
     module, name = function.__module__, function.__name__
     with tempfile.TemporaryDirectory(prefix="lightning_pipe_bench_") as tmp:
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(spec))
-        env = _worker_environment(world_size)
+        env = {**_worker_environment(world_size), **(env or {})}
         processes = []
         for rank in range(world_size):
             rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0"}

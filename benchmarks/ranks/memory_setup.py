@@ -61,18 +61,18 @@ class PeakAtTrainEnd(Callback):
         self.share_bytes = max(self.share_bytes, sum(t.numel() * t.element_size() for t in tensors))
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.peak_bytes = _peak_resident_bytes()
+        self.peak_bytes = peak_resident_bytes()
 
 
-def _peak_resident_bytes() -> int:
-    """The kernel's peak-RSS mark of this process (``VmHWM``), which ``_reset_peak`` resets."""
+def peak_resident_bytes() -> int:
+    """The kernel's peak-RSS mark of this process (``VmHWM``), which ``reset_peak`` resets."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024  # Linux reports KiB
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def _reset_peak() -> None:
+def reset_peak() -> None:
     """Free the garbage (the previous run's model and Trainer, held in reference cycles), then set the kernel's
     peak-RSS mark of this process to its current RSS (Linux's ``clear_refs``, value 5)."""
     gc.collect()
@@ -102,9 +102,9 @@ def _run(spec: dict[str, Any], reset: bool, fit_only: bool = False) -> dict[str,
         limit_val_batches=0, callbacks=[peak],
     )
     if reset:
-        _reset_peak()
+        reset_peak()
     trainer.fit(model, loader)
-    phases = {"fit": peak.peak_bytes, "after_fit": _peak_resident_bytes()}
+    phases = {"fit": peak.peak_bytes, "after_fit": peak_resident_bytes()}
     if not fit_only:
         # The launch's working directory, shared by the ranks (a sharded checkpoint is one directory for all).
         for phase, action in (
@@ -112,9 +112,9 @@ def _run(spec: dict[str, Any], reset: bool, fit_only: bool = False) -> dict[str,
             ("checkpoint", lambda: trainer.save_checkpoint(Path.cwd() / f"checkpoint_{spec['name']}")),
         ):
             if reset:
-                _reset_peak()
+                reset_peak()
             action()
-            phases[phase] = _peak_resident_bytes()
+            phases[phase] = peak_resident_bytes()
     return {
         "stage": strategy.stage_index,
         "phases": phases,

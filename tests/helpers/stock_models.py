@@ -132,6 +132,20 @@ class CausalLM(TinyData, LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
 
 
+def gpt2_config(layers: int = 4):
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=layers, n_head=4,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+
+
+def llama_config(layers: int = 4):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+
+
 class GPT2Module(CausalLM):
     """``GPT2LMHeadModel``: blocks in the ModuleList ``model.transformer.h``; the head shares the embedding's weight.
 
@@ -140,12 +154,9 @@ class GPT2Module(CausalLM):
     """
 
     def __init__(self, layers: int = 4, gradient_checkpointing: bool = False, **kwargs) -> None:
-        from transformers import GPT2Config, GPT2LMHeadModel
+        from transformers import GPT2LMHeadModel
 
-        config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=layers, n_head=4,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                            bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
-        super().__init__(GPT2LMHeadModel(config), **kwargs)
+        super().__init__(GPT2LMHeadModel(gpt2_config(layers)), **kwargs)
         if gradient_checkpointing:
             enable = getattr(self.model, "activation_checkpointing_enable", self.model.gradient_checkpointing_enable)
             enable()
@@ -155,11 +166,27 @@ class LlamaModule(CausalLM):
     """``LlamaForCausalLM``: blocks in the ModuleList ``model.model.layers``, rotary position embeddings."""
 
     def __init__(self, layers: int = 4, **kwargs) -> None:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import LlamaForCausalLM
 
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-        super().__init__(LlamaForCausalLM(config), **kwargs)
+        super().__init__(LlamaForCausalLM(llama_config(layers)), **kwargs)
+
+
+class PretrainedCausalLM(CausalLM):
+    """A causal LM fine-tuned from a Hugging Face directory, as the docs' page writes it: built from the directory's
+    config in ``configure_model`` (on the meta device under the gpipe strategy, whose ``pretrained=`` fills it), or
+    with ``from_pretrained`` in ``__init__`` (``from_pretrained=True``: the one-device baseline)."""
+
+    def __init__(self, path: str, from_pretrained: bool = False, **kwargs) -> None:
+        from transformers import AutoModelForCausalLM
+
+        super().__init__(AutoModelForCausalLM.from_pretrained(path) if from_pretrained else None, **kwargs)
+        self.path = path
+
+    def configure_model(self) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if self.model is None:  # configure_model runs again for trainer.validate/test
+            self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.path))
 
 
 # -- torch's TransformerEncoder ----------------------------------------------------------------------------------
