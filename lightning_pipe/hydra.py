@@ -82,6 +82,13 @@ class GPipeStrategyConfig:
     """Compile each stage's layers with ``torch.compile``: ``true``, or its keyword arguments (``{mode:
     max-autotune}``); every layer separately, so no compiled code spans two stages. (``Any``: a bool or a mapping;
     :func:`validate_config` checks it.)"""
+    stall_watchdog: bool = True
+    """End the run when a wait on another rank in a training step lasts longer than ``max(stall_floor, stall_multiple
+    * the slowest recent step)``, naming the rank that stopped and writing every rank's stack (``stall_stacks/``)."""
+    stall_multiple: float = 10.0
+    """How many times the slowest of the last 100 regular training steps a wait may last."""
+    stall_floor: float = 30.0
+    """The shortest bound on a wait, in seconds."""
 
 
 def register_configs() -> None:
