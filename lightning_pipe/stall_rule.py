@@ -65,6 +65,7 @@ class StepClock:
         self._started: float | None = None  # when the current step started
         self._regular = False  # whether the current step is regular
         self._interrupted = False  # an uneven phase began since the current step started
+        self._ended = False  # the current step's optimizer step is done: the time between steps runs
         self.bound_s: float | None = None
 
     def step_starts(self, now: float, epoch: int, batch: int, batch_shape: Hashable) -> None:
@@ -74,8 +75,11 @@ class StepClock:
         self._regular = continues and self.steps >= WARMUP_STEPS and batch_shape in self._batch_shapes
         self._batch_shapes.add(batch_shape)
         self.steps += 1
-        self.epoch, self.batch, self._started, self._interrupted = epoch, batch, now, False
+        self.epoch, self.batch, self._started, self._interrupted, self._ended = epoch, batch, now, False, False
         self.bound_s = self.rule.bound_s(self.slowest_s) if self._regular and self.durations else None
+
+    def step_ends(self) -> None:
+        self._ended = True
 
     def uneven_phase(self) -> None:
         """Validation, a checkpoint, an epoch's end: unbounded, and the next step is not regular."""
@@ -91,8 +95,11 @@ class StepClock:
         return self.durations[-1] if self.durations else None
 
     def where(self) -> str:
-        """The current step, as the error names it: ``"batch 3 of epoch 0"``."""
-        return "before the first training step" if self.batch is None else f"batch {self.batch} of epoch {self.epoch}"
+        """The current step, as the error names it: ``"in batch 3 of epoch 0"``, or ``"after batch 3 ..."`` between
+        steps."""
+        if self.batch is None:
+            return "before the first training step"
+        return f"{'after' if self._ended else 'in'} batch {self.batch} of epoch {self.epoch}"
 
 
 @dataclass(frozen=True)
@@ -120,7 +127,7 @@ class RankState:
     seconds: float  # how long it has waited, or, when not waiting, since it last made progress
     location: str  # where its main thread is: "train.py:12 in on_train_batch_end"
     collective: str | None  # a torch.distributed call it is in that the pipeline did not make (Lightning's, a user's)
-    step: str  # "batch 3 of epoch 0"
+    step: str  # "in batch 3 of epoch 0"
     last_step_s: float | None
     bound_s: float | None
     stacks: str  # the file its stack was written to
@@ -175,11 +182,11 @@ def stall_message(own: RankState, verdict: Verdict, stacks_dir: str) -> str:
     fired = verdict.states.get(verdict.fired_by) if verdict.fired_by is not None else None
     fired = fired or own
     if own.rank in verdict.stalled:
-        head = f"{own.name} stopped making progress in {own.step} (at {own.location}); the stall watchdog ended it."
+        head = f"{own.name} stopped making progress {own.step} (at {own.location}); the stall watchdog ended it."
     elif own.rank == fired.rank:
-        head = f"{own.line()} in {own.step}."
+        head = f"{own.line()} {own.step}."
     else:
-        head = f"{own.line()} in {own.step}, when the stall watchdog ended the run."
+        head = f"{own.line()} {own.step}, when the stall watchdog ended the run."
     bound = f"{fired.bound_s:.1f} s" if fired.bound_s is not None else "the bound"
     how = f" ({fired.note})" if fired.note else ""
     last = f"{fired.last_step_s:.2f} s" if fired.last_step_s is not None else "not measured"

@@ -728,7 +728,7 @@ class GPipeStrategy(ParallelStrategy):
             return result
 
         result = super().optimizer_step(optimizer, closure_then_reduce_gradients, model, **kwargs)
-        self._watchdog.progress()  # the time until the next step (callbacks, the next batch) is watched from here
+        self._watchdog.step_ends()
         return result
 
     def _reduce_gradients(self) -> None:

@@ -64,6 +64,7 @@ LINGER_S = 30.0  # how long any rank may live on after the verdict before its wa
 STACKS_DIR = "stall_stacks"
 _SIGNAL = signal.SIGUSR2  # sent to the stopped rank's main thread, whose handler raises the error there
 _runs = itertools.count()  # this process's watched runs, numbered alike on every rank (each trainer call sets one up)
+_latest: list[StallWatchdog] = []  # the watchdog of this process's latest run, for stall_found_here()
 
 
 class StallWatchdog:
@@ -105,6 +106,15 @@ class StallWatchdog:
     def enabled(self) -> bool:
         return self.clock is not None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The spawn launcher pickles the strategy: a watchdog travels without its thread, lock and handler."""
+        state = self.__dict__.copy()
+        state.update(_lock=None, _stop=None, _watcher=None, _handling_signal=False, _previous_handler=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock(), _stop=threading.Event())
+
     # ---- the run (main thread) ----------------------------------------------------------------------------------
 
     def start(self, run_dir: Path) -> None:
@@ -113,6 +123,7 @@ class StallWatchdog:
             return
         self._stacks_dir = Path(run_dir) / STACKS_DIR
         self._main_thread = threading.get_ident()
+        _latest[:] = [self]
         if threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(_SIGNAL, self._on_signal)
             self._handling_signal = True
@@ -143,9 +154,12 @@ class StallWatchdog:
         if self.clock is not None:
             self.clock.uneven_phase()
 
-    def progress(self) -> None:
-        """The main thread got on (a step's end): the time between steps is measured from here."""
+    def step_ends(self) -> None:
+        """The step's optimizer step is done: the time until the next step (callbacks, the next batch) is watched from
+        here."""
         self._since = time.monotonic()
+        if self.clock is not None:
+            self.clock.step_ends()
 
     # ---- waits ---------------------------------------------------------------------------------------------------
 
@@ -384,6 +398,15 @@ class StallWatchdog:
 
 
 UNWATCHED = StallWatchdog(None)  # plain waits: a run without the watchdog, or a single process
+
+
+def stall_found_here() -> PipelineStallError | None:
+    """This rank's error, if the watchdog of this process's latest run found a stall: what a rank raises when it then
+    fails otherwise (it lost the stopped rank while posting a message, or in a wait of Lightning's)."""
+    watchdog = _latest[0] if _latest else None
+    if watchdog is None or watchdog._verdict is None or watchdog._own is None:
+        return None
+    return PipelineStallError(watchdog._message(watchdog._own, watchdog._verdict))
 
 
 def main_thread_location(frames: list[traceback.FrameSummary]) -> tuple[str, str | None]:

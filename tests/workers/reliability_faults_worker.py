@@ -11,8 +11,8 @@ SPEC: {"devices": N, "out": DIR, "strategy": "gpipe" | "gpipe_spawn" | "gpipe_fo
                    "epoch": e (optional: only in that epoch)}, ...]}
 WHERE: "step", "layer", "hook" (at the start of a batch), "hook_end" (at its end), "loader" (the training data loader
 reading batch B on stage S's rank) or "checkpoint" (a callback's on_save_checkpoint on stage S's rank).
-KIND: "raise", "sigkill", "sigterm" or "stall" (anywhere); "slow" (sleeps three times the bound the stall watchdog would
-set now, then goes on); or a misuse by a pipelined layer (``where="layer"``): its output is
+KIND: "raise", "sigkill", "sigterm" or "stall" (anywhere); "slow" (sleeps twice the bound the stall watchdog would set
+now, then goes on); or a misuse by a pipelined layer (``where="layer"``): its output is
 "non_tensor" (a dict), "batch_dim" (the first row only), "dtype" (float64 where the next stage has float32) or
 "nan" (NaN: the loss becomes NaN); or "skip" (``where="step"``, stage 0): the first stage's step returns before the
 pipelined call while the last stage's calls it.
@@ -71,8 +71,10 @@ class Position(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         _where_we_are.update(phase="train", batch=batch_idx, epoch=trainer.current_epoch)
-        self.faults.step_starts()
         self.faults.fire_if_due("hook", _stage(trainer))
+
+    def on_train_start(self, trainer, pl_module):
+        self.faults.strategy = trainer.strategy
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.faults.fire_if_due("hook_end", _stage(trainer))
@@ -111,17 +113,9 @@ class LossRecorder(Callback):
 
 
 class Faults:
-    def __init__(self, specs: list[dict], out: Path | None, stall: dict | None = None) -> None:
+    def __init__(self, specs: list[dict], out: Path | None) -> None:
         self.specs, self.out = specs, out
-        self.stall = stall or {"stall_floor": 30.0, "stall_multiple": 10.0}  # the watchdog's settings ("slow" faults)
-        self.step_seconds: list[float] = []  # this rank's training steps, start to start (the bound's input)
-        self._step_started: float | None = None
-
-    def step_starts(self) -> None:
-        now = time.monotonic()
-        if self._step_started is not None:
-            self.step_seconds.append(now - self._step_started)
-        self._step_started = now
+        self.strategy: Any = None  # set at the start of training: its stall watchdog's clock sets the "slow" sleeps
 
     def stages(self, where: str) -> set[int]:
         return {spec["stage"] for spec in self.specs if spec["where"] == where}
@@ -155,13 +149,13 @@ class Faults:
             (self.out / f"fault{_rank()}.json").write_text(json.dumps({"time": time.time(), **spec}))
 
     def would_be_bound(self) -> float:
-        """The bound the stall watchdog would set now, from this rank's step times (the slowest of the last 100)."""
-        slowest = max(self.step_seconds[-100:], default=0.0)
-        return max(self.stall["stall_floor"], self.stall["stall_multiple"] * slowest)
+        """The bound a wait would have now if it were bounded (from the stall watchdog's step times)."""
+        clock = self.strategy._watchdog.clock
+        return clock.rule.bound_s(clock.slowest_s)
 
     def _fire(self, spec: dict) -> None:
         if spec["kind"] == "slow":  # legitimately slow: longer than the bound would be, then on (OUT/slow-*.json)
-            seconds = 3 * self.would_be_bound()
+            seconds = 2 * self.would_be_bound()
             if self.out is not None:
                 name = f"slow-{spec['where']}-{spec['phase']}-{_rank()}.json"
                 (self.out / name).write_text(json.dumps({"seconds": seconds, "bound": self.would_be_bound(), **spec}))
@@ -282,7 +276,7 @@ def run(spec: dict, out: Path) -> None:
         strategy = lightning_pipe.GPipeStrategy(stages, num_micro_batches=4, start_method=start_method, **kwargs)
         # A misuse: a model size that depends on the rank (LOCAL_RANK is set in the ranks the launcher starts).
         hidden = spec.get("hidden_by_rank", {}).get(os.environ.get("LOCAL_RANK", "0"), 16)
-        faults = Faults(spec.get("faults", []), out, watchdog or None)
+        faults = Faults(spec.get("faults", []), out)
         model, trainer, losses = fit(
             spec["devices"], faults, strategy, hidden, stages, spec.get("epochs", 1), spec.get("checkpoint_every")
         )
