@@ -170,36 +170,27 @@ class StallWatchdog:
         Only CPU (gloo) works get the bound as their timeout: an NCCL work's ``wait`` only orders the device's
         streams, and with a timeout it would block the host until the device is done. The watcher bounds those."""
         bound = self._bound_s() if group is None or self._is_cpu_group(group) else None
-        start = time.monotonic()
-        self._current = (waited, start, bound is not None)
-        try:
+        with self.waiting(waited, bound):
             if bound is None:
                 for work in works:
                     work.wait()
             else:
-                deadline = start + bound
+                deadline = time.monotonic() + bound
                 for work in works:  # (a timeout of 0 would mean none: at least a millisecond)
                     work.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
-        except RuntimeError as error:
-            timed_out = bound is not None and time.monotonic() >= start + bound - 0.01 and _says_timeout(error)
-            stall = self._stall_error(waited, start, timed_out)
-            if stall is None:
-                raise
-            raise stall from error
-        finally:
-            self._current = None
-            self._since = time.monotonic()
 
     @contextlib.contextmanager
-    def waiting(self, waited: Wait) -> Iterator[None]:
-        """Mark a call that waits inside (``broadcast_object_list``): the watcher bounds it, and its failure after a
-        stall was found raises :class:`PipelineStallError`."""
+    def waiting(self, waited: Wait, bound: float | None = None) -> Iterator[None]:
+        """Mark a wait on other ranks: the watcher bounds it (or, with ``bound``, the caller passed the bound as the
+        wait's timeout), and its failure once a stall was found, or its timeout, raises :class:`PipelineStallError`.
+        For calls that wait inside (``broadcast_object_list``) as for :meth:`wait`."""
         start = time.monotonic()
-        self._current = (waited, start, False)
+        self._current = (waited, start, bound is not None)
         try:
             yield
         except RuntimeError as error:
-            stall = self._stall_error(waited, start, timed_out=False)
+            timed_out = bound is not None and time.monotonic() >= start + bound - 0.01 and _says_timeout(error)
+            stall = self._stall_error(waited, start, timed_out)
             if stall is None:
                 raise
             raise stall from error
