@@ -102,10 +102,6 @@ class StallWatchdog:
         self._handling_signal = False
         self._stacks_dir: Path | None = None
 
-    @property
-    def enabled(self) -> bool:
-        return self.clock is not None
-
     def __getstate__(self) -> dict[str, Any]:
         """The spawn launcher pickles the strategy: a watchdog travels without its thread, lock and handler."""
         state = self.__dict__.copy()
@@ -245,8 +241,7 @@ class StallWatchdog:
         if waited is None and (current := self._current) is not None:
             waited, start, _ = current
             seconds = now - start
-        frame = sys._current_frames().get(self._main_thread or threading.get_ident())
-        location, collective = main_thread_location(traceback.extract_stack(frame) if frame is not None else [])
+        location, collective = self._main_thread_location()
         bound = self.clock.bound_s
         return RankState(
             rank=self.rank,
@@ -263,39 +258,45 @@ class StallWatchdog:
             note=self.clock.rule.explain(self.clock.slowest_s) if bound is not None else "",
         )
 
+    def _main_thread_location(self) -> tuple[str, str | None]:
+        frame = sys._current_frames().get(self._main_thread or threading.get_ident())
+        return main_thread_location(traceback.extract_stack(frame) if frame is not None else [])
+
     def _settle(self, store: dist.Store, own: RankState) -> Verdict:
         """Fire (or answer another rank's firing): publish this rank's state, write its stacks, collect every rank's
-        state and agree on one verdict (the first one written to the store)."""
+        state and agree on one verdict (the first one written to the store). Without the store (it went with rank
+        0's process), decide with this rank's own state."""
         with self._lock:
             if self._verdict is not None:
                 return self._verdict
             self._own = own
-            fired_by = self.rank
             try:
                 store.set(f"{self._key}/state/{self.rank}", json.dumps(dataclasses.asdict(own)))
-                fired_by = int(store.compare_set(f"{self._key}/fired", "", str(self.rank)).decode())
-            except Exception:  # noqa: BLE001  (the store went with rank 0: decide alone)
-                store = None  # type: ignore[assignment]
+                fired_by: int | None = int(store.compare_set(f"{self._key}/fired", "", str(self.rank)).decode())
+            except Exception:  # noqa: BLE001
+                fired_by = None
             self._write_stacks()
-            states = self._answers(store) if store is not None else {self.rank: own}
-            verdict = Verdict(states, stalled_ranks(states), fired_by)
-            if store is not None:
-                with contextlib.suppress(Exception):
-                    store.compare_set(f"{self._key}/verdict", "", _encode(verdict))
-                    verdict = _decode(store.get(f"{self._key}/verdict").decode())
+            states = self._answers(store) if fired_by is not None else {self.rank: own}
+            verdict = Verdict(states, stalled_ranks(states), fired_by if fired_by is not None else self.rank)
+            with contextlib.suppress(Exception):
+                store.compare_set(f"{self._key}/verdict", "", _encode(verdict))
+                verdict = _decode(store.get(f"{self._key}/verdict").decode())
             self._verdict = verdict
             return verdict
 
     def _answers(self, store: dist.Store) -> dict[int, RankState | None]:
         """Every rank's published state, waiting up to ``ANSWER_GRACE_S`` for them (``None``: no answer)."""
         keys = {rank: f"{self._key}/state/{rank}" for rank in range(dist.get_world_size())}
-        deadline = time.monotonic() + ANSWER_GRACE_S
-        while not store.check(list(keys.values())) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return {
-            rank: RankState(**json.loads(store.get(key).decode())) if store.check([key]) else None
-            for rank, key in keys.items()
-        }
+        answers: dict[int, RankState | None] = dict.fromkeys(keys)
+        with contextlib.suppress(Exception):
+            deadline = time.monotonic() + ANSWER_GRACE_S
+            while not store.check(list(keys.values())) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            for rank, key in keys.items():
+                if store.check([key]):
+                    answers[rank] = RankState(**json.loads(store.get(key).decode()))
+        answers[self.rank] = self._own
+        return answers
 
     def _published_verdict(self, store: dist.Store) -> Verdict | None:
         with contextlib.suppress(Exception):
@@ -323,13 +324,16 @@ class StallWatchdog:
             return
 
     def _overdue(self) -> bool:
-        """No progress within the bound: in a wait the main thread bounds itself, ``SLACK_S`` later."""
+        """A wait on other ranks outlasted the bound: one of the pipeline's (one the main thread bounds itself,
+        ``SLACK_S`` later), or a ``torch.distributed`` call the pipeline does not make (Lightning's per-step broadcast,
+        a user's collective) with no progress since. A rank running its own code, however long, is not waiting: if it
+        is stuck, the ranks waiting on it fire."""
         bound = self._bound_s()
         if bound is None:
             return False
         current = self._current
         if current is None:
-            return time.monotonic() - self._since > bound
+            return time.monotonic() - self._since > bound and self._main_thread_location()[1] is not None
         _, start, bounded_here = current
         return time.monotonic() - start > bound + (SLACK_S if bounded_here else 0.0)
 
