@@ -652,6 +652,7 @@ class GPipeStrategy(ParallelStrategy):
 
     def on_validation_start(self) -> None:
         self._watchdog.uneven_phase()
+        super().on_validation_start()
 
     def on_train_end(self) -> None:
         self._watchdog.uneven_phase()
@@ -870,9 +871,10 @@ class GPipeStrategy(ParallelStrategy):
         if not (dist.is_available() and dist.is_initialized()):
             return obj
         holder = [obj]
-        waited = Wait("a value broadcast", (src,)) if self.global_rank != src else self._watchdog.collective(
-            "a value broadcast", dist.group.WORLD, sending=True
-        )
+        if self.global_rank == src:
+            waited = self._watchdog.collective("a value broadcast to every rank", dist.group.WORLD, sending=True)
+        else:
+            waited = Wait(f"a value broadcast by rank {src}", (src,))
         with self._watchdog.waiting(waited):
             dist.broadcast_object_list(holder, src)
         return holder[0]
