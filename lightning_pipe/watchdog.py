@@ -222,12 +222,12 @@ class StallWatchdog:
             return None
         own = self._state(waited, time.monotonic() - start)
         if timed_out:
-            verdict = self._settle(dist.distributed_c10d._get_default_store(), own)
+            verdict = self._settle(_default_store(), own)
         else:
             with self._lock:  # the watcher may be settling right now
                 verdict = self._verdict
             if verdict is None:
-                verdict = self._published_verdict(dist.distributed_c10d._get_default_store())
+                verdict = self._published_verdict(_default_store())
             if verdict is None:
                 return None
         return PipelineStallError(self._message(own, verdict))
@@ -262,7 +262,7 @@ class StallWatchdog:
         frame = sys._current_frames().get(self._main_thread or threading.get_ident())
         return main_thread_location(traceback.extract_stack(frame) if frame is not None else [])
 
-    def _settle(self, store: dist.Store, own: RankState) -> Verdict:
+    def _settle(self, store: dist.Store | None, own: RankState) -> Verdict:
         """Fire (or answer another rank's firing): publish this rank's state, write its stacks, collect every rank's
         state and agree on one verdict (the first one written to the store). Without the store (it went with rank
         0's process), decide with this rank's own state."""
@@ -270,19 +270,30 @@ class StallWatchdog:
             if self._verdict is not None:
                 return self._verdict
             self._own = own
-            try:
-                store.set(f"{self._key}/state/{self.rank}", json.dumps(dataclasses.asdict(own)))
-                fired_by: int | None = int(store.compare_set(f"{self._key}/fired", "", str(self.rank)).decode())
-            except Exception:  # noqa: BLE001
-                fired_by = None
+            fired_by = self._publish(store, own)
             self._write_stacks()
-            states = self._answers(store) if fired_by is not None else {self.rank: own}
-            verdict = Verdict(states, stalled_ranks(states), fired_by if fired_by is not None else self.rank)
-            with contextlib.suppress(Exception):
-                store.compare_set(f"{self._key}/verdict", "", _encode(verdict))
-                verdict = _decode(store.get(f"{self._key}/verdict").decode())
+            if store is None or fired_by is None:
+                verdict = Verdict({self.rank: own}, stalled_ranks({self.rank: own}), self.rank)
+            else:
+                states = self._answers(store)
+                verdict = self._agreed(store, Verdict(states, stalled_ranks(states), fired_by))
             self._verdict = verdict
             return verdict
+
+    def _publish(self, store: dist.Store | None, own: RankState) -> int | None:
+        """Publish this rank's state and mark the run as fired; the rank that fired first (``None``: no store)."""
+        with contextlib.suppress(Exception):
+            if store is not None:
+                store.set(f"{self._key}/state/{self.rank}", json.dumps(dataclasses.asdict(own)))
+                return int(store.compare_set(f"{self._key}/fired", "", str(self.rank)).decode())
+        return None
+
+    def _agreed(self, store: dist.Store, verdict: Verdict) -> Verdict:
+        """The verdict written first: every rank ends with the same one."""
+        with contextlib.suppress(Exception):
+            store.compare_set(f"{self._key}/verdict", "", _encode(verdict))
+            return _decode(store.get(f"{self._key}/verdict").decode())
+        return verdict
 
     def _answers(self, store: dist.Store) -> dict[int, RankState | None]:
         """Every rank's published state, waiting up to ``ANSWER_GRACE_S`` for them (``None``: no answer)."""
@@ -298,9 +309,9 @@ class StallWatchdog:
         answers[self.rank] = self._own
         return answers
 
-    def _published_verdict(self, store: dist.Store) -> Verdict | None:
+    def _published_verdict(self, store: dist.Store | None) -> Verdict | None:
         with contextlib.suppress(Exception):
-            if store.check([f"{self._key}/verdict"]):
+            if store is not None and store.check([f"{self._key}/verdict"]):
                 return _decode(store.get(f"{self._key}/verdict").decode())
         return None
 
@@ -423,6 +434,13 @@ def main_thread_location(frames: list[traceback.FrameSummary]) -> tuple[str, str
 
 def _short(frame: traceback.FrameSummary) -> str:
     return f"{os.sep.join(Path(frame.filename).parts[-2:])}:{frame.lineno} in {frame.name}"
+
+
+def _default_store() -> dist.Store | None:
+    """The default group's store (rank 0's TCPStore), or ``None`` when the group is gone."""
+    with contextlib.suppress(Exception):
+        return dist.distributed_c10d._get_default_store()
+    return None
 
 
 def _says_timeout(error: BaseException) -> bool:
