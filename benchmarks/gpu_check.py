@@ -68,9 +68,10 @@ def build_module(poison: bool) -> Any:
             return loss
 
         def on_after_backward(self) -> None:
-            first = getattr(self.model, "0", None)  # a layer of the Sequential, or of the stage that holds it
+            # Layer 0 on the stage that holds it; elsewhere it is a stand-in without parameters of its own.
+            first = next(self.model[0].parameters(), None)
             if poison and self.trainer.fit_loop.epoch_loop.batch_idx == POISONED_BATCH and first is not None:
-                first.weight.grad[0, 0] = float("inf")
+                first.grad[0, 0] = float("inf")
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.05)

@@ -4,6 +4,7 @@ Usage::
 
     python benchmarks/soak.py                                # 2,000 steps on 4 stages (the recorded run)
     python benchmarks/soak.py --steps 200 --stages 2 --json soak.json
+    python benchmarks/soak.py --no-stall-watchdog            # the same run with the stall watchdog off, to compare
 
 Every rank samples its own resident memory (``VmRSS``), thread count and open file descriptors from ``/proc/self``
 at fixed steps; rank 0 gathers the samples and prints one table row per rank. The run holds what long trainings
@@ -109,14 +110,15 @@ class ResourceSampler(Callback):
         self.gathered = gathered
 
 
-def soak(steps: int, stages: int, directory: Path) -> dict[str, Any]:
-    """Train for ``steps`` steps on ``stages`` stages; on global rank 0 the per-rank samples and the verdicts."""
+def soak(steps: int, stages: int, directory: Path, stall_watchdog: bool = True) -> dict[str, Any]:
+    """Train for ``steps`` steps on ``stages`` stages (the stall watchdog on, by default, as in any run); on global
+    rank 0 the per-rank samples and the verdicts."""
     reference = steps // 10  # after warm-up: allocator pools, the first epochs and checkpoints are in place
     sample_steps = sorted({1, reference, *range(reference, steps + 1, max(1, steps // 10)), steps})
     seed_everything(0)
     sampler = ResourceSampler(sample_steps)
     trainer = Trainer(
-        strategy=lightning_pipe.GPipeStrategy(num_micro_batches=8),
+        strategy=lightning_pipe.GPipeStrategy(num_micro_batches=8, stall_watchdog=stall_watchdog),
         accelerator="cpu",
         devices=stages,
         max_steps=steps,
@@ -150,6 +152,7 @@ def soak(steps: int, stages: int, directory: Path) -> dict[str, Any]:
     return {
         "steps": steps,
         "stages": stages,
+        "stall_watchdog": stall_watchdog,
         "reference_step": reference,
         "seconds_per_step": seconds / (steps - reference),
         "ranks": ranks,
@@ -180,18 +183,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--json", type=Path, default=None, help="write the result (rank 0) to this file")
+    parser.add_argument("--no-stall-watchdog", action="store_true", help="run with GPipeStrategy(stall_watchdog=False)")
     args = parser.parse_args(argv)
     # The default launcher re-runs this script for the other ranks, with this process's environment.
     if _DIRECTORY_VARIABLE not in os.environ:
         os.environ[_DIRECTORY_VARIABLE] = tempfile.mkdtemp(prefix="lightning_pipe_soak")
     directory = Path(os.environ[_DIRECTORY_VARIABLE])
-    result = soak(args.steps, args.stages, directory)
+    result = soak(args.steps, args.stages, directory, stall_watchdog=not args.no_stall_watchdog)
     if not result:  # not global rank 0
         return 0
     shutil.rmtree(directory, ignore_errors=True)
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{args.steps} steps on {args.stages} stages, {1e3 * result['seconds_per_step']:.1f} ms/step")
+    watchdog = "on" if result["stall_watchdog"] else "off"
+    print(f"{args.steps} steps on {args.stages} stages, {1e3 * result['seconds_per_step']:.1f} ms/step, stall watchdog"
+          f" {watchdog}")
     print(markdown(result))
     return 0 if result["holds"] else 1
 

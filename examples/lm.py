@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 VOCAB = 256  # one token per byte value
 
@@ -54,11 +54,34 @@ class ByteChunks(Dataset):
         return window[:-1], window[1:]
 
 
+class EpochShuffle(Sampler[int]):
+    """A fresh order of the training windows every epoch, drawn from ``(seed, epoch)`` alone (Lightning calls
+    ``set_epoch``), so that a resumed run can take up an epoch where its checkpoint left it: ``skip`` leaves out the
+    first windows of the next epoch iterated, those the run trained on before it stopped."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed = size, seed
+        self.epoch = self.skip = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size - self.skip
+
+    def __iter__(self):
+        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        skip, self.skip = self.skip, 0
+        return iter(order[skip:].tolist())
+
+
 class StdlibBytes(LightningDataModule):
     """Byte windows of the standard library's sources; every ``val_every``-th file (in path order) is held out.
 
     Splitting by file, not by window, keeps validation text unseen in training. Validation uses ``val_windows``
-    windows spread evenly over the held-out files, so that it is quick and always the same.
+    windows spread evenly over the held-out files, so that it is quick and always the same. Training windows come in
+    an order drawn from ``seed`` and the epoch: a run resumed from a checkpoint taken mid-epoch trains on the batches
+    an uninterrupted run would have (Lightning restarts an epoch's data loader from its beginning).
     """
 
     def __init__(
@@ -68,6 +91,7 @@ class StdlibBytes(LightningDataModule):
         val_every: int = 20,
         val_windows: int = 1024,
         root: str | None = None,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         self.seq_len = seq_len
@@ -75,6 +99,7 @@ class StdlibBytes(LightningDataModule):
         self.val_every = val_every
         self.val_windows = val_windows
         self.root = root
+        self.seed = seed
         self.train_set: ByteChunks | None = None
         self.val_set: ByteChunks | None = None
 
@@ -91,7 +116,13 @@ class StdlibBytes(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
+        order = EpochShuffle(len(self.train_set), self.seed)
+        loop = self.trainer.fit_loop if self.trainer is not None else None
+        batches = loop.epoch_loop.batch_progress if loop is not None and loop.restarting else None
+        if batches is not None and not batches.is_last_batch:  # resumed mid-epoch: skip the batches trained on
+            order.set_epoch(self.trainer.current_epoch)
+            order.skip = batches.current.processed * self.batch_size
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=order, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_pipe.watchdog import UNWATCHED, StallWatchdog
 
 def swap_gradients(parameters: list[nn.Parameter], grads: list[Tensor | None]) -> list[Tensor | None]:
     """Give ``parameters`` the gradients ``grads``; their gradients until now are returned.
@@ -41,14 +42,18 @@ def add_gradients(parameters: list[nn.Parameter], grads: list[Tensor | None]) ->
             p.grad = grad if p.grad is None else p.grad.add_(grad)
 
 
-def reduce_gradients(parameters: list[nn.Parameter], group: dist.ProcessGroup, average: bool) -> None:
-    """Sum (or average) the gradients of ``parameters`` over ``group``, in one flat all-reduce."""
+def reduce_gradients(
+    parameters: list[nn.Parameter], group: dist.ProcessGroup, average: bool, watchdog: StallWatchdog = UNWATCHED
+) -> None:
+    """Sum (or average) the gradients of ``parameters`` over ``group``, in one flat all-reduce (a wait ``watchdog``
+    bounds)."""
     if not parameters or dist.get_world_size(group) == 1:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
     used = torch.tensor([float(p.grad is not None) for p in parameters], device=grads[0].device)
     flat = torch.cat([g.reshape(-1) for g in grads] + [used.to(grads[0].dtype)])
-    dist.all_reduce(flat, group=group)
+    what = "the average of the gradients over the replicas" if average else "the sum of the shared parameters' gradients"
+    watchdog.wait([dist.all_reduce(flat, group=group, async_op=True)], watchdog.collective(what, group), group)
     if average:
         flat[: flat.numel() - len(parameters)] /= dist.get_world_size(group)
     offset = 0
@@ -66,6 +71,7 @@ def clip_grad_norm_over_pipeline(
     group: dist.ProcessGroup,
     device: torch.device,
     counted_elsewhere: Iterable[nn.Parameter] = (),
+    watchdog: StallWatchdog = UNWATCHED,
 ) -> None:
     """``clip_grad_norm_`` over the whole model: this stage's norm combined with the others' over the pipeline's
     ``group``, the ``replicated`` parameters (identical on every stage after the gradient sum) counted once, and
@@ -78,13 +84,16 @@ def clip_grad_norm_over_pipeline(
     zero = torch.zeros((), device=device)
     own_sq = torch.nn.utils.get_total_norm(own).square() if own else zero
     if dist.get_world_size(group) > 1:
-        dist.all_reduce(own_sq, group=group)
+        work = dist.all_reduce(own_sq, group=group, async_op=True)
+        watchdog.wait([work], watchdog.collective("the gradient norm over the pipeline", group), group)
     shared_sq = torch.nn.utils.get_total_norm(shared).square() if shared else zero
     total_norm = (own_sq + shared_sq).sqrt()
     torch.nn.utils.clip_grads_with_norm_([p for p in params], clip_val, total_norm)
 
 
-def agree_on_gradient_overflow(scaler: torch.amp.GradScaler, group: dist.ProcessGroup, device: torch.device) -> None:
+def agree_on_gradient_overflow(
+    scaler: torch.amp.GradScaler, group: dist.ProcessGroup, device: torch.device, watchdog: StallWatchdog = UNWATCHED
+) -> None:
     """With a gradient scaler (``16-mixed``), an inf on one stage must skip the step on every stage, and every
     stage's scale must change alike: share the overflow flag over the pipeline's ``group`` right after each stage
     unscales its gradients."""
@@ -100,7 +109,8 @@ def agree_on_gradient_overflow(scaler: torch.amp.GradScaler, group: dist.Process
         flag = torch.zeros((), device=device)
         for value in found.values():
             flag = torch.maximum(flag, value.to(flag.device))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        watchdog.wait([work], watchdog.collective("the gradient scaler's overflow check", group), group)
         for value in found.values():
             value.copy_(flag)
 

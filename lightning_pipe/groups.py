@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_pipe.p2p import Link
 from lightning_pipe.topology import PipelineLayout
+from lightning_pipe.watchdog import UNWATCHED, StallWatchdog
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class PipelineGroups:
     pipeline: dist.ProcessGroup
     replicas: dist.ProcessGroup
     meta: dist.ProcessGroup
+    watchdog: StallWatchdog = UNWATCHED  # bounds the waits on other ranks (see lightning_pipe.watchdog)
 
     @property
     def stage(self) -> int:
@@ -57,7 +59,7 @@ class PipelineGroups:
         """The connection from this rank's stage to ``stage`` of the same pipeline."""
         return Link(
             self.stage_ranks[stage], self.pipeline, self.meta, self.device,
-            stage=self.stage, peer_stage=stage, timeout=self.timeout,
+            stage=self.stage, peer_stage=stage, timeout=self.timeout, watchdog=self.watchdog,
         )
 
     def describe(self, stage: int | None = None) -> str:
@@ -73,6 +75,7 @@ def init_pipeline_groups(
     backend: str,
     timeout: timedelta | None,
     mesh_order: tuple[str, str],
+    watchdog: StallWatchdog = UNWATCHED,
 ) -> PipelineGroups:
     """The groups of ``layout`` over the initialised default group: a ``DeviceMesh`` with a ``"pp"`` (pipeline) and a
     ``"dp"`` (replica) dimension, outermost first as ``mesh_order`` says, and the CPU group for headers."""
@@ -88,7 +91,7 @@ def init_pipeline_groups(
     else:
         pipelines = [layout.pipeline_ranks(replica) for replica in range(layout.num_replicas)]
         meta, _ = dist.new_subgroups_by_enumeration(pipelines, backend="gloo", timeout=timeout)
-    return PipelineGroups(layout, rank, device, timeout, mesh.get_group("pp"), mesh.get_group("dp"), meta)
+    return PipelineGroups(layout, rank, device, timeout, mesh.get_group("pp"), mesh.get_group("dp"), meta, watchdog)
 
 
 def _mesh_backends(

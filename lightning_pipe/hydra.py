@@ -91,6 +91,13 @@ class GPipeStrategyConfig:
     """Start from stored weights, each rank reading only its stage's: the path of a Hugging Face model directory
     or weights file, or ``{path: ..., prefix: model., dtype: checkpoint}`` (see ``lightning_pipe.PretrainedWeights``).
     (``Any``: a string or a mapping; :func:`validate_config` checks it.)"""
+    stall_watchdog: bool = True
+    """End the run when a wait on another rank in a training step lasts longer than ``max(stall_floor, stall_multiple
+    * the slowest recent step)``, naming the rank that stopped and writing every rank's stack (``stall_stacks/``)."""
+    stall_multiple: float = 10.0
+    """How many times the slowest of the last 100 regular training steps a wait may last."""
+    stall_floor: float = 30.0
+    """The shortest bound on a wait, in seconds."""
 
 
 def register_configs() -> None:

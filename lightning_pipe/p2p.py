@@ -15,6 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_pipe.stall_rule import Wait
+from lightning_pipe.watchdog import UNWATCHED, StallWatchdog
+
 HEADER_LENGTH = 64
 _DATA_TAG = 0
 _HEADER_TAG = 1
@@ -115,10 +118,11 @@ class PendingHeader:
         self.micro_batch = micro_batch
 
     def wait(self) -> Header:
+        link = self.link
         try:
-            self.work.wait()
+            link.watchdog.wait([self.work], link.awaited("the activation", self.micro_batch), link.meta_group)
         except RuntimeError as error:
-            raise self.link.failure("the activation", self.micro_batch, False, error) from error
+            raise link.failure("the activation", self.micro_batch, False, error) from error
         return Header.decode(self.buffer)
 
 
@@ -155,6 +159,7 @@ class Link:
         stage: int | None = None,
         peer_stage: int | None = None,
         timeout: timedelta | None = None,
+        watchdog: StallWatchdog = UNWATCHED,
     ):
         self.peer = peer  # global rank of the neighbour
         self.data_group = data_group
@@ -162,6 +167,7 @@ class Link:
         self.device = device
         # Who waits on whom, for the error when a wait fails (the groups' timeout ends every wait).
         self.stage, self.peer_stage, self.timeout = stage, peer_stage, timeout
+        self.watchdog = watchdog  # bounds every wait on the neighbour during regular training steps
         self._buffers: dict[tuple[Hashable, int], Tensor] = {}  # (slot, position in the message) -> receive buffer
         self._placeholder_cache: dict[tuple[tuple[int, ...], torch.dtype], Tensor] = {}
 
@@ -242,13 +248,17 @@ class Link:
 
 
     def wait(self, works: list[dist.Work], what: str, micro_batch: int | None = None, sending: bool = False) -> None:
-        """Wait for sends to or receives from this neighbour; a timeout or a lost neighbour raises a
-        :class:`PipelineCommunicationError` that names both stages and ``what`` was awaited (formatted only then)."""
+        """Wait for sends to or receives from this neighbour, as long as the stall watchdog allows; a timeout or a lost
+        neighbour raises a :class:`PipelineCommunicationError` that names both stages and ``what`` was awaited, a
+        stall a :class:`~lightning_pipe.stall_rule.PipelineStallError` that names the rank that stopped."""
         try:
-            for work in works:
-                work.wait()
+            self.watchdog.wait(works, self.awaited(what, micro_batch, sending), self.data_group)
         except RuntimeError as error:
             raise self.failure(what, micro_batch, sending, error) from error
+
+    def awaited(self, what: str, micro_batch: int | None, sending: bool = False) -> Wait:
+        """What a wait on this neighbour is for, as the stall watchdog reports it."""
+        return Wait(what if micro_batch is None else f"{what} of micro-batch {micro_batch}", (self.peer,), sending)
 
     def failure(
         self, what: str, micro_batch: int | None, sending: bool, error: BaseException

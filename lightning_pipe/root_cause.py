@@ -2,7 +2,8 @@
 error that its neighbours see next.
 
 The rank whose own code raises first records its exception in the store all ranks share; a rank that fails because
-it lost that peer re-raises the recorded exception (:func:`raising_the_root_cause`). Under spawn and fork, the
+it lost that peer re-raises the recorded exception (:func:`raising_the_root_cause`); after the stall watchdog ended the
+run, it raises its own stall error, which names the rank that stopped. Under spawn and fork, the
 launching process raises a failed rank's exception itself instead of torch's text (:func:`leaving_the_exception`,
 :func:`left_exception`).
 """
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer
 
 from lightning_pipe.p2p import PipelineCommunicationError
+from lightning_pipe.watchdog import stall_found_here
 
 _FAILURE_KEY = "lightning_pipe/first_failure"
 _launches = itertools.count()  # this process's trainer calls, numbered alike on every rank
@@ -74,6 +76,9 @@ def raising_the_root_cause(function: Callable, trainer: Trainer | None, key: str
         if not _lost_a_peer(error):
             _record(key, error, trainer)
             raise
+        stall = stall_found_here()
+        if stall is not None:
+            raise stall from error
         recorded = _recorded(key)
         if recorded is None or recorded.rank == _rank():
             raise

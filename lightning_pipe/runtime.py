@@ -49,6 +49,7 @@ from lightning_pipe.outcome import (
 )
 from lightning_pipe.p2p import PipelineCommunicationError, failed_wait
 from lightning_pipe.stage import ChunkCall, StageBlocks
+from lightning_pipe.stall_rule import Wait
 
 _OUTSIDE_STEP_TIMEOUT = timedelta(seconds=60)
 
@@ -279,7 +280,8 @@ class StageRuntime:
             outcome.random_states = random_states(groups.device)
         holder = [outcome]
         try:
-            dist.broadcast_object_list(holder, src=groups.loss_rank, group=groups.meta)
+            with groups.watchdog.waiting(self._outcome_wait()):
+                dist.broadcast_object_list(holder, src=groups.loss_rank, group=groups.meta)
         except RuntimeError as error:
             raise self._outcome_not_shared(error) from error
         outcome = holder[0]
@@ -290,6 +292,13 @@ class StageRuntime:
             assert outcome.random_states is not None
             adopt_random_states(outcome.random_states, groups.device)
         return outcome
+
+    def _outcome_wait(self) -> Wait:
+        """The outcome's broadcast as the stall watchdog reports it: on the last stage, or by it on the others."""
+        groups = self.groups
+        if self.is_last:
+            return groups.watchdog.collective("the step's results (loss, logs)", groups.meta, sending=True)
+        return Wait("the step's results (loss, logs)", (groups.loss_rank,))
 
     def _outcome_not_shared(self, error: RuntimeError) -> PipelineCommunicationError:
         """The error when the last stage's results could not be shared: which stage waited for which."""

@@ -14,6 +14,7 @@ import inspect
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import InitVar, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, get_args
 
@@ -35,6 +36,7 @@ from lightning_pipe.schedule import (
     check_schedule,
     custom_schedule,
 )
+from lightning_pipe.stall_rule import StallRule
 
 # Which forwards run again in backward instead of keeping their activations (the public option ``checkpoint``;
 # :func:`lightning_pipe.schedule.with_recompute` decides it per forward).
@@ -69,6 +71,9 @@ class PipelineSettings:
     virtual_stages: int | None = None  # model chunks per stage; None: the schedule's default
     compile: bool | dict[str, Any] = False  # True, or torch.compile's keyword arguments, for each stage's layers
     pretrained: PretrainedWeights | None = None  # a path or a mapping enters; PretrainedWeights once checked
+    stall_watchdog: bool = True
+    stall_multiple: float = StallRule.multiple
+    stall_floor: float = StallRule.floor_s  # seconds (a timedelta is accepted and converted)
     key: InitVar[str] = ""
 
     def __post_init__(self, key: str) -> None:
@@ -94,9 +99,11 @@ class PipelineSettings:
             "virtual_stages": virtual_stages,
             "compile": _checked_compile(self.compile, key),
             "pretrained": checked_pretrained(self.pretrained, key),
+            "stall_multiple": _checked_stall_multiple(self.stall_multiple, key),
+            "stall_floor": _checked_stall_floor(self.stall_floor, key),
         }
         for name in ("log_bubble_fraction", "deferred_batch_norm", "save_distributed_checkpoint",
-                     "gather_model_after_run"):
+                     "gather_model_after_run", "stall_watchdog"):
             value = getattr(self, name)
             if not (isinstance(value, bool) or (value is None and name == "save_distributed_checkpoint")):
                 choices = "True, False or None (the default)" if name == "save_distributed_checkpoint" else "True or False"
@@ -128,6 +135,10 @@ class PipelineSettings:
         schedule: PipelineSchedule = self.schedule  # type: ignore[assignment]  (checked in __post_init__)
         if not _is_built_in(schedule):
             check_schedule(schedule, config.num_stages, config.num_micro_batches, self.virtual_stages)
+    @property
+    def stall_rule(self) -> StallRule | None:
+        """The stall watchdog's rule, or ``None`` when it is turned off."""
+        return StallRule(self.stall_multiple, self.stall_floor) if self.stall_watchdog else None
 
     def pipeline_config(self, num_processes: int) -> PipelineParallelConfig:
         """The stage and micro-batch counts; without settings, one stage per process of ``num_processes`` and
@@ -303,6 +314,26 @@ def _checked_compile(compile: Any, key: str) -> bool | dict[str, Any]:
             f" whose arguments are {', '.join(accepted)}."
         )
     return _plain(compile)
+
+
+def _checked_stall_multiple(multiple: Any, key: str) -> float:
+    if isinstance(multiple, bool) or not isinstance(multiple, (int, float)) or not multiple >= 1:
+        raise ValueError(
+            f"{key}stall_multiple={multiple!r} is invalid; a wait may last this many times the slowest recent training"
+            f" step, so give a number of at least 1 (default {StallRule.multiple:g}), or turn the watchdog off with"
+            f" {key}stall_watchdog=False."
+        )
+    return float(multiple)
+
+
+def _checked_stall_floor(floor: Any, key: str) -> float:
+    seconds = floor.total_seconds() if isinstance(floor, timedelta) else floor
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(
+            f"{key}stall_floor={floor!r} is invalid; give the shortest bound on a wait in seconds, a positive number"
+            f" (default {StallRule.floor_s:g}) or a timedelta, or turn the watchdog off with {key}stall_watchdog=False."
+        )
+    return float(seconds)
 
 
 def _plain(mapping: Mapping[str, Any]) -> dict[str, Any]:

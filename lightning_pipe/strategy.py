@@ -102,6 +102,7 @@ from lightning_pipe.sharded import save as save_sharded
 from lightning_pipe.runtime import StageRuntime
 from lightning_pipe.schedule import PipelineSchedule, StageActions
 from lightning_pipe.stage import StageBlocks
+from lightning_pipe.stall_rule import Wait
 from lightning_pipe.step_probe import first_training_batch, random_state_kept, training_step_on
 from lightning_pipe.summary import (
     StageSummary,
@@ -115,6 +116,7 @@ from lightning_pipe.tied import TiedParameters, parameters_shared_across_stages,
 from lightning_pipe.topology import PipelineLayout
 from lightning_pipe.trace.timeline import StepTimeline
 from lightning_pipe.trace.tracer import TRACE_FILE_NAME, PipelineTracer, StepObservation, observe_step
+from lightning_pipe.watchdog import UNWATCHED, StallWatchdog, batch_shape
 from lightning_pipe.whole_model import (
     PipelinedModule,
     group_names,
@@ -210,6 +212,14 @@ class GPipeStrategyMixin:
             LightningModule (inferred by default) and the ``dtype`` (the precision's, or the stored one). Checked
             against the whole model on every rank before the first step (see :mod:`lightning_pipe.pretrained`); a
             model object loads them once (a later ``trainer.test`` keeps what ``fit`` trained).
+        stall_watchdog: end the run on every rank when, in a training step after the first ones, a wait on another
+            rank (activations, gradients, the step's results, the gradient reductions and barriers) lasts longer than
+            ``max(stall_floor, stall_multiple * the slowest recent step)``, naming the rank that stopped and writing
+            every rank's Python stack to ``default_root_dir/stall_stacks/`` (see :mod:`lightning_pipe.watchdog`).
+            Validation, checkpoints, epoch ends, the first step of an epoch and a batch of new shapes are left to
+            ``timeout``, which stays the hard limit everywhere.
+        stall_multiple: how many times the slowest of the last 100 regular training steps a wait may last.
+        stall_floor: the shortest bound, in seconds or as a ``timedelta``.
     """
 
     strategy_name = "gpipe"
@@ -242,6 +252,9 @@ class GPipeStrategyMixin:
         virtual_stages: int | None = None,
         compile: bool | Mapping[str, Any] = False,
         pretrained: str | Path | PretrainedWeights | Mapping[str, Any] | None = None,
+        stall_watchdog: bool = True,
+        stall_multiple: float = 10.0,
+        stall_floor: float | timedelta = 30.0,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -271,6 +284,9 @@ class GPipeStrategyMixin:
             virtual_stages=virtual_stages,
             compile=compile,
             pretrained=pretrained,  # type: ignore[arg-type]  (a path or mapping becomes PretrainedWeights)
+            stall_watchdog=stall_watchdog,
+            stall_multiple=stall_multiple,
+            stall_floor=stall_floor,  # type: ignore[arg-type]  (a timedelta is converted to seconds)
         )
         # The settings the process-group, setup, step and checkpoint sections read.
         self._module_name = self._settings.module_name
@@ -299,6 +315,7 @@ class GPipeStrategyMixin:
         self._ending_started_ranks = False
         self._gather_model_after_run = self._settings.gather_model_after_run
         self._deferred = False  # the pipelined module was built on the meta device (see `model_sharded_context`)
+        self._watchdog: StallWatchdog = UNWATCHED
         self._tied: TiedParameters | None = None  # parameters shared by layers of several stages
         # A per-micro-batch step's gradients, from its `training_step` to Lightning's `backward` (see `swap_gradients`).
         self._step_gradients: tuple[list[nn.Parameter], list[Tensor | None]] = ([], [])
@@ -432,13 +449,18 @@ class GPipeStrategyMixin:
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
         end_process_groups_at_exit(self)
+        rule, layout = self._settings.stall_rule, self.layout
+        if rule is not None and self.world_size > 1:
+            names = {rank: f"stage {layout.stage(rank)} (rank {rank})" for rank in range(self.world_size)}
+            self._watchdog = StallWatchdog(rule, self.global_rank, names, self._timeout)
         self._groups = init_pipeline_groups(
-            self.layout, self.global_rank, self.root_device, self._process_group_backend, self._timeout,
-            self._mesh_order,
+            layout, self.global_rank, self.root_device, self._process_group_backend, self._timeout,
+            self._mesh_order, self._watchdog,
         )
 
     def release_process_groups(self) -> None:
         """Drop every reference to the process groups (at the interpreter's exit, before they are destroyed)."""
+        self._watchdog.stop()
         self._groups = self._runtime = self._tracer = self._tied = None
         self._pipelined = None  # its way to put the blocks back holds the stage, whose callbacks reach the links
         scaler = getattr(self.precision_plugin, "scaler", None)
@@ -486,7 +508,9 @@ class GPipeStrategyMixin:
         # With a gradient scaler (16-mixed), an overflow on one stage must skip the step on every stage.
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None and self.layout.num_stages > 1:
-            agree_on_gradient_overflow(scaler, self.groups.pipeline, self.root_device)
+            agree_on_gradient_overflow(scaler, self.groups.pipeline, self.root_device, self._watchdog)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._watchdog.start(Path(trainer.default_root_dir))
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
@@ -684,6 +708,7 @@ class GPipeStrategyMixin:
 
             def wrapped(user_hook: Callable[[], None] = user_hook) -> None:
                 assert self._runtime is not None
+                self._watchdog.uneven_phase()  # the last stage may take long over a whole epoch's results
                 self._runtime.run_on_last_stage(module, user_hook)
 
             setattr(module, hook, wrapped)
@@ -744,6 +769,19 @@ class GPipeStrategyMixin:
         super().on_train_start()
         if self._runtime is not None and self.lightning_module is not None:  # for the BatchNorm check of step one
             self._runtime.epoch_last_batch = _epoch_last_batch_reached(self.lightning_module.trainer)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        epoch = trainer.current_epoch if trainer is not None else 0
+        self._watchdog.step_starts(epoch, batch_idx, batch_shape(batch))
+
+    def on_validation_start(self) -> None:
+        self._watchdog.uneven_phase()
+        super().on_validation_start()
+
+    def on_train_end(self) -> None:
+        self._watchdog.uneven_phase()
+        super().on_train_end()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self._runtime is not None
@@ -837,24 +875,27 @@ class GPipeStrategyMixin:
             self._reduce_gradients()
             return result
 
-        return super().optimizer_step(optimizer, closure_then_reduce_gradients, model, **kwargs)
+        result = super().optimizer_step(optimizer, closure_then_reduce_gradients, model, **kwargs)
+        self._watchdog.step_ends()
+        return result
 
     def _reduce_gradients(self) -> None:
         """Sum the replicated parameters' gradients over the pipeline, then average every gradient over replicas."""
-        reduce_gradients(self._replicated, self.groups.pipeline, average=False)
+        reduce_gradients(self._replicated, self.groups.pipeline, average=False, watchdog=self._watchdog)
         assert self._tied is not None
         self._tied.sum_gradients()
         if self.layout.num_replicas > 1:
             assert self.lightning_module is not None
             trainable = [p for p in self.lightning_module.parameters() if p.requires_grad]
-            reduce_gradients(trainable, self.groups.replicas, average=True)
+            reduce_gradients(trainable, self.groups.replicas, average=True, watchdog=self._watchdog)
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """``clip_grad_norm_`` over the whole model (see :func:`clip_grad_norm_over_pipeline`)."""
         params = self.precision_plugin.main_params(optimizer)
         assert self._tied is not None
         clip_grad_norm_over_pipeline(
-            params, self._replicated, clip_val, self.groups.pipeline, self.root_device, self._tied.counted_elsewhere
+            params, self._replicated, clip_val, self.groups.pipeline, self.root_device, self._tied.counted_elsewhere,
+            self._watchdog,
         )
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
@@ -891,6 +932,7 @@ class GPipeStrategyMixin:
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The whole model's state dict on the rank that writes checkpoints (global rank 0); a share elsewhere."""
+        self._watchdog.uneven_phase()  # a checkpoint: gathered here, written by rank 0 while the others wait
         module = self.lightning_module
         assert module is not None
         if self._pipelined is None or self.layout.num_stages == 1:
@@ -901,6 +943,7 @@ class GPipeStrategyMixin:
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The whole model's optimizer state on the checkpoint writer, numbered as a single-device optimizer's."""
+        self._watchdog.uneven_phase()
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
         module = self.lightning_module
         if self._pipelined is None or self.layout.num_stages == 1:
@@ -922,6 +965,7 @@ class GPipeStrategyMixin:
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
+        self._watchdog.uneven_phase()
         if self._pipelined is None and "optimizer_states" in checkpoint:
             refuse_checkpoint_without_stages(self.launcher, filepath)
         if not (self._saves_sharded and self._pipelined is not None and self.layout.num_stages > 1):
@@ -995,18 +1039,26 @@ class GPipeStrategyMixin:
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         flag = torch.tensor(int(decision), device=self.root_device)
-        dist.all_reduce(flag)
+        work = dist.all_reduce(flag, async_op=True)
+        decision_wait = self._watchdog.collective("a decision of every rank", dist.group.WORLD)
+        self._watchdog.wait([work], decision_wait, dist.group.WORLD)
         return bool(flag == self.world_size) if all else bool(flag)
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+            barrier = self._watchdog.collective("the other ranks at a barrier", dist.group.WORLD)
+            self._watchdog.wait([dist.barrier(async_op=True)], barrier, dist.group.WORLD)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not (dist.is_available() and dist.is_initialized()):
             return obj
         holder = [obj]
-        dist.broadcast_object_list(holder, src)
+        if self.global_rank == src:
+            waited = self._watchdog.collective("a value broadcast to every rank", dist.group.WORLD, sending=True)
+        else:
+            waited = Wait(f"a value broadcast by rank {src}", (src,))
+        with self._watchdog.waiting(waited):
+            dist.broadcast_object_list(holder, src)
         return holder[0]
 
     # ---- teardown ------------------------------------------------------------------------------------------------
@@ -1014,11 +1066,13 @@ class GPipeStrategyMixin:
     def on_exception(self, exception: BaseException) -> None:
         # Another stage may be gone: teardown must not wait on it to gather the model.
         self._failed = True
+        self._watchdog.uneven_phase()
         keep_process_groups_at_exit()
         if not self._ending_started_ranks:
             self._ending_started_ranks = end_started_ranks_at_exit(self._launcher)
 
     def teardown(self) -> None:
+        self._watchdog.stop()
         module = self.lightning_module
         if self._undo_summaries is not None:
             self._undo_summaries()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -77,3 +78,20 @@ def test_a_section_re_measured_alone_keeps_the_others_with_their_dates(benchmark
     assert "to re-measure bench_memory_setup; the other sections are kept" in page
     assert "measured 2026-11-29 22:19 UTC, load average 0.5 before, 2.5 after" in page
     assert "measured 2026-12-01 05:00 UTC, load average 0.1 before, 1.2 after" in page
+
+
+
+def test_gpu_check_cpu_path_reports_every_check_ok(tmp_path):
+    """``benchmarks/gpu_check.py --device cpu``, the script to run the day a GPU is lent: every check a CPU can run
+    holds (one stage in each precision, two gloo stages against one device, the trace); NCCL alone is not run."""
+    result = run_python(REPO / "benchmarks" / "gpu_check.py", "--device", "cpu", "--out", tmp_path, cwd=tmp_path,
+                        check=False, timeout=400)
+    assert result.returncode == 0, f"{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+    summary = (tmp_path / "summary.txt").read_text()
+    verdicts = dict(re.findall(r"^(\S.*?)\s{2,}(ok|FAILED|not run|measured)\s{2,}", summary, re.M))
+    precisions = ("32-true", "bf16-mixed", "16-mixed", "16-mixed-overflow")
+    expected = {f"one stage, {p}": "ok" for p in precisions}
+    expected |= {f"two stages on one device, gloo, {p}": "ok" for p in precisions}
+    expected |= {"trace, two stages, gloo": "ok", "two stages on one device, nccl": "not run",
+                 "engine overhead (one stage)": "measured"}
+    assert verdicts == expected, summary

@@ -10,13 +10,19 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import re
+import signal
+import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
-from helpers.launch import REPO, Finished, run_python
+from helpers.launch import REPO, Finished, python_environment, run_python
 
 EXAMPLES = REPO / "examples"
 TINY = [
@@ -116,6 +122,71 @@ def test_sweep_over_stage_counts_writes_comparison_table(sweep):
     markdown = (out / "comparison.md").read_text()
     assert markdown.count("| strategy.num_stages=") == 2
     assert "Sweep comparison" in result.stdout
+
+
+# 12 steps with a checkpoint (and last.ckpt) at every validation, every 3 steps; the schedule set for 12 steps.
+RESUMABLE = [*TINY, "trainer.max_steps=12", "trainer.val_check_interval=3", "model.total_steps=12"]
+
+
+def run_until_a_checkpoint_then_kill(run_dir: Path, timeout: float = 240) -> int:
+    """``python examples/train.py`` into ``run_dir``, SIGKILLed with every rank as soon as its first checkpoint is
+    written (mid-way: a run of 12 steps writes one at step 3); its exit status."""
+    command = [sys.executable, str(EXAMPLES / "train.py"), *RESUMABLE, f"hydra.run.dir={run_dir}"]
+    with open(run_dir.parent / "stopped.txt", "w") as output:
+        process = subprocess.Popen(command, cwd=run_dir.parent, env=python_environment(), stdout=output,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while process.poll() is None and time.monotonic() < deadline:
+            if (run_dir / "checkpoints" / "last.ckpt").exists():
+                break
+            time.sleep(0.05)
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        return process.wait()
+
+
+def weights(checkpoint: Path) -> tuple[int, dict[str, torch.Tensor]]:
+    loaded = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    return loaded["global_step"], loaded["state_dict"]
+
+
+def relative_difference(initial: dict, expected: dict, actual: dict) -> float:
+    """|actual - expected| over |expected - initial|, over every weight: 0 for identical training."""
+    error = sum(float(((actual[k] - expected[k]) ** 2).sum()) for k in expected) ** 0.5
+    change = sum(float(((expected[k] - initial[k]) ** 2).sum()) for k in expected) ** 0.5
+    assert change > 1e-2, "training barely changed the weights"
+    return error / change
+
+
+def test_run_stopped_mid_way_resumes_from_last_to_the_uninterrupted_weights(tmp_path):
+    """`ckpt_path=last` in the stopped run's directory continues from its last checkpoint, mid-epoch (the data
+    order picks up where it stopped), to the weights of the same 12 steps run without a stop."""
+    stopped_dir, whole_dir = tmp_path / "stopped" / "run", tmp_path / "whole" / "run"
+    stopped_dir.mkdir(parents=True)
+    whole_dir.mkdir(parents=True)
+    with ThreadPoolExecutor(2) as pool:
+        whole = pool.submit(run, "train.py", *RESUMABLE, f"hydra.run.dir={whole_dir}", cwd=whole_dir.parent)
+        status = pool.submit(run_until_a_checkpoint_then_kill, stopped_dir).result()
+        succeeded(whole.result())
+    step_stopped, at_stop = weights(stopped_dir / "checkpoints" / "last.ckpt")
+    assert status == -signal.SIGKILL and 0 < step_stopped < 12, (status, step_stopped)
+    succeeded(run("train.py", *RESUMABLE, f"hydra.run.dir={stopped_dir}", "ckpt_path=last", cwd=stopped_dir.parent))
+    (step, resumed), (whole_step, uninterrupted) = weights(stopped_dir / "checkpoints" / "last.ckpt"), weights(
+        whole_dir / "checkpoints" / "last.ckpt"
+    )
+    assert step == whole_step == 12
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from lm import ByteGPT
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    torch.manual_seed(0)
+    initial = ByteGPT(width=32, total_steps=12).state_dict()
+    difference = relative_difference(initial, uninterrupted, resumed)
+    print(f"resumed from step {step_stopped}: the weights differ from uninterrupted training by {difference:.1e}")
+    assert difference < 1e-6
+    # The comparison can fail: the weights at the stop are far from the final ones.
+    assert relative_difference(initial, uninterrupted, at_stop) > 0.1
 
 
 def test_invalid_value_stops_the_run_before_training_naming_the_key(tmp_path):

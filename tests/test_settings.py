@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from lightning_pipe.balance import profiling_sample
 from lightning_pipe.hydra import validate_strategy_config
 from lightning_pipe.schedule import SCHEDULES, gpipe
 from lightning_pipe.settings import PipelineSettings, check_process_count
+from lightning_pipe.stall_rule import StallRule
 
 # (settings, the message's start; "{key}" is "" in Python and "strategy." under Hydra)
 INVALID = {
@@ -116,6 +118,16 @@ INVALID = {
         {"pretrained": {"path": str(Path(__file__)), "dtype": "fp8"}},
         "{key}pretrained.dtype='fp8' is invalid; use 'precision' (the Trainer precision's dtype) or 'checkpoint'",
     ),
+    "stall_watchdog": ({"stall_watchdog": "on"}, "{key}stall_watchdog='on' is invalid; use True or False."),
+    "stall_multiple": (
+        {"stall_multiple": 0.5},
+        "{key}stall_multiple=0.5 is invalid; a wait may last this many times the slowest recent training step, so give"
+        " a number of at least 1 (default 10), or turn the watchdog off with {key}stall_watchdog=False.",
+    ),
+    "stall_floor": (
+        {"stall_floor": 0},
+        "{key}stall_floor=0 is invalid; give the shortest bound on a wait in seconds, a positive number (default 30)",
+    ),
 }
 
 
@@ -203,6 +215,14 @@ def test_valid_settings_are_kept_in_one_form():
     node = OmegaConf.create({"num_stages": 2, "checkpoint": "always", "balance": [1, 3], "mesh_order": ["pp", "dp"]})
     from_hydra = PipelineSettings.from_options(node, key="strategy.")
     assert from_hydra.recompute == "always" and from_hydra.balance == [1, 3] and type(from_hydra.balance) is list
+
+
+def test_stall_settings_become_the_watchdog_rule_or_none_when_off():
+    assert PipelineSettings().stall_rule == StallRule(multiple=10.0, floor_s=30.0)
+    assert PipelineSettings(stall_floor=timedelta(minutes=2), stall_multiple=4).stall_rule == StallRule(4.0, 120.0)
+    assert PipelineSettings(stall_watchdog=False).stall_rule is None
+    node = OmegaConf.create({"num_stages": 2, "stall_floor": 5, "stall_multiple": 20})
+    assert PipelineSettings.from_options(node, key="strategy.").stall_rule == StallRule(20.0, 5.0)
 
 
 def test_compile_setting_becomes_torch_compile_arguments_or_none():

@@ -5,9 +5,14 @@ SPEC: {"devices": N, "out": DIR, "strategy": "gpipe" | "gpipe_spawn" | "gpipe_fo
        "runs": [{"name": NAME, <any of the keys below>}, ...] (optional: several fits in turn, each into DIR/NAME),
        "hidden_by_rank": {"R": width, ...} (optional: rank R builds its layers that wide; the others 16),
        "num_stages": S (optional, default N: with fewer stages than devices, the pipeline has replicas),
-       "faults": [{"kind": KIND, "where": "step" | "layer" | "hook", "stage": S, "phase": "train" | "val",
-                   "batch": B}, ...]}
-KIND: "raise", "sigkill", "sigterm" or "stall" (anywhere), or a misuse by a pipelined layer (``where="layer"``): its output is
+       "watchdog": {"stall_floor": s, "stall_multiple": k} | false (optional: GPipeStrategy's stall settings, or off),
+       "epochs": E (optional, default 1), "checkpoint_every": n (optional: a checkpoint every n training steps),
+       "faults": [{"kind": KIND, "where": WHERE, "stage": S, "phase": "train" | "val", "batch": B,
+                   "epoch": e (optional: only in that epoch)}, ...]}
+WHERE: "step", "layer", "hook" (at the start of a batch), "hook_end" (at its end), "loader" (the training data loader
+reading batch B on stage S's rank) or "checkpoint" (a callback's on_save_checkpoint on stage S's rank).
+KIND: "raise", "sigkill", "sigterm" or "stall" (anywhere); "slow" (sleeps twice the bound the stall watchdog would set
+now, then goes on); or a misuse by a pipelined layer (``where="layer"``): its output is
 "non_tensor" (a dict), "batch_dim" (the first row only), "dtype" (float64 where the next stage has float32) or
 "nan" (NaN: the loss becomes NaN); or "skip" (``where="step"``, stage 0): the first stage's step returns before the
 pipelined call while the last stage's calls it.
@@ -34,6 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -42,7 +48,7 @@ from helpers.models import classification_data
 
 FAULT_MESSAGE = "injected fault"
 MISUSES = ("non_tensor", "batch_dim", "dtype", "nan", "skip")
-_where_we_are = {"phase": None, "batch": -1}  # set by Position on every rank before each step
+_where_we_are = {"phase": None, "batch": -1, "epoch": 0}  # set by Position on every rank before each step
 
 
 class InjectedFault(RuntimeError):
@@ -64,12 +70,38 @@ class Position(Callback):
         self.faults = faults
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        _where_we_are.update(phase="train", batch=batch_idx)
+        _where_we_are.update(phase="train", batch=batch_idx, epoch=trainer.current_epoch)
         self.faults.fire_if_due("hook", _stage(trainer))
+
+    def on_train_start(self, trainer, pl_module):
+        self.faults.strategy = trainer.strategy
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.faults.fire_if_due("hook_end", _stage(trainer))
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
         _where_we_are.update(phase="val", batch=batch_idx)
         self.faults.fire_if_due("hook", _stage(trainer))
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self.faults.fire_if_due("checkpoint", _stage(trainer))
+
+
+class LoadingFaults(torch.utils.data.Dataset):
+    """A training set whose reading of batch ``B`` fires the ``where="loader"`` faults on the stage's rank (the data
+    loader reads a batch ahead: batch B is read as step B - 1 starts)."""
+
+    def __init__(self, data: torch.utils.data.Dataset, batch_size: int, faults: "Faults") -> None:
+        self.data, self.batch_size, self.faults = data, batch_size, faults
+        self.trainer: Trainer | None = None
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int):
+        if index % self.batch_size == 0 and self.trainer is not None:
+            self.faults.fire_if_loading(index // self.batch_size, _stage(self.trainer))
+        return self.data[index]
 
 
 class LossRecorder(Callback):
@@ -83,18 +115,26 @@ class LossRecorder(Callback):
 class Faults:
     def __init__(self, specs: list[dict], out: Path | None) -> None:
         self.specs, self.out = specs, out
+        self.strategy: Any = None  # set at the start of training: its stall watchdog's clock sets the "slow" sleeps
 
     def stages(self, where: str) -> set[int]:
         return {spec["stage"] for spec in self.specs if spec["where"] == where}
 
     def due(self, where: str, stage: int) -> list[dict]:
         position = (where, stage, _where_we_are["phase"], _where_we_are["batch"])
-        return [spec for spec in self.specs if (spec["where"], spec["stage"], spec["phase"], spec["batch"]) == position]
+        return [
+            spec for spec in self.specs if (spec["where"], spec["stage"], spec["phase"], spec["batch"]) == position
+            and spec.get("epoch", _where_we_are["epoch"]) == _where_we_are["epoch"]
+        ]
+
+    def fire_if_loading(self, batch: int, stage: int) -> None:
+        for spec in self.specs:
+            if (spec["where"], spec["stage"], spec["batch"]) == ("loader", stage, batch):
+                self._fire(spec)
 
     def fire_if_due(self, where: str, stage: int) -> None:
         for spec in self.due(where, stage):
             if spec["kind"] not in MISUSES:
-                self._record(spec)
                 self._fire(spec)
 
     def misuse_due(self, where: str, stage: int) -> str | None:
@@ -108,7 +148,20 @@ class Faults:
         if self.out is not None:
             (self.out / f"fault{_rank()}.json").write_text(json.dumps({"time": time.time(), **spec}))
 
+    def would_be_bound(self) -> float:
+        """The bound a wait would have now if it were bounded (from the stall watchdog's step times)."""
+        clock = self.strategy._watchdog.clock
+        return clock.rule.bound_s(clock.slowest_s)
+
     def _fire(self, spec: dict) -> None:
+        if spec["kind"] == "slow":  # legitimately slow: longer than the bound would be, then on (OUT/slow-*.json)
+            seconds = 2 * self.would_be_bound()
+            if self.out is not None:
+                name = f"slow-{spec['where']}-{spec['phase']}-{_rank()}.json"
+                (self.out / name).write_text(json.dumps({"seconds": seconds, "bound": self.would_be_bound(), **spec}))
+            time.sleep(seconds)
+            return
+        self._record(spec)
         if spec["kind"] == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         if spec["kind"] == "sigterm":  # as a cluster's scheduler or a user's `kill` would: the run must stop
@@ -185,19 +238,26 @@ class FaultyModel(LightningModule):
 
 
 def fit(
-    devices: int, faults: Faults, strategy: Any = "auto", hidden: int = 16, stages: int | None = None
+    devices: int, faults: Faults, strategy: Any = "auto", hidden: int = 16, stages: int | None = None,
+    epochs: int = 1, checkpoint_every: int | None = None,
 ) -> tuple[FaultyModel, Trainer, list]:
-    """One epoch of 6 training and 6 validation batches of 16 on ``stages`` stages (default: ``devices``)."""
+    """``epochs`` epochs of 6 training and 6 validation batches of 16 on ``stages`` stages (default: ``devices``),
+    with a checkpoint every ``checkpoint_every`` training steps."""
     seed_everything(0)
     model = FaultyModel(stages or devices, faults, hidden)
     recorder = LossRecorder()
+    callbacks: list[Callback] = [Position(faults), recorder]
+    if checkpoint_every is not None:
+        callbacks.append(ModelCheckpoint(dirpath="ckpt", every_n_train_steps=checkpoint_every, save_top_k=-1))
     trainer = Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices if strategy != "auto" else 1, max_epochs=1,
-        limit_train_batches=6, limit_val_batches=6, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[Position(faults), recorder],
+        strategy=strategy, accelerator="cpu", devices=devices if strategy != "auto" else 1, max_epochs=epochs,
+        limit_train_batches=6, limit_val_batches=6, num_sanity_val_steps=0, logger=False,
+        enable_checkpointing=checkpoint_every is not None, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=callbacks,
     )
-    data = DataLoader(classification_data(96), batch_size=16)
-    trainer.fit(model, data, data)
+    train_set = LoadingFaults(classification_data(96), 16, faults)
+    train_set.trainer = trainer
+    trainer.fit(model, DataLoader(train_set, batch_size=16), DataLoader(classification_data(96), batch_size=16))
     return model, trainer, recorder.losses
 
 
@@ -211,10 +271,15 @@ def run(spec: dict, out: Path) -> None:
         kwargs = {"timeout": timeout} if timeout is not None else {}
         start_method = {"gpipe": "popen", "gpipe_spawn": "spawn", "gpipe_fork": "fork"}[spec.get("strategy", "gpipe")]
         stages = spec.get("num_stages")  # fewer than devices: data-parallel replicas of the pipeline
+        watchdog = spec.get("watchdog")
+        kwargs |= {"stall_watchdog": False} if watchdog is False else (watchdog or {})
         strategy = lightning_pipe.GPipeStrategy(stages, num_micro_batches=4, start_method=start_method, **kwargs)
         # A misuse: a model size that depends on the rank (LOCAL_RANK is set in the ranks the launcher starts).
         hidden = spec.get("hidden_by_rank", {}).get(os.environ.get("LOCAL_RANK", "0"), 16)
-        model, trainer, losses = fit(spec["devices"], Faults(spec.get("faults", []), out), strategy, hidden, stages)
+        faults = Faults(spec.get("faults", []), out)
+        model, trainer, losses = fit(
+            spec["devices"], faults, strategy, hidden, stages, spec.get("epochs", 1), spec.get("checkpoint_every")
+        )
         name = "launcher" if spawned else f"rank{trainer.global_rank}"
         (out / f"{name}.json").write_text(json.dumps({"ended": "finished", "losses": losses}))
         torch.save(model.state_dict(), out / f"{name}.pt")

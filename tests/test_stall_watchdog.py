@@ -1,0 +1,240 @@
+"""A rank that stops making progress is named within seconds, not after the 30-minute timeout: the stall watchdog ends
+the run on every rank, each rank's error names its own wait and the rank that stopped, and every rank's Python stack
+is written; legitimately slow phases (the first step, validation, a checkpoint) do not trip it.
+
+The rule is tested directly (:mod:`lightning_pipe.stall_rule`); the runs launch ``workers/reliability_faults_worker.py``
+(as ``test_reliability.py`` does) with a low floor, so that a stall ends in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from lightning_pipe.stall_rule import (
+    WARMUP_STEPS,
+    WINDOW,
+    RankState,
+    StallRule,
+    StepClock,
+    Verdict,
+    Wait,
+    stall_message,
+    stalled_ranks,
+)
+from test_reliability import FaultRun, assert_ended_fast_everywhere, fault, run_with_faults
+
+# ---- the rule --------------------------------------------------------------------------------------------------------
+
+RULE = StallRule(multiple=5.0, floor_s=3.0)
+
+
+def clock_after(durations: list[float], rule: StallRule = RULE) -> tuple[StepClock, float]:
+    """A clock that started steps of these durations (same epoch and batch shape), and the time now."""
+    clock, now = StepClock(rule), 0.0
+    for seconds in durations:
+        clock.step_starts(now, epoch=0, batch=clock.steps, batch_shape=(16, 4))
+        now += seconds
+    return clock, now
+
+
+def test_bound_is_the_multiple_of_the_slowest_recent_step_with_a_floor():
+    clock, now = clock_after([9.0, 7.0, 0.2, 0.5, 0.3])  # the first steps (compilation) are not timed
+    clock.step_starts(now, epoch=0, batch=5, batch_shape=(16, 4))
+    assert list(clock.durations) == pytest.approx([0.2, 0.5, 0.3])
+    assert clock.bound_s == 3.0 and clock.last_step_s == pytest.approx(0.3)  # the floor: 5 x 0.5 s is below it
+    clock, now = clock_after([1.0, 1.0, 0.8, 1.2])
+    clock.step_starts(now, epoch=0, batch=4, batch_shape=(16, 4))
+    assert clock.bound_s == pytest.approx(5 * 1.2)  # above the floor: the multiple of the slowest step
+    clock, now = clock_after([1.0, 1.0, 2.0] + [0.1] * WINDOW)
+    clock.step_starts(now, epoch=0, batch=200, batch_shape=(16, 4))
+    assert clock.slowest_s == pytest.approx(0.1)  # a slow step older than the window no longer counts
+
+
+def test_first_steps_are_not_bounded_and_the_bound_needs_a_timed_step():
+    clock = StepClock(RULE)
+    bounds = []
+    for step in range(WARMUP_STEPS + 2):
+        clock.step_starts(0.1 * step, epoch=0, batch=step, batch_shape=(16, 4))
+        bounds.append(clock.bound_s)
+    # The warm-up steps are not bounded, nor is the first regular step (no duration yet), then every one.
+    assert bounds == [None] * (WARMUP_STEPS + 1) + [3.0]
+
+
+@pytest.mark.parametrize(
+    "uneven",
+    ["validation or a checkpoint", "a new epoch", "a batch of new shapes"],
+)
+def test_uneven_phases_are_not_bounded_nor_timed(uneven):
+    """Each slow for a minute before the next step and in it (the epoch's first step starts the data loader's workers,
+    the step after a checkpoint may page the model back in, new shapes recompile): none of it is bounded or timed."""
+    clock, now = clock_after([1.0, 1.0, 0.2, 0.2])
+    clock.step_starts(now, epoch=0, batch=4, batch_shape=(16, 4))
+    assert clock.bound_s == 3.0
+    epoch, shape, start = 0, (16, 4), now + 60.0
+    if uneven == "validation or a checkpoint":
+        clock.uneven_phase()  # between this step and the next
+        assert clock.bound_s is None
+    elif uneven == "a new epoch":
+        epoch = 1
+    else:  # the smaller last batch: new shapes (a recompilation, the BatchNorm check), slow in its own step only
+        shape, start = (10, 4), now + 0.2
+    clock.step_starts(start, epoch=epoch, batch=5, batch_shape=shape)
+    assert clock.bound_s is None, "the step after (or with) an uneven phase is bounded"
+    clock.step_starts(start + 60.0, epoch=epoch, batch=6, batch_shape=shape)
+    assert clock.bound_s == 3.0 and max(clock.durations) == pytest.approx(0.2), "the slow phase was timed"
+
+
+def state(rank: int, waits_on: tuple[int, ...] = (), collective: str | None = None) -> RankState:
+    waiting = f"for the activation of micro-batch 0 from rank {waits_on[0]}" if waits_on else None
+    return RankState(rank, f"stage {2 - rank} (rank {rank})", waiting, list(waits_on), 4.0, f"train.py:{rank} in f",
+                     collective, "in batch 3 of epoch 0", 0.1, 3.0, f"stall_stacks/rank{rank}.txt", "5 x 0.10 s")
+
+
+def test_stopped_rank_is_the_awaited_one_that_waits_on_no_one():
+    # A chain: rank 0 waits on rank 1, which waits on rank 2, which runs code of its own.
+    assert stalled_ranks({0: state(0, (1,)), 1: state(1, (2,)), 2: state(2)}) == [2]
+    # A rank computing legitimately that nobody waits on is not named.
+    assert stalled_ranks({0: state(0, (1,)), 1: state(1), 2: state(2)}) == [1]
+    # A rank that did not answer (stuck holding the interpreter, or gone) and is awaited.
+    assert stalled_ranks({0: state(0, (1,)), 1: None, 2: state(2, (0,))}) == [1]
+    # The others wait in a collective the pipeline did not make (Lightning's per-step broadcast): no one is named as
+    # awaited, so the rank waiting on no one is.
+    broadcast = "torch.distributed.broadcast (called from loops/training_epoch_loop.py:265)"
+    assert stalled_ranks({0: state(0, collective=broadcast), 1: state(1), 2: state(2, collective=broadcast)}) == [1]
+    # Every rank waits on another: a disagreement, no one to name.
+    assert stalled_ranks({0: state(0, (1,)), 1: state(1, (0,))}) == []
+
+
+def test_stall_message_names_the_wait_against_the_bound_and_the_rank_that_stopped():
+    verdict = Verdict({0: state(0, (1,)), 1: state(1)}, [1], fired_by=0)
+    waiting = stall_message(verdict.states[0], verdict, "run/stall_stacks")
+    assert waiting.startswith(
+        "stage 2 (rank 0) waited 4.0 s for the activation of micro-batch 0 from rank 1 in batch 3 of epoch 0."
+    )
+    assert "longer than its bound of 3.0 s (5 x 0.10 s); the last training step took 0.10 s." in waiting
+    assert "The rank that stopped: stage 1 (rank 1) (awaited, and waiting on no other rank)." in waiting
+    assert "  stage 1 (rank 1) waits on no other rank; no progress for 4.0 s, at train.py:1 in f" in waiting
+    assert "Every rank's Python stack is in run/stall_stacks." in waiting
+    stopped = stall_message(verdict.states[1], verdict, "run/stall_stacks")
+    assert stopped.startswith("stage 1 (rank 1) stopped making progress in batch 3 of epoch 0 (at train.py:1 in f)")
+    assert Wait("the gradients", (3,), sending=True).describe({3: "stage 0 (rank 3)"}) == (
+        "for stage 0 (rank 3) to receive the gradients"
+    )
+
+
+# ---- stalls end the run, naming the rank that stopped ----------------------------------------------------------------
+
+WATCHDOG = {"stall_floor": 3.0, "stall_multiple": 5.0}  # a wait in a regular step may last 3 s (steps take ~0.1 s)
+# The stalls, each where user code runs: a rank that sleeps inside its step (a pipelined layer of a middle stage, or the
+# first stage's step before the pipelined call), a callback stuck at a batch's end (the other ranks then wait in
+# Lightning's own per-step broadcast, which the pipeline does not make), and a training data loader that blocks.
+STALLS = {
+    "step": [fault("stall", "step", 0)],
+    "callback": [fault("stall", "hook_end", 0)],
+    "loader": [fault("stall", "loader", 0, batch=4)],  # batch 4 is read as step 3 starts
+}
+# CI's cases: every launcher and every kind of stall once, 3 stages once (the stopped stage in the middle).
+CASES = {
+    "popen-step-3-stages": ("gpipe", 3, [fault("stall", "layer", 1)]),
+    "spawn-callback": ("gpipe_spawn", 2, STALLS["callback"]),
+    "fork-loader": ("gpipe_fork", 2, STALLS["loader"]),
+}
+SLOW_CASES = {
+    f"{launcher}-{kind}": (launcher, 2, faults)
+    for launcher in ("gpipe", "gpipe_spawn", "gpipe_fork")
+    for kind, faults in STALLS.items()
+}
+# Legitimately slow phases, each sleeping twice the bound that would apply if it were bounded: the first step (on the
+# first stage), a validation step (first stage), and a checkpoint's save (rank 0, the writer). Two epochs, a checkpoint
+# every 4 steps.
+SLOW_PHASES = [
+    {**fault("slow", "step", 0, batch=0), "epoch": 0},
+    {**fault("slow", "step", 0, "val", batch=2), "epoch": 0},
+    {**fault("slow", "checkpoint", 1, batch=3), "epoch": 0},
+]
+
+
+def run_stall(case: tuple, tmp_path: Path) -> FaultRun:
+    launcher, devices, faults = case
+    return run_with_faults(tmp_path, devices, faults, launcher, watchdog=WATCHDOG)
+
+
+def run_slow_phases(tmp_path: Path) -> FaultRun:
+    return run_with_faults(tmp_path, 2, SLOW_PHASES, "gpipe", watchdog=WATCHDOG, epochs=2, checkpoint_every=4)
+
+
+@pytest.fixture(scope="module")
+def pooled_stalls(tmp_path_factory) -> dict[str, FaultRun]:
+    jobs = {name: partial(run_stall, case) for name, case in CASES.items()}
+    jobs["slow-phases"] = run_slow_phases
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {name: pool.submit(job, tmp_path_factory.mktemp(name)) for name, job in jobs.items()}
+    runs = {name: future.result() for name, future in futures.items()}
+    for name, run in runs.items():
+        if run.faults:
+            print(f"{name}: every process gone {run.seconds_to_exit:.1f} s after the stall")
+    return runs
+
+
+def check_stall_named(run: FaultRun, num_stages: int, faults: list[dict]) -> None:
+    """Ended within the bound plus the time to end the processes, every process gone, every rank's error (on the
+    terminal) naming the rank that stopped, every rank's stack in its log and in the run directory."""
+    assert_ended_fast_everywhere(run)
+    assert run.seconds_to_exit > WATCHDOG["stall_floor"], "the run ended before the bound: something else ended it"
+    stage = faults[0]["stage"]
+    rank = num_stages - 1 - stage  # the last stage is on global rank 0
+    stopped = f"The rank that stopped: stage {stage} (rank {rank}) (awaited, and waiting on no other rank)."
+    assert stopped in run.stderr, run.stderr[-6000:]
+    assert "PipelineStallError" in run.stderr
+    for name, end in run.ends.items():  # each rank that recorded its end (under spawn and fork: the launcher)
+        assert end["ended"] == "PipelineStallError", f"{name}: {end['traceback']}"
+        assert stopped in end["message"] and re.search(r"longer than its bound of [\d.]+ s", end["message"])
+    stacks = run.out / "stall_stacks"
+    for other in range(num_stages):
+        header = f"Python stacks of stage {num_stages - 1 - other} (rank {other})"
+        written = (stacks / f"rank{other}.txt").read_text()
+        assert written.startswith(header) and "(most recent call first)" in written
+        assert header in run.stderr, f"rank {other}'s stack is not in its log"
+    # Where the stopped rank stopped: in the fault's sleep (the others' main threads never get there).
+    assert [other for other in range(num_stages) if " in _fire\n" in (stacks / f"rank{other}.txt").read_text()] == [rank]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_stalled_rank_ends_the_run_named_with_every_stack(name, pooled_stalls):
+    launcher, num_stages, faults = CASES[name]
+    check_stall_named(pooled_stalls[name], num_stages, faults)
+
+
+def test_callback_stall_is_found_while_the_others_wait_in_lightnings_broadcast(pooled_stalls):
+    """The stopped rank's peer waits in Lightning's per-step broadcast, not in a wait of the pipeline: the watchdog
+    still bounds it, and the table says where it waits."""
+    run = pooled_stalls["spawn-callback"]
+    assert re.search(r"stage 1 \(rank 0\) waited [\d.]+ s in torch\.distributed\.broadcast \(called from "
+                     r"loops/training_epoch_loop\.py:\d+ in _broadcast_sigterm_tensor\)", run.stderr), run.stderr[-6000:]
+
+
+def test_slow_first_step_validation_and_checkpoint_do_not_trip_the_watchdog(pooled_stalls):
+    run = pooled_stalls["slow-phases"]
+    assert run.returncode == 0 and not run.leftovers, run.stderr[-6000:]
+    assert {name: end["ended"] for name, end in run.ends.items()} == {"rank0": "finished", "rank1": "finished"}
+    assert not (run.out / "stall_stacks").exists(), "the watchdog fired"
+    slept = [json.loads(path.read_text()) for path in run.out.glob("slow-*.json")]
+    assert sorted((s["where"], s["phase"]) for s in slept) == [("checkpoint", "train"), ("step", "train"),
+                                                                 ("step", "val")]
+    for slow in slept:  # each phase lasted longer than a wait may in a regular step
+        assert slow["seconds"] >= 2 * slow["bound"] >= 2 * WATCHDOG["stall_floor"], slow
+    assert len(list((run.out / "ckpt").glob("*.ckpt"))) == 3  # steps 4, 8 and 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW_CASES)
+def test_stall_matrix_ends_the_run_named_with_every_stack(name, tmp_path):
+    run = run_stall(SLOW_CASES[name], tmp_path)
+    print(f"{name}: every process gone {run.seconds_to_exit:.1f} s after the stall")
+    check_stall_named(run, 2, SLOW_CASES[name][2])
