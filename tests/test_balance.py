@@ -252,3 +252,14 @@ def test_every_balance_mode_gives_one_valid_split_on_every_rank(balanced_runs, r
     loss_stage = schedule.loss_stage(2, schedule.virtual_stages)
     assert {row["rank"] for row in rows if row["stage"] == loss_stage} == {0}  # the loss on global rank 0
     assert {row["rank"] for row in rows if row["stage"] != loss_stage} == {1}
+
+
+@pytest.mark.parametrize(("name", "title"), [
+    ("uniform", "over 2 stages, schedule='gpipe' (ideal bubble 0.20)"),  # (S-1)/(M+S-1), M=4
+    ("explicit_interleaved", "over 2 stages in 4 chunks, schedule='interleaved_1f1b' (ideal bubble 0.11)"),  # /(vM+S-1)
+    ("memory_zbv", "over 2 stages in 4 chunks, schedule='zbv' (ideal bubble 0.04)"),  # (S-1)/(6M+S-1)
+])
+def test_summary_names_the_schedule_its_ideal_bubble_and_each_chunk(balanced_runs, name, title):
+    summary = json.loads((balanced_runs / name / "rank0.json").read_text())["summary"]
+    assert title in summary.splitlines()[0]
+    assert summary.splitlines()[1].startswith("Stage | Chunk | Rank" if "chunks" in title else "Stage | Rank")
