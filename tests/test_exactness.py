@@ -83,7 +83,7 @@ def test_shared_parameters_are_found_by_the_stages_that_use_them():
     model = TiedAcrossStages()
     layers = list(model.net.model)
     assert parameters_shared_across_stages(layers, [range(0, 4), range(4, 8)]) == [
-        TiedParameter(stages=(0, 1), places=((2, "weight"), (6, "weight")))
+        TiedParameter(stages=(0, 1), places=((2, "weight"), (6, "weight")), last_user=1)
     ]
     assert parameters_shared_across_stages(layers, [range(0, 7), range(7, 8)]) == []  # both users on stage 0
 

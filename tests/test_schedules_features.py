@@ -10,13 +10,15 @@ compared with one device; a loss that is a mean over samples makes that one devi
 from __future__ import annotations
 
 import pytest
+import torch
 from lightning.pytorch import Trainer
 
 from helpers.compare import merged_state_dict, rank_results, relative_weight_error, single_device_run
 from helpers.launch import launch
-from helpers.models import COMPILE_BACKEND, PipeClassifier, loaders
+from helpers.models import COMPILE_BACKEND, PipeClassifier, TiedAcrossStages, loaders
 from lightning_pipe import GPipeStrategy
 from lightning_pipe.sharded import is_sharded_checkpoint
+from lightning_pipe.tied import TiedParameter, parameters_shared_across_stages
 
 TOLERANCE = 1e-5  # of the total weight change during training
 INTERLEAVED = {"schedule": "interleaved_1f1b"}  # 2 chunks per stage, 4 in all: layers 0-1, 2-3, 4-5, 6-7
@@ -37,6 +39,8 @@ RUNS = [
      "strategy": ZBV},
     {"name": "tied_zbv_unsummed", "model": "tied", "num_micro_batches": 4, "trainer": {"gradient_clip_val": 0.05},
      "strategy": ZBV, "unsummed_ties": True},  # negative control
+    # Built on the meta device: stage 0 (layer 6, the last user) initialises the shared weight, as one device does.
+    {"name": "tied_deferred_zbv", "model": "tied_deferred", "num_micro_batches": 4, "strategy": ZBV},
     {"name": "compiled_interleaved", "model": "compiled", "num_micro_batches": 2, "strategy": INTERLEAVED},
     {"name": "compiled_layers_zbv", "model": "compiled_layers", "num_micro_batches": 2, "strategy": ZBV},
     {"name": "compile_option_interleaved", "num_micro_batches": 2,
@@ -46,6 +50,11 @@ RUNS = [
     {**RESUMED, "name": "gpipe_then_interleaved", "first_strategy": {"schedule": "gpipe"}, "strategy": INTERLEAVED},
     {**RESUMED, "name": "interleaved_then_gpipe", "first_strategy": INTERLEAVED,
      "strategy": {"schedule": "gpipe", "save_distributed_checkpoint": True}},
+    # ZB-V's loss is on stage 0, which global rank 0 holds: there the checkpoint gathers the whole model.
+    {**RESUMED, "name": "zbv_then_interleaved", "first_strategy": ZBV, "strategy": INTERLEAVED},
+    # Built on the meta device (each rank its own chunks), the whole trained model asked for on rank 0 after fit.
+    {"name": "deferred_zbv_gathered", "model": "deferred", "num_micro_batches": 4,
+     "strategy": {**ZBV, "gather_model_after_run": True}},
 ]
 
 
@@ -75,11 +84,22 @@ def test_forwards_kept_without_recomputation_equal_one_device(pipelined):
     assert weight_error(tmp, runs["never_interleaved"]) < TOLERANCE
 
 
-@pytest.mark.parametrize("name", ["tied_interleaved", "tied_zbv"])
+@pytest.mark.parametrize("name", ["tied_interleaved", "tied_zbv", "tied_deferred_zbv"])
 def test_weight_shared_by_two_chunks_trains_as_on_one_device(pipelined, name):
-    """Two chunks of one stage (interleaved), and of two stages with clipping by the global norm (ZB-V)."""
+    """Two chunks of one stage (interleaved), and of two stages with clipping by the global norm (ZB-V); built on
+    the meta device, every copy starts from the value one device initialises."""
     tmp, runs = pipelined
     assert weight_error(tmp, runs[name]) < TOLERANCE  # merged_state_dict also checks that every copy is equal
+
+
+def test_weight_shared_by_chunks_of_two_stages_goes_by_its_first_use_along_the_model():
+    """ZB-V: stage 0 holds layers 0-1 and 6-7, stage 1 layers 2-5. Layer 6 uses layer 2's weight: one device calls
+    it net.model.2.weight (checkpoints name every copy so) and layer 6 initialises it last."""
+    layers = list(TiedAcrossStages().net.model)
+    assert parameters_shared_across_stages(layers, [[0, 1, 6, 7], [2, 3, 4, 5]]) == [
+        TiedParameter(stages=(1, 0), places=((2, "weight"), (6, "weight")), last_user=0)
+    ]
+    assert parameters_shared_across_stages(layers, [[0, 1, 4, 5], [2, 3, 6, 7]]) == []  # interleaved: one stage
 
 
 def test_comparison_detects_shared_weight_gradients_left_unsummed_across_chunks(pipelined):
@@ -104,7 +124,7 @@ def test_explicit_balance_gives_each_chunk_its_layers_and_equals_one_device(pipe
     assert weight_error(tmp, run, {**run, "strategy": {}}) < TOLERANCE
 
 
-@pytest.mark.parametrize("name", ["gpipe_then_interleaved", "interleaved_then_gpipe"])
+@pytest.mark.parametrize("name", ["gpipe_then_interleaved", "interleaved_then_gpipe", "zbv_then_interleaved"])
 def test_checkpoint_written_under_one_schedule_resumes_under_another_as_uninterrupted_one_device(pipelined, name):
     """The checkpoint holds the model as one device would (the stages' chunks differ between the schedules); a
     sharded one too."""
@@ -112,6 +132,16 @@ def test_checkpoint_written_under_one_schedule_resumes_under_another_as_uninterr
     (checkpoint,) = (tmp / name / "checkpoints").glob("*.ckpt")
     assert is_sharded_checkpoint(checkpoint) == (name == "interleaved_then_gpipe")
     assert weight_error(tmp, runs[name]) < TOLERANCE
+
+
+def test_whole_model_asked_for_after_fit_comes_to_the_launching_process_under_zbv(pipelined):
+    """Global rank 0 holds ZB-V's first stage (chunks 0 and 3); the chunks of stage 1 come to it after fit."""
+    tmp, runs = pipelined
+    run = runs["deferred_zbv_gathered"]
+    gathered = torch.load(tmp / run["name"] / "rank0.pt")
+    assert not any(value.is_meta for value in gathered.values())
+    initial, expected, _ = single_device_run(run)
+    assert relative_weight_error(initial, expected, gathered) < TOLERANCE
 
 
 @pytest.mark.parametrize("num_stages", [2, None], ids=["num_stages_set", "stages_from_devices"])
