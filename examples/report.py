@@ -27,8 +27,8 @@ REPORT = "report.json"
 
 class RunReport(Callback):
     """Samples per second over the training batches (the first, warm-up batch left out), the final losses, the
-    measured pipeline bubble, and per stage the parameters it holds and its peak memory (resident set size; on
-    CUDA also the allocator's peak)."""
+    schedule, the measured pipeline bubble beside the schedule's ideal one, and per stage the parameters it holds and
+    its peak memory (resident set size; on CUDA also the allocator's peak)."""
 
     def __init__(self, out_dir: str | Path) -> None:
         self.out_dir = Path(out_dir)
@@ -62,10 +62,12 @@ class RunReport(Callback):
         observed = getattr(strategy, "last_observed_step", None)  # the strategy's bubble measurement, if any
         num_stages = config.num_stages if config else 1
         replicas = max(1, trainer.world_size // num_stages)  # each replica of the pipeline trains its own batches
+        summary = strategy.stage_summary() if hasattr(strategy, "stage_summary") else None  # names the schedule
         report = {
             "num_stages": num_stages,
             "replicas": replicas,
             "num_micro_batches": config.num_micro_batches if config else 1,
+            "schedule": summary.schedule if summary else None,
             "accelerator": type(trainer.accelerator).__name__.replace("Accelerator", "").lower(),
             "steps": trainer.global_step,
             "samples_per_second": replicas * self._samples / self._seconds if self._seconds else None,
@@ -73,7 +75,7 @@ class RunReport(Callback):
             "train_loss": metrics.get("train_loss"),
             "fit_seconds": time.perf_counter() - self._started,
             "bubble_fraction": observed.bubble_fraction if observed else None,
-            "ideal_bubble_fraction": observed.ideal_bubble_fraction if observed else None,
+            "ideal_bubble_fraction": summary.ideal_bubble if summary else None,  # the schedule's, at M micro-batches
             "stages": sorted(stages, key=lambda record: record["stage"]),
         }
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -97,7 +99,8 @@ def format_report(report: dict[str, Any]) -> str:
     throughput = report["samples_per_second"]
     lines = [
         f"Summary: {report['num_stages']} stage(s) x {report['replicas']} replica(s),"
-        f" {report['num_micro_batches']} micro-batches per batch, {report['steps']} steps on {report['accelerator']}",
+        f" {report['num_micro_batches']} micro-batches per batch, schedule {report['schedule'] or 'n/a'},"
+        f" {report['steps']} steps on {report['accelerator']}",
         f"  final val_loss    {_number(report['val_loss'], '.4f')}"
         f"   (train_loss {_number(report['train_loss'], '.4f')})",
         f"  throughput        {_number(throughput, '.1f')} samples/s",
@@ -122,8 +125,8 @@ class SweepComparison(HydraCallback):
     """At the end of ``python examples/train.py -m ...``: a table with one row per job, as CSV and Markdown."""
 
     COLUMNS = (
-        "job", "overrides", "stages", "replicas", "micro_batches", "samples_per_s", "val_loss", "train_loss", "bubble",
-        "max_peak_rss_mb", "peak_rss_mb_per_stage", "fit_s",
+        "job", "overrides", "stages", "replicas", "micro_batches", "schedule", "samples_per_s", "val_loss",
+        "train_loss", "bubble", "ideal_bubble", "max_peak_rss_mb", "peak_rss_mb_per_stage", "fit_s",
     )
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -157,10 +160,12 @@ class SweepComparison(HydraCallback):
             "stages": report["num_stages"],
             "replicas": report.get("replicas", 1),
             "micro_batches": report["num_micro_batches"],
+            "schedule": report.get("schedule") or "n/a",
             "samples_per_s": _number(report["samples_per_second"], ".1f"),
             "val_loss": _number(report["val_loss"], ".4f"),
             "train_loss": _number(report["train_loss"], ".4f"),
             "bubble": _number(report.get("bubble_fraction"), ".2f"),
+            "ideal_bubble": _number(report.get("ideal_bubble_fraction"), ".2f"),
             "max_peak_rss_mb": f"{max(peaks):.0f}",
             "peak_rss_mb_per_stage": " / ".join(f"{peak:.0f}" for peak in peaks),
             "fit_s": f"{report['fit_seconds']:.1f}",

@@ -92,15 +92,26 @@ def check_layer_counts(sizes: Sequence[Any], key: str = "") -> None:
 
 
 def check_one_count_per_stage(
-    sizes: Sequence[int], num_stages: int, key: str = "", num_stages_set: bool = False
+    sizes: Sequence[int], num_stages: int, key: str = "", num_stages_set: bool = False, virtual_stages: int = 1,
+    schedule: str = "",
 ) -> None:
-    """Raise unless an explicit balance has one entry per stage. ``num_stages_set``: the count is the user's
+    """Raise unless an explicit balance has one entry per model chunk: per stage, or ``num_stages * virtual_stages``
+    of them for a ``schedule`` that runs several chunks per stage. ``num_stages_set``: the count is the user's
     ``num_stages`` setting (named in the message) rather than the one resolved from the process count."""
-    if len(sizes) != num_stages:
+    chunks = num_stages * virtual_stages
+    if len(sizes) == chunks:
+        return
+    if virtual_stages == 1:
         stages = f"{key}num_stages={num_stages}" if num_stages_set else f"there are {num_stages} stages"
         raise ValueError(
             f"{key}balance={list(sizes)} has {len(sizes)} entries but {stages}; give one layer count per stage."
         )
+    example = ", ".join(["2"] * chunks)
+    raise ValueError(
+        f"{key}balance={list(sizes)} has {len(sizes)} entries but {key}schedule={schedule!r} cuts the pipelined"
+        f" blocks into {key}num_stages * {key}virtual_stages = {num_stages} * {virtual_stages} = {chunks} model"
+        f" chunks; give one layer count per chunk, in model order (e.g. {key}balance=[{example}])."
+    )
 
 
 # ---- balancing by a cost per layer -----------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from lightning_pipe.stored_weights import SAFETENSORS_INDEX, StoredWeights, describe_names, read_tensors
-from lightning_pipe.whole_model import PipelinedModule, gather_to_last_stage
+from lightning_pipe.whole_model import PipelinedModule, gather_to_loss_stage
 
 CONFIG_FILES = ("config.json", "generation_config.json")  # what `from_pretrained` reads besides the weights
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)i?B?\s*$", re.IGNORECASE)
@@ -130,7 +130,7 @@ def export_pretrained_by_stage(
         keys = [key for key in pipelined.stage_keys(stage) if key.startswith(prefix)]
         name = shard_name(stage, len(stage_ranks))
         written = (name, write_shard(directory, name, exported_tensors(state, keys, prefix, cast)))
-    shards = gather_to_last_stage(written, stage_ranks, rank, group)
+    shards = gather_to_loss_stage(written, stage_ranks, rank, group)
     if shards is not None and writes:
         write_index(directory, dict(shards))
         write_model_config(module.get_submodule(prefix[:-1]) if prefix else module, directory, cast)

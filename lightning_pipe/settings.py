@@ -89,7 +89,7 @@ class PipelineSettings:
             "num_stages": num_stages,
             "num_micro_batches": num_micro_batches,
             "recompute": default_recompute(schedule) if self.recompute is None else validate_recompute_mode(self.recompute, key),
-            "balance": _checked_balance(self.balance, num_stages, key),
+            "balance": _checked_balance(self.balance, num_stages, key, virtual_stages, schedule.name),
             "module_name": _checked_module_name(self.module_name, key),
             "trace_steps": _checked_trace_steps(self.trace_steps, key),
             "trace_dir": _checked_trace_dir(self.trace_dir, key),
@@ -217,7 +217,9 @@ def counts_from_config(
     return config.get("num_stages"), config.get("num_micro_batches")
 
 
-def _checked_balance(balance: Any, num_stages: int | None, key: str) -> list[int] | BalanceMode | None:
+def _checked_balance(
+    balance: Any, num_stages: int | None, key: str, virtual_stages: int = 1, schedule: str = ""
+) -> list[int] | BalanceMode | None:
     if balance is None:
         return None
     if isinstance(balance, str):
@@ -236,7 +238,7 @@ def _checked_balance(balance: Any, num_stages: int | None, key: str) -> list[int
     sizes = list(balance)
     check_layer_counts(sizes, key)
     if num_stages is not None:
-        check_one_count_per_stage(sizes, num_stages, key, num_stages_set=True)
+        check_one_count_per_stage(sizes, num_stages, key, True, virtual_stages, schedule)
     return sizes
 
 

@@ -401,7 +401,8 @@ class GPipeStrategyMixin:
         if settings.num_stages is not None:
             check_process_count(settings.num_stages, self.num_processes, self.num_nodes)
         elif isinstance(settings.balance, list):  # with num_stages set, `PipelineSettings` compared the two
-            check_one_count_per_stage(settings.balance, self.chunk_config.num_stages)
+            check_one_count_per_stage(settings.balance, self.config.num_stages, virtual_stages=self._virtual_stages,
+                                      schedule=settings.schedule.name)
         self.config  # noqa: B018  (validates the resolved counts before any process starts)
         if settings.num_stages is None:  # with num_stages set, `PipelineSettings` ran the user's schedule already
             settings.check_schedule(self.config)

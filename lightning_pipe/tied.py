@@ -32,24 +32,36 @@ from lightning_pipe.topology import PipelineLayout
 class TiedParameter:
     """A parameter of the pipelined module used by layers of several stages.
 
-    ``places`` holds, for each of those stages in order, a layer index and the parameter's name within that layer
-    (``(4, "weight")``): where the stage finds its copy.
+    ``stages`` are ordered by their first use of it along the model (with several chunks per stage, not the stage
+    order), and ``places`` holds, for each, the layer index and the parameter's name within that layer of that use
+    (``(4, "weight")``): where the stage finds its copy. The first place is the parameter's name on one device.
+    ``last_user`` is the stage of its last use, which on one device initialises it last.
     """
 
     stages: tuple[int, ...]
     places: tuple[tuple[int, str], ...]
+    last_user: int
 
 
-def parameters_shared_across_stages(layers: Sequence[nn.Module], ranges: Sequence[range]) -> list[TiedParameter]:
-    """The parameters that layers of more than one stage use, in the order of their first use."""
-    found: dict[int, dict[int, tuple[int, str]]] = {}  # parameter id -> stage -> its first place there
-    for stage, layer_range in enumerate(ranges):
-        for index in layer_range:
+def parameters_shared_across_stages(
+    layers: Sequence[nn.Module], held: Sequence[Sequence[int]]
+) -> list[TiedParameter]:
+    """The parameters that layers of more than one stage use (``held``: each stage's layer indices), in the order of
+    their first use."""
+    uses: dict[int, list[tuple[int, str, int]]] = {}  # parameter id -> (layer index, name, stage) of every use
+    for stage, indices in enumerate(held):
+        for index in indices:
             for local_name, parameter in layers[index].named_parameters(remove_duplicate=False):
-                found.setdefault(id(parameter), {}).setdefault(stage, (index, local_name))
-    return [
-        TiedParameter(tuple(places), tuple(places.values())) for places in found.values() if len(places) > 1
-    ]
+                uses.setdefault(id(parameter), []).append((index, local_name, stage))
+    tied = []
+    for found in uses.values():
+        found.sort(key=lambda use: use[0])  # along the model (stable: a layer's own order within it)
+        first: dict[int, tuple[int, str]] = {}  # stage -> its first use
+        for index, local_name, stage in found:
+            first.setdefault(stage, (index, local_name))
+        if len(first) > 1:
+            tied.append(TiedParameter(tuple(first), tuple(first.values()), last_user=found[-1][2]))
+    return sorted(tied, key=lambda tie: tie.places[0])
 
 
 def replicated_parameters(module: nn.Module, block_names: Sequence[str]) -> list[nn.Parameter]:
@@ -96,9 +108,9 @@ class TiedParameters:
                 continue  # also used outside the pipelined module: summed over the whole pipeline already
             group = groups[tie.stages]
             assert group is not None
-            # The last holder's values: on one device, the last module holding a tied parameter initialises it last
+            # The last user's values: on one device, the last module holding a tied parameter initialises it last
             # (see `materialize.init_weights`); a model built whole has the same values on every stage anyway.
-            source = layout.rank(tie.stages[-1], layout.replica(dist.get_rank()))
+            source = layout.rank(tie.last_user, layout.replica(dist.get_rank()))
             self._held.append((parameter, group, source))
             if stage_index != tie.stages[0]:
                 self._counted_elsewhere.append(parameter)

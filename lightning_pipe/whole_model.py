@@ -1,14 +1,15 @@
 """The whole model from its stages: gathered for a consolidated checkpoint, split back when one loads, and put back
 together in the user's module after a run.
 
-A consolidated checkpoint holds the whole model, numbered as on one device, so it loads anywhere: the last stage of
+A consolidated checkpoint holds the whole model, numbered as on one device, so it loads anywhere: the loss stage of
 a pipeline (global rank 0 in the first) gathers every stage's weights and optimizer state and Lightning writes them.
 On load, each rank copies out only its stage's share (:mod:`lightning_pipe.consolidate` does the renumbering). After
 a run, the user's ``nn.Sequential`` goes back into the LightningModule: whole on every rank for a model built the
 usual way; for a model built on the meta device, each rank keeps its own trained stage (and the rest on the meta
 device) unless the whole model was asked for. Either way the optimizers stay per stage, so a checkpoint written
-after the run gathers them as during it. ``stage_ranks`` is always this rank's pipeline, by stage:
-``stage_ranks[-1]`` holds the last stage.
+after the run gathers them as during it. ``stage_ranks`` is always this rank's pipeline, by stage; its loss stage
+(the last one, or the first for a V-shaped schedule such as ``zbv``) holds the lowest of them (see
+:mod:`lightning_pipe.topology`).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class PipelinedModule:
         return [key for key in self.state_keys if key.startswith(mine) or (stage == 0 and not key.startswith(inside))]
 
 
-# ---- saving: the whole model on the last stage -------------------------------------------------------------------
+# ---- saving: the whole model on the loss stage -------------------------------------------------------------------
 
 
 def whole_state_dict(
@@ -71,12 +72,12 @@ def whole_state_dict(
     rank: int,
     group: dist.ProcessGroup | None,
 ) -> dict[str, Any]:
-    """The whole model's state dict on the last stage (keys in the whole model's order); this rank's own weights
+    """The whole model's state dict on the loss stage (keys in the whole model's order); this rank's own weights
     elsewhere."""
     local = held_state_dict(module)
     if pipelined.whole_on_every_rank:
         return local
-    stages = gather_to_last_stage(_to_cpu(local), stage_ranks, rank, group)
+    stages = gather_to_loss_stage(_to_cpu(local), stage_ranks, rank, group)
     if stages is None:
         return local
     merged = {key: value for stage in stages for key, value in stage.items()}
@@ -96,11 +97,11 @@ def whole_optimizer_state(
     rank: int,
     group: dist.ProcessGroup | None,
 ) -> dict[str, Any]:
-    """The whole model's optimizer state on the last stage, numbered as a single-device optimizer's; this stage's
+    """The whole model's optimizer state on the loss stage, numbered as a single-device optimizer's; this stage's
     elsewhere."""
     local = optimizer.state_dict()
     named = name_optimizer_state(_to_cpu(local), group_names(module, optimizer))
-    stages = gather_to_last_stage(named, stage_ranks, rank, group)
+    stages = gather_to_loss_stage(named, stage_ranks, rank, group)
     if stages is None:
         return local
     return merge_optimizer_states(stages, parameter_order)
@@ -112,18 +113,24 @@ def group_names(module: LightningModule, optimizer: Optimizer) -> list[list[str]
     return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
 
-def gather_to_last_stage(
+def gather_to_loss_stage(
     obj: Any, stage_ranks: Sequence[int], rank: int, group: dist.ProcessGroup | None
 ) -> list[Any] | None:
-    """Every stage's ``obj`` on the stage of this pipeline that writes checkpoints, the one on the lowest rank (the
-    last stage; the first under a V schedule), in stage order; None elsewhere."""
-    writer = min(stage_ranks)
+    """Every stage's ``obj`` on the loss stage of this pipeline, the writer of checkpoints (in stage order); None
+    elsewhere."""
+    writer = _loss_stage_rank(stage_ranks)
     gathered: list[Any] | None = [None] * len(stage_ranks) if rank == writer else None
     dist.gather_object(obj, gathered, dst=writer, group=group)
     if gathered is None:
         return None
-    by_rank = sorted(stage_ranks)  # gather_object orders by rank within the group
-    return [gathered[by_rank.index(stage_rank)] for stage_rank in stage_ranks]
+    by_rank = dict(zip(sorted(stage_ranks), gathered))  # gather_object orders by rank within the group
+    return [by_rank[stage_rank] for stage_rank in stage_ranks]
+
+
+def _loss_stage_rank(stage_ranks: Sequence[int]) -> int:
+    """The rank of the pipeline's loss stage: its lowest (global rank 0 in the first pipeline, where Lightning writes
+    checkpoints and the launching process runs)."""
+    return min(stage_ranks)
 
 
 def refuse_checkpoint_without_stages(launcher: _Launcher | None, filepath: str | Path) -> None:
@@ -206,11 +213,11 @@ def restore_whole_model(
     ``trainer.test(model)``, ``torch.save(model.state_dict())`` and the spawn launcher, which copies rank 0's
     weights into the launching process. A model built on the meta device (``deferred``) was built so because it
     need not fit on one host: each rank keeps its own stage, the other stages' layers stay on the meta device; with
-    ``gather_deferred`` the last stage receives them (see :func:`_gather_whole_model_to_last_stage`).
+    ``gather_deferred`` the loss stage receives them (see :func:`_gather_whole_model_to_loss_stage`).
     """
     if deferred:
         if gather_deferred:
-            _gather_whole_model_to_last_stage(pipelined, stage_ranks, rank, group, device)
+            _gather_whole_model_to_loss_stage(pipelined, stage_ranks, rank, group, device)
         else:
             layers = list(pipelined.sequential)
             mine = pipelined.ranges[stage_ranks.index(rank)]
@@ -230,14 +237,14 @@ def restore_whole_model(
     pipelined.whole_on_every_rank = True
 
 
-def _gather_whole_model_to_last_stage(
+def _gather_whole_model_to_loss_stage(
     pipelined: PipelinedModule,
     stage_ranks: Sequence[int],
     rank: int,
     group: dist.ProcessGroup | None,
     device: torch.device,
 ) -> None:
-    """After a run of a model built on the meta device: the last stage (global rank 0 in the first pipeline)
+    """After a run of a model built on the meta device: the loss stage (global rank 0 in the first pipeline)
     receives every other stage's trained layers into host memory, layer by layer.
 
     The launching process then holds the whole trained model, as on one device (for ``torch.save``,
@@ -246,27 +253,24 @@ def _gather_whole_model_to_last_stage(
     that a later setup does not re-initialise them as new.
     """
     layers = list(pipelined.sequential)
-    last = min(stage_ranks)  # the writer: the last stage (the first under a V schedule)
-    last_stage = stage_ranks.index(last)
-    stage_index = stage_ranks.index(rank)
+    receiver = _loss_stage_rank(stage_ranks)
     elsewhere = []
     with torch.no_grad():
-        for stage, layer_range in enumerate(pipelined.ranges):
-            if stage == last_stage:
+        for owner, layer_range in zip(stage_ranks, pipelined.ranges):
+            if owner == receiver:
                 continue
-            owner = stage_ranks[stage]
             for index in layer_range:
                 layer = layers[index]
-                if stage_index == last_stage:
+                if rank == receiver:
                     layer.to_empty(device="cpu")
                     for tensor in _own_tensors(layer):
                         on_device = device.type != "cpu"
                         buffer = torch.empty_like(tensor, device=device) if on_device else tensor
                         dist.recv(buffer, src=owner, group=group)
                         tensor.copy_(buffer)
-                elif stage == stage_index:
+                elif rank == owner:
                     for tensor in _own_tensors(layer):
-                        dist.send(tensor.to(device), dst=last, group=group)
+                        dist.send(tensor.to(device), dst=receiver, group=group)
                 else:
                     elsewhere.append(layer)
     mark_held_elsewhere(elsewhere)

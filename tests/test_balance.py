@@ -15,6 +15,7 @@ from helpers.models import PipeClassifier
 from lightning_pipe import GPipeStrategy, PipelineParallelConfig
 from lightning_pipe.balance import min_max_partition, plan_partition, ranges_from_sizes, recompute_fraction, stage_costs
 from lightning_pipe.profile import pipelined_input, profile_layers
+from lightning_pipe.schedule import SCHEDULES
 from lightning_pipe.summary import build_stage_summary, stage_devices
 
 
@@ -212,6 +213,12 @@ BALANCE_RUNS = [
     {"name": "parameters", "balance": "parameters"},
     {"name": "time", "balance": "time"},  # profiles with the model's example_input_array
     {"name": "memory", "balance": "memory", "sample": True, "example_input_array": False},  # with sample=
+    # Two chunks per stage: the 8 layers split into 4 chunks (interleaved: chunk k on stage k % 2; ZB-V: in a V).
+    {"name": "explicit_interleaved", "balance": [1, 3, 2, 2], "strategy": {"schedule": "interleaved_1f1b"}},
+    {"name": "parameters_interleaved", "balance": "parameters", "strategy": {"schedule": "interleaved_1f1b"}},
+    {"name": "time_interleaved", "balance": "time", "strategy": {"schedule": "interleaved_1f1b"}},
+    {"name": "memory_zbv", "balance": "memory", "sample": True, "example_input_array": False,
+     "strategy": {"schedule": "zbv"}},
 ]
 
 
@@ -224,13 +231,35 @@ def balanced_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("run", BALANCE_RUNS, ids=lambda run: run["name"])
 def test_every_balance_mode_gives_one_valid_split_on_every_rank(balanced_runs, run):
+    """One part per model chunk (per stage, or ``S·v`` with virtual stages), contiguous, the cheapest most expensive
+    part for the costs it balanced; each chunk on the stage its schedule places it, the loss's on global rank 0."""
     results = [json.loads((balanced_runs / run["name"] / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    schedule = SCHEDULES[run.get("strategy", {}).get("schedule", "gpipe")]
+    chunks = 2 * schedule.virtual_stages
     ranges = results[0]["ranges"]
     assert all(result["ranges"] == ranges for result in results), "ranks applied different splits"
-    assert ranges[0][0] == 0 and ranges[-1][1] == 8 and ranges[0][1] == ranges[1][0]  # contiguous, covers all 8
-    assert all(stop > start for start, stop in ranges)
+    assert len(ranges) == chunks and ranges[0][0] == 0 and ranges[-1][1] == 8
+    assert all(stop > start for start, stop in ranges) and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     assert results[0]["method"] == ("explicit" if isinstance(run["balance"], list) else run["balance"])
     if isinstance(run["balance"], list):
         assert [stop - start for start, stop in ranges] == run["balance"]
+    else:
+        costs = results[0]["costs"]
+        assert max(stage_costs(costs, [range(*r) for r in ranges])) == pytest.approx(brute_force_best(costs, chunks))
     assert results[0]["summary"] == results[1]["summary"]  # the same table on every rank
-    assert [row["rank"] for row in results[0]["rows"]] == [1, 0]  # the last stage on global rank 0
+    rows = results[0]["rows"]
+    assert [row["stage"] for row in rows] == [schedule.owner(k, 2) for k in range(chunks)]
+    loss_stage = schedule.loss_stage(2, schedule.virtual_stages)
+    assert {row["rank"] for row in rows if row["stage"] == loss_stage} == {0}  # the loss on global rank 0
+    assert {row["rank"] for row in rows if row["stage"] != loss_stage} == {1}
+
+
+@pytest.mark.parametrize(("name", "title"), [
+    ("uniform", "over 2 stages, schedule='gpipe' (ideal bubble 0.20)"),  # (S-1)/(M+S-1), M=4
+    ("explicit_interleaved", "over 2 stages in 4 chunks, schedule='interleaved_1f1b' (ideal bubble 0.11)"),  # /(vM+S-1)
+    ("memory_zbv", "over 2 stages in 4 chunks, schedule='zbv' (ideal bubble 0.04)"),  # (S-1)/(6M+S-1)
+])
+def test_summary_names_the_schedule_its_ideal_bubble_and_each_chunk(balanced_runs, name, title):
+    summary = json.loads((balanced_runs / name / "rank0.json").read_text())["summary"]
+    assert title in summary.splitlines()[0]
+    assert summary.splitlines()[1].startswith("Stage | Chunk | Rank" if "chunks" in title else "Stage | Rank")

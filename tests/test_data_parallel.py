@@ -1,4 +1,4 @@
-"""Pipeline x data parallel: replicas of a pipeline average their gradients; one node or several."""
+"""Pipeline x data parallel: replicas of a pipeline average their gradients; one node or several; any schedule."""
 
 from __future__ import annotations
 
@@ -30,12 +30,18 @@ def test_two_stages_times_two_replicas_match_one_device_with_twice_the_batch(tmp
     runs = [{**REPLICATED, "name": "pp_outer"},
             {**REPLICATED, "name": "dp_outer", "strategy": {"num_stages": 2, "mesh_order": ["dp", "pp"]}},
             # A weight shared by both stages: summed within each replica's pair of stages, then averaged.
-            {**REPLICATED, "name": "tied", "model": "tied"}]
+            {**REPLICATED, "name": "tied", "model": "tied"},
+            # Per-micro-batch schedules with 2 chunks per stage: interleaved; and ZB-V, whose loss is on stage 0 (the
+            # tie then joins chunk 1 on stage 1 and chunk 3 on stage 0).
+            {**REPLICATED, "name": "interleaved", "strategy": {"num_stages": 2, "schedule": "interleaved_1f1b"}},
+            {**REPLICATED, "name": "tied_zbv", "model": "tied",
+             "strategy": {"num_stages": 2, "schedule": "zbv", "mesh_order": ["dp", "pp"]}}]
     launch("fits_worker.py", {"devices": 4, "out": str(tmp_path), "runs": runs}, tmp_path)
-    for run in runs[:2]:
-        assert_matches_single_device(tmp_path / run["name"])
+    for name in ("pp_outer", "dp_outer", "interleaved"):
+        assert_matches_single_device(tmp_path / name)
     initial, expected, _ = single_device_run({**SINGLE_DEVICE, "model": "tied"})
-    assert relative_weight_error(initial, expected, merged_state_dict(tmp_path / "tied")) < 1e-5
+    for name in ("tied", "tied_zbv"):
+        assert relative_weight_error(initial, expected, merged_state_dict(tmp_path / name)) < 1e-5
 
 
 def free_port() -> int:

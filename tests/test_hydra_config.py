@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 import lightning_pipe
 from lightning_pipe import PipelineParallelConfig
 from lightning_pipe.hydra import start_method_for_this_run, validate_config
+from lightning_pipe.schedule import SCHEDULES
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("model", "data", "trainer", "strategy")
@@ -102,11 +103,48 @@ def test_invalid_value_fails_validation_naming_the_key(override, message):
     assert str(error.value).startswith(message)
 
 
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_every_schedule_composes_and_cuts_the_blocks_into_its_chunks(schedule):
+    cfg = composed(f"strategy.schedule={schedule}")
+    assert validate_config(cfg) == PipelineParallelConfig(num_stages=2, num_micro_batches=8)
+    strategy = instantiate(cfg.strategy, _convert_="all")
+    assert strategy._settings.schedule is SCHEDULES[schedule]
+    assert strategy.chunk_config.num_stages == {"interleaved_1f1b": 4, "zbv": 4}.get(schedule, 2)
+
+
+def test_virtual_stages_and_a_balance_per_chunk_configure_the_strategy():
+    cfg = composed("strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=3", "strategy.balance=[1,1,2,1,2,1]")
+    validate_config(cfg)
+    strategy = instantiate(cfg.strategy, _convert_="all")
+    assert strategy.chunk_config == PipelineParallelConfig(num_stages=6, num_micro_batches=8)
+    assert strategy._settings.balance == [1, 1, 2, 1, 2, 1]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["strategy.schedule=2f2b"], "strategy.schedule='2f2b' is not a schedule; use one of 'gpipe', '1f1b'"),
+        (["strategy.schedule=1f1b", "strategy.virtual_stages=2"],
+         "strategy.virtual_stages=2 is invalid for strategy.schedule='1f1b', which runs exactly 1 model chunk per"),
+        (["strategy.schedule=interleaved_1f1b", "strategy.balance=[4,4]"],
+         "strategy.balance=[4, 4] has 2 entries but strategy.schedule='interleaved_1f1b' cuts the pipelined blocks"
+         " into strategy.num_stages * strategy.virtual_stages = 2 * 2 = 4 model chunks"),
+    ],
+    ids=["unknown", "chunks-for-1f1b", "balance-per-stage"],
+)
+def test_invalid_schedule_setting_fails_validation_naming_the_key(overrides, message):
+    """The config tree's overrides reach the checks of every setting (tests/test_settings.py has them all)."""
+    with pytest.raises(ValueError) as error:
+        validate_config(composed(*overrides))
+    assert str(error.value).startswith(message)
+
+
 @pytest.mark.parametrize(
     "override, key",
     [
         ("strategy.num_stages=two", "strategy.num_stages"),  # a type OmegaConf checks from the schema
         ("strategy.num_stage=2", "strategy.num_stage"),  # a typo: not a key of the schema
+        ("strategy.virtual_stages=two", "strategy.virtual_stages"),
     ],
 )
 def test_wrong_type_or_unknown_key_fails_composition_naming_the_key(override, key):

@@ -41,6 +41,12 @@ INVALID = {
         {"num_stages": 2, "balance": [4, 2, 2]},
         "{key}balance=[4, 2, 2] has 3 entries but {key}num_stages=2; give one layer count per stage.",
     ),
+    "balance length with chunks": (
+        {"num_stages": 2, "schedule": "interleaved_1f1b", "balance": [4, 4]},
+        "{key}balance=[4, 4] has 2 entries but {key}schedule='interleaved_1f1b' cuts the pipelined blocks into"
+        " {key}num_stages * {key}virtual_stages = 2 * 2 = 4 model chunks; give one layer count per chunk, in model"
+        " order (e.g. {key}balance=[2, 2, 2, 2]).",
+    ),
     "module_name": (
         {"module_name": 3},
         "{key}module_name=3 is invalid; give the dotted path of the nn.Sequential or nn.ModuleList to pipeline",
@@ -165,6 +171,10 @@ def test_balance_length_is_checked_against_the_stage_count_resolved_from_the_dev
     strategy = GPipeStrategy(balance=[1, 2, 3])  # no num_stages: one stage per process, known at launch
     with pytest.raises(ValueError, match=r"^balance=\[1, 2, 3\] has 3 entries but there are 2 stages"):
         Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+    strategy = GPipeStrategy(balance=[4, 4], schedule="zbv")  # 2 chunks per stage: one count per chunk
+    with pytest.raises(ValueError, match=r"^balance=\[4, 4\] has 2 entries but schedule='zbv' cuts .* = 4 model chunks"):
+        Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+    GPipeStrategy(num_stages=2, schedule="interleaved_1f1b", balance=[1, 3, 2, 2])
 
 
 def forward_before_its_receive(stage: int, num_stages: int, num_micro_batches: int, virtual_stages: int) -> list:

@@ -49,16 +49,22 @@ def test_chrome_trace_holds_one_track_per_stage_with_micro_batch_events(tmp_path
     assert trace["otherData"]["steps"][0]["step"] == 7
 
 
-LAUNCH = {
-    # 3 stages exercise the first, a middle and the last stage; steps 1 and 2 traced.
-    "devices": 3,
-    "runs": [
-        {"name": "except_last", "num_micro_batches": 4, "checkpoint": "except_last", "trace_steps": [1, 2],
-         "train_samples": 48, "csv_logger": True},
-        {"name": "never", "num_micro_batches": 3, "checkpoint": "never", "trace_steps": [0], "train_samples": 16,
-         "one_host_per_rank": True},
-    ],
-}
+GPIPE_RUNS = [
+    {"name": "except_last", "num_micro_batches": 4, "checkpoint": "except_last", "trace_steps": [1, 2],
+     "train_samples": 48, "csv_logger": True},
+    {"name": "never", "num_micro_batches": 3, "checkpoint": "never", "trace_steps": [0], "train_samples": 16,
+     "one_host_per_rank": True},
+]
+# Per-micro-batch schedules with 2 chunks per stage (6 chunks of the 8 layers), with their bubble formulas at S=3.
+CHUNKED_RUNS = [
+    {"name": "interleaved_1f1b", "num_micro_batches": 4, "checkpoint": "never", "trace_steps": [1],
+     "train_samples": 32, "csv_logger": True, "strategy": {"schedule": "interleaved_1f1b"},
+     "formula": 2 / (2 * 4 + 2)},  # (S-1)/(v·M+S-1)
+    {"name": "zbv", "num_micro_batches": 6, "checkpoint": "never", "trace_steps": [0], "train_samples": 32,
+     "csv_logger": True, "strategy": {"schedule": "zbv"}, "formula": 2 / (6 * 6 + 2)},  # (S-1)/(6M+S-1), M >= 2S-1
+]
+# 3 stages exercise the first, a middle and the last stage.
+LAUNCH = {"devices": 3, "runs": GPIPE_RUNS + CHUNKED_RUNS}
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +83,7 @@ def events_by_step_and_stage(trace: dict) -> dict[tuple[int, int], list[dict]]:
     return grouped
 
 
-@pytest.mark.parametrize("run", LAUNCH["runs"], ids=lambda run: run["name"])
+@pytest.mark.parametrize("run", GPIPE_RUNS, ids=lambda run: run["name"])
 def test_trace_holds_every_forward_and_backward_in_gpipe_order(traced, run):
     trace = json.loads((traced / run["name"] / "gpipe_trace.json").read_text())
     grouped = events_by_step_and_stage(trace)
@@ -119,6 +125,45 @@ def test_bubble_fraction_reaches_the_loggers_every_step(traced):
     results = [json.loads((traced / "except_last" / f"rank{r}.json").read_text()) for r in range(3)]
     assert results[0]["bubbles"] == results[1]["bubbles"] == results[2]["bubbles"]  # every stage agrees
     assert len(results[0]["bubbles"]) == 3
+
+
+@pytest.mark.parametrize("run", CHUNKED_RUNS, ids=lambda run: run["name"])
+def test_trace_of_a_chunked_schedule_names_every_stage_and_holds_its_actions_in_order(traced, run):
+    """Each stage's forwards and backwards (two chunks each; ZB-V's backward in its input and weight halves) in the
+    order of the schedule's actions; micro-batches flow down the stages on one clock."""
+    trace = json.loads((traced / run["name"] / "gpipe_trace.json").read_text())
+    ranks = trace["otherData"]["steps"][0]["ranks"]
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    assert names == {**{stage: f"stage {stage} (rank {ranks[stage]})" for stage in range(3)}, 3: "steps"}
+    schedule, m = SCHEDULES[run["strategy"]["schedule"]], run["num_micro_batches"]
+    grouped = events_by_step_and_stage(trace)
+    assert {step for step, _ in grouped} == set(run["trace_steps"])
+    for step in run["trace_steps"]:
+        for stage in range(3):
+            events = sorted(grouped[(step, stage)], key=lambda e: e["ts"])
+            compute = [(e["cat"], e["args"]["micro_batch"]) for e in events if e["cat"] in (FORWARD, BACKWARD)]
+            actions = schedule.stage_actions(stage, 3, m, 2, run["checkpoint"])
+            assert compute == [(FORWARD if a.kind == "forward" else BACKWARD, a.micro_batch) for a in actions
+                               if a.kind in ("forward", "backward", "backward_input", "backward_weight")], stage
+        for stage in range(1, 3):  # chunk `stage` on stage `stage` in both placements: the first forward of each
+            for i in range(m):
+                up = next(e for e in sorted(grouped[(step, stage - 1)], key=lambda e: e["ts"]) if e["name"] == f"F{i}")
+                down = next(e for e in sorted(grouped[(step, stage)], key=lambda e: e["ts"]) if e["name"] == f"F{i}")
+                assert down["ts"] >= up["ts"] + up["dur"] - ALIGNMENT_TOLERANCE_US["one host"]
+
+
+@pytest.mark.parametrize("run", CHUNKED_RUNS, ids=lambda run: run["name"])
+def test_logged_ideal_bubble_is_the_schedules_formula_beside_the_measured_one(traced, run):
+    schedule = SCHEDULES[run["strategy"]["schedule"]]
+    assert schedule.ideal_bubble(3, run["num_micro_batches"], 2) == pytest.approx(run["formula"])
+    with open(traced / run["name"] / "csv" / "version_0" / "metrics.csv") as file:
+        rows = [row for row in csv.DictReader(file) if row.get("pipeline/bubble_fraction")]
+    assert len(rows) == run["train_samples"] // 16  # one per step
+    for row in rows:
+        assert float(row["pipeline/ideal_bubble_fraction"]) == pytest.approx(run["formula"])
+        assert 0.0 < float(row["pipeline/bubble_fraction"]) < 1.0
+    for summary in json.loads((traced / run["name"] / "gpipe_trace.json").read_text())["otherData"]["steps"]:
+        assert summary["ideal_bubble_fraction"] == pytest.approx(run["formula"])
 
 
 def test_every_trace_written_is_announced_once_with_its_absolute_path(traced):

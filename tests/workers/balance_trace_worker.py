@@ -2,7 +2,7 @@
 
 Usage: python balance_trace_worker.py SPEC.json
 SPEC: {"devices": N, "out": DIR, "runs": [{"name": ..., "balance": ..., "sample": bool, "trace_steps": [...],
-"num_micro_batches": M, "checkpoint": ..., "csv_logger": bool, "one_host_per_rank": bool}, ...]}
+"num_micro_batches": M, "checkpoint": ..., "csv_logger": bool, "one_host_per_rank": bool, "strategy": {...}}, ...]}
 Each run writes DIR/NAME/rank{R}.json: the split this rank applied, its stage summary and the logged bubble
 fractions; a run with trace_steps also writes its trace to DIR/NAME/gpipe_trace.json (from global rank 0).
 """
@@ -52,6 +52,7 @@ def main(spec_path):
             sample=torch.randn(8, 3, 4) if run.get("sample") else None,
             trace_steps=run.get("trace_steps", ()),
             trace_dir=out,
+            **run.get("strategy", {}),  # a schedule, virtual stages
         )
         recorder = BubbleRecorder()
         trainer = Trainer(

@@ -88,13 +88,13 @@ def main(spec_path):
         graphs_before = models.compiled_graphs
         out = Path(spec["out"]) / run["name"]
 
-        def trainer_for(max_epochs: int, checkpoints: bool) -> Trainer:
+        def trainer_for(max_epochs: int, checkpoints: bool, strategy: dict) -> Trainer:
             return Trainer(
                 strategy=lightning_pipe.GPipeStrategy(
                     num_micro_batches=run["num_micro_batches"],
                     checkpoint=run.get("checkpoint", "except_last"),
                     start_method=run.get("start_method", "popen"),
-                    **run.get("strategy", {}),
+                    **strategy,
                 ),
                 accelerator="cpu",
                 devices=spec["devices"],
@@ -113,10 +113,11 @@ def main(spec_path):
         if run.get("resume_after_epoch"):  # train one epoch, writing a checkpoint; the run resumes from it below
             seed_everything(0)
             first = MODELS[run.get("model", "classifier")](lr=run.get("lr", 0.5))
-            trainer_for(1, checkpoints=True).fit(first, train, val)
+            # "first_strategy": the first epoch's settings, where they differ (another schedule, say)
+            trainer_for(1, True, {**run.get("strategy", {}), **run.get("first_strategy", {})}).fit(first, train, val)
             checkpoint_path = next((out / "checkpoints").glob("*.ckpt"))
             recorder = MetricRecorder()
-        trainer = trainer_for(run.get("max_epochs", 1), checkpoints=False)
+        trainer = trainer_for(run.get("max_epochs", 1), False, run.get("strategy", {}))
         seed_everything(0 if checkpoint_path is None else 1)  # a resumed run must take its weights from the file
         with trainer.init_module(empty_init=True) if run.get("empty_init") else nullcontext():
             model = MODELS[run.get("model", "classifier")](lr=run.get("lr", 0.5))
@@ -140,6 +141,7 @@ def main(spec_path):
             trainer.save_checkpoint(out / "weights.ckpt", weights_only=True)
         summary = recorder.summary()
         summary["compiled_graphs"] = models.compiled_graphs - graphs_before  # by torch.compile in this run
+        summary["chunk_ranges"] = [[r.start, r.stop] for r in trainer.strategy._plan.ranges]  # the split applied
         if hasattr(model, "forward_counts"):
             summary["forward_counts"] = model.forward_counts()
         (out / f"rank{rank}.json").write_text(json.dumps(summary))

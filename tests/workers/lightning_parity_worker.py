@@ -1,7 +1,7 @@
 """Worker: the Lightning-parity scenarios under the gpipe strategy; each rank saves what it saw.
 
 Usage: python lightning_parity_worker.py SPEC.json
-SPEC: {"devices": N, "out": DIR, "runs": [{"name":..., "scheduler":...}]}
+SPEC: {"devices": N, "out": DIR, "runs": [{"name":..., "scheduler":..., "strategy": {...}}]}
 """
 
 import json
@@ -18,7 +18,8 @@ def main(spec_path):
     spec = json.loads(Path(spec_path).read_text())
     for run in spec["runs"]:
         out = Path(spec["out"]) / run["name"]
-        strategy = lightning_pipe.GPipeStrategy(num_micro_batches=run.get("num_micro_batches", 4))
+        strategy = lightning_pipe.GPipeStrategy(num_micro_batches=run.get("num_micro_batches", 4),
+                                                **run.get("strategy", {}))
         result = fit_test_predict(
             out, run.get("scheduler"), run.get("early_stopping", True), strategy=strategy, devices=spec["devices"]
         )
