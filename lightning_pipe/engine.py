@@ -289,8 +289,12 @@ class PipelineEngine:
             return
         if self._here(k + 1):
             step.skipped.add((k + 1, m))
-        else:
-            self._send_header(k + 1, Header(SKIP, m, step.num_micro_batches, chunk=k + 1))
+            return
+        peer = self.owner(k + 1)
+        link = self.links[peer]
+        # The receiver posted no guess of the next message's shapes after this one (see _Inbox): none is expected.
+        works = link.send_skip(Header(SKIP, m, step.num_micro_batches, chunk=k + 1), step.sent_metas.pop(peer, None))
+        step.sends.append((link, works, "the activations"))
 
     # ---- skipped whole-batch steps ----------------------------------------------------------------------------
 
@@ -640,6 +644,8 @@ class _Inbox:
         header, self._header = self.first_header(), None
         if header.kind == SKIP:
             self._check(header, k, m)
+            if self._posted is not None:  # the sender filled the receive posted ahead with placeholders
+                link.wait(self._posted.works, "the placeholder of a skipped micro-batch", m)
             self._advance(None)
             return header, ()
         received = link.recv_activation(header, (k, m), self._posted)
@@ -679,7 +685,9 @@ class _GradientInbox:
         self._posted: tuple[tuple[Tensor, ...], list[dist.Work]] | None = None
 
     def take(self, k: int, m: int, micro_batches: dict[Key, _MicroBatch]) -> tuple[Tensor, ...]:
-        assert self._order[self._index] == (k, m)
+        while self._order[self._index] != (k, m):  # skipped micro-batches send no gradient
+            assert self._order[self._index] not in micro_batches
+            self._index += 1
         if self._posted is None:
             self._posted = self.link.recv_gradients(micro_batches[(k, m)].output_metas)
         (tensors, works), self._posted = self._posted, None

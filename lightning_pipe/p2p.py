@@ -211,6 +211,13 @@ class Link:
             return works + self.send_tensors(tensors)
         return works + self.send_tensors(self._placeholders(expected)) + self.send_tensors(tensors, _RESHAPED_TAG)
 
+    def send_skip(self, header: Header, expected: tuple[TensorMeta, ...] | None) -> list[dist.Work]:
+        """Send a micro-batch's SKIP header. The receiver posted a receive of its tensors ahead of the header, shaped
+        as the previous micro-batch's (``expected``): placeholders fill it, so that no receive is left posted to
+        catch a later message's tensors."""
+        works = [self.send_header(header)]
+        return works if expected is None else works + self.send_tensors(self._placeholders(expected))
+
     def post_activation(self, metas: tuple[TensorMeta, ...], slot: Hashable) -> PostedTensors:
         """Post the receive of the next micro-batch's tensors ahead of its header, guessing their shapes."""
         return self._post(metas, slot, _DATA_TAG)

@@ -226,8 +226,13 @@ class StallWatchdog:
         else:
             with self._lock:  # the watcher may be settling right now
                 verdict = self._verdict
+            store = _default_store()
             if verdict is None:
-                verdict = self._published_verdict(_default_store())
+                verdict = self._published_verdict(store)
+            if verdict is None and self.clock.bound_s is not None and self._fired_soon(store):
+                # A rank whose bounded wait timed out closes its connections before it marks the run as fired: this
+                # wait may have failed on one. Answer it and end with the verdict, not with the lost connection.
+                verdict = self._settle(store, own)
             if verdict is None:
                 return None
         return PipelineStallError(self._message(own, verdict))
@@ -308,6 +313,18 @@ class StallWatchdog:
                     answers[rank] = RankState(**json.loads(store.get(key).decode()))
         answers[self.rank] = self._own
         return answers
+
+    def _fired_soon(self, store: dist.Store | None) -> bool:
+        """Whether a rank fires within ``ANSWER_GRACE_S`` (or fired already)."""
+        deadline = time.monotonic() + ANSWER_GRACE_S
+        with contextlib.suppress(Exception):
+            while store is not None:
+                if store.check([f"{self._key}/fired"]):
+                    return True
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
+        return False
 
     def _published_verdict(self, store: dist.Store | None) -> Verdict | None:
         with contextlib.suppress(Exception):

@@ -141,7 +141,9 @@ def main(spec_path):
             trainer.save_checkpoint(out / "weights.ckpt", weights_only=True)
         summary = recorder.summary()
         summary["compiled_graphs"] = models.compiled_graphs - graphs_before  # by torch.compile in this run
-        summary["chunk_ranges"] = [[r.start, r.stop] for r in trainer.strategy._plan.ranges]  # the split applied
+        plan = trainer.strategy._plan  # the split applied (None in the launching process of spawn/fork)
+        if plan is not None:
+            summary["chunk_ranges"] = [[r.start, r.stop] for r in plan.ranges]
         if hasattr(model, "forward_counts"):
             summary["forward_counts"] = model.forward_counts()
         (out / f"rank{rank}.json").write_text(json.dumps(summary))
