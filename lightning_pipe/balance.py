@@ -13,16 +13,14 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Union, get_args
+from typing import Any, Literal, Union, get_args
 
 import torch
 from torch import nn
 
+from lightning_pipe.config import PipelineParallelConfig, check_stage_count, ranges_from_sizes, split_evenly
 from lightning_pipe.profile import LayerProfile, pipelined_input, profile_layers
 from lightning_pipe.schedule import SCHEDULES
-
-if TYPE_CHECKING:
-    from lightning_pipe.config import PipelineParallelConfig
 
 BalanceMode = Literal["uniform", "parameters", "time", "memory"]
 BALANCE_MODES: tuple[str, ...] = get_args(BalanceMode)
@@ -32,38 +30,6 @@ Balance = Union[Sequence[int], BalanceMode, None]
 
 
 # ---- the split -------------------------------------------------------------------------------------------------------
-
-
-def split_evenly(num_layers: int, num_stages: int) -> list[range]:
-    """Contiguous layer ranges, one per stage, covering every layer once; sizes differ by at most one, the larger
-    ones first.
-
-    >>> split_evenly(8, 3)
-    [range(0, 3), range(3, 6), range(6, 8)]
-    """
-    check_stage_count(num_layers, num_stages)
-    base, extra = divmod(num_layers, num_stages)
-    return ranges_from_sizes([base + 1 if stage < extra else base for stage in range(num_stages)])
-
-
-def check_stage_count(num_layers: int, num_stages: int) -> None:
-    """Raise, naming the limit, unless every one of ``num_stages`` stages can get a layer."""
-    if num_stages > num_layers:
-        raise ValueError(
-            f"num_stages={num_stages} but the pipelined module has only {num_layers} layers;"
-            f" use at most {num_layers} stages, or split the model into more layers."
-            if num_layers > 0
-            else "the pipelined module has no layers; pipeline a module that holds the layers to split."
-        )
-
-
-def ranges_from_sizes(sizes: Sequence[int]) -> list[range]:
-    """Turn per-stage layer counts such as ``[3, 5]`` into contiguous ranges ``[range(0, 3), range(3, 8)]``."""
-    ranges, start = [], 0
-    for size in sizes:
-        ranges.append(range(start, start + size))
-        start += size
-    return ranges
 
 
 def stage_ranges(config: PipelineParallelConfig, num_layers: int, balance: Sequence[int] | None = None) -> list[range]:

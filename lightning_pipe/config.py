@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-
-from lightning_pipe.balance import split_evenly
 
 
 @dataclass(frozen=True)
@@ -44,3 +43,35 @@ def require_positive_int(name: str, value: object) -> None:
     """Raise unless ``value`` is an integer of at least 1; ``name`` is the setting as the user wrote it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} is invalid; it must be a positive integer (1 or more).")
+
+
+def split_evenly(num_layers: int, num_stages: int) -> list[range]:
+    """Contiguous layer ranges, one per stage, covering every layer once; sizes differ by at most one, the larger
+    ones first.
+
+    >>> split_evenly(8, 3)
+    [range(0, 3), range(3, 6), range(6, 8)]
+    """
+    check_stage_count(num_layers, num_stages)
+    base, extra = divmod(num_layers, num_stages)
+    return ranges_from_sizes([base + 1 if stage < extra else base for stage in range(num_stages)])
+
+
+def check_stage_count(num_layers: int, num_stages: int) -> None:
+    """Raise, naming the limit, unless every one of ``num_stages`` stages can get a layer."""
+    if num_stages > num_layers:
+        raise ValueError(
+            f"num_stages={num_stages} but the pipelined module has only {num_layers} layers;"
+            f" use at most {num_layers} stages, or split the model into more layers."
+            if num_layers > 0
+            else "the pipelined module has no layers; pipeline a module that holds the layers to split."
+        )
+
+
+def ranges_from_sizes(sizes: Sequence[int]) -> list[range]:
+    """Turn per-stage layer counts such as ``[3, 5]`` into contiguous ranges ``[range(0, 3), range(3, 8)]``."""
+    ranges, start = [], 0
+    for size in sizes:
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges

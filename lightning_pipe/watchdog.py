@@ -229,9 +229,11 @@ class StallWatchdog:
             store = _default_store()
             if verdict is None:
                 verdict = self._published_verdict(store)
-            if verdict is None and self.clock.bound_s is not None and self._fired_soon(store):
-                # A rank whose bounded wait timed out closes its connections before it marks the run as fired: this
-                # wait may have failed on one. Answer it and end with the verdict, not with the lost connection.
+            bound = self.clock.bound_s
+            if verdict is None and bound is not None and own.seconds >= bound / 2 and self._fired_soon(store):
+                # A rank whose bounded wait timed out closes its connections before it marks the run as fired: a
+                # wait as long as this one (a crashed peer fails the others' waits early) may have failed on one.
+                # Answer it and end with the verdict, not with the lost connection.
                 verdict = self._settle(store, own)
             if verdict is None:
                 return None
