@@ -12,6 +12,7 @@ import pytest
 from helpers.launch import REPO, run_python
 
 
+@pytest.mark.slow  # every section at tiny sizes (~100 s); run before recording benchmarks, which run them all anyway
 def test_quick_benchmarks_write_every_section(tmp_path):
     result = run_python(REPO / "benchmarks" / "run.py", "--quick", "--out", tmp_path, cwd=tmp_path, check=False)
     assert result.returncode == 0, f"benchmarks failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
@@ -81,6 +82,7 @@ def test_a_section_re_measured_alone_keeps_the_others_with_their_dates(benchmark
 
 
 
+@pytest.mark.slow  # the GPU script's CPU path (~40 s); its checks are the suite's equivalence, checkpoint and trace tests
 def test_gpu_check_cpu_path_reports_every_check_ok(tmp_path):
     """``benchmarks/gpu_check.py --device cpu``, the script to run the day a GPU is lent: every check a CPU can run
     holds (one stage in each precision, two gloo stages against one device, the trace); NCCL alone is not run."""

@@ -105,6 +105,7 @@ print('loaded', len(state), 'tensors')
     assert "loaded" in result.stdout
 
 
+@pytest.mark.slow  # ~40 s; another stage count: test_checkpoint_saved_after_fit_holds_every_stage_and_resumes_on_two_stages; sharded: test_exactness.py
 def test_sharded_checkpoint_of_four_stages_resumes_on_two(single_device, tmp_path):
     """save_distributed_checkpoint=True: each rank writes its own stage (torch.distributed.checkpoint)."""
     sharded = {"save_distributed_checkpoint": True}

@@ -312,7 +312,10 @@ TOO_SMALL_FOR_BATCH_NORM = {
 }
 
 
-@pytest.mark.parametrize("case", TOO_SMALL_FOR_BATCH_NORM)
+# Every batch too small: also test_batch_norm_fit.py, without a launch; the epoch's last batch needs the fit.
+@pytest.mark.parametrize(
+    "case", [pytest.param("every_batch", marks=pytest.mark.slow), "the_epochs_last_batch"]
+)
 def test_a_micro_batch_too_small_for_batch_norm_fails_before_training_with_the_fix(case, tmp_path):
     """ResNet-18's layer4 sees 1x1 maps: a micro-batch of one sample leaves its BatchNorm one value per channel.
     The last stage (layer2 .. avgpool) refuses in the first step, before its blocks run, whether every batch or
