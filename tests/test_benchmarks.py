@@ -82,7 +82,6 @@ def test_a_section_re_measured_alone_keeps_the_others_with_their_dates(benchmark
 
 
 
-@pytest.mark.slow  # the GPU script's CPU path (~40 s); its checks are the suite's equivalence, checkpoint and trace tests
 def test_gpu_check_cpu_path_reports_every_check_ok(tmp_path):
     """``benchmarks/gpu_check.py --device cpu``, the script to run the day a GPU is lent: every check a CPU can run
     holds (one stage in each precision, two gloo stages against one device, the trace); NCCL alone is not run."""

@@ -167,7 +167,6 @@ def relative_difference(initial: dict, expected: dict, actual: dict) -> float:
     return error / change
 
 
-@pytest.mark.slow  # ~45 s; resuming to the uninterrupted weights: test_checkpoints.py, test_exactness.py (checkpoints across schedules)
 def test_run_stopped_mid_way_resumes_from_last_to_the_uninterrupted_weights(tmp_path):
     """`ckpt_path=last` in the stopped run's directory continues from its last checkpoint, mid-epoch (the data
     order picks up where it stopped), to the weights of the same 12 steps run without a stop."""
