@@ -25,6 +25,18 @@ def timed(step: Callable[[], object], group: dist.ProcessGroup | None = None) ->
     return float(elapsed)
 
 
+def in_turns(timers: dict[str, Callable[[], float]], warmup: int, rounds: int) -> dict[str, list[float]]:
+    """Each timer called once per round, the configurations taking turns step by step (so that the machine's load
+    falls on all of them alike); the seconds of each after ``warmup`` rounds, by name."""
+    samples: dict[str, list[float]] = {name: [] for name in timers}
+    for round_index in range(warmup + rounds):
+        for name, time_one in timers.items():
+            elapsed = time_one()
+            if round_index >= warmup:
+                samples[name].append(elapsed)
+    return samples
+
+
 def timed_on(rank: int, step: Callable[[], object]) -> float:
     """Seconds ``step`` takes on ``rank`` alone while the other ranks wait (a one-process reference)."""
     dist.barrier()

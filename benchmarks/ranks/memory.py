@@ -24,7 +24,7 @@ from torch import Tensor
 
 from harness.rank import run_rank
 from harness.stack import make_batch, make_stack
-from harness.timing import timed
+from harness.timing import in_turns, timed
 from harness.workload import Workload
 from ranks.engine_step import EngineStep
 
@@ -78,13 +78,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         step.step(x, target)  # warm-up: gradients allocated, lazy state built
         result[mode] = _kept_for_backward(step, x, target)
     result["inside_bytes"], result["boundary_bytes"] = _one_micro_batch(steps["never"], x, m)
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
-    for round_index in range(work.warmup + work.rounds):
-        for mode, step in steps.items():
-            elapsed = timed(lambda: step.step(x, target), world)
-            if round_index >= work.warmup:
-                times[mode].append(elapsed)
-    result["step_s"] = times  # per mode, one step time per measured round
+    timers = {mode: (lambda step=step: timed(lambda: step.step(x, target), world)) for mode, step in steps.items()}
+    result["step_s"] = in_turns(timers, work.warmup, work.rounds)  # per mode, one step time per measured round
     return result
 
 

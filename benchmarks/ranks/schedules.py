@@ -26,7 +26,7 @@ from torch.distributed.pipelining import (
 
 from harness.rank import run_rank
 from harness.stack import make_batch, make_stack
-from harness.timing import timed
+from harness.timing import in_turns, timed
 from harness.workload import Workload
 from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.schedule import SCHEDULES, gpipe_schedule
@@ -76,21 +76,16 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     work = Workload.from_spec(spec)
     world = dist.group.WORLD
     x, target = make_batch(work)
-    runs: list[tuple[str, Callable[[], float], list[float]]] = []
+    timers: dict[str, Callable[[], float]] = {}  # how to time one step of each configuration, by name
     for m in spec["micro_batches"]:
         for name in [*PEERS, *OURS_ONLY]:
             schedule = gpipe_schedule(split_backward=True) if name == "gpipe_split" else name
             ours = EngineStep(make_stack(work), m, "never", schedule=schedule)
-            runs.append((f"ours/{name}/{m}", lambda step=ours.step: timed(lambda: step(x, target), world), []))
+            timers[f"ours/{name}/{m}"] = lambda step=ours.step: timed(lambda: step(x, target), world)
             if name in PEERS:
                 theirs = PeerSchedule(name, make_stack(work), m, world)
-                runs.append((f"peer/{name}/{m}", lambda step=theirs.step: timed(lambda: step(x, target), world), []))
-    for round_index in range(work.warmup + work.rounds):
-        for _, time_one, samples in runs:
-            elapsed = time_one()
-            if round_index >= work.warmup:
-                samples.append(elapsed)
-    return {name: samples for name, _, samples in runs}
+                timers[f"peer/{name}/{m}"] = lambda step=theirs.step: timed(lambda: step(x, target), world)
+    return in_turns(timers, work.warmup, work.rounds)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from harness.rank import run_rank
 from harness.stack import make_batch, make_stack
-from harness.timing import timed, timed_on
+from harness.timing import in_turns, timed, timed_on
 from harness.workload import Workload
 from ranks.engine_step import EngineStep
 from ranks.peer_step import PeerStep
@@ -33,25 +33,16 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
     ours = {m: EngineStep(make_stack(work), m, "never") for m in work.micro_batches}
     theirs = {m: PeerStep(make_stack(work), m, world) for m in work.micro_batches}
-    # Each entry: a name, how to time one step, and the list its measurements go to.
-    runs: list[tuple[str, Callable[[], float], list[float]]] = [
-        ("one_process", lambda: timed_on(0, one_process(work.batch)), [])
-    ]
+    # How to time one step of each configuration, by name.
+    timers: dict[str, Callable[[], float]] = {"one_process": lambda: timed_on(0, one_process(work.batch))}
     for m in work.micro_batches:
         micro_batch = -(-work.batch // m)  # the largest micro-batch, as the split makes it
-        runs += [
-            (f"micro_batch/{m}", lambda size=micro_batch: timed_on(0, one_process(size)), []),
-            # The same work on every rank at once: how much running side by side slows each process down here.
-            (f"micro_batch_side_by_side/{m}", lambda size=micro_batch: timed(one_process(size), world), []),
-            (f"ours/{m}", lambda step=ours[m].step: timed(lambda: step(x, target), world), []),
-            (f"peer/{m}", lambda step=theirs[m].step: timed(lambda: step(x, target), world), []),
-        ]
-    for round_index in range(work.warmup + work.rounds):
-        for _, time_one, samples in runs:
-            elapsed = time_one()
-            if round_index >= work.warmup:
-                samples.append(elapsed)
-    return {name: samples for name, _, samples in runs}
+        timers[f"micro_batch/{m}"] = lambda size=micro_batch: timed_on(0, one_process(size))
+        # The same work on every rank at once: how much running side by side slows each process down here.
+        timers[f"micro_batch_side_by_side/{m}"] = lambda size=micro_batch: timed(one_process(size), world)
+        timers[f"ours/{m}"] = lambda step=ours[m].step: timed(lambda: step(x, target), world)
+        timers[f"peer/{m}"] = lambda step=theirs[m].step: timed(lambda: step(x, target), world)
+    return in_turns(timers, work.warmup, work.rounds)
 
 
 if __name__ == "__main__":
