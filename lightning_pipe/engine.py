@@ -42,7 +42,7 @@ from lightning_pipe.p2p import ACTIVATION, SKIP, Header, Link, PendingHeader, Po
 from lightning_pipe.random_streams import StageRandomStreams
 from lightning_pipe.schedule import Action, PipelineSchedule, RecomputeMode
 from lightning_pipe.split_backward import WeightGradients, backward_input
-from lightning_pipe.stage import ChunkCall, StageBlocks
+from lightning_pipe.stage import ChainKey, ChunkCall, StageBlocks
 from lightning_pipe.trace.timeline import BACKWARD, FORWARD, SEND, WAIT, StepTimeline
 
 
@@ -80,11 +80,13 @@ class _MicroBatch:
 
 @dataclass
 class _Output:
-    """A chunk's output on its way to the next chunk: detached, with which tensors need a gradient."""
+    """A chunk's output on its way to the next chunk: detached, with which tensors need a gradient. The travelling
+    value (a tensor, or a tuple of them) comes first, then the earlier blocks' outputs ``carried`` with it."""
 
     tensors: tuple[Tensor, ...]
     requires_grad: tuple[bool, ...]
     is_tuple: bool
+    carried: tuple[ChainKey, ...] = ()
 
 
 @dataclass
@@ -345,15 +347,16 @@ class PipelineEngine:
             raise AssertionError(f"{action} cannot be executed here")
         self._wait_sends(done_only=True)
 
-    def _take_input(self, k: int, m: int, own: Activation | None) -> tuple[tuple[Tensor, ...], bool]:
-        """Micro-batch ``m``'s input of chunk ``k``, as leaves, and whether it is a tuple: ``own`` for the first
-        chunk, the output of chunk ``k - 1`` when this stage holds it, else received."""
+    def _take_input(self, k: int, m: int, own: Activation | None) -> _Input:
+        """Micro-batch ``m``'s input of chunk ``k``, as leaves: ``own`` for the first chunk, the output of chunk
+        ``k - 1`` when this stage holds it, else received."""
         grad = torch.is_grad_enabled()
         if k == 0:
             assert own is not None
-            return tuple(_leaf(t, grad and t.requires_grad) for t in microbatch.as_tensors(own, _WHERE_INPUT)), isinstance(own, tuple)
+            leaves = tuple(_leaf(t, grad and t.requires_grad) for t in microbatch.as_tensors(own, _WHERE_INPUT))
+            return _Input(leaves, isinstance(own, tuple))
         out = self._step.outputs.pop((k - 1, m))  # handed over by chunk k - 1 on this stage, or received
-        return tuple(_leaf(t, grad and needs) for t, needs in zip(out.tensors, out.requires_grad)), out.is_tuple
+        return _Input(tuple(_leaf(t, grad and needs) for t, needs in zip(out.tensors, out.requires_grad)), out.is_tuple, out.carried)
 
     def _receive_input(self, k: int, m: int) -> None:
         """Receive micro-batch ``m``'s input of chunk ``k`` from the stage of chunk ``k - 1`` (or that it skipped it)."""
@@ -363,7 +366,8 @@ class PipelineEngine:
         if header.kind == SKIP:
             self._step.skipped.add((k, m))
         else:
-            self._step.outputs[(k - 1, m)] = _Output(tensors, tuple(t.requires_grad for t in header.tensors), header.is_tuple)
+            needs = tuple(t.requires_grad for t in header.tensors)
+            self._step.outputs[(k - 1, m)] = _Output(tensors, needs, header.is_tuple, header.carried)
 
     def _inbox(self, sending_chunk: int) -> _Inbox:
         """The activations from the stage holding ``sending_chunk``, in this step's order."""
@@ -388,15 +392,13 @@ class PipelineEngine:
 
         return expected
 
-    def _forward(
-        self, action: Action, call: ChunkCall, taken: tuple[tuple[Tensor, ...], bool], part: int, parts: int
-    ) -> Activation | None:
+    def _forward(self, action: Action, call: ChunkCall, taken: _Input, part: int, parts: int) -> Activation | None:
         """Chunk ``action.chunk`` on micro-batch ``action.micro_batch`` (part ``part`` of ``parts`` of ``call``'s
         batch), re-computed in backward when the action says so. Its output is kept to send or to hand to the next
         chunk; on the last chunk it is returned, cut from the graph (see :func:`_cut`)."""
         k, m = action.chunk, action.micro_batch
-        inputs, is_tuple = taken
-        run = partial(self.stage.run_micro_batch, call, part, parts, is_tuple)
+        inputs = taken.tensors
+        run = partial(self.stage.run_micro_batch, call, part, parts, taken.is_tuple, taken.carried)
         if self.random_streams is not None:  # inside what re-computation re-runs: its dropout draws the same mask
             run = self.random_streams.seeded_run(run, m, k)
         start = self.timeline.now()
@@ -408,12 +410,12 @@ class PipelineEngine:
         micro_batch = _MicroBatch(call, inputs, recomputed=grad and action.recompute and not later)
         try:
             if later:
-                out, micro_batch.rerun = _recompute_later(run, inputs, self._recomputing(m))
+                (out, carried), micro_batch.rerun = _recompute_later(run, inputs, self._recomputing(m))
             elif grad and action.recompute:
                 context = partial(self._recomputation_contexts, m)
-                out = checkpoint(run, *inputs, use_reentrant=False, context_fn=context)
+                out, carried = checkpoint(run, *inputs, use_reentrant=False, context_fn=context)
             else:
-                out = run(*inputs)
+                out, carried = run(*inputs)
         except Exception as error:  # the user's error, unchanged, with where in the pipeline it happened
             error.add_note(self._where_it_failed(error, inputs, call, m))
             raise
@@ -427,12 +429,13 @@ class PipelineEngine:
             outputs = microbatch.as_tensors(out, f"the output of model chunk {k} for micro-batch {m}")
             if inputs:
                 microbatch.check_batch_kept(inputs, outputs, k, m)
+            outputs += carried
             needs = tuple(t.requires_grad or (later and t.is_floating_point()) for t in outputs)
             micro_batch.outputs = _edges(t for t, needed in zip(outputs, needs) if needed)
             micro_batch.output_metas = tuple(
                 TensorMeta(tuple(t.shape), t.dtype, False) for t, needed in zip(outputs, needs) if needed
             )
-            step.outputs[(k, m)] = _Output(tuple(t.detach() for t in outputs), needs, isinstance(out, tuple))
+            step.outputs[(k, m)] = _Output(tuple(t.detach() for t in outputs), needs, isinstance(out, tuple), call.carried)
         if grad:
             step.micro_batches[(k, m)] = micro_batch
             step.calls.setdefault(id(call), _CallState(call)).forwarded[m] = inputs
@@ -450,7 +453,7 @@ class PipelineEngine:
         metas = tuple(TensorMeta(tuple(t.shape), t.dtype, needs) for t, needs in zip(outputs, out.requires_grad))
         peer = self.owner(k + 1)
         start = self.timeline.now()
-        header = Header(ACTIVATION, m, step.num_micro_batches, metas, out.is_tuple, k + 1)
+        header = Header(ACTIVATION, m, step.num_micro_batches, metas, out.is_tuple, k + 1, out.carried)
         link = self.links[peer]
         # The receiver posted this message's receive with the previous message's shapes (see _Inbox).
         works = link.send_activation(header, outputs, step.sent_metas.get(peer))
@@ -488,11 +491,11 @@ class PipelineEngine:
             micro_batch.output_grads = tuple(_grad_or_zeros(t) for t in micro_batch.user_outputs)
         assert micro_batch.output_grads is not None  # received, or handed over by the next chunk on this stage
         if micro_batch.rerun is not None:  # the graph, for both halves of the backward
-            out, micro_batch.rerun = micro_batch.rerun(), None
+            (out, carried), micro_batch.rerun = micro_batch.rerun(), None
             if k == self.last_chunk:
                 micro_batch.outputs = _edges(_cut(out, True, every_float=True)[1])
             else:
-                tensors = microbatch.as_tensors(self.stage.travelling(out), "")
+                tensors = microbatch.as_tensors(self.stage.travelling(out), "") + carried
                 micro_batch.outputs = _edges(t for t in tensors if t.is_floating_point())
         pairs = [(edge, g) for edge, g in zip(micro_batch.outputs, micro_batch.output_grads) if edge is not None]
         edges, grads = [edge for edge, _ in pairs], [g for _, g in pairs]
@@ -588,6 +591,16 @@ class PipelineEngine:
         batch_norms = [bn for chunk_norms in self._batch_norms.values() for bn in chunk_norms]
         with self.timeline.recomputing(m), _unchanged_running_stats(batch_norms):
             yield
+
+
+@dataclass
+class _Input:
+    """A chunk's input on one micro-batch, as autograd leaves: the travelling value's tensors (``is_tuple``: a tuple
+    of them), then the earlier blocks' outputs ``carried`` with it."""
+
+    tensors: tuple[Tensor, ...]
+    is_tuple: bool
+    carried: tuple[ChainKey, ...] = ()
 
 
 @dataclass

@@ -57,7 +57,8 @@ class TensorMeta:
 @dataclass(frozen=True)
 class Header:
     """The header of one message: its kind, which micro-batch of how many and for which model chunk, and the tensors
-    that follow."""
+    that follow: the travelling value's, then those of the earlier blocks' outputs ``carried`` with it (each named by
+    its block's index and item, ``None`` for the whole output)."""
 
     kind: int
     micro_batch: int = 0
@@ -65,9 +66,11 @@ class Header:
     tensors: tuple[TensorMeta, ...] = ()
     is_tuple: bool = False
     chunk: int = 0  # the chunk that receives the tensors as its input
+    carried: tuple[tuple[int, int | None], ...] = ()
 
     def encode(self) -> Tensor:
         values = [self.kind, self.micro_batch, self.num_micro_batches, self.chunk, int(self.is_tuple), len(self.tensors)]
+        values += [len(self.carried), *(n for index, item in self.carried for n in (index, -1 if item is None else item))]
         for meta in self.tensors:
             if meta.dtype not in _DTYPE_CODES:
                 names = ", ".join(str(dtype).removeprefix("torch.") for dtype in _DTYPES)
@@ -89,14 +92,16 @@ class Header:
     @staticmethod
     def decode(header: Tensor) -> Header:
         values = header.tolist()
-        kind, micro_batch, num_micro_batches, chunk, is_tuple, count = values[:6]
-        metas, pos = [], 6
+        kind, micro_batch, num_micro_batches, chunk, is_tuple, count, num_carried = values[:7]
+        pairs = values[7 : 7 + 2 * num_carried]
+        carried = tuple((index, None if item < 0 else item) for index, item in zip(pairs[::2], pairs[1::2]))
+        metas, pos = [], 7 + 2 * num_carried
         for _ in range(count):
             dtype_code, requires_grad, ndim = values[pos : pos + 3]
             shape = tuple(values[pos + 3 : pos + 3 + ndim])
             metas.append(TensorMeta(shape, _DTYPES[dtype_code], bool(requires_grad)))
             pos += 3 + ndim
-        return Header(kind, micro_batch, num_micro_batches, tuple(metas), bool(is_tuple), chunk)
+        return Header(kind, micro_batch, num_micro_batches, tuple(metas), bool(is_tuple), chunk, carried)
 
 
 def _same_shapes(a: tuple[TensorMeta, ...], b: tuple[TensorMeta, ...]) -> bool:

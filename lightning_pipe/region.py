@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pipe.balance import min_max_partition, ranges_from_sizes, stage_costs
@@ -205,23 +206,26 @@ def outside_parameters(model: nn.Module, region: Region) -> list[tuple[str, int]
 
 def observed_chains(model: nn.Module, calling: Callable[[nn.Module], Any]) -> list[Region]:
     """Chains of two or more sibling modules that ``calling(model)`` (a forward on a sample, a training step) calls one
-    after another (each call's first argument is the previous call's output), found on the meta device: no memory,
-    no user hook called, and the model as it was after (its modules' attributes, such as a cache that a forward
-    builds on its first call, are put back). A run that fails part-way (code that cannot run on the meta device)
-    still shows the calls made before."""
-    calls: list[tuple[str, nn.Module, Any, Any]] = []  # (name, module, first argument, output)
+    after another (each call's first argument is the previous call's output), and encoder-decoder chains (see
+    :func:`_encoder_decoder_chains`), found on the meta device: no memory, no user hook called, and the model as it
+    was after (its modules' attributes, such as a cache that a forward builds on its first call, are put back). A run
+    that fails part-way (code that cannot run on the meta device) still shows the calls made before."""
+    calls: list[_ObservedCall] = []
     handles: list[RemovableHandle] = []
     names = {module: name for name, module in model.named_modules() if name}
 
-    def record(module: nn.Module, args: tuple, output: Any) -> None:
+    def record(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if module in names and args:
-            calls.append((names[module], module, args[0], output))
+            others = {id(value) for value in [*args[1:], *kwargs.values()] if isinstance(value, torch.Tensor)}
+            calls.append(_ObservedCall(names[module], args[0], output, others))
 
-    with hooks_set_aside(model.modules()), _attributes_kept(model):
+    with hooks_set_aside(model.modules()), _attributes_kept(model), _MetaScalars():
         for module in names:
-            handles.append(module.register_forward_hook(record))
+            handles.append(module.register_forward_hook(record, with_kwargs=True))
         try:
-            meta_state = {f"model.{name}": torch.empty_like(t, device="meta") for name, t in model.state_dict(keep_vars=True).items()}
+            # Each tensor once (a tied weight under one of its names), buffers the state dict leaves out too.
+            state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+            meta_state = {f"model.{name}": torch.empty_like(t, device="meta") for name, t in state.items()}
             with torch.no_grad():
                 torch.func.functional_call(_Calling(model, calling), meta_state, (), strict=False)
         except Exception:  # the calls made so far still count
@@ -231,9 +235,9 @@ def observed_chains(model: nn.Module, calling: Callable[[nn.Module], Any]) -> li
                 handle.remove()
     chains: list[Region] = []
     by_parent: dict[str, list[tuple[str, Any, Any]]] = {}
-    for name, _, first, output in calls:  # calls complete inner-first; siblings keep their order
-        parent = name.rpartition(".")[0]
-        by_parent.setdefault(parent, []).append((name, first, output))
+    for call in calls:  # calls complete inner-first; siblings keep their order
+        parent = call.name.rpartition(".")[0]
+        by_parent.setdefault(parent, []).append((call.name, call.first, call.output))
     for parent, sequence in by_parent.items():
         if isinstance(model.get_submodule(parent) if parent else model, Container):
             continue  # a container's children are a region already
@@ -247,7 +251,68 @@ def observed_chains(model: nn.Module, calling: Callable[[nn.Module], Any]) -> li
             run = [call]
         if len(run) >= 2:
             chains.append(Region(tuple(name for name, _, _ in run), None))
-    return chains
+    return chains + _encoder_decoder_chains(model, calls)
+
+
+@dataclass
+class _ObservedCall:
+    name: str
+    first: Any  # the first positional argument
+    output: Any
+    others: set[int]  # the ids of the other tensor arguments
+
+
+def _encoder_decoder_chains(model: nn.Module, calls: list[_ObservedCall]) -> list[Region]:
+    """Encoder-decoder chains: a container's blocks (the encoder's), the modules the model then calls on their
+    output one after another (its final norm), and another container's blocks (the decoder's) whose first block
+    takes that output besides its own first argument (the embedded target): ``nn.Transformer``'s
+    ``encoder.layers, encoder.norm, decoder.layers``, BART's ``encoder.layers, decoder.layers``."""
+    containers = [(name, [f"{name}.{child}" for child, _ in container.named_children()])
+                  for name, container in _outermost_containers(model) if len(container) > 0]
+    position = {call.name: index for index, call in enumerate(calls)}  # a module called twice: its last call
+    found = []
+    for encoder, encoder_blocks in containers:
+        if encoder_blocks[-1] not in position:
+            continue
+        end = position[encoder_blocks[-1]]
+        for decoder, decoder_blocks in containers:
+            start = position.get(decoder_blocks[0], -1)
+            if decoder == encoder or start < end:
+                continue
+            output, extension = calls[end].output, []
+            for call in calls[end + 1:start]:  # the modules continuing the encoder's chain (its final norm)
+                inside = any(call.name.startswith(prefix + ".") for prefix in (encoder, decoder))
+                if not inside and not decoder.startswith(call.name + ".") and _continues(call.first, output):
+                    extension.append(call.name)
+                    output = call.output
+            if any(id(value) in calls[start].others for value in (output, first_item(output)) if value is not None):
+                found.append(Region((*encoder_blocks, *extension, *decoder_blocks), None))
+    return found
+
+
+def _continues(first: Any, output: Any) -> bool:
+    return first is output or (first_item(output) is not None and first is first_item(output))
+
+
+def first_item(value: Any) -> Any:
+    """``value[0]`` for a tuple or a ``ModelOutput``-like object (a mapping that indexes), else ``None``."""
+    if isinstance(value, tuple) and value:
+        return value[0]
+    if hasattr(value, "to_tuple") and hasattr(value, "__getitem__"):
+        items = value.to_tuple()
+        return items[0] if items else None
+    return None
+
+
+class _MetaScalars(TorchDispatchMode):
+    """A meta tensor read as a Python number answers 1 (``True``): models read masks' values on their way to the blocks
+    (Hugging Face's ``padding_mask.all()``, ``nn.TransformerDecoder``'s causal-mask test), which the meta device
+    cannot answer. Only which modules the run calls, with what, matters here, not the path such a value picks."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            return torch.ones((), dtype=args[0].dtype).item()
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager

@@ -232,7 +232,7 @@ class StageRuntime:
         """
         if self.groups.num_stages == 1:
             inputs = microbatch.as_tensors(call.stage_input, "the input of the pipelined module")
-            return self.stage.run_micro_batch(call, 0, 1, isinstance(call.stage_input, tuple), *inputs)
+            return self.stage.run_micro_batch(call, 0, 1, isinstance(call.stage_input, tuple), (), *inputs)[0]
         with torch.no_grad():
             output = self.engine.forward_chunk(call)
         if call.chunk == max(self.stage.chunk_ranges):

@@ -7,8 +7,11 @@ The model keeps its code: its ``nn.Sequential`` still runs its children in order
 * a block of this stage stays where it is (its state-dict keys do not change); its ``forward`` is routed here.
 
 During a step every call is observed, in order, and checked: its first argument must be the previous block's output
-(or that output's first item), and no argument may be an earlier block's output (a skip past the next block). A
-call returns a placeholder computed on the meta device, with the shapes and structure of the block's real output,
+(or that output's first item), or an input the model's code computed from the batch: the chain restarts there, as an
+encoder-decoder's decoder starts from the embedded target. Besides the previous block's output, a block may take the
+output of a block before the chain's last restart (the decoder's blocks take the encoder's output): that output is
+carried along with the hidden state to every later stage (see :class:`ChunkCall`), and its gradient back. Any other
+earlier output (a skip past the next block) is refused. A call returns a placeholder computed on the meta device, with the shapes and structure of the block's real output,
 so the model's code runs on as on one device, until the call of the last block of one of this stage's chunks (a
 stage holds one contiguous chunk of blocks, or several with virtual stages): there the pipeline runs that chunk
 (``on_chunk_end``, the runtime's). :meth:`StageBlocks.chunk_call` keeps what the chunk's blocks were called with,
@@ -35,11 +38,22 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from lightning_pipe.batchnorm import check_micro_batches_fit_batch_norm, observed_batch_norm_inputs
 from lightning_pipe.hooks import hooks_set_aside
 from lightning_pipe.microbatch import Activation
-from lightning_pipe.region import Region
+from lightning_pipe.region import Region, first_item
 
 
 class PipelineOrderError(RuntimeError):
     """The model's code does not call the pipelined blocks as a chain."""
+
+
+ChainKey = tuple[int, "int | None"]  # a block's output (index, None) or one of its items (index, item)
+
+
+@dataclass(frozen=True)
+class _ChainValue:
+    """In a chunk's recorded call: an argument that is an earlier block's output, taken from the chain when the
+    chunk runs (received with the activation, or computed by a block of the chunk)."""
+
+    key: ChainKey
 
 
 @dataclass
@@ -50,6 +64,8 @@ class _Call:
     args: tuple
     kwargs: dict
     output: Any = None  # what the call returned to the model's code
+    restart: bool = False  # its first argument comes from the model's code, not from the block before
+    carried: tuple[ChainKey, ...] = ()  # the outputs of blocks before the chain's last restart that it takes
     # The output with its autograd graph, where the model's code got it without (a reentrant checkpoint's forward):
     # what the checkpoint's re-computation in backward gets.
     graph_output: Any = None
@@ -63,6 +79,11 @@ class ChunkCall:
     chunk: int
     calls: list[_Call]
     batch: int  # the batch size of the chunk's input in this call
+    # The earlier blocks' outputs that the chunk's output message carries on: each one that any block up to the chunk's
+    # end took from before its chain's restart (a decoder's blocks take the encoder's output). Known from the calls
+    # made so far: a value carried once travels on to the end of the region.
+    carried: tuple[ChainKey, ...] = ()
+    input_key: ChainKey | None = None  # which output of the block before the chunk travels into it
     # Side arguments that need a gradient, as leaves: id(user tensor) -> (it, its leaf). Each micro-batch's backward
     # stops there; their gradients are carried into the model's code once every micro-batch of the call is done.
     leaves: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
@@ -155,6 +176,8 @@ class StageBlocks:
         self.targets: frozenset[int] = frozenset(self.chunk_ranges)  # the chunks this call of the user's step runs
         self._executing = False  # the engine runs real blocks: their forward goes straight through
         self._calls: list[_Call] = []
+        self._producers: dict[int, ChainKey] = {}  # id of a block output (or item) in this step -> where it came from
+        self._segment_start = 0  # the index of the block where the chain last restarted
         self._takes_first_item: bool | None = None  # the model passes output[0], not the output, to the next block
         self._meta_states: dict[int, dict[str, Tensor]] = {}
         self._meta_outputs: dict[int, dict[Hashable, Any]] = {}  # per block: its meta output, by input signature
@@ -259,6 +282,8 @@ class StageBlocks:
         self.in_step = in_step
         self.targets = frozenset(self.chunk_ranges if targets is None else targets)
         self._calls = []
+        self._producers = {}
+        self._segment_start = 0
 
     def model_call(self, index: int, args: tuple, kwargs: dict) -> Any:
         """A call of block ``index`` by the model's code, through its stand-in: answered by :meth:`block_called`,
@@ -312,11 +337,11 @@ class StageBlocks:
             assert self.on_outside_step_start is not None
             self.begin_step(in_step=False)
             self.on_outside_step_start()
-        self._check_order(index, args, kwargs)
+        restart, carried = self._check_order(index, args, kwargs)
         # NOTE: a key/value cache (Hugging Face's DynamicCache) would gather every micro-batch's keys and values, and
         # the placeholders' meta-device ones: training needs none, so the pipelined blocks get none.
         args, kwargs = _map_caches(args, _no_cache), _map_caches(kwargs, _no_cache)
-        call = _Call(index, args, kwargs)
+        call = _Call(index, args, kwargs, restart=restart, carried=carried)
         self._calls.append(call)
         output = None
         chunk = self._chunk_ends.get(index)
@@ -327,9 +352,14 @@ class StageBlocks:
         if index == len(self.region) - 1 and not self.in_step:
             assert self.outside_step_output is not None
             call.output = self.outside_step_output(output)
+        self._producers.setdefault(id(call.output), (index, None))
+        for item, value in enumerate(_items(call.output)):
+            self._producers.setdefault(id(value), (index, item))
         return call.output
 
-    def _check_order(self, index: int, args: tuple, kwargs: dict) -> None:
+    def _check_order(self, index: int, args: tuple, kwargs: dict) -> tuple[bool, tuple[ChainKey, ...]]:
+        """Check a call against the chain so far: whether it restarts the chain, and the outputs of blocks before the
+        chain's last restart that it takes (carried to it)."""
         names = self.region.names
         expected = len(self._calls)
         if index != expected:
@@ -349,36 +379,47 @@ class StageBlocks:
                 f"{names[index]} was called without a positional argument; the pipeline passes the first positional"
                 " argument from block to block. Call each block with the hidden state as its first argument."
             )
-        if expected == 0:
-            return
-        previous = self._calls[-1].output
-        first = args[0]
-        takes_first = _first_item(previous)
-        if first is previous:
-            chosen = False
-        elif takes_first is not None and first is takes_first:
-            chosen = True
-        else:
-            raise PipelineOrderError(
-                f"the model's code changes the output of {names[index - 1]} before {names[index]} receives it (the"
-                f" first argument of {names[index]} is not what {names[index - 1]} returned). Only code that passes"
-                " each block's output straight to the next block can be pipelined: move that code into a block, or"
-                " pipeline a shorter chain (GPipeStrategy(module_name=...))."
-            )
-        self._takes_first_item = chosen
-        side = [value for value in [*args[1:], *kwargs.values()] if isinstance(value, Tensor)]
-        if not side:
-            return
-        earlier = {id(call.output): call.index for call in self._calls[:-1]}
-        earlier.update({id(_first_item(call.output)): call.index for call in self._calls[:-1] if _first_item(call.output) is not None})
-        for value in side:
-            if id(value) in earlier:
-                source = names[earlier[id(value)]]
+        restart = False
+        if expected > 0:
+            previous = self._calls[-1].output
+            first = args[0]
+            takes_first = first_item(previous)
+            if first is previous:
+                self._takes_first_item = False
+            elif takes_first is not None and first is takes_first:
+                self._takes_first_item = True
+            elif _computed_from_the_batch(first):  # the model's code starts a new chain here (a decoder)
+                restart, self._segment_start = True, index
+            else:
                 raise PipelineOrderError(
-                    f"the output of {source} reaches {names[index]} past the blocks between them (a skip connection);"
-                    " a pipeline passes each block's output to the next block only. Keep skip connections inside"
-                    " one block (as a ResNet's BasicBlock does), or pipeline a chain without them."
+                    f"the model's code changes the output of {names[index - 1]} before {names[index]} receives it (the"
+                    f" first argument of {names[index]} is not what {names[index - 1]} returned). Only code that passes"
+                    " each block's output straight to the next block can be pipelined: move that code into a block, or"
+                    " pipeline a shorter chain (GPipeStrategy(module_name=...))."
                 )
+        carried: list[ChainKey] = []
+        for value in [*args[1:], *kwargs.values()]:
+            if not isinstance(value, Tensor):
+                continue
+            key = self._producers.get(id(value))
+            if key is None:
+                if value.is_meta:
+                    raise PipelineOrderError(
+                        f"an argument of {names[index]} is computed by the model's code from the output of a"
+                        " pipelined block: only a block's output itself can reach a later block (it is sent to the"
+                        " stage that runs it). Move that code into a block, or pipeline a shorter chain"
+                        " (GPipeStrategy(module_name=...))."
+                    )
+                continue
+            if key[0] < self._segment_start:
+                carried.append(key)
+            elif key[0] != index - 1:
+                raise PipelineOrderError(
+                    f"the output of {names[key[0]]} reaches {names[index]} past the blocks between them (a skip"
+                    " connection); a pipeline passes each block's output to the next block only. Keep skip"
+                    " connections inside one block (as a ResNet's BasicBlock does), or pipeline a chain without them."
+                )
+        return restart, tuple(carried)
 
     def _placeholder(self, index: int, args: tuple, kwargs: dict, reuse: bool = True) -> Any:
         """The block's output on the meta device: its structure and shapes, without its cost.
@@ -454,31 +495,79 @@ class StageBlocks:
         if len(calls) != len(chunk_range):
             raise PipelineOrderError("the pipeline ran before every block of this stage was called")
         first = calls[0].args[0]
-        chunk_call = ChunkCall(chunk, calls, (first if isinstance(first, tuple) else (first,))[0].shape[0])
-        if detach_side_arguments:
-            leaf = partial(_leaf_of, chunk_call.leaves)
-            chunk_call.calls = [
-                _Call(call.index, (call.args[0], *_map_tensors(call.args[1:], leaf)), _map_tensors(call.kwargs, leaf))
-                for call in calls
-            ]
+        carried = tuple(sorted({key for call in self._calls for key in call.carried}, key=_key_order))
+        start = calls[0].index
+        chunk_call = ChunkCall(
+            chunk, calls, (first if isinstance(first, tuple) else (first,))[0].shape[0], carried=carried,
+            input_key=self._travelling_key(start - 1) if start > 0 else None,
+        )
+        leaf = partial(_leaf_of, chunk_call.leaves) if detach_side_arguments else _same
+
+        def side(value: Any) -> Any:
+            key = self._producers.get(id(value)) if isinstance(value, Tensor) else None
+            return _ChainValue(key) if key is not None else _map_tensors(value, leaf)
+
+        chunk_call.calls = [
+            _Call(
+                call.index,
+                (_map_tensors(call.args[0], leaf) if call.restart else call.args[0], *map(side, call.args[1:])),
+                {name: side(value) for name, value in call.kwargs.items()},
+                restart=call.restart,
+            )
+            for call in calls
+        ]
         return chunk_call
 
-    def run_micro_batch(self, chunk_call: ChunkCall, m: int, num: int, is_tuple: bool, *tensors: Tensor) -> Any:
-        """The chunk's blocks on micro-batch ``m`` of ``num`` of its call: the last block's output."""
+    def run_micro_batch(
+        self, chunk_call: ChunkCall, m: int, num: int, is_tuple: bool, carried: tuple[ChainKey, ...], *tensors: Tensor
+    ) -> tuple[Any, tuple[Tensor, ...]]:
+        """The chunk's blocks on micro-batch ``m`` of ``num`` of its call, from ``tensors``: the travelling value (a
+        tensor, or a tuple of them) and the earlier blocks' outputs ``carried`` with it. The last block's output, and
+        the values of ``chunk_call.carried`` that go on with it."""
         # NOTE: the chunk's first block gets a copy of its input. A block that works in place (VGG's
         # `nn.ReLU(inplace=True)` starting a stage) would otherwise modify a received leaf, the view through which
         # its gradient is caught, the first stage's slice of the user's tensor, or the input that re-computation
-        # in backward reads again.
+        # in backward reads again. A carried value passed on is that copy too: an output of this chunk's graph.
         copies = tuple(t.clone() for t in tensors)
-        value: Any = copies if is_tuple else copies[0]
+        travelling = copies[: len(copies) - len(carried)]
+        value: Any = travelling if is_tuple else travelling[0]
+        chain = dict(zip(carried, copies[len(travelling):]))
+        if chunk_call.input_key is not None:
+            chain[chunk_call.input_key] = value
+        outputs: dict[int, Any] = {}
         output: Any = None
         with self._real_calls():
             for call in chunk_call.calls:
-                args = (value, *self._split(call, call.args[1:], m, num, chunk_call.batch, positional=True))
-                kwargs = self._split(call, call.kwargs, m, num, chunk_call.batch, positional=False)
+                take = partial(self._chain_value, chain, outputs, call.index)
+                head = _map_tensors(call.args[0], partial(_micro_batch_of, m=m, num=num, batch=chunk_call.batch)) if call.restart else value
+                args = (head, *self._split(call, call.args[1:], m, num, chunk_call.batch, True, take))
+                kwargs = self._split(call, call.kwargs, m, num, chunk_call.batch, False, take)
                 output = self.compiled_calls.get(call.index, self.originals[call.index])(*args, **kwargs)
+                outputs[call.index] = output
                 value = self.travelling(output)
-        return output
+        last = chunk_call.calls[-1].index
+        return output, tuple(self._chain_value(chain, outputs, last + 1, key) for key in chunk_call.carried)
+
+    def _travelling_key(self, index: int) -> ChainKey:
+        """Which of block ``index``'s outputs travels to the next block: the output, or its first item."""
+        output = self._calls[index].output
+        return (index, 0) if self.travelling(output) is not output else (index, None)
+
+    def _chain_value(self, chain: dict[ChainKey, Any], outputs: dict[int, Any], index: int, key: ChainKey) -> Any:
+        """The earlier block output ``key`` that block ``index`` takes (or the chunk passes on, for the block after the
+        chunk): computed by a block of this chunk, or received with the chunk's input."""
+        if key[0] in outputs:
+            output = outputs[key[0]]
+            return output if key[1] is None else _items(output)[key[1]]
+        if key not in chain:
+            names = self.region.names
+            taker = f"{names[index]} takes" if index < len(names) else "the stage after it takes"
+            raise PipelineOrderError(
+                f"{taker} the output of {names[key[0]]}, which does not reach pipeline stage {self.stage_index}: an"
+                " earlier output travels on with the hidden state only from the first stage whose blocks take it."
+                " Put the first block that takes it on the stage of the block before it (GPipeStrategy(balance=...))."
+            )
+        return chain[key]
 
     def travelling(self, output: Any) -> Activation:
         """What passes from a block to the next: the output, or its first item where the model's code takes that
@@ -486,12 +575,19 @@ class StageBlocks:
         takes_first = self._takes_first_item
         if takes_first is None:
             takes_first = not (isinstance(output, Tensor) or (isinstance(output, tuple) and all(isinstance(t, Tensor) for t in output)))
-        return _first_item(output) if takes_first else output
+        return first_item(output) if takes_first else output
 
-    def _split(self, call: _Call, values: Any, m: int, num: int, batch: int, positional: bool) -> Any:
+    def _split(
+        self, call: _Call, values: Any, m: int, num: int, batch: int, positional: bool,
+        chain_value: Callable[[ChainKey], Any],
+    ) -> Any:
+        """Micro-batch ``m`` of a call's arguments ``values``: each split along the batch dimension where it has it,
+        an earlier block's output taken from the chain (``chain_value``: already a micro-batch's)."""
         names = self._argument_names(call) if positional else None
 
         def part(value: Any, name: str | None) -> Any:
+            if isinstance(value, _ChainValue):
+                return chain_value(value.key)
             if name in self.unsplit_arguments:
                 return value
             return _map_tensors(value, lambda t: _micro_batch_of(t, m, num, batch))
@@ -573,14 +669,24 @@ def _avoid_nested_tensors(model: nn.Module, region: Region) -> tuple[nn.Transfor
     return parent, True
 
 
-def _first_item(value: Any) -> Any:
-    """``value[0]`` for a tuple or a ``ModelOutput``-like object (a mapping that indexes), else ``None``."""
-    if isinstance(value, tuple) and value:
-        return value[0]
+def _items(value: Any) -> tuple:
+    """The items of a tuple or of a ``ModelOutput``-like object (a mapping that indexes); ``()`` for anything else."""
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return value
     if hasattr(value, "to_tuple") and hasattr(value, "__getitem__"):
-        items = value.to_tuple()
-        return items[0] if items else None
-    return None
+        return value.to_tuple()
+    return ()
+
+
+def _key_order(key: ChainKey) -> tuple[int, int]:
+    return key[0], -1 if key[1] is None else key[1]
+
+
+def _computed_from_the_batch(value: Any) -> bool:
+    """Whether a block's first argument holds tensors and none is a placeholder: the model's code computed it from
+    the batch (a block's output reaches the model's code as a placeholder until the region's end)."""
+    tensors = _tensors_of(value)
+    return bool(tensors) and not any(t.is_meta for t in tensors)
 
 
 def _is_cache(value: Any) -> bool:

@@ -423,7 +423,9 @@ class GPipeStrategyMixin:
         settings = self._settings
         region = self._find_region(model)
         check_compiled(model, region)
-        stage_ranges(self.chunk_config, len(region), settings.balance if isinstance(settings.balance, list) else None)
+        # A region that leaves much outside may grow in `setup`, from what the training step calls: checked there.
+        if settings.module_name is not None or outside_share(model, region) <= MAX_OUTSIDE_SHARE:
+            stage_ranges(self.chunk_config, len(region), settings.balance if isinstance(settings.balance, list) else None)
         profiling_sample(settings.balance, settings.sample, model)
 
     def setup_environment(self) -> None:

@@ -171,6 +171,30 @@ class LlamaModule(CausalLM):
         super().__init__(LlamaForCausalLM(llama_config(layers)), **kwargs)
 
 
+def bart_config(layers: int = 2):
+    from transformers import BartConfig
+
+    return BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=layers, decoder_layers=layers, encoder_ffn_dim=128,
+                      decoder_ffn_dim=128, encoder_attention_heads=4, decoder_attention_heads=4,
+                      max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                      pad_token_id=0, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1, decoder_start_token_id=VOCAB - 1)
+
+
+class BartModule(CausalLM):
+    """``BartForConditionalGeneration``, an encoder-decoder: the encoder's blocks in ``model.model.encoder.layers``,
+    the decoder's in ``model.model.decoder.layers``, each decoder block attending to the encoder's output. The loss is
+    the model's own, from ``labels=`` (the decoder's input is the labels shifted right); the head shares the
+    embedding's weight."""
+
+    def __init__(self, layers: int = 2, **kwargs) -> None:
+        from transformers import BartForConditionalGeneration
+
+        super().__init__(BartForConditionalGeneration(bart_config(layers)), **kwargs)
+
+    def predict_step(self, batch, batch_idx):
+        return self(**batch).logits
+
+
 class PretrainedCausalLM(CausalLM):
     """A causal LM fine-tuned from a Hugging Face directory, as the docs' page writes it: built from the directory's
     config in ``configure_model`` (on the meta device under the gpipe strategy, whose ``pretrained=`` fills it), or
@@ -562,6 +586,7 @@ class ViTClassifier(ImageClassifier):
 STOCK_MODELS: dict[str, type[LightningModule]] = {
     "gpt2": GPT2Module,
     "llama": LlamaModule,
+    "bart": BartModule,
     "encoder": EncoderClassifier,
     "demo": DemoTransformer,
     "resnet18": ResNet18Classifier,
@@ -574,6 +599,7 @@ STOCK_MODELS: dict[str, type[LightningModule]] = {
 BLOCKS: dict[str, list[str]] = {
     "gpt2": ["model.transformer.h"],
     "llama": ["model.model.layers"],
+    "bart": ["model.model.encoder.layers", "model.model.decoder.layers"],
     "encoder": ["encoder.layers"],
     "demo": ["model.transformer.encoder.layers", "model.transformer.decoder.layers"],
     "resnet18": ["model"],  # its children in order: conv1, bn1, relu, maxpool, layer1..layer4, avgpool, fc
