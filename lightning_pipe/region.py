@@ -270,6 +270,7 @@ def _encoder_decoder_chains(model: nn.Module, calls: list[_ObservedCall]) -> lis
     containers = [(name, [f"{name}.{child}" for child, _ in container.named_children()])
                   for name, container in _outermost_containers(model) if len(container) > 0]
     position = {call.name: index for index, call in enumerate(calls)}  # a module called twice: its last call
+    once = {name for name in position if sum(call.name == name for call in calls) == 1}
     found = []
     for encoder, encoder_blocks in containers:
         if encoder_blocks[-1] not in position:
@@ -282,7 +283,8 @@ def _encoder_decoder_chains(model: nn.Module, calls: list[_ObservedCall]) -> lis
             output, extension = calls[end].output, []
             for call in calls[end + 1:start]:  # the modules continuing the encoder's chain (its final norm)
                 inside = any(call.name.startswith(prefix + ".") for prefix in (encoder, decoder))
-                if not inside and not decoder.startswith(call.name + ".") and _continues(call.first, output):
+                # Not a module the model also calls elsewhere (T5's dropout, before the encoder's blocks and after).
+                if not inside and call.name in once and not decoder.startswith(call.name + ".") and _continues(call.first, output):
                     extension.append(call.name)
                     output = call.output
             if any(id(value) in calls[start].others for value in (output, first_item(output)) if value is not None):

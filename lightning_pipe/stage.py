@@ -398,14 +398,16 @@ class StageBlocks:
                     " pipeline a shorter chain (GPipeStrategy(module_name=...))."
                 )
         carried: list[ChainKey] = []
-        for value in [*args[1:], *kwargs.values()]:
+        positional = self._argument_names_of_block(index)
+        named = [(positional[i + 1] if i + 1 < len(positional) else f"#{i + 1}", value) for i, value in enumerate(args[1:])]
+        for argument, value in [*named, *kwargs.items()]:
             if not isinstance(value, Tensor):
                 continue
             key = self._producers.get(id(value))
             if key is None:
                 if value.is_meta:
                     raise PipelineOrderError(
-                        f"an argument of {names[index]} is computed by the model's code from the output of a"
+                        f"the argument {argument!r} of {names[index]} is computed by the model's code from the output of a"
                         " pipelined block: only a block's output itself can reach a later block (it is sent to the"
                         " stage that runs it). Move that code into a block, or pipeline a shorter chain"
                         " (GPipeStrategy(module_name=...))."
@@ -415,8 +417,8 @@ class StageBlocks:
                 carried.append(key)
             elif key[0] != index - 1:
                 raise PipelineOrderError(
-                    f"the output of {names[key[0]]} reaches {names[index]} past the blocks between them (a skip"
-                    " connection); a pipeline passes each block's output to the next block only. Keep skip"
+                    f"the output of {names[key[0]]} reaches {names[index]} (argument {argument!r}) past the blocks"
+                    " between them (a skip connection); a pipeline passes each block's output to the next block only. Keep skip"
                     " connections inside one block (as a ResNet's BasicBlock does), or pipeline a chain without them."
                 )
         return restart, tuple(carried)
@@ -599,13 +601,16 @@ class StageBlocks:
 
     def _argument_names(self, call: _Call) -> list[str] | None:
         """The names of the block's positional parameters, the hidden state's first (``self`` left out)."""
-        if call.index not in self._argument_names_of:
+        return self._argument_names_of_block(call.index) or None
+
+    def _argument_names_of_block(self, index: int) -> list[str]:
+        if index not in self._argument_names_of:
             try:
-                names = list(inspect.signature(type(self.originals[call.index]).forward).parameters)[1:]
+                names = list(inspect.signature(type(self.originals[index]).forward).parameters)[1:]
             except (TypeError, ValueError):
                 names = None
-            self._argument_names_of[call.index] = names
-        return self._argument_names_of[call.index]
+            self._argument_names_of[index] = names
+        return self._argument_names_of[index] or []
 
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from helpers.stock_models import STOCK_MODELS
 from lightning_pipe.balance import plan_partition
 from lightning_pipe.config import PipelineParallelConfig
-from lightning_pipe.region import container_region, find_region, outside_parameters, suggested_chain
+from lightning_pipe.region import container_region, find_region, outside_parameters, outside_share, suggested_chain
 from lightning_pipe.stage import PipelineOrderError, StageBlocks
 from lightning_pipe.step_probe import random_state_kept, training_step_on
 from lightning_pipe.summary import build_stage_summary, outside_warning
@@ -60,8 +60,9 @@ def test_a_resnet_pipelines_its_chain_of_children_and_keeps_only_the_head_whole(
     assert outside_warning(summary) is None
 
 
-def meta_batch(model) -> list[torch.Tensor]:
-    return [t.to("meta") for t in next(iter(model.train_dataloader()))]
+def meta_batch(model) -> list[torch.Tensor] | dict[str, torch.Tensor]:
+    batch = next(iter(model.train_dataloader()))
+    return {key: t.to("meta") for key, t in batch.items()} if isinstance(batch, dict) else [t.to("meta") for t in batch]
 
 
 def test_a_chain_that_only_the_training_step_calls_is_found_and_leaves_nothing_outside():
@@ -80,14 +81,23 @@ def test_a_chain_that_only_the_training_step_calls_is_found_and_leaves_nothing_o
     assert find_region(model, step=training_step_on(meta_batch(model)), num_stages=4).label == "decoder"
 
 
-def test_the_step_search_leaves_the_model_as_it_was_and_keeps_a_finer_region():
+def test_the_step_search_leaves_the_model_as_it_was_and_finds_both_stacks_of_an_encoder_decoder():
     """Lightning's demo transformer builds its position encoding on its first forward, on the device of its input:
-    the run on the meta device must not leave it there. Its step chains `transformer, decoder`, which would put the
-    whole nn.Transformer on one stage: the decoder's layers stay the region."""
+    the run on the meta device must not leave it there. Its step chains `transformer, decoder` (which would put the
+    whole nn.Transformer on one stage) and, inside nn.Transformer, the encoder's layers and norm, then the decoder's
+    layers, which take the encoder's output: that chain is the region, with less than 10% of the model outside.
+    BART's two stacks alike (its masks are read on the way, which the meta device cannot answer)."""
     model = STOCK_MODELS["demo"]()
     region = find_region(model, step=training_step_on(meta_batch(model)), num_stages=2)
-    assert region.label == "model.transformer.decoder.layers"
+    stack = "model.transformer"
+    assert region.names == (f"{stack}.encoder.layers.0", f"{stack}.encoder.layers.1", f"{stack}.encoder.norm",
+                            f"{stack}.decoder.layers.0", f"{stack}.decoder.layers.1")
+    assert outside_share(model, region) < 0.1
     assert model.model.pos_encoder.pe is None
+    bart = STOCK_MODELS["bart"]()
+    region = find_region(bart, step=training_step_on(meta_batch(bart)), num_stages=2)
+    assert region.names == tuple(f"model.model.{stack}.layers.{i}" for stack in ("encoder", "decoder") for i in (0, 1))
+    assert outside_share(bart, region) < 0.1
 
 
 def test_the_warning_names_the_module_name_that_would_pipeline_the_most_parameters():
@@ -143,6 +153,89 @@ class UNetSkip(nn.Module):
         return self.blocks[2](middle, down)
 
 
+class EncoderDecoder(nn.Module):
+    """Two encoder blocks, then two decoder blocks that start from the target and attend to ``memory``: the encoder's
+    output (``memory="output"``), the first encoder block's (``"first"``), or the encoder's output changed by the
+    model's code between the stacks (``"changed"``)."""
+
+    def __init__(self, memory: str = "output") -> None:
+        super().__init__()
+        self.memory = memory
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4), nn.Bilinear(4, 4, 4), nn.Bilinear(4, 4, 4)])
+
+    def forward(self, x):
+        first = self.blocks[0](x)
+        memory = self.blocks[1](first)
+        memory = {"output": memory, "first": first, "changed": memory * 2}[self.memory]
+        target = x.flip(0)  # computed from the batch: the decoder's chain starts there
+        return self.blocks[3](self.blocks[2](target, memory), memory)
+
+
+def test_an_encoder_decoder_restarts_the_chain_and_carries_the_encoders_output_to_each_decoder_block():
+    """The decoder's first block takes the target, not the encoder's output: the chain restarts there; both decoder
+    blocks take the encoder's output, which travels on with the hidden state (its key in the chunk's message)."""
+    model = EncoderDecoder()
+    region = container_region(model, "blocks")
+    stage = StageBlocks(model, region, range(2, 3), 1, 3)
+    stage.install()
+    received = torch.randn(2, 4)  # the encoder's output, as stage 0 sends it: the travelling value of blocks.1
+    sent = {}
+
+    def run_chunk(chunk):
+        call = stage.chunk_call(chunk, detach_side_arguments=False)
+        sent["carried"] = call.carried
+        output, sent["values"] = stage.run_micro_batch(call, 0, 1, False, (), received)
+        return output
+
+    stage.on_chunk_end = run_chunk
+    stage.begin_step(in_step=True)
+    model(torch.randn(2, 4))
+    assert [call.restart for call in stage._calls] == [False, False, True, False]
+    assert sent["carried"] == ((1, None),)  # blocks.1's output goes on to the stage of blocks.3
+    assert torch.equal(sent["values"][0], received)
+
+
+@pytest.mark.parametrize(
+    ("memory", "message"),
+    [
+        ("changed", "the argument 'input2' of blocks.2 is computed by the model's code from the output of a pipelined"
+                    " block"),
+        ("first", "blocks.2 takes the output of blocks.0, which does not reach pipeline stage 1"),
+    ],
+)
+def test_an_encoder_output_that_cannot_reach_the_decoder_is_refused_naming_the_blocks(memory, message):
+    model = EncoderDecoder(memory)
+    stage = StageBlocks(model, container_region(model, "blocks"), range(2, 4), 1, 2)
+    stage.install()
+    received = torch.randn(2, 4)
+    stage.on_chunk_end = lambda chunk: stage.run_micro_batch(stage.chunk_call(chunk, False), 0, 1, False, (), received)[0]
+    stage.begin_step(in_step=True)
+    with pytest.raises(PipelineOrderError, match=message):
+        model(torch.randn(2, 4))
+
+
+def test_t5_whose_blocks_pass_the_position_bias_on_is_refused_in_the_first_step_naming_the_argument():
+    """T5's first block computes the attention's position bias and every later block of its stack takes it: not
+    supported yet, and said clearly before any block runs (it used to fail deep inside with a meta-device error)."""
+    transformers = pytest.importorskip("transformers")
+    from helpers.stock_models import VOCAB, CausalLM
+
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=3,
+                                   num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    model = CausalLM(transformers.T5ForConditionalGeneration(config))
+    model.log = lambda *args, **kwargs: None
+    batch = next(iter(model.train_dataloader()))
+    region = find_region(model, step=training_step_on(meta_batch(model)), num_stages=2)
+    assert region.names[0] == "model.encoder.block.0" and region.names[-1] == "model.decoder.block.2"
+    stage = StageBlocks(model, region, range(len(region) // 2, len(region)), 1, 2)
+    stage.install()
+    stage.on_chunk_end = lambda chunk: pytest.fail("the pipeline ran: the order check came too late")
+    stage.begin_step(in_step=True)
+    with pytest.raises(PipelineOrderError, match=r"the output of model.encoder.block.0 reaches model.encoder.block.2"
+                                                 r" \(argument 'position_bias'\) past the blocks between them"):
+        model.training_step(batch, 0)
+
+
 class ConcatenatedSkip(nn.Module):
     """A U-Net skip as U-Nets write it: the earlier output concatenated to the next block's input."""
 
@@ -185,8 +278,8 @@ def test_a_skip_past_the_next_block_is_refused_naming_both_blocks():
     with pytest.raises(PipelineOrderError) as error:
         first_step(UNetSkip(), 2, num_stages=3)
     assert str(error.value).startswith(
-        "the output of blocks.0 reaches blocks.2 past the blocks between them (a skip connection); a pipeline passes"
-        " each block's output to the next block only. Keep skip connections inside one block"
+        "the output of blocks.0 reaches blocks.2 (argument 'input2') past the blocks between them (a skip connection);"
+        " a pipeline passes each block's output to the next block only. Keep skip connections inside one block"
     )
 
 

@@ -96,7 +96,8 @@ def pipelined(request, tmp_path_factory):
     runs = [{"name": name, "model": model, "strategy": settings, **(other[0] if other else {})}
             for name, (model, settings, *other) in RUNS[devices].items()]
     if devices == 2:
-        runs[[run["name"] for run in runs].index("encoder")]["predict"] = True
+        for name in PREDICTED:
+            runs[[run["name"] for run in runs].index(name)]["predict"] = True
         runs[[run["name"] for run in runs].index("gpt2")].update(save=True, validate=True)
         runs.append({"name": NEGATIVE_CONTROL, "model": "vgg11", "strategy": {"num_micro_batches": 2},
                      "drop_gradient_of": 0})
@@ -241,7 +242,23 @@ def test_lightnings_readme_autoencoder_is_pipelined_whole_from_what_its_training
     if devices != 2:
         pytest.skip("two blocks: two stages")
     stages = json.loads((tmp / "autoencoder" / "stages.json").read_text())
-    assert stages == {"module_name": "encoder .. decoder", "replicated": 0}
+    assert stages == {"module_name": "encoder .. decoder", "replicated": 0, "replicated_share": 0.0}
+
+
+ENCODER_DECODERS = {"demo": "model.transformer", "bart": "model.model"}
+
+
+def test_an_encoder_decoders_two_stacks_are_one_chain_of_stages_with_under_a_tenth_replicated(pipelined):
+    """The demo Transformer (nn.Transformer) and BART: the encoder's blocks, then the decoder's, split over the stages
+    (the equality with one device is the test above); what runs whole on every stage (embeddings, the head) is under
+    10% of the parameters, and the start-up summary says how much."""
+    devices, tmp = pipelined
+    output = (tmp / "stdout.txt").read_text() + (tmp / "stderr.txt").read_text()
+    for model, stack in ENCODER_DECODERS.items():
+        stages = json.loads((tmp / model / "stages.json").read_text())
+        assert stages["module_name"] == f"{stack}.encoder.layers.0 .. {stack}.decoder.layers.1"
+        assert 0 < stages["replicated_share"] < 0.1
+        assert f"Runs whole on every stage ({stages['replicated_share']:.0%} of the parameters)" in output
 
 
 def test_lightnings_model_summary_lists_the_model_as_built_with_the_stage_of_each_layer(pipelined):
@@ -276,19 +293,24 @@ def test_rich_model_summary_shows_every_gpt2_block_with_its_parameters_and_stage
     assert "Total params: 54.0 K" in text
 
 
-def test_a_trained_encoder_predicts_as_on_one_device_with_its_padding_mask(pipelined):
+PREDICTED = {"encoder": (32, 3), "bart": (32, 12, 64)}  # run -> the shape of its predictions
+
+
+@pytest.mark.parametrize("name", sorted(PREDICTED))
+def test_a_trained_model_predicts_as_on_one_device(pipelined, name):
     """In eval without gradients nn.TransformerEncoder would pack the padded batch into a NestedTensor; pipelined,
-    its layers take the padded path, whose outputs are the same."""
+    its layers take the padded path, whose outputs are the same. BART's decoder stages get the encoder's output
+    carried with the hidden state there too."""
     devices, tmp = pipelined
     if devices != 2:
         pytest.skip("predict runs on 2 stages")
-    predictions = torch.load(tmp / "encoder" / "predictions.pt")
-    model = STOCK_MODELS["encoder"]()
-    model.load_state_dict(torch.load(tmp / "encoder" / "rank0.pt"))
+    predictions = torch.load(tmp / name / "predictions.pt")
+    model = STOCK_MODELS[name]()
+    model.load_state_dict(torch.load(tmp / name / "rank0.pt"))
     model.eval()
     with torch.no_grad():
         expected = torch.cat([model.predict_step(batch, i) for i, batch in enumerate(model.predict_dataloader())])
-    assert predictions.shape == expected.shape == (32, 3)
+    assert predictions.shape == expected.shape == PREDICTED[name]
     assert torch.allclose(predictions, expected, atol=1e-5), (predictions - expected).abs().max()
 
 

@@ -1,5 +1,6 @@
 """LightningModules around the classes people train, written as their users write them: Hugging Face GPT-2 and
-Llama, ``nn.TransformerEncoder`` with a padding mask, Lightning's demo transformer, ResNet-18- and VGG-11-shaped CNNs.
+Llama, Hugging Face BART (an encoder-decoder), ``nn.TransformerEncoder`` with a padding mask, Lightning's demo transformer,
+ResNet-18- and VGG-11-shaped CNNs.
 
 Tiny configurations, random weights (no downloads), dropout 0; each module brings its own tiny deterministic data
 (a ``torch.Generator`` of its own, so the data never depends on the global seed; the weights do: seed before

@@ -118,9 +118,11 @@ def main(spec_path):
         rank = trainer.global_rank
         if summary and rank == 0:
             (out / "summary.txt").write_text(printed.text())
+        if rank == 0:
             stages = trainer.strategy.stage_summary()
             (out / "stages.json").write_text(json.dumps({"module_name": stages.module_name,
-                                                         "replicated": stages.replicated_parameters}))
+                                                         "replicated": stages.replicated_parameters,
+                                                         "replicated_share": stages.outside_share}))
         torch.save(model.state_dict(), out / f"rank{rank}.pt")
         if run.get("save"):  # every rank takes part; global rank 0 writes the whole model as one file
             trainer.save_checkpoint(out / "model.ckpt")
