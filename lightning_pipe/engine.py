@@ -429,13 +429,13 @@ class PipelineEngine:
             outputs = microbatch.as_tensors(out, f"the output of model chunk {k} for micro-batch {m}")
             if inputs:
                 microbatch.check_batch_kept(inputs, outputs, k, m)
-            outputs += carried
+            outputs += tuple(carried.values())
             needs = tuple(t.requires_grad or (later and t.is_floating_point()) for t in outputs)
             micro_batch.outputs = _edges(t for t, needed in zip(outputs, needs) if needed)
             micro_batch.output_metas = tuple(
                 TensorMeta(tuple(t.shape), t.dtype, False) for t, needed in zip(outputs, needs) if needed
             )
-            step.outputs[(k, m)] = _Output(tuple(t.detach() for t in outputs), needs, isinstance(out, tuple), call.carried)
+            step.outputs[(k, m)] = _Output(tuple(t.detach() for t in outputs), needs, isinstance(out, tuple), tuple(carried))
         if grad:
             step.micro_batches[(k, m)] = micro_batch
             step.calls.setdefault(id(call), _CallState(call)).forwarded[m] = inputs
@@ -495,7 +495,7 @@ class PipelineEngine:
             if k == self.last_chunk:
                 micro_batch.outputs = _edges(_cut(out, True, every_float=True)[1])
             else:
-                tensors = microbatch.as_tensors(self.stage.travelling(out), "") + carried
+                tensors = microbatch.as_tensors(self.stage.travelling(out), "") + tuple(carried.values())
                 micro_batch.outputs = _edges(t for t in tensors if t.is_floating_point())
         pairs = [(edge, g) for edge, g in zip(micro_batch.outputs, micro_batch.output_grads) if edge is not None]
         edges, grads = [edge for edge, _ in pairs], [g for _, g in pairs]

@@ -66,6 +66,7 @@ class _Call:
     output: Any = None  # what the call returned to the model's code
     restart: bool = False  # its first argument comes from the model's code, not from the block before
     carried: tuple[ChainKey, ...] = ()  # the outputs of blocks before the chain's last restart that it takes
+    sources: dict[int, ChainKey] = field(default_factory=dict)  # id of an argument -> the earlier output it is
     # The output with its autograd graph, where the model's code got it without (a reentrant checkpoint's forward):
     # what the checkpoint's re-computation in backward gets.
     graph_output: Any = None
@@ -337,11 +338,12 @@ class StageBlocks:
             assert self.on_outside_step_start is not None
             self.begin_step(in_step=False)
             self.on_outside_step_start()
-        restart, carried = self._check_order(index, args, kwargs)
+        restart, sources = self._check_order(index, args, kwargs)
         # NOTE: a key/value cache (Hugging Face's DynamicCache) would gather every micro-batch's keys and values, and
         # the placeholders' meta-device ones: training needs none, so the pipelined blocks get none.
         args, kwargs = _map_caches(args, _no_cache), _map_caches(kwargs, _no_cache)
-        call = _Call(index, args, kwargs, restart=restart, carried=carried)
+        carried = tuple(key for key in sources.values() if key[0] < self._segment_start)
+        call = _Call(index, args, kwargs, restart=restart, carried=carried, sources=sources)
         self._calls.append(call)
         output = None
         chunk = self._chunk_ends.get(index)
@@ -352,14 +354,15 @@ class StageBlocks:
         if index == len(self.region) - 1 and not self.in_step:
             assert self.outside_step_output is not None
             call.output = self.outside_step_output(output)
-        self._producers.setdefault(id(call.output), (index, None))
+        # The latest block that returned a tensor is its producer: T5's blocks return the position bias they were given.
+        self._producers[id(call.output)] = (index, None)
         for item, value in enumerate(_items(call.output)):
-            self._producers.setdefault(id(value), (index, item))
+            self._producers[id(value)] = (index, item)
         return call.output
 
-    def _check_order(self, index: int, args: tuple, kwargs: dict) -> tuple[bool, tuple[ChainKey, ...]]:
-        """Check a call against the chain so far: whether it restarts the chain, and the outputs of blocks before the
-        chain's last restart that it takes (carried to it)."""
+    def _check_order(self, index: int, args: tuple, kwargs: dict) -> tuple[bool, dict[int, ChainKey]]:
+        """Check a call against the chain so far: whether it restarts the chain, and which of its other arguments are
+        earlier blocks' outputs (by id): the previous block's, or those of blocks before the chain's last restart."""
         names = self.region.names
         expected = len(self._calls)
         if index != expected:
@@ -397,7 +400,7 @@ class StageBlocks:
                     " each block's output straight to the next block can be pipelined: move that code into a block, or"
                     " pipeline a shorter chain (GPipeStrategy(module_name=...))."
                 )
-        carried: list[ChainKey] = []
+        sources: dict[int, ChainKey] = {}
         positional = self._argument_names_of_block(index)
         named = [(positional[i + 1] if i + 1 < len(positional) else f"#{i + 1}", value) for i, value in enumerate(args[1:])]
         for argument, value in [*named, *kwargs.items()]:
@@ -413,15 +416,14 @@ class StageBlocks:
                         " (GPipeStrategy(module_name=...))."
                     )
                 continue
-            if key[0] < self._segment_start:
-                carried.append(key)
-            elif key[0] != index - 1:
+            sources[id(value)] = key
+            if key[0] != index - 1 and key[0] >= self._segment_start:
                 raise PipelineOrderError(
                     f"the output of {names[key[0]]} reaches {names[index]} (argument {argument!r}) past the blocks"
                     " between them (a skip connection); a pipeline passes each block's output to the next block only. Keep skip"
                     " connections inside one block (as a ResNet's BasicBlock does), or pipeline a chain without them."
                 )
-        return restart, tuple(carried)
+        return restart, sources
 
     def _placeholder(self, index: int, args: tuple, kwargs: dict, reuse: bool = True) -> Any:
         """The block's output on the meta device: its structure and shapes, without its cost.
@@ -505,15 +507,16 @@ class StageBlocks:
         )
         leaf = partial(_leaf_of, chunk_call.leaves) if detach_side_arguments else _same
 
-        def side(value: Any) -> Any:
-            key = self._producers.get(id(value)) if isinstance(value, Tensor) else None
+        def side(call: _Call, value: Any) -> Any:
+            key = call.sources.get(id(value)) if isinstance(value, Tensor) else None
             return _ChainValue(key) if key is not None else _map_tensors(value, leaf)
 
         chunk_call.calls = [
             _Call(
                 call.index,
-                (_map_tensors(call.args[0], leaf) if call.restart else call.args[0], *map(side, call.args[1:])),
-                {name: side(value) for name, value in call.kwargs.items()},
+                (_map_tensors(call.args[0], leaf) if call.restart else call.args[0],
+                 *(side(call, value) for value in call.args[1:])),
+                {name: side(call, value) for name, value in call.kwargs.items()},
                 restart=call.restart,
             )
             for call in calls
@@ -522,10 +525,11 @@ class StageBlocks:
 
     def run_micro_batch(
         self, chunk_call: ChunkCall, m: int, num: int, is_tuple: bool, carried: tuple[ChainKey, ...], *tensors: Tensor
-    ) -> tuple[Any, tuple[Tensor, ...]]:
+    ) -> tuple[Any, dict[ChainKey, Tensor]]:
         """The chunk's blocks on micro-batch ``m`` of ``num`` of its call, from ``tensors``: the travelling value (a
         tensor, or a tuple of them) and the earlier blocks' outputs ``carried`` with it. The last block's output, and
-        the values of ``chunk_call.carried`` that go on with it."""
+        what goes on with it: the values of ``chunk_call.carried`` and the last block's other tensor items (the next
+        block may take them: T5's position bias)."""
         # NOTE: the chunk's first block gets a copy of its input. A block that works in place (VGG's
         # `nn.ReLU(inplace=True)` starting a stage) would otherwise modify a received leaf, the view through which
         # its gradient is caught, the first stage's slice of the user's tensor, or the input that re-computation
@@ -548,7 +552,12 @@ class StageBlocks:
                 outputs[call.index] = output
                 value = self.travelling(output)
         last = chunk_call.calls[-1].index
-        return output, tuple(self._chain_value(chain, outputs, last + 1, key) for key in chunk_call.carried)
+        carried_on = {key: self._chain_value(chain, outputs, last + 1, key) for key in chunk_call.carried}
+        if value is not output:  # the first item travels: the others go too
+            for item, tensor in list(enumerate(_items(output)))[1:]:
+                if isinstance(tensor, Tensor) and (last, item) not in carried_on:
+                    carried_on[(last, item)] = tensor
+        return output, carried_on
 
     def _travelling_key(self, index: int) -> ChainKey:
         """Which of block ``index``'s outputs travels to the next block: the output, or its first item."""
@@ -573,11 +582,13 @@ class StageBlocks:
 
     def travelling(self, output: Any) -> Activation:
         """What passes from a block to the next: the output, or its first item where the model's code takes that
-        (observed in this step; a tensor or a tuple of tensors travels whole unless seen otherwise)."""
+        (observed in this step; a tensor or a tuple of tensors travels whole unless seen otherwise). A block that
+        returns a tensor among blocks that return tuples (T5's final norm after its blocks) passes that tensor."""
         takes_first = self._takes_first_item
         if takes_first is None:
             takes_first = not (isinstance(output, Tensor) or (isinstance(output, tuple) and all(isinstance(t, Tensor) for t in output)))
-        return first_item(output) if takes_first else output
+        first = first_item(output) if takes_first else None
+        return first if first is not None else output
 
     def _split(
         self, call: _Call, values: Any, m: int, num: int, batch: int, positional: bool,

@@ -192,7 +192,7 @@ def test_an_encoder_decoder_restarts_the_chain_and_carries_the_encoders_output_t
     model(torch.randn(2, 4))
     assert [call.restart for call in stage._calls] == [False, False, True, False]
     assert sent["carried"] == ((1, None),)  # blocks.1's output goes on to the stage of blocks.3
-    assert torch.equal(sent["values"][0], received)
+    assert list(sent["values"]) == [(1, None)] and torch.equal(sent["values"][(1, None)], received)
 
 
 @pytest.mark.parametrize(
@@ -212,28 +212,6 @@ def test_an_encoder_output_that_cannot_reach_the_decoder_is_refused_naming_the_b
     stage.begin_step(in_step=True)
     with pytest.raises(PipelineOrderError, match=message):
         model(torch.randn(2, 4))
-
-
-def test_t5_whose_blocks_pass_the_position_bias_on_is_refused_in_the_first_step_naming_the_argument():
-    """T5's first block computes the attention's position bias and every later block of its stack takes it: not
-    supported yet, and said clearly before any block runs (it used to fail deep inside with a meta-device error)."""
-    transformers = pytest.importorskip("transformers")
-    from helpers.stock_models import VOCAB, CausalLM
-
-    config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=3,
-                                   num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
-    model = CausalLM(transformers.T5ForConditionalGeneration(config))
-    model.log = lambda *args, **kwargs: None
-    batch = next(iter(model.train_dataloader()))
-    region = find_region(model, step=training_step_on(meta_batch(model)), num_stages=2)
-    assert region.names[0] == "model.encoder.block.0" and region.names[-1] == "model.decoder.block.2"
-    stage = StageBlocks(model, region, range(len(region) // 2, len(region)), 1, 2)
-    stage.install()
-    stage.on_chunk_end = lambda chunk: pytest.fail("the pipeline ran: the order check came too late")
-    stage.begin_step(in_step=True)
-    with pytest.raises(PipelineOrderError, match=r"the output of model.encoder.block.0 reaches model.encoder.block.2"
-                                                 r" \(argument 'position_bias'\) past the blocks between them"):
-        model.training_step(batch, 0)
 
 
 class ConcatenatedSkip(nn.Module):

@@ -37,6 +37,9 @@ RUNS = {
         "demo_restart_inside": ("demo", {"num_micro_batches": 2, "balance": [4, 1]}),
         "bart": ("bart", {"num_micro_batches": 2}),
         "bart_zero_bubble": ("bart", {"num_micro_batches": 4, "schedule": "zero_bubble"}),
+        "t5": ("t5", {"num_micro_batches": 2}),
+        # The position bias of T5's first block crosses the stage boundary right after it, with the hidden state.
+        "t5_first_block_alone": ("t5", {"num_micro_batches": 2, "balance": [1, 4]}),
         "demo_interleaved": ("demo", {"num_micro_batches": 2, "schedule": "interleaved_1f1b"}),
         "resnet18": ("resnet18", {"num_micro_batches": 1}),
         "vgg11": ("vgg11", {"num_micro_batches": 2}),
@@ -72,6 +75,7 @@ RUNS = {
         "encoder": ("encoder", {"num_micro_batches": 4}),
         "demo": ("demo", {"num_micro_batches": 4}),
         "bart": ("bart", {"num_micro_batches": 4}),
+        "t5": ("t5", {"num_micro_batches": 4}),
         "resnet18": ("resnet18", {"num_micro_batches": 1}),
         "vgg11": ("vgg11", {"num_micro_batches": 4}),
         "vit_loop": ("vit", {"num_micro_batches": 4}, {"options": {"checkpointing": "loop"}}),
@@ -245,18 +249,18 @@ def test_lightnings_readme_autoencoder_is_pipelined_whole_from_what_its_training
     assert stages == {"module_name": "encoder .. decoder", "replicated": 0, "replicated_share": 0.0}
 
 
-ENCODER_DECODERS = {"demo": "model.transformer", "bart": "model.model"}
+ENCODER_DECODERS = {"demo": ("model.transformer", "layers"), "bart": ("model.model", "layers"), "t5": ("model", "block")}
 
 
 def test_an_encoder_decoders_two_stacks_are_one_chain_of_stages_with_under_a_tenth_replicated(pipelined):
-    """The demo Transformer (nn.Transformer) and BART: the encoder's blocks, then the decoder's, split over the stages
+    """The demo Transformer (nn.Transformer), BART and T5: the encoder's blocks, then the decoder's, split over the stages
     (the equality with one device is the test above); what runs whole on every stage (embeddings, the head) is under
     10% of the parameters, and the start-up summary says how much."""
     devices, tmp = pipelined
     output = (tmp / "stdout.txt").read_text() + (tmp / "stderr.txt").read_text()
-    for model, stack in ENCODER_DECODERS.items():
+    for model, (stack, blocks) in ENCODER_DECODERS.items():
         stages = json.loads((tmp / model / "stages.json").read_text())
-        assert stages["module_name"] == f"{stack}.encoder.layers.0 .. {stack}.decoder.layers.1"
+        assert stages["module_name"] == f"{stack}.encoder.{blocks}.0 .. {stack}.decoder.{blocks}.1"
         assert 0 < stages["replicated_share"] < 0.1
         assert f"Runs whole on every stage ({stages['replicated_share']:.0%} of the parameters)" in output
 

@@ -196,6 +196,24 @@ class BartModule(CausalLM):
         return self(**batch).logits
 
 
+def t5_config(layers: int = 2):
+    from transformers import T5Config
+
+    return T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=128, num_layers=layers, num_decoder_layers=layers,
+                    num_heads=4, dropout_rate=0.0, pad_token_id=0, eos_token_id=VOCAB - 1, decoder_start_token_id=0)
+
+
+class T5Module(BartModule):
+    """``T5ForConditionalGeneration``: the encoder's blocks in ``model.encoder.block``, the decoder's in
+    ``model.decoder.block``; each stack's first block computes the attention's position bias, which every later
+    block of the stack takes (and returns)."""
+
+    def __init__(self, layers: int = 2, **kwargs) -> None:
+        from transformers import T5ForConditionalGeneration
+
+        CausalLM.__init__(self, T5ForConditionalGeneration(t5_config(layers)), **kwargs)
+
+
 class PretrainedCausalLM(CausalLM):
     """A causal LM fine-tuned from a Hugging Face directory, as the docs' page writes it: built from the directory's
     config in ``configure_model`` (on the meta device under the gpipe strategy, whose ``pretrained=`` fills it), or
@@ -588,6 +606,7 @@ STOCK_MODELS: dict[str, type[LightningModule]] = {
     "gpt2": GPT2Module,
     "llama": LlamaModule,
     "bart": BartModule,
+    "t5": T5Module,
     "encoder": EncoderClassifier,
     "demo": DemoTransformer,
     "resnet18": ResNet18Classifier,
@@ -601,6 +620,7 @@ BLOCKS: dict[str, list[str]] = {
     "gpt2": ["model.transformer.h"],
     "llama": ["model.model.layers"],
     "bart": ["model.model.encoder.layers", "model.model.decoder.layers"],
+    "t5": ["model.encoder.block", "model.decoder.block"],
     "encoder": ["encoder.layers"],
     "demo": ["model.transformer.encoder.layers", "model.transformer.decoder.layers"],
     "resnet18": ["model"],  # its children in order: conv1, bn1, relu, maxpool, layer1..layer4, avgpool, fc
