@@ -220,11 +220,7 @@ class PipelineEngine:
         self._wait_sends(done_only=not torch.is_grad_enabled())
         if k != self.last_chunk:
             return None
-        parts = [outputs[m] for m in range(num)]
-        joined = microbatch.join(parts)
-        if torch.is_grad_enabled() and num > 1:
-            _alias_into_joined(parts, joined)
-        return joined
+        return microbatch.join([outputs[m] for m in range(num)], alias=torch.is_grad_enabled())
 
     def _forward_only_actions(self, k: int, num: int) -> list[Action]:
         """Chunk ``k``'s forwards without a backward to follow: each micro-batch received, run and sent on in turn."""
@@ -786,28 +782,6 @@ def _leaf(tensor: Tensor, requires_grad: bool) -> Tensor:
     if requires_grad and leaf.is_floating_point():
         leaf.requires_grad_(True)
     return leaf
-
-
-def _alias_into_joined(parts: list[Any], joined: Any) -> None:
-    """Make each micro-batch's output leaf a view of its rows of the ``joined`` output (walked as
-    :func:`microbatch.join` walks them), so that the batch's output is held once, not twice. The leaves' values are
-    not used by backward: their gradients only accumulate there."""
-    first = parts[0]
-    if isinstance(first, Tensor):
-        if not isinstance(joined, Tensor) or joined.dim() == 0:
-            return
-        values, start = joined.detach(), 0
-        for part in parts:
-            rows = part.shape[0]
-            if part.is_leaf and part.requires_grad and values[start:start + rows].shape == part.shape:
-                part.data = values[start:start + rows]
-            start += rows
-    elif hasattr(first, "to_tuple") and hasattr(first, "keys"):  # a Hugging Face ModelOutput
-        for key in first.keys():
-            _alias_into_joined([part[key] for part in parts], joined[key])
-    elif isinstance(first, (tuple, list)) and not hasattr(first, "_fields"):
-        for index, items in enumerate(zip(*parts)):
-            _alias_into_joined(list(items), joined[index])
 
 
 def _grad_or_zeros(tensor: Tensor) -> Tensor:

@@ -117,11 +117,13 @@ def map_tensors(value: Any, function: Callable[[Tensor], Any]) -> Any:
     return value
 
 
-def join(outputs: list[Any]) -> Any:
+def join(outputs: list[Any], alias: bool = False) -> Any:
     """Concatenate micro-batch outputs along dim 0: the output one device would have computed on the whole batch.
 
     Tensors are concatenated; tuples, lists and ``ModelOutput``-like mappings are joined item by item; ``None``
-    stays ``None``; any other object (a cache) is the first micro-batch's.
+    stays ``None``; any other object (a cache) is the first micro-batch's. With ``alias``, each micro-batch's tensor
+    that is an autograd leaf becomes a view of its rows of the joined one, so that the batch's output is held once:
+    the leaves' values are not read again, their gradients only accumulate there.
     """
     first = outputs[0]
     if isinstance(first, Tensor):
@@ -130,11 +132,18 @@ def join(outputs: list[Any]) -> Any:
                 "a pipelined block returned a 0-dimensional tensor, which cannot be joined over micro-batches; return"
                 " values with the batch dimension first from the pipelined blocks."
             )
-        return torch.cat(outputs) if len(outputs) > 1 else first
+        if len(outputs) == 1:
+            return first
+        joined = torch.cat(outputs)
+        if alias:
+            for part, rows in zip(outputs, torch.split(joined.detach(), [part.shape[0] for part in outputs])):
+                if part.is_leaf and part.requires_grad:
+                    part.data = rows
+        return joined
     if first is None:
         return None
     if hasattr(first, "to_tuple") and hasattr(first, "keys"):  # a Hugging Face ModelOutput
-        return type(first)(**{key: join([output[key] for output in outputs]) for key in first.keys()})
+        return type(first)(**{key: join([output[key] for output in outputs], alias) for key in first.keys()})
     if isinstance(first, (tuple, list)) and not hasattr(first, "_fields"):
-        return type(first)(join(list(parts)) for parts in zip(*outputs))
+        return type(first)(join(list(parts), alias) for parts in zip(*outputs))
     return first
