@@ -32,12 +32,13 @@ def random_state_kept() -> Iterator[None]:
 
 def first_training_batch(trainer: Any, module: nn.Module) -> Any | None:
     """The first batch of the training DataLoader, through the module's batch hooks, on the meta device; ``None``
-    when there is no training DataLoader or it cannot be read here."""
+    when there is no training DataLoader or it cannot be read here. Before the fit attaches its data (the check
+    before the processes start), the module's own ``train_dataloader``, if it has one."""
     source = trainer.fit_loop._data_source
     try:
-        if not source.is_defined():
-            return None
-        batch = next(iter(source.dataloader()))
+        # Lightning's own hook, where the module does not define one, raises: no batch then.
+        loader = source.dataloader() if source.is_defined() else module.train_dataloader()
+        batch = next(iter(loader))
         batch = module._on_before_batch_transfer(batch, 0)
         return module._apply_batch_transfer_handler(batch, torch.device("meta"), 0)
     except Exception:  # an unusual loader or hook: the region is found without the step

@@ -421,11 +421,9 @@ class GPipeStrategyMixin:
         if overrides(model, "configure_model"):
             return  # the layers may exist only once configure_model has run, in each process: `setup` checks them
         settings = self._settings
-        region = self._find_region(model)
+        region = self._find_region(model, trainer)
         check_compiled(model, region)
-        # A region that leaves much outside may grow in `setup`, from what the training step calls: checked there.
-        if settings.module_name is not None or outside_share(model, region) <= MAX_OUTSIDE_SHARE:
-            stage_ranges(self.chunk_config, len(region), settings.balance if isinstance(settings.balance, list) else None)
+        stage_ranges(self.chunk_config, len(region), settings.balance if isinstance(settings.balance, list) else None)
         profiling_sample(settings.balance, settings.sample, model)
 
     def setup_environment(self) -> None:
