@@ -10,11 +10,12 @@ During a step every call is observed, in order, and checked: its first argument 
 (or that output's first item), or an input the model's code computed from the batch: the chain restarts there, as an
 encoder-decoder's decoder starts from the embedded target. Besides the previous block's output, a block may take the
 output of a block before the chain's last restart (the decoder's blocks take the encoder's output): that output is
-carried along with the hidden state to every later stage (see :class:`ChunkCall`), and its gradient back. Any other
-earlier output (a skip past the next block) is refused. A call returns a placeholder computed on the meta device, with the shapes and structure of the block's real output,
-so the model's code runs on as on one device, until the call of the last block of one of this stage's chunks (a
-stage holds one contiguous chunk of blocks, or several with virtual stages): there the pipeline runs that chunk
-(``on_chunk_end``, the runtime's). :meth:`StageBlocks.chunk_call` keeps what the chunk's blocks were called with,
+carried along with the hidden state to every later stage (see :class:`ChunkCall`), and its gradient back; so are the
+other items of a stage's last output (T5's blocks pass their position bias on). Any other earlier output (a skip past
+the next block) is refused. A call returns a placeholder computed on the meta device, with the shapes and structure of
+the block's real output, so the model's code runs on as on one device, until the call of the last block of one of
+this stage's chunks (a stage holds one contiguous chunk of blocks, or several with virtual stages): there the pipeline
+runs that chunk (``on_chunk_end``, the runtime's). :meth:`StageBlocks.chunk_call` keeps what the chunk's blocks were called with,
 and :meth:`StageBlocks.run_micro_batch` runs them on a micro-batch with each block's own arguments, split along the
 batch dimension where they have it.
 """
