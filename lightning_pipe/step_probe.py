@@ -36,8 +36,10 @@ def first_training_batch(trainer: Any, module: nn.Module) -> Any | None:
     before the processes start), the module's own ``train_dataloader``, if it has one."""
     source = trainer.fit_loop._data_source
     try:
-        # Lightning's own hook, where the module does not define one, raises: no batch then.
-        loader = source.dataloader() if source.is_defined() else module.train_dataloader()
+        try:
+            loader = source.dataloader()
+        except Exception:  # not attached yet: Lightning's own hook, where the module defines none, raises too
+            loader = module.train_dataloader()
         batch = next(iter(loader))
         batch = module._on_before_batch_transfer(batch, 0)
         return module._apply_batch_transfer_handler(batch, torch.device("meta"), 0)
