@@ -75,20 +75,36 @@ def clip_grad_norm_over_pipeline(
 ) -> None:
     """``clip_grad_norm_`` over the whole model: this stage's norm combined with the others' over the pipeline's
     ``group``, the ``replicated`` parameters (identical on every stage after the gradient sum) counted once, and
-    the ``counted_elsewhere`` ones (copies of a parameter that another stage also holds) not here."""
+    the ``counted_elsewhere`` ones (copies of a parameter that another stage also holds) not here.
+
+    Every rank clips by the same bits, so that the copies of a replicated parameter never drift apart: each rank's
+    squared norm is gathered and the parts are added in rank order on every rank, and the replicated parameters'
+    part comes from the group's first rank alone (summed in another order, or with another thread count, a rank's
+    copy of it could differ in the last bit)."""
+    params = [p for p in parameters if p.grad is not None]
+    held = {id(p) for p in params}
     replicated_ids = {id(p) for p in replicated}
     elsewhere_ids = {id(p) for p in counted_elsewhere}
-    params = [p for p in parameters if p.grad is not None]
     own = [p.grad for p in params if id(p) not in replicated_ids and id(p) not in elsewhere_ids]
-    shared = [p.grad for p in params if id(p) in replicated_ids]
-    zero = torch.zeros((), device=device)
-    own_sq = torch.nn.utils.get_total_norm(own).square() if own else zero
-    if dist.get_world_size(group) > 1:
-        work = dist.all_reduce(own_sq, group=group, async_op=True)
+    part = _squared_norm(own, device)
+    ranks = dist.get_process_group_ranks(group) if dist.get_world_size(group) > 1 else [dist.get_rank()]
+    if dist.get_rank() == min(ranks):
+        part = part + _squared_norm([p.grad for p in replicated if id(p) in held], device)
+    parts = [part]
+    if len(ranks) > 1:
+        parts = [torch.empty_like(part) for _ in ranks]
+        work = dist.all_gather(parts, part, group=group, async_op=True)
         watchdog.wait([work], watchdog.collective("the gradient norm over the pipeline", group), group)
-    shared_sq = torch.nn.utils.get_total_norm(shared).square() if shared else zero
-    total_norm = (own_sq + shared_sq).sqrt()
-    torch.nn.utils.clip_grads_with_norm_([p for p in params], clip_val, total_norm)
+    total_norm = torch.stack(parts).sum().sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, clip_val, total_norm)
+
+
+def _squared_norm(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """The squared 2-norm of ``tensors`` seen as one vector (zero for none), on ``device``, in float64: the same dtype
+    on every rank, whatever its gradients' dtypes."""
+    if not tensors:
+        return torch.zeros((), device=device, dtype=torch.float64)
+    return torch.nn.utils.get_total_norm(tensors).to(device, torch.float64).square()
 
 
 def agree_on_gradient_overflow(

@@ -24,14 +24,14 @@ STEPS = 4
 TOLERANCE = 1e-5  # of the weights' change over the run, as tests/test_equivalence.py
 # name -> (strategy, the model's arguments). By name, the strategy splits a batch into 8 micro-batches (4 per stage):
 # batches of 32 give each micro-batch 4 samples.
-RUNS = {"by_name": ("gpipe", {"batch_size": 32}), "as_object": ({"num_micro_batches": 2}, {})}
+# Trained with SGD: Adam amplifies round-off to its learning rate (the NOTE in helpers/stock_models.py).
+RUNS = {"by_name": ("gpipe", {"batch_size": 32, "sgd_lr": 0.5}), "as_object": ({"num_micro_batches": 2}, {"sgd_lr": 0.5})}
 
 
-def train_on_one_device(lr: float = 1e-3, **options) -> tuple[list[float], dict, dict]:
+def train_on_one_device(**options) -> tuple[list[float], dict, dict]:
     """The same project on one device, with pytorch_lightning's Trainer: losses, weights before and after."""
     pl.seed_everything(0, verbose=False)
     model = lit_autoencoder_class(pl.LightningModule)(**options)
-    model.configure_optimizers = lambda: torch.optim.Adam(model.parameters(), lr=lr)
     before = {key: value.clone() for key, value in model.state_dict().items()}
     losses = []
 
@@ -66,7 +66,7 @@ def test_a_pytorch_lightning_project_pipelines_and_trains_as_on_one_device(pipel
 
 
 def test_the_comparison_detects_a_run_that_trained_differently(pipelined):
-    _, before, after = train_on_one_device(lr=0.5e-3)
+    _, before, after = train_on_one_device(sgd_lr=0.25)
     weights = torch.load(pipelined / "as_object" / "rank0.pt")
     assert relative_weight_error(before, after, weights) > 100 * TOLERANCE
 

@@ -9,6 +9,7 @@ logs too. GPipe with deferred weight gradients equals one device like GPipe.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers.compare import merged_state_dict, rank_results, relative_weight_error, single_device_run
 from helpers.launch import launch
@@ -31,6 +32,14 @@ def runs_for(devices: int) -> list[dict]:
             runs.append({"name": f"{schedule}_always", "num_micro_batches": 4, "checkpoint": "always",
                          "strategy": strategy})
     runs.append({"name": "gpipe_split", "num_micro_batches": 4, "schedule": "gpipe_split"})
+    if devices == 4:
+        # 50 steps of 16 samples with clipping (by a norm that every step exceeds) and the fp16 gradient scaler.
+        fifty_steps = {"model": "tied_everywhere", "num_micro_batches": 4, "train_samples": 800, "lr": 0.01,
+                       "fp16": True, "trainer": {"gradient_clip_val": 0.05}}
+        runs += [{**fifty_steps, "name": "replicas_gpipe"},
+                 {**fifty_steps, "name": "replicas_zbv", "strategy": {"schedule": "zbv"}},
+                 # Negative control: ranks clipping by norms one ulp apart.
+                 {**fifty_steps, "name": "replicas_ulp_apart", "train_samples": 160, "clip_one_ulp_apart": True}]
     if devices == 2:
         one_f_one_b = {"schedule": "1f1b"}
         runs += [
@@ -146,6 +155,33 @@ def test_an_overflow_on_one_stage_skips_the_step_everywhere_under_a_per_micro_ba
     assert expected["grad_scale"] == 2.0**15  # one skipped step halved the initial 2**16
     assert {result["grad_scale"] for result in rank_results(tmp / run["name"])} == {expected["grad_scale"]}
     assert weight_error(tmp, run) < 1e-2  # float16 products, summed per micro-batch: as tests/test_equivalence.py
+
+
+@pytest.mark.parametrize("name", ["replicas_gpipe", "replicas_zbv"])
+def test_replicated_parameters_stay_bit_identical_on_every_rank_for_50_steps(pipelined, name):
+    """A head tied to the input embedding (held by all 4 stages) and a weight shared by two stages, clipped by the
+    global norm at every step, under the fp16 gradient scaler, with Adam: after 50 steps every copy of every shared
+    tensor holds the same bits on every rank (`merged_state_dict` checks it), and the model trained as one device."""
+    devices, tmp, runs = pipelined
+    if devices != 4:
+        pytest.skip("checked with 4 stages")
+    run = runs[name]
+    results = rank_results(tmp / run["name"])
+    assert [len(result["train_losses"]) for result in results] == [50] * 4
+    initial, expected, _ = reference(run)
+    merged = merged_state_dict(tmp / run["name"])  # raises if any copy differs between ranks
+    for key in ("embed.weight", "to_embedding.weight", "net.model.2.weight"):
+        assert not torch.equal(merged[key], initial[key])
+    # One device clips and scales the same: fp16 products over 50 Adam steps agree to a few parts in a thousand.
+    assert relative_weight_error(initial, expected, merged) < 1e-2
+
+
+def test_bit_identity_check_detects_ranks_clipping_one_ulp_apart(pipelined):
+    devices, tmp, runs = pipelined
+    if devices != 4:
+        pytest.skip("checked with 4 stages")
+    with pytest.raises(AssertionError, match="differs between ranks"):
+        merged_state_dict(tmp / "replicas_ulp_apart")
 
 
 def test_comparison_detects_a_dropped_micro_batch_gradient(pipelined):

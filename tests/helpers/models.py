@@ -258,6 +258,18 @@ class TiedOutsideOnly(PipeClassifier):
         return self.unembed(self.to_embedding(hidden))[:, :3]
 
 
+class TiedEverywhere(TiedOutsideOnly):
+    """Both ties at once, trained with Adam: GPT-2's head tied to the input embedding (replicated on every stage) and
+    layer 6 using layer 2's weight (two stages). Every rank's copy of a shared tensor must get the same bits."""
+
+    def __init__(self, lr: float = 0.01) -> None:
+        super().__init__(lr=lr)
+        self.net.model[6].weight = self.net.model[2].weight
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
 COMPILE_BACKEND = "counted_aot_eager"
 compiled_graphs = 0  # graphs compiled with COMPILE_BACKEND in this process
 
@@ -375,6 +387,7 @@ def sequence_loaders(train_samples: int, val_samples: int, batch_size: int) -> t
 MODELS = {"dropout": DropoutClassifier, "two_dropouts": TwoDropoutsClassifier, "synced": SyncedLogging, "batchnorm": BatchNormClassifier, "one_batchnorm": OneBatchNormClassifier, "classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "skips_before": SkipsBeforeTheModel, "skips_some": SkipsSomeMicroBatches, "poisoned": PoisonedGradient, "deferred": DeferredPipeClassifier, "resettable": ResettablePipeClassifier,
           "tied": TiedAcrossStages, "tied_momentum": TiedWithMomentum,
           "tied_deferred": DeferredTiedAcrossStages, "tied_outside": TiedToOutside, "tied_outside_only": TiedOutsideOnly,
+          "tied_everywhere": TiedEverywhere,
           "compiled": CompiledPipelined, "compiled_layers": CompiledLayers, "counts": CountsForwards,
           "sequences": SequenceClassifier}
 

@@ -19,3 +19,18 @@ def drop_gradient_of(micro_batch: int) -> Callable[[], None]:
 
     engine._GradientInbox.take = take
     return lambda: setattr(engine._GradientInbox, "take", original)
+
+
+def clip_one_ulp_apart() -> Callable[[], None]:
+    """Every rank but global rank 0 clips by a gradient norm one float32 ulp larger (the drift that a norm summed in
+    another order on one rank causes); returns what undoes it."""
+    original = torch.nn.utils.clip_grads_with_norm_
+
+    def clip(parameters, max_norm, total_norm, *args, **kwargs):
+        if torch.distributed.get_rank() != 0:
+            single = total_norm.float()
+            total_norm = torch.nextafter(single, torch.full_like(single, float("inf"))).to(total_norm.dtype)
+        return original(parameters, max_norm, total_norm, *args, **kwargs)
+
+    torch.nn.utils.clip_grads_with_norm_ = clip
+    return lambda: setattr(torch.nn.utils, "clip_grads_with_norm_", original)

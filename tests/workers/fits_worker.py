@@ -21,7 +21,7 @@ from torch import nn
 import lightning_pipe
 from helpers import models
 from helpers.models import MODELS, loaders, sequence_loaders
-from helpers.negative_controls import drop_gradient_of
+from helpers.negative_controls import clip_one_ulp_apart, drop_gradient_of
 from helpers.recording import MetricRecorder
 from lightning_pipe import tied
 from lightning_pipe.schedule import gpipe_schedule
@@ -77,6 +77,8 @@ def main(spec_path):
         restore = drop_gradient_of(run["drop_gradient_of"]) if run.get("drop_gradient_of") is not None else None
         if run.get("unsummed_ties"):
             restore = leave_tied_gradients_unsummed()
+        if run.get("clip_one_ulp_apart"):
+            restore = clip_one_ulp_apart()
         recorder = MetricRecorder()
         if run.get("schedule") == "backwards_in_forward_order":  # a test-only schedule, defined in its test
             from test_equivalence import backwards_in_forward_order
