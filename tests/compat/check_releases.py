@@ -1,10 +1,11 @@
 """Runs the fast equivalence and parity tests against the boundary torch and Lightning releases and writes the
 results table of docs/compatibility.md.
 
-Each release set gets a fresh virtual environment: first the set's torch and Lightning are installed, as in a project
-that already has them; then this package is installed with ``pip install -e .[test]``, and its stack must come out
-unchanged (the same torch, Lightning and torchmetrics versions); then the tests below run. Too slow for CI: the
-registry's torch wheels are CUDA builds of several GB (they run on the CPU); CI runs the whole suite on torch 2.13 CPU.
+Each release set gets a fresh virtual environment: first the set's torch and Lightning (and pytorch-lightning, where the
+set names it) are installed, as in a project that already has them; then this package is installed with
+``pip install -e .[test]``, and its stack must come out unchanged (the same torch, Lightning, torchmetrics and
+pytorch-lightning versions); then the tests below run. Too slow for CI: the registry's torch wheels are CUDA builds of
+several GB (they run on the CPU); CI runs the whole suite on torch 2.13 CPU.
 
     python tests/compat/check_releases.py                 # every release set, one after another
     python tests/compat/check_releases.py --only newest   # one set; the table keeps the other rows as they were
@@ -62,6 +63,10 @@ RELEASE_SETS = [
     ReleaseSet("lowest-lightning", torch="2.15.0", lightning="2.4.0"),
     ReleaseSet("lowest-both", torch="2.10.0", lightning="2.4.0"),
     ReleaseSet("lightning-2.5-latest", torch="2.13.0", lightning="2.5.6"),
+    # A project that imports the standalone pytorch_lightning: its lowest and newest releases in the range, each beside
+    # the lightning of the same release (lightning requires pytorch-lightning unpinned: pip would take the newest).
+    ReleaseSet("pytorch-lightning-lowest", torch="2.13.0", lightning="2.4.0", pytorch_lightning="2.4.0"),
+    ReleaseSet("pytorch-lightning-newest", torch="2.13.0", lightning="2.6.6", pytorch_lightning="2.6.6"),
     ReleaseSet("below-torch", torch="2.9.1", lightning="2.6.6", below_range=True),
     # Lightning 2.3 imports pkg_resources, which setuptools 81 and newer no longer have.
     ReleaseSet("below-lightning", torch="2.13.0", lightning="2.3.3", below_range=True, also=("setuptools<81",)),
@@ -150,8 +155,14 @@ def check_in(venv: Path, release: ReleaseSet, log) -> dict[str, str]:
     if release.below_range and row["kept"] == "yes":
         row["kept"] = "below the range: installed with --no-deps"
     print(f"[{release.name}] {row['installed']}; installing lightning-pipe kept them: {row['kept']}", flush=True)
+    if release.pytorch_lightning:
+        # tests/test_pytorch_lightning.py skips itself where pytorch_lightning does not import: in a set that installs
+        # it, that is a failure, not a skip.
+        imported = run([str(python), "-c", "import pytorch_lightning"], log, env=environment, cwd=ROOT)
+        if imported.returncode != 0:
+            return row | {"passed": "0", "failed": "- (import pytorch_lightning failed, see the log)"}
     start = time.monotonic()
-    tests = run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", *TESTS], log,
+    tests = run([str(python), "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "not slow", *TESTS], log,
                 env=environment, cwd=ROOT)
     counts = pytest_counts(tests.stdout)
     row |= {"passed": str(counts.get("passed", 0)), "failed": str(counts["failed"]),
