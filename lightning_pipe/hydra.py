@@ -93,11 +93,15 @@ class GPipeStrategyConfig:
     (``Any``: a string or a mapping; :func:`validate_config` checks it.)"""
     stall_watchdog: bool = True
     """End the run when a wait on another rank in a training step lasts longer than ``max(stall_floor, stall_multiple
-    * the slowest recent step)``, naming the rank that stopped and writing every rank's stack (``stall_stacks/``)."""
+    * the slowest recent step)`` (``stall_first_step`` in a first step), naming the rank that stopped and writing
+    every rank's stack (``stall_stacks/``)."""
     stall_multiple: float = 10.0
     """How many times the slowest of the last 100 regular training steps a wait may last."""
     stall_floor: float = 30.0
     """The shortest bound on a wait, in seconds."""
+    stall_first_step: float = 600.0
+    """The bound on a wait in a first step (a run's first two, an epoch's first, the first after validation or a
+    checkpoint, the first with new shapes), in seconds; the regular bound where that is longer."""
 
 
 def register_configs() -> None:

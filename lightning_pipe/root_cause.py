@@ -112,13 +112,15 @@ def left_exception(path: str) -> BaseException | None:
 
 
 def _lost_a_peer(error: BaseException) -> bool:
-    """Whether ``error`` follows from another rank's failure: a wait on a stage or a collective that lost a peer."""
+    """Whether ``error`` follows from another rank's failure: a wait on a stage or a collective that lost a peer, or
+    whose connections the stall watchdog closed (gloo: "Application timeout caused pair closure")."""
     while error is not None:
         if isinstance(error, (PipelineCommunicationError, dist.DistError)):
             return True
         text = str(error).lower()
         if isinstance(error, RuntimeError) and any(
-            cause in text for cause in ("connection closed by peer", "connection reset by peer", "broken pipe")
+            cause in text
+            for cause in ("connection closed by peer", "connection reset by peer", "broken pipe", "caused pair closure")
         ):
             return True
         error = error.__cause__  # type: ignore[assignment]

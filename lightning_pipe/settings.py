@@ -74,6 +74,7 @@ class PipelineSettings:
     stall_watchdog: bool = True
     stall_multiple: float = StallRule.multiple
     stall_floor: float = StallRule.floor_s  # seconds (a timedelta is accepted and converted)
+    stall_first_step: float = StallRule.first_step_s  # likewise
     key: InitVar[str] = ""
 
     def __post_init__(self, key: str) -> None:
@@ -101,7 +102,9 @@ class PipelineSettings:
             "pretrained": checked_pretrained(self.pretrained, key),
             "stall_multiple": _checked_stall_multiple(self.stall_multiple, key),
             "stall_floor": _checked_stall_floor(self.stall_floor, key),
+            "stall_first_step": _checked_stall_first_step(self.stall_first_step, key),
         }
+
         for name in ("log_bubble_fraction", "deferred_batch_norm", "save_distributed_checkpoint",
                      "gather_model_after_run", "stall_watchdog"):
             value = getattr(self, name)
@@ -138,7 +141,7 @@ class PipelineSettings:
     @property
     def stall_rule(self) -> StallRule | None:
         """The stall watchdog's rule, or ``None`` when it is turned off."""
-        return StallRule(self.stall_multiple, self.stall_floor) if self.stall_watchdog else None
+        return StallRule(self.stall_multiple, self.stall_floor, self.stall_first_step) if self.stall_watchdog else None
 
     def pipeline_config(self, num_processes: int) -> PipelineParallelConfig:
         """The stage and micro-batch counts; without settings, one stage per process of ``num_processes`` and
@@ -334,6 +337,18 @@ def _checked_stall_floor(floor: Any, key: str) -> float:
         raise ValueError(
             f"{key}stall_floor={floor!r} is invalid; give the shortest bound on a wait in seconds, a positive number"
             f" (default {StallRule.floor_s:g}) or a timedelta, or turn the watchdog off with {key}stall_watchdog=False."
+        )
+    return float(seconds)
+
+
+def _checked_stall_first_step(first_step: Any, key: str) -> float:
+    seconds = first_step.total_seconds() if isinstance(first_step, timedelta) else first_step
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(
+            f"{key}stall_first_step={first_step!r} is invalid; give the bound on a wait in a first step (a run's first,"
+            " an epoch's first, the first after validation or a checkpoint, which may compile or allocate for long) in"
+            f" seconds, a positive number (default {StallRule.first_step_s:g}) or a timedelta, or turn the watchdog"
+            f" off with {key}stall_watchdog=False."
         )
     return float(seconds)
 

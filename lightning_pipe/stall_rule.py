@@ -3,11 +3,12 @@
 Pure logic, no processes (the watchdog that applies it is :mod:`lightning_pipe.watchdog`):
 
 * :class:`StallRule`: the bound on a wait, ``max(floor, multiple * the slowest recent training step)``.
-* :class:`StepClock`: the bookkeeping of training steps. Only a *regular* step is bounded: not one of the first steps
-  of a run (``torch.compile``'s first calls, allocations, a resumed run's first steps), not the first of an epoch or
-  the first after an uneven phase (validation, a checkpoint, the epoch's end hooks), and not one whose batch has a
-  shape no earlier step had (a smaller last batch, the BatchNorm check and a recompilation that come with it). Waits
-  elsewhere get only the hard ``timeout``. Only regular steps' durations (start to next start) set the bound.
+* :class:`StepClock`: the bookkeeping of training steps. A *regular* step gets the bound learned from the run. A
+  *first* step gets the generous ``first_step_s``: one of the first steps of a run (``torch.compile``'s first calls,
+  allocations, a resumed run's first steps), the first of an epoch or the first after an uneven phase (validation, a
+  checkpoint, the epoch's end hooks), or one whose batch has a shape no earlier step had (a smaller last batch, the
+  BatchNorm check and a recompilation that come with it). The uneven phases themselves get only the hard
+  ``timeout``. Only regular steps' durations (start to next start) set the bound.
 * :class:`Wait`, :class:`RankState`, :func:`stalled_ranks`: what each rank waits for and on whom, and from all ranks'
   answers, which rank stopped: one that others wait on and that waits on no one.
 * :func:`stall_message`: the error each rank raises, naming its own wait and the rank that stopped.
@@ -19,7 +20,7 @@ from collections import deque
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
-WARMUP_STEPS = 2  # the first steps of a run are never bounded, nor timed (first calls: compilation, allocation)
+WARMUP_STEPS = 2  # the first steps of a run get the first-step bound and are not timed (compilation, allocation)
 WINDOW = 100  # the regular steps whose slowest sets the bound
 
 
@@ -34,16 +35,24 @@ class PipelineStallError(Exception):
 @dataclass(frozen=True)
 class StallRule:
     """A wait on another rank during a regular training step may last ``max(floor_s, multiple * slowest)`` seconds,
-    ``slowest`` being the slowest of the last ``WINDOW`` regular steps."""
+    ``slowest`` being the slowest of the last ``WINDOW`` regular steps; during a first step (see :class:`StepClock`)
+    ``first_step_s``, or the regular bound where that is longer."""
 
     multiple: float = 10.0
     floor_s: float = 30.0
+    first_step_s: float = 600.0
 
     def bound_s(self, slowest_step_s: float) -> float:
         return max(self.floor_s, self.multiple * slowest_step_s)
 
-    def explain(self, slowest_step_s: float) -> str:
-        """How the bound came about, for the error: ``"10 x the slowest recent step (0.41 s), at least 30 s"``."""
+    def first_step_bound_s(self, slowest_step_s: float) -> float:
+        return max(self.first_step_s, self.bound_s(slowest_step_s))
+
+    def explain(self, slowest_step_s: float, first_step: bool = False) -> str:
+        """How the bound came about, for the error: ``"10 x the slowest recent step (0.41 s), at least 30 s"``, or for
+        a first step ``"a first step's bound, stall_first_step=600 s"``."""
+        if first_step and self.first_step_bound_s(slowest_step_s) == self.first_step_s:
+            return f"a first step's bound, stall_first_step={self.first_step_s:g} s"
         return f"{self.multiple:g} x the slowest recent step ({slowest_step_s:.2f} s), at least {self.floor_s:g} s"
 
 
@@ -51,8 +60,10 @@ class StepClock:
     """Which training steps are regular, how long they took, and the bound on waits now (``None``: not bounded).
 
     ``step_starts`` is called at the start of every training step, ``uneven_phase`` when something legitimately slow
-    and uneven begins between steps. A regular step's bound stays in force after it, until the next step starts or
-    an uneven phase begins: the time between steps (callbacks, logging, loading the next batch) is watched too.
+    and uneven begins between steps. Every training step is bounded: a regular one by the bound learned from the run,
+    any other (``first_step``) by the rule's first-step bound. A step's bound stays in force after it, until the next
+    step starts or an uneven phase begins: the time between steps (callbacks, logging, loading the next batch) is
+    watched too.
     """
 
     def __init__(self, rule: StallRule) -> None:
@@ -67,6 +78,7 @@ class StepClock:
         self._interrupted = False  # an uneven phase began since the current step started
         self._ended = False  # the current step's optimizer step is done: the time between steps runs
         self.bound_s: float | None = None
+        self.first_step = False  # the bound in force is a first step's
 
     def step_starts(self, now: float, epoch: int, batch: int, batch_shape: Hashable) -> None:
         continues = self._started is not None and not self._interrupted and epoch == self.epoch
@@ -76,15 +88,18 @@ class StepClock:
         self._batch_shapes.add(batch_shape)
         self.steps += 1
         self.epoch, self.batch, self._started, self._interrupted, self._ended = epoch, batch, now, False, False
-        self.bound_s = self.rule.bound_s(self.slowest_s) if self._regular and self.durations else None
+        self.first_step = not (self._regular and self.durations)
+        slowest = self.slowest_s
+        self.bound_s = self.rule.first_step_bound_s(slowest) if self.first_step else self.rule.bound_s(slowest)
 
     def step_ends(self) -> None:
         self._ended = True
 
     def uneven_phase(self) -> None:
-        """Validation, a checkpoint, an epoch's end: unbounded, and the next step is not regular."""
+        """Validation, a checkpoint, an epoch's end: unbounded, and the next step is a first step."""
         self._interrupted = True
         self.bound_s = None
+        self.first_step = False
 
     @property
     def slowest_s(self) -> float:
@@ -132,6 +147,7 @@ class RankState:
     bound_s: float | None
     stacks: str  # the file its stack was written to
     note: str = ""  # how the bound came about (the rank that fired)
+    first_step: bool = False  # the bound was a first step's
 
     @property
     def stopped(self) -> bool:
@@ -189,9 +205,10 @@ def stall_message(own: RankState, verdict: Verdict, stacks_dir: str) -> str:
         head = f"{own.line()} {own.step}, when the stall watchdog ended the run."
     bound = f"{fired.bound_s:.1f} s" if fired.bound_s is not None else "the bound"
     how = f" ({fired.note})" if fired.note else ""
-    last = f"{fired.last_step_s:.2f} s" if fired.last_step_s is not None else "not measured"
-    lines = [head, f"The watchdog fired as {fired.line()}, longer than its bound of {bound}{how}; the last training"
-             f" step took {last}."]
+    last = f"the last training step took {fired.last_step_s:.2f} s" if fired.last_step_s is not None else (
+        "no training step was timed yet"
+    )
+    lines = [head, f"The watchdog fired as {fired.line()}, longer than its bound of {bound}{how}; {last}."]
     if verdict.stalled:
         names = ", ".join(verdict.name(rank) for rank in verdict.stalled)
         lines.append(f"The rank that stopped: {names} (awaited, and waiting on no other rank).")
@@ -201,8 +218,11 @@ def stall_message(own: RankState, verdict: Verdict, stacks_dir: str) -> str:
     for rank in sorted(verdict.states):
         state = verdict.states[rank]
         lines.append(f"  {state.line() if state is not None else f'rank {rank} did not answer'}")
+    raise_it = "GPipeStrategy(stall_first_step=...)" if fired.first_step else (
+        "GPipeStrategy(stall_floor=...) or stall_multiple=..."
+    )
     lines.append(
-        f"Every rank's Python stack is in {stacks_dir}. If such a wait is legitimate, raise"
-        " GPipeStrategy(stall_floor=...) or stall_multiple=..., or turn the watchdog off with stall_watchdog=False."
+        f"Every rank's Python stack is in {stacks_dir}. If such a wait is legitimate, raise {raise_it}, or turn the"
+        " watchdog off with stall_watchdog=False."
     )
     return "\n".join(lines)

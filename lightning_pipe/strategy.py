@@ -212,14 +212,17 @@ class GPipeStrategyMixin:
             LightningModule (inferred by default) and the ``dtype`` (the precision's, or the stored one). Checked
             against the whole model on every rank before the first step (see :mod:`lightning_pipe.pretrained`); a
             model object loads them once (a later ``trainer.test`` keeps what ``fit`` trained).
-        stall_watchdog: end the run on every rank when, in a training step after the first ones, a wait on another
-            rank (activations, gradients, the step's results, the gradient reductions and barriers) lasts longer than
-            ``max(stall_floor, stall_multiple * the slowest recent step)``, naming the rank that stopped and writing
-            every rank's Python stack to ``default_root_dir/stall_stacks/`` (see :mod:`lightning_pipe.watchdog`).
-            Validation, checkpoints, epoch ends, the first step of an epoch and a batch of new shapes are left to
-            ``timeout``, which stays the hard limit everywhere.
+        stall_watchdog: end the run on every rank when, in a training step, a wait on another rank (activations,
+            gradients, the step's results, the gradient reductions and barriers) lasts longer than
+            ``max(stall_floor, stall_multiple * the slowest recent step)``, or ``stall_first_step`` in a first step,
+            naming the rank that stopped and writing every rank's Python stack to ``default_root_dir/stall_stacks/``
+            (see :mod:`lightning_pipe.watchdog`). Validation, checkpoints and epoch ends are left to ``timeout``,
+            which stays the hard limit everywhere.
         stall_multiple: how many times the slowest of the last 100 regular training steps a wait may last.
         stall_floor: the shortest bound, in seconds or as a ``timedelta``.
+        stall_first_step: the bound on a wait in a first step (a run's first two, an epoch's first, the first after
+            validation or a checkpoint, the first with a batch of new shapes), which may compile or allocate for
+            long: seconds or a ``timedelta``. Where the regular bound is longer, that one.
     """
 
     strategy_name = "gpipe"
@@ -255,6 +258,7 @@ class GPipeStrategyMixin:
         stall_watchdog: bool = True,
         stall_multiple: float = 10.0,
         stall_floor: float | timedelta = 30.0,
+        stall_first_step: float | timedelta = 600.0,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -287,6 +291,7 @@ class GPipeStrategyMixin:
             stall_watchdog=stall_watchdog,
             stall_multiple=stall_multiple,
             stall_floor=stall_floor,  # type: ignore[arg-type]  (a timedelta is converted to seconds)
+            stall_first_step=stall_first_step,  # type: ignore[arg-type]  (likewise)
         )
         # The settings the process-group, setup, step and checkpoint sections read.
         self._module_name = self._settings.module_name

@@ -6,20 +6,22 @@ it in a run. Two things watch a rank:
 
 * Its waits. Every wait of the pipeline on another rank comes through :meth:`StallWatchdog.wait` (the works of
   point-to-point messages and of the strategy's collectives, with what is awaited and from whom) or
-  :meth:`StallWatchdog.waiting` (a call that waits inside, such as the broadcast of a step's results). During a regular
-  training step a wait on a CPU (gloo) work is given the bound as its timeout: when it passes, this rank fires. (NCCL
-  works are not: a timeout would make the host wait for the device, see :meth:`StallWatchdog.wait`.)
-* A thread of its own, the watcher. Every half second it asks the store that ``torch.distributed`` already runs
-  (rank 0's TCPStore) whether another rank fired, and checks that its own rank made progress within the bound: a
-  rank stuck in its own code, or in a wait the pipeline does not make (Lightning's per-step broadcast, a user's
-  collective), fires from here.
+  :meth:`StallWatchdog.waiting` (a call that waits inside, such as the broadcast of a step's results). A wait stays a
+  plain, untimed wait: the main thread only notes what it waits for and since when (two attribute writes), so that
+  the watchdog costs nothing measurable per wait.
+* A thread of its own, the watcher, which keeps the deadline. Every half second it asks the store that
+  ``torch.distributed`` already runs (rank 0's TCPStore) whether another rank fired, and checks the main thread's
+  wait against the bound: a wait that outlasted it, a rank stuck in a wait the pipeline does not make (Lightning's
+  per-step broadcast, a user's collective), fires from here.
 
 When a rank fires, every rank answers through the store with its state (what it waits for and on whom, or where its
 main thread is) and writes its Python stack (all threads, ``faulthandler``) to its log and to
 ``<default_root_dir>/stall_stacks/rank<R>.txt``. From the answers the rank that stopped is found (awaited, waiting on
 no one), and each rank ends with a :class:`~lightning_pipe.stall_rule.PipelineStallError` that names its own wait and
-that rank: a waiting rank when its wait times out or fails, the stopped rank from its watcher, which raises the error
-in its main thread (a signal interrupts a sleep, a lock or a blocking read) and ends the process if that does not.
+that rank. A waiting rank's watcher closes the rank's gloo connections (:func:`close_gloo_groups`, what gloo itself
+does when a timed wait expires), so that the wait in its main thread fails and raises the error; the stopped rank's
+watcher raises it in its main thread (a signal interrupts a sleep, a lock or a blocking read). Either watcher ends
+its process if that does not end it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
@@ -58,9 +61,9 @@ from lightning_pipe.stall_rule import (
 
 TICK_S = 0.5  # how often the watcher looks at the store and at its rank's progress
 ANSWER_GRACE_S = 3.0  # how long a firing rank waits for the others' answers
-SLACK_S = 2.0  # a wait that times out by itself is left to do so: the watcher fires only this much later
 ENDING_GRACE_S = 10.0  # how long the stopped rank's raised error may take to end its process before it is ended
 LINGER_S = 30.0  # how long any rank may live on after the verdict before its watcher ends it
+_CLOSING_TAG = 0x5A11  # the tag of the receive that closes a gloo group (no message is ever sent with it)
 STACKS_DIR = "stall_stacks"
 _SIGNAL = signal.SIGUSR2  # sent to the stopped rank's main thread, whose handler raises the error there
 _runs = itertools.count()  # this process's watched runs, numbered alike on every rank (each trainer call sets one up)
@@ -87,9 +90,8 @@ class StallWatchdog:
         self.names = dict(names or {})
         self._hard_timeout_s = hard_timeout.total_seconds() if hard_timeout is not None else None
         self._key = f"lightning_pipe/stall/{next(_runs)}" if rule is not None else ""
-        self._current: tuple[Wait, float, bool] | None = None  # the wait in progress, its start, bounded here
+        self._current: tuple[Wait, float] | None = None  # the main thread's wait in progress and its start
         self._since = time.monotonic()  # the main thread's last progress
-        self._on_cpu: dict[int, bool] = {}  # group id -> whether its works are gloo's (bounded by a timeout)
         self._peers: dict[int, tuple[int, ...]] = {}  # group id -> the other ranks of the group
         self._lock = threading.Lock()
         self._verdict: Verdict | None = None
@@ -160,33 +162,36 @@ class StallWatchdog:
     # ---- waits ---------------------------------------------------------------------------------------------------
 
     def wait(self, works: Iterable[dist.Work], waited: Wait, group: dist.ProcessGroup | None = None) -> None:
-        """Wait for ``works`` (of ``group``), bounded when the watchdog is armed. A wait that passes the bound, or fails
-        once a stall was found, raises :class:`PipelineStallError`; any other failure raises the backend's error.
-
-        Only CPU (gloo) works get the bound as their timeout: an NCCL work's ``wait`` only orders the device's
-        streams, and with a timeout it would block the host until the device is done. The watcher bounds those."""
-        bound = self._bound_s() if group is None or self._is_cpu_group(group) else None
-        with self.waiting(waited, bound):
-            if bound is None:
-                for work in works:
-                    work.wait()
-            else:
-                deadline = time.monotonic() + bound
-                for work in works:  # (a timeout of 0 would mean none: at least a millisecond)
-                    work.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+        """Wait for ``works`` (of ``group``, named by callers for the reader; every group is treated alike). The waits
+        are plain, untimed ones: the watcher bounds them (see the module). A wait that fails once a stall was found
+        raises :class:`PipelineStallError`; any other failure raises the backend's error."""
+        if self.clock is None:
+            for work in works:
+                work.wait()
+            return
+        start = time.monotonic()
+        self._current = (waited, start)
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as error:
+            stall = self._stall_error(waited, start)
+            if stall is None:
+                raise
+            raise stall from error
+        finally:
+            self._current = None
+            self._since = time.monotonic()
 
     @contextlib.contextmanager
-    def waiting(self, waited: Wait, bound: float | None = None) -> Iterator[None]:
-        """Mark a wait on other ranks: the watcher bounds it (or, with ``bound``, the caller passed the bound as the
-        wait's timeout), and its failure once a stall was found, or its timeout, raises :class:`PipelineStallError`.
-        For calls that wait inside (``broadcast_object_list``) as for :meth:`wait`."""
+    def waiting(self, waited: Wait) -> Iterator[None]:
+        """Mark a wait on other ranks, for calls that wait inside (``broadcast_object_list``), as :meth:`wait` does."""
         start = time.monotonic()
-        self._current = (waited, start, bound is not None)
+        self._current = (waited, start)
         try:
             yield
         except RuntimeError as error:
-            timed_out = bound is not None and time.monotonic() >= start + bound - 0.01 and _says_timeout(error)
-            stall = self._stall_error(waited, start, timed_out)
+            stall = self._stall_error(waited, start)
             if stall is None:
                 raise
             raise stall from error
@@ -210,33 +215,23 @@ class StallWatchdog:
             return None
         return bound
 
-    def _is_cpu_group(self, group: dist.ProcessGroup) -> bool:
-        key = id(group)
-        if key not in self._on_cpu:
-            self._on_cpu[key] = dist.get_backend(group) == "gloo"
-        return self._on_cpu[key]
-
-    def _stall_error(self, waited: Wait, start: float, timed_out: bool) -> PipelineStallError | None:
-        """The error of a wait that timed out on the bound (this rank fires) or failed after a stall was found."""
-        if self.clock is None:
-            return None
+    def _stall_error(self, waited: Wait, start: float) -> PipelineStallError | None:
+        """The error of a wait that failed after a stall was found: its connection closed by a watcher (this rank's
+        or another's) or lost with the stopped rank's process."""
         own = self._state(waited, time.monotonic() - start)
-        if timed_out:
-            verdict = self._settle(_default_store(), own)
-        else:
-            with self._lock:  # the watcher may be settling right now
-                verdict = self._verdict
-            store = _default_store()
-            if verdict is None:
-                verdict = self._published_verdict(store)
-            bound = self.clock.bound_s
-            if verdict is None and bound is not None and own.seconds >= bound / 2 and self._fired_soon(store):
-                # A rank whose bounded wait timed out closes its connections before it marks the run as fired: a
-                # wait as long as this one (a crashed peer fails the others' waits early) may have failed on one.
-                # Answer it and end with the verdict, not with the lost connection.
-                verdict = self._settle(store, own)
-            if verdict is None:
-                return None
+        with self._lock:  # the watcher may be settling right now
+            verdict = self._verdict
+        store = _default_store()
+        if verdict is None:
+            verdict = self._published_verdict(store)
+        bound = self.clock.bound_s if self.clock is not None else None
+        if verdict is None and bound is not None and own.seconds >= bound / 2 and self._fired_soon(store):
+            # A waiting rank's watcher closes its connections once the verdict is out, which fails the waits of its
+            # peers: a wait as long as this one (a crashed peer fails the others' waits early) may have failed on
+            # one before this rank read the verdict. Answer it and end with the verdict, not with the lost connection.
+            verdict = self._settle(store, own)
+        if verdict is None:
+            return None
         return PipelineStallError(self._message(own, verdict))
 
     # ---- firing, answering, the verdict ---------------------------------------------------------------------------
@@ -246,7 +241,7 @@ class StallWatchdog:
         assert self.clock is not None
         now = time.monotonic()
         if waited is None and (current := self._current) is not None:
-            waited, start, _ = current
+            waited, start = current
             seconds = now - start
         location, collective = self._main_thread_location()
         bound = self.clock.bound_s
@@ -262,7 +257,8 @@ class StallWatchdog:
             last_step_s=self.clock.last_step_s,
             bound_s=bound,
             stacks=str(self._stacks_file()),
-            note=self.clock.rule.explain(self.clock.slowest_s) if bound is not None else "",
+            note=self.clock.rule.explain(self.clock.slowest_s, self.clock.first_step) if bound is not None else "",
+            first_step=self.clock.first_step,
         )
 
     def _main_thread_location(self) -> tuple[str, str | None]:
@@ -354,33 +350,35 @@ class StallWatchdog:
             return
 
     def _overdue(self) -> bool:
-        """A wait on other ranks outlasted the bound: one of the pipeline's (one the main thread bounds itself,
-        ``SLACK_S`` later), or a ``torch.distributed`` call the pipeline does not make (Lightning's per-step broadcast,
-        a user's collective) with no progress since. A rank running its own code, however long, is not waiting: if it
-        is stuck, the ranks waiting on it fire."""
+        """A wait on other ranks outlasted the bound: one of the pipeline's, or a ``torch.distributed`` call the
+        pipeline does not make (Lightning's per-step broadcast, a user's collective) with no progress since. A rank
+        running its own code, however long, is not waiting: if it is stuck, the ranks waiting on it fire."""
         bound = self._bound_s()
         if bound is None:
             return False
         current = self._current
         if current is None:
             return time.monotonic() - self._since > bound and self._main_thread_location()[1] is not None
-        _, start, bounded_here = current
-        return time.monotonic() - start > bound + (SLACK_S if bounded_here else 0.0)
+        return time.monotonic() - current[1] > bound
 
     def _end(self, verdict: Verdict) -> None:
-        """The stopped rank raises the error in its main thread, after the others had a moment to read the verdict;
-        if its process still runs ``ENDING_GRACE_S`` later, or any rank's ``LINGER_S`` later, it is ended here."""
+        """Once the others had a moment to read the verdict, the stopped rank raises the error in its main thread and
+        every other rank closes its gloo connections, which fails the wait its main thread is in (the wait raises the
+        error) and the waits of its peers. A process that still runs ``ENDING_GRACE_S`` later (the stopped rank) or
+        ``LINGER_S`` later (any other: a wait on NCCL, or a long computation that does not wait) is ended here."""
         own = self._own or self._state()
         message = self._message(own, verdict)
         stopped = self.rank in verdict.stalled
         if stopped:
             sys.stderr.write(f"\n{PipelineStallError.__name__}: {message}\n")
             sys.stderr.flush()
-            if self._stop.wait(2 * TICK_S):
-                return
-            if self._handling_signal and self._main_thread is not None:
-                self._ending = PipelineStallError(message)
-                signal.pthread_kill(self._main_thread, _SIGNAL)
+        if self._stop.wait(2 * TICK_S):
+            return
+        if not stopped:
+            close_gloo_groups()
+        elif self._handling_signal and self._main_thread is not None:
+            self._ending = PipelineStallError(message)
+            signal.pthread_kill(self._main_thread, _SIGNAL)
         if self._stop.wait(ENDING_GRACE_S if stopped else LINGER_S):
             return
         sys.stderr.write(f"\n{own.name} still runs after the stall watchdog ended the run; ending its process.\n")
@@ -462,9 +460,26 @@ def _default_store() -> dist.Store | None:
     return None
 
 
-def _says_timeout(error: BaseException) -> bool:
-    text = str(error).lower()
-    return "timed out" in text or "timeout" in text
+def close_gloo_groups() -> None:
+    """Close the connections of every gloo process group of this process, from any thread: every wait on them (the
+    main thread's included) fails at once, with gloo's "Application timeout caused pair closure", and so do the
+    peers' waits on this rank ("Connection closed by peer").
+
+    A thread cannot interrupt another's untimed gloo wait, and ``ProcessGroupGloo.abort`` (torch 2.13) leaves a
+    pending wait blocked. A timed wait that expires is gloo's own way to abort: it closes every connection of its
+    group. So each group gets a receive under a tag no one sends, and a wait of a millisecond on it. NCCL groups are
+    left alone (their waits end with the process)."""
+    with contextlib.suppress(Exception):
+        me = dist.get_rank()
+        for group in list(dist.distributed_c10d._world.pg_map):
+            with contextlib.suppress(Exception):
+                if dist.get_backend(group) != "gloo":
+                    continue
+                peer = next((rank for rank in dist.get_process_group_ranks(group) if rank != me), None)
+                if peer is None:
+                    continue
+                work = dist.irecv(torch.empty(1), peer, group=group, tag=_CLOSING_TAG)
+                work.wait(timedelta(milliseconds=1))
 
 
 def _encode(verdict: Verdict) -> str:

@@ -134,6 +134,12 @@ INVALID = {
         {"stall_floor": 0},
         "{key}stall_floor=0 is invalid; give the shortest bound on a wait in seconds, a positive number (default 30)",
     ),
+    "stall_first_step": (
+        {"stall_first_step": -1},
+        "{key}stall_first_step=-1 is invalid; give the bound on a wait in a first step (a run's first, an epoch's"
+        " first, the first after validation or a checkpoint, which may compile or allocate for long) in seconds, a"
+        " positive number (default 600)",
+    ),
 }
 
 
@@ -228,11 +234,13 @@ def test_valid_settings_are_kept_in_one_form():
 
 
 def test_stall_settings_become_the_watchdog_rule_or_none_when_off():
-    assert PipelineSettings().stall_rule == StallRule(multiple=10.0, floor_s=30.0)
-    assert PipelineSettings(stall_floor=timedelta(minutes=2), stall_multiple=4).stall_rule == StallRule(4.0, 120.0)
+    assert PipelineSettings().stall_rule == StallRule(multiple=10.0, floor_s=30.0, first_step_s=600.0)
+    assert PipelineSettings(
+        stall_floor=timedelta(minutes=2), stall_multiple=4, stall_first_step=timedelta(minutes=20)
+    ).stall_rule == StallRule(4.0, 120.0, 1200.0)
     assert PipelineSettings(stall_watchdog=False).stall_rule is None
-    node = OmegaConf.create({"num_stages": 2, "stall_floor": 5, "stall_multiple": 20})
-    assert PipelineSettings.from_options(node, key="strategy.").stall_rule == StallRule(20.0, 5.0)
+    node = OmegaConf.create({"num_stages": 2, "stall_floor": 5, "stall_multiple": 20, "stall_first_step": 60})
+    assert PipelineSettings.from_options(node, key="strategy.").stall_rule == StallRule(20.0, 5.0, 60.0)
 
 
 def test_compile_setting_becomes_torch_compile_arguments_or_none():

@@ -31,7 +31,7 @@ from test_reliability import FaultRun, assert_ended_fast_everywhere, fault, run_
 
 # ---- the rule --------------------------------------------------------------------------------------------------------
 
-RULE = StallRule(multiple=5.0, floor_s=3.0)
+RULE = StallRule(multiple=5.0, floor_s=3.0, first_step_s=40.0)
 
 
 def clock_after(durations: list[float], rule: StallRule = RULE) -> tuple[StepClock, float]:
@@ -56,23 +56,30 @@ def test_bound_is_the_multiple_of_the_slowest_recent_step_with_a_floor():
     assert clock.slowest_s == pytest.approx(0.1)  # a slow step older than the window no longer counts
 
 
-def test_first_steps_are_not_bounded_and_the_bound_needs_a_timed_step():
+def test_first_steps_get_the_first_step_bound_until_a_step_is_timed():
     clock = StepClock(RULE)
     bounds = []
     for step in range(WARMUP_STEPS + 2):
         clock.step_starts(0.1 * step, epoch=0, batch=step, batch_shape=(16, 4))
-        bounds.append(clock.bound_s)
-    # The warm-up steps are not bounded, nor is the first regular step (no duration yet), then every one.
-    assert bounds == [None] * (WARMUP_STEPS + 1) + [3.0]
+        bounds.append((clock.bound_s, clock.first_step))
+    # The warm-up steps and the first regular step (no duration yet) get the first step's bound, then the learned one.
+    assert bounds == [(40.0, True)] * (WARMUP_STEPS + 1) + [(3.0, False)]
+    assert RULE.explain(0.0, first_step=True) == "a first step's bound, stall_first_step=40 s"
+    # A first step is never bounded tighter than a regular one: with 10 s steps, 5 x 10 s.
+    clock, now = clock_after([1.0, 1.0, 10.0, 10.0])
+    clock.step_starts(now, epoch=1, batch=0, batch_shape=(16, 4))
+    assert clock.first_step and clock.bound_s == pytest.approx(50.0)
+    assert RULE.explain(10.0, first_step=True) == "5 x the slowest recent step (10.00 s), at least 3 s"
 
 
 @pytest.mark.parametrize(
     "uneven",
     ["validation or a checkpoint", "a new epoch", "a batch of new shapes"],
 )
-def test_uneven_phases_are_not_bounded_nor_timed(uneven):
+def test_uneven_phases_get_the_first_step_bound_and_are_not_timed(uneven):
     """Each slow for a minute before the next step and in it (the epoch's first step starts the data loader's workers,
-    the step after a checkpoint may page the model back in, new shapes recompile): none of it is bounded or timed."""
+    the step after a checkpoint may page the model back in, new shapes recompile): validation and checkpoints are not
+    bounded, the step after them gets the first step's bound, and none of it is timed."""
     clock, now = clock_after([1.0, 1.0, 0.2, 0.2])
     clock.step_starts(now, epoch=0, batch=4, batch_shape=(16, 4))
     assert clock.bound_s == 3.0
@@ -85,7 +92,7 @@ def test_uneven_phases_are_not_bounded_nor_timed(uneven):
     else:  # the smaller last batch: new shapes (a recompilation, the BatchNorm check), slow in its own step only
         shape, start = (10, 4), now + 0.2
     clock.step_starts(start, epoch=epoch, batch=5, batch_shape=shape)
-    assert clock.bound_s is None, "the step after (or with) an uneven phase is bounded"
+    assert clock.bound_s == RULE.first_step_s and clock.first_step, "the step after (or with) an uneven phase"
     clock.step_starts(start + 60.0, epoch=epoch, batch=6, batch_shape=shape)
     assert clock.bound_s == 3.0 and max(clock.durations) == pytest.approx(0.2), "the slow phase was timed"
 
@@ -150,9 +157,14 @@ SLOW_CASES = {
     for launcher in ("gpipe", "gpipe_spawn", "gpipe_fork")
     for kind, faults in STALLS.items()
 }
-# Legitimately slow phases, each sleeping twice the bound that would apply if it were bounded: the first step (on the
-# first stage), a validation step (first stage), and a checkpoint's save (rank 0, the writer). Two epochs, a checkpoint
-# every 4 steps.
+# A rank stuck in its run's first step (a deadlock of its own), with a first-step bound of 5 s: the run ends as after
+# any stall, seconds after the bound, instead of after the 30-minute timeout.
+FIRST_STEP_WATCHDOG = {**WATCHDOG, "stall_first_step": 5.0}
+FIRST_STEP_STALL = ("gpipe", 2, [fault("stall", "step", 0, batch=0)])
+# Legitimately slow phases, each sleeping twice the bound that would apply if it were a regular step's: the first step
+# (on the first stage; 6 s, below its first-step bound of 20 s), a validation step (first stage), and a checkpoint's
+# save (rank 0, the writer). Two epochs, a checkpoint every 4 steps.
+SLOW_PHASES_WATCHDOG = {**WATCHDOG, "stall_first_step": 20.0}
 SLOW_PHASES = [
     {**fault("slow", "step", 0, batch=0), "epoch": 0},
     {**fault("slow", "step", 0, "val", batch=2), "epoch": 0},
@@ -160,19 +172,21 @@ SLOW_PHASES = [
 ]
 
 
-def run_stall(case: tuple, tmp_path: Path) -> FaultRun:
+def run_stall(case: tuple, tmp_path: Path, watchdog: dict = WATCHDOG) -> FaultRun:
     launcher, devices, faults = case
-    return run_with_faults(tmp_path, devices, faults, launcher, watchdog=WATCHDOG)
+    return run_with_faults(tmp_path, devices, faults, launcher, watchdog=watchdog)
 
 
 def run_slow_phases(tmp_path: Path) -> FaultRun:
-    return run_with_faults(tmp_path, 2, SLOW_PHASES, "gpipe", watchdog=WATCHDOG, epochs=2, checkpoint_every=4)
+    return run_with_faults(tmp_path, 2, SLOW_PHASES, "gpipe", watchdog=SLOW_PHASES_WATCHDOG, epochs=2,
+                           checkpoint_every=4)
 
 
 @pytest.fixture(scope="module")
 def pooled_stalls(tmp_path_factory) -> dict[str, FaultRun]:
     jobs = {name: partial(run_stall, case) for name, case in CASES.items()}
     jobs["slow-phases"] = run_slow_phases
+    jobs["first-step"] = partial(run_stall, FIRST_STEP_STALL, watchdog=FIRST_STEP_WATCHDOG)
     with ThreadPoolExecutor(max_workers=4) as pool:
         futures = {name: pool.submit(job, tmp_path_factory.mktemp(name)) for name, job in jobs.items()}
     runs = {name: future.result() for name, future in futures.items()}
@@ -182,11 +196,11 @@ def pooled_stalls(tmp_path_factory) -> dict[str, FaultRun]:
     return runs
 
 
-def check_stall_named(run: FaultRun, num_stages: int, faults: list[dict]) -> None:
+def check_stall_named(run: FaultRun, num_stages: int, faults: list[dict], bound_s: float = WATCHDOG["stall_floor"]) -> None:
     """Ended within the bound plus the time to end the processes, every process gone, every rank's error (on the
     terminal) naming the rank that stopped, every rank's stack in its log and in the run directory."""
     assert_ended_fast_everywhere(run)
-    assert run.seconds_to_exit > WATCHDOG["stall_floor"], "the run ended before the bound: something else ended it"
+    assert run.seconds_to_exit > bound_s, "the run ended before the bound: something else ended it"
     stage = faults[0]["stage"]
     rank = num_stages - 1 - stage  # the last stage is on global rank 0
     stopped = f"The rank that stopped: stage {stage} (rank {rank}) (awaited, and waiting on no other rank)."
@@ -219,6 +233,17 @@ def test_callback_stall_is_found_while_the_others_wait_in_lightnings_broadcast(p
                      r"loops/training_epoch_loop\.py:\d+ in _broadcast_sigterm_tensor\)", run.stderr), run.stderr[-6000:]
 
 
+def test_deadlocked_first_step_ends_the_run_named_within_seconds(pooled_stalls):
+    """The run's very first step, which the regular bound does not cover, is bounded by stall_first_step (5 s
+    here; 10 minutes by default): the same report as any stall, every process gone seconds after the bound."""
+    run = pooled_stalls["first-step"]
+    check_stall_named(run, 2, FIRST_STEP_STALL[2], bound_s=FIRST_STEP_WATCHDOG["stall_first_step"])
+    assert run.seconds_to_exit < FIRST_STEP_WATCHDOG["stall_first_step"] + 30, f"{run.seconds_to_exit:.1f} s"
+    assert "stage 0 (rank 1) stopped making progress in batch 0 of epoch 0" in run.stderr, run.stderr[-6000:]
+    assert "(a first step's bound, stall_first_step=5 s)" in run.stderr
+    assert "raise GPipeStrategy(stall_first_step=...)" in run.stderr
+
+
 def test_slow_first_step_validation_and_checkpoint_do_not_trip_the_watchdog(pooled_stalls):
     run = pooled_stalls["slow-phases"]
     assert run.returncode == 0 and not run.leftovers, run.stderr[-6000:]
@@ -229,6 +254,9 @@ def test_slow_first_step_validation_and_checkpoint_do_not_trip_the_watchdog(pool
                                                                  ("step", "val")]
     for slow in slept:  # each phase lasted longer than a wait may in a regular step
         assert slow["seconds"] >= 2 * slow["bound"] >= 2 * WATCHDOG["stall_floor"], slow
+    # The slow first step is bounded, by the first step's bound, which it stays below.
+    first = next(slow for slow in slept if slow["where"] == "step" and slow["phase"] == "train")
+    assert first["seconds"] < SLOW_PHASES_WATCHDOG["stall_first_step"], first
     assert len(list((run.out / "ckpt").glob("*.ckpt"))) == 3  # steps 4, 8 and 12
 
 
