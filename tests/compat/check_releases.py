@@ -70,6 +70,9 @@ RELEASE_SETS = [
     ReleaseSet("below-torch", torch="2.9.1", lightning="2.6.6", below_range=True),
     # Lightning 2.3 imports pkg_resources, which setuptools 81 and newer no longer have.
     ReleaseSet("below-lightning", torch="2.13.0", lightning="2.3.3", below_range=True, also=("setuptools<81",)),
+    # pytorch-lightning just below the range, beside a lightning in it: the strategy must refuse it by name.
+    ReleaseSet("below-pytorch-lightning", torch="2.13.0", lightning="2.6.6", pytorch_lightning="2.3.3",
+               below_range=True, also=("setuptools<81",)),
 ]
 
 
@@ -101,10 +104,12 @@ def pytest_counts(pytest_output: str) -> dict[str, int]:
 
 
 def needs_beside_the_stack() -> list[str]:
-    """What ``pip install -e .[test]`` asks for besides torch and Lightning (for the sets below the range)."""
+    """What ``pip install -e .[test]`` asks for besides torch, Lightning and pytorch-lightning (for the sets below the
+    range: pip would replace their release of one of them)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     needs = project["dependencies"] + project["optional-dependencies"]["test"]
-    return [need for need in needs if re.match(r"[\w-]+", need).group() not in ("torch", "lightning")]
+    stack = ("torch", "lightning", "pytorch-lightning")
+    return [need for need in needs if re.match(r"[\w-]+", need).group() not in stack]
 
 
 def tested_commit() -> str:
