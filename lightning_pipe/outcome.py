@@ -48,6 +48,7 @@ class StepOutcome:
     logs: list[LogRecord] = field(default_factory=list)
     metric_states: dict[str, MetricState] | None = None  # at epoch ends: every metric's accumulated state
     random_states: dict[str, Any] | None = None  # the last stage's random generators, for every stage to adopt
+    requeue: bool = False  # the last stage was told to requeue (SLURM's SIGUSR1): every stage does at the next step
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer
 
 from lightning_pipe.p2p import PipelineCommunicationError
+from lightning_pipe.stop_signals import stop_exception
 from lightning_pipe.watchdog import stall_found_here
 
 _FAILURE_KEY = "lightning_pipe/first_failure"
@@ -79,6 +80,9 @@ def raising_the_root_cause(function: Callable, trainer: Trainer | None, key: str
         stall = stall_found_here()
         if stall is not None:
             raise stall from error
+        stop = stop_exception(error)
+        if stop is not None:  # its waits failed because the rank was told to stop (SIGTERM, SIGINT)
+            raise stop from error
         recorded = _recorded(key)
         if recorded is None or recorded.rank == _rank():
             raise

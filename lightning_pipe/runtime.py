@@ -89,6 +89,9 @@ class StageRuntime:
         self._batch_sizes_checked: set[tuple[int, int | None]] = set()  # (chunk, batch size): see `_run_chunk`
         self._batch_size = 0  # in a per-micro-batch step: the whole batch's
         self.epoch_last_batch: int | None = None  # the training DataLoader's smaller last batch, if it has one
+        self.requeues_asked = 0  # SLURM's requeue signals this rank got (a signal handler counts; the last stage's count)
+        self._requeues_shared = 0  # of those, the ones the last stage's outcomes have told the pipeline about
+        self.requeue_due = False  # an outcome said so: every stage requeues before its next training step
         stage.on_chunk_end = self._run_chunk
         stage.on_outside_step_start = self._outside_step_starts
         stage.outside_step_output = self._share_last_output
@@ -278,6 +281,8 @@ class StageRuntime:
             return outcome
         if self.is_last:
             outcome.random_states = random_states(groups.device)
+            asked = self.requeues_asked  # read once: a signal handled meanwhile goes with the next outcome
+            outcome.requeue, self._requeues_shared = asked > self._requeues_shared, asked
         holder = [outcome]
         try:
             with groups.watchdog.waiting(self._outcome_wait()):
@@ -285,6 +290,7 @@ class StageRuntime:
         except RuntimeError as error:
             raise self._outcome_not_shared(error) from error
         outcome = holder[0]
+        self.requeue_due |= outcome.requeue
         if not self.is_last:
             if outcome.metric_states:
                 load_metric_states(module, outcome.metric_states)

@@ -11,6 +11,7 @@ and this rank's place), :mod:`~lightning_pipe.runtime` (running a step on this r
 
 from __future__ import annotations
 
+import signal
 import warnings
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -116,6 +117,7 @@ from lightning_pipe.tied import TiedParameters, parameters_shared_across_stages,
 from lightning_pipe.topology import PipelineLayout
 from lightning_pipe.trace.timeline import StepTimeline
 from lightning_pipe.trace.tracer import TRACE_FILE_NAME, PipelineTracer, StepObservation, observe_step
+from lightning_pipe.stop_signals import StopSignals
 from lightning_pipe.watchdog import UNWATCHED, StallWatchdog, batch_shape
 from lightning_pipe.whole_model import (
     PipelinedModule,
@@ -321,6 +323,7 @@ class GPipeStrategyMixin:
         self._gather_model_after_run = self._settings.gather_model_after_run
         self._deferred = False  # the pipelined module was built on the meta device (see `model_sharded_context`)
         self._watchdog: StallWatchdog = UNWATCHED
+        self._stop_signals: StopSignals | None = None  # hears SIGTERM and SIGINT while the main thread waits
         self._tied: TiedParameters | None = None  # parameters shared by layers of several stages
         # A per-micro-batch step's gradients, from its `training_step` to Lightning's `backward` (see `swap_gradients`).
         self._step_gradients: tuple[list[nn.Parameter], list[Tensor | None]] = ([], [])
@@ -489,6 +492,14 @@ class GPipeStrategyMixin:
         connector._sigterm_notifier_fn = partial(  # type: ignore[method-assign]
             note_sigterm, trainer, self.launcher, self.cluster_environment, self.global_rank
         )
+        if self.world_size > 1:  # a rank blocked in a wait on a peer still stops (see lightning_pipe.stop_signals)
+            self._stop_signals = StopSignals(
+                f"stage {self.layout.stage(self.global_rank)} (rank {self.global_rank})",
+                lambda: list(getattr(self.launcher, "procs", None) or []),
+            )
+            self._stop_signals.start()
+        if self.layout.num_stages > 1:  # SLURM's requeue waits for a step boundary (see `_note_requeue`)
+            connector._slurm_sigusr_handler_fn = self._note_requeue  # type: ignore[method-assign]
         if not self.is_distributed:
             # Every stage holds the last stage's logged values: Lightning's advice to synchronise them is moot.
             warnings.filterwarnings("ignore", _SYNC_DIST_ADVICE, self.lightning_package.possible_user_warning)
@@ -776,9 +787,21 @@ class GPipeStrategyMixin:
         if self._runtime is not None and self.lightning_module is not None:  # for the BatchNorm check of step one
             self._runtime.epoch_last_batch = _epoch_last_batch_reached(self.lightning_module.trainer)
 
+    def _note_requeue(self, signum: Any, frame: Any) -> None:
+        """SLURM's requeue signal (SIGUSR1). Lightning saves the hpc checkpoint and requeues from inside the handler,
+        wherever each rank happens to be: mid-step, a rank's peers wait on it while it waits for them in the
+        checkpoint's gathers. Counted instead: the last stage's count travels with its next step outcome, and every
+        stage of the pipeline requeues (Lightning's handler) at the start of the training step after it."""
+        if self._runtime is not None:
+            self._runtime.requeues_asked += 1
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         epoch = trainer.current_epoch if trainer is not None else 0
+        if trainer is not None and self._runtime is not None and self._runtime.requeue_due:
+            self._runtime.requeue_due = False
+            connector = trainer._signal_connector
+            type(connector)._slurm_sigusr_handler_fn(connector, signal.SIGUSR1, None)  # type: ignore[arg-type]
         self._watchdog.step_starts(epoch, batch_idx, batch_shape(batch))
 
     def on_validation_start(self) -> None:
@@ -1079,6 +1102,8 @@ class GPipeStrategyMixin:
 
     def teardown(self) -> None:
         self._watchdog.stop()
+        if self._stop_signals is not None:
+            self._stop_signals.stop()
         module = self.lightning_module
         if self._undo_summaries is not None:
             self._undo_summaries()

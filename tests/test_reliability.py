@@ -14,6 +14,10 @@ import math
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,7 +30,7 @@ import pytest
 import torch
 from lightning.pytorch import seed_everything
 
-from helpers.launch import REPO, Finished, launch, run_python
+from helpers.launch import REPO, WORKERS, Finished, launch, python_environment, run_python
 from helpers.models import ProjectModule
 from lightning_pipe import GPipeStrategy
 from lightning_pipe.engine import PipelineEngine
@@ -151,6 +155,14 @@ MISUSES = {
     "different-paths": {"faults": [fault("skip", "step", 0)]},
 }
 MISUSE_LAUNCHES = [["nan-loss", "different-models", "batch-dim"], ["dtype"]]
+# SIGTERM (a scheduler, `kill`) or SIGINT (`kill -INT`) to the launching process (rank 0, the last stage) while the first
+# stage (rank 1) is stuck in its step, so that rank 0 is blocked in gloo's untimed wait for its activation: every
+# process must be gone within SIGNAL_TO_EXIT_LIMIT_S. The stuck rank sends the signal to its parent itself.
+SIGNAL_TO_EXIT_LIMIT_S = 10
+SIGNALS = {
+    "sigterm-while-blocked": Case("gpipe", 2, [fault("sigterm_launcher", "step", 0)]),
+    "sigint-while-blocked": Case("gpipe", 2, [fault("sigint_launcher", "step", 0)]),
+}
 SLOW_MISUSES = ["non-tensor", "different-paths"]  # the same checks as batch-dim (non-tensor) and an older error
 
 # The whole matrix: every place user code runs, in training and validation, raised or killed, under each launcher.
@@ -193,6 +205,8 @@ def pooled_runs(tmp_path_factory) -> dict[str, FaultRun]:
     jobs: dict[str, Callable[[Path], Any]] = {"stall": partial(run_case, STALL), "crash": run_crash_then_resume}
     jobs["soak"] = run_short_soak
     jobs.update({name: partial(run_case, case) for name, case in FAILURES.items()})
+    jobs.update({name: partial(run_case, case) for name, case in SIGNALS.items()})
+    jobs["slurm-requeue"] = run_as_slurm_job
     misuse_launches = {"+".join(names): partial(run_misuses, names) for names in MISUSE_LAUNCHES}
     jobs.update(misuse_launches)
     with ThreadPoolExecutor(max_workers=4) as pool:
@@ -276,6 +290,86 @@ def test_sigterm_to_the_launching_process_stops_every_rank_at_the_next_step(tmp_
     assert {name: end["ended"] for name, end in run.ends.items()} == {
         "rank0": "SIGTERMException", "rank1": "SIGTERMException"
     }, run.stderr[-6000:]
+
+
+@pytest.mark.parametrize("name", SIGNALS)
+def test_stop_signal_to_the_launching_process_ends_every_rank_even_one_blocked_in_a_wait(name, pooled_runs):
+    """Rank 0 cannot run a Python signal handler while blocked in the wait; its thread hears the signal, passes it on to
+    the rank it started, and after 2 s closes its connections: rank 0 ends through Lightning's handling with the
+    signal's exception, the stuck rank is ended, nothing is left."""
+    run = pooled_runs[name]
+    assert run.faults, f"the signal was never sent:\n{run.stderr[-4000:]}"
+    took = run.seconds_to_exit
+    assert not run.leftovers, f"processes {run.leftovers} were still running {took:.0f} s after the signal"
+    assert took < SIGNAL_TO_EXIT_LIMIT_S, f"every process was gone only {took:.1f} s after the signal"
+    assert "finished" not in {end["ended"] for end in run.ends.values()}, run.ends
+    if name.startswith("sigterm"):  # Lightning's exception for SIGTERM on rank 0 (a SystemExit: exit status 0)
+        assert run.ends["rank0"]["ended"] == "SIGTERMException", run.stderr[-6000:]
+    else:  # KeyboardInterrupt, which Lightning ends with sys.exit(1)
+        assert run.ends["rank0"]["ended"] == "SystemExit" and run.returncode == 1, run.stderr[-6000:]
+        assert "Detected KeyboardInterrupt, attempting graceful shutdown" in run.stderr
+
+
+SLURM_JOB_ID = "4242"
+SLURM_RUN_TIMEOUT_S = 240
+
+
+def run_as_slurm_job(tmp_path: Path) -> dict:
+    """Start both ranks of a 2-stage fit as SLURM's srun would (one process per rank, SLURM_* variables, Lightning's
+    SLURMEnvironment with auto-requeue); the first stage's rank sends SIGUSR1 to both ranks at batch 2, as SLURM does
+    before the time limit. A script named ``scontrol`` first on PATH records its arguments (SLURM cannot run here)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol_calls.txt"}\n')
+    scontrol.chmod(0o755)
+    spec = {"devices": 2, "out": str(tmp_path), "faults": [fault("sigusr1_all", "hook", 0, batch=2)], "timeout_s": None}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
+             "SLURM_JOB_ID": SLURM_JOB_ID, "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    processes = []
+    for rank in range(2):
+        environment = python_environment({**slurm, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)})
+        log = open(tmp_path / f"rank{rank}.log", "w")
+        processes.append(subprocess.Popen(
+            [sys.executable, str(WORKERS / "reliability_faults_worker.py"), str(tmp_path / "spec.json")],
+            cwd=tmp_path, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        ))
+    deadline = time.monotonic() + SLURM_RUN_TIMEOUT_S
+    codes = []
+    for process in processes:
+        try:
+            codes.append(process.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            codes.append(process.wait())
+    calls = tmp_path / "scontrol_calls.txt"
+    return {"out": tmp_path, "returncodes": codes, "scontrol": calls.read_text().splitlines() if calls.exists() else [],
+            "log": "".join((tmp_path / f"rank{rank}.log").read_text() for rank in range(2))}
+
+
+def test_slurm_auto_requeue_saves_a_checkpoint_and_requeues_the_job(pooled_runs):
+    """SIGUSR1 reaches every rank mid-run (while the other rank waits on the one that got it first): every rank takes
+    part in the hpc checkpoint, global rank 0 calls `scontrol requeue JOB_ID` once, and the run goes on to its end
+    (SLURM's SIGTERM ends it later)."""
+    run = pooled_runs["slurm-requeue"]
+    assert run["returncodes"] == [0, 0], run["log"][-6000:]
+    ends = {rank: json.loads((run["out"] / f"rank{rank}.json").read_text())["ended"] for rank in range(2)}
+    assert ends == {0: "finished", 1: "finished"}, run["log"][-6000:]
+    assert run["scontrol"] == [f"requeue {SLURM_JOB_ID}"]
+    saved = torch.load(run["out"] / "hpc_ckpt_1.ckpt", weights_only=False)
+    seed_everything(0)
+    from workers.reliability_faults_worker import Faults, FaultyModel
+
+    whole = FaultyModel(2, Faults([], None)).state_dict()
+    assert saved["state_dict"].keys() == whole.keys(), "the hpc checkpoint does not hold the whole model"
+    # Rank 1 signals as its step 2 starts, rank 0 then counts it in step 2 (or at the end of step 1, after sharing its
+    # outcome): step 2's outcome tells the pipeline, and every stage requeues as step 3 starts.
+    assert saved["global_step"] == 3, saved["global_step"]
 
 
 def test_stalled_stage_is_caught_by_the_timeout_and_named(pooled_runs):

@@ -11,7 +11,9 @@ SPEC: {"devices": N, "out": DIR, "strategy": "gpipe" | "gpipe_spawn" | "gpipe_fo
                    "epoch": e (optional: only in that epoch)}, ...]}
 WHERE: "step", "layer", "hook" (at the start of a batch), "hook_end" (at its end), "loader" (the training data loader
 reading batch B on stage S's rank) or "checkpoint" (a callback's on_save_checkpoint on stage S's rank).
-KIND: "raise", "sigkill", "sigterm" or "stall" (anywhere); "slow" (sleeps twice the bound the stall watchdog would set
+KIND: "raise", "sigkill", "sigterm" or "stall" (anywhere); "sigterm_launcher" or "sigint_launcher" (the rank sends
+the signal to its parent, the launching process, as a scheduler or Ctrl-C would, then is stuck); "sigusr1_all" (the
+rank sends SIGUSR1 to every rank, as SLURM does before a job's time limit, then goes on); "slow" (sleeps twice the bound the stall watchdog would set
 now, then goes on); or a misuse by a pipelined layer (``where="layer"``): its output is
 "non_tensor" (a dict), "batch_dim" (the first row only), "dtype" (float64 where the next stage has float32) or
 "nan" (NaN: the loss becomes NaN); or "skip" (``where="step"``, stage 0): the first stage's step returns before the
@@ -75,6 +77,8 @@ class Position(Callback):
 
     def on_train_start(self, trainer, pl_module):
         self.faults.strategy = trainer.strategy
+        if self.faults.out is not None:  # for faults that signal every rank
+            (self.faults.out / f"pid{trainer.global_rank}").write_text(str(os.getpid()))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.faults.fire_if_due("hook_end", _stage(trainer))
@@ -167,6 +171,15 @@ class Faults:
         if spec["kind"] == "sigterm":  # as a cluster's scheduler or a user's `kill` would: the run must stop
             os.kill(os.getpid(), signal.SIGTERM)
             return
+        if spec["kind"] == "sigusr1_all":
+            assert self.out is not None
+            for pid in self.out.glob("pid*"):
+                os.kill(int(pid.read_text()), signal.SIGUSR1)
+            return
+        if spec["kind"] in ("sigterm_launcher", "sigint_launcher"):  # the launching process is told to stop while
+            stop = signal.SIGTERM if spec["kind"] == "sigterm_launcher" else signal.SIGINT  # this rank is stuck
+            os.kill(os.getppid(), stop)
+            time.sleep(600)
         if spec["kind"] == "stall":
             time.sleep(600)  # far beyond any timeout: the launcher or the peers' timeout must end this process
         raise InjectedFault(
