@@ -1,0 +1,36 @@
+"""The suite runs its files on two pytest-xdist workers (``-n 2 --dist loadfile`` in pyproject.toml): a file's
+launches are mostly waits (process start-up, gloo messages, stall bounds), so two files at a time keep both cores of
+CI's machine busy.
+
+A file is one unit of work for xdist, handed out in collection order: the files that take longest go first, so that
+the run does not end on one long file started last."""
+
+from __future__ import annotations
+
+import pytest
+
+# Longest first (measured alone on 2 cores, 2026-12-03): each starts several multi-process launches.
+LONGEST_FILES = (
+    "test_reliability.py",
+    "test_stock_pipelines.py",
+    "test_examples.py",
+    "test_stall_watchdog.py",
+    "test_memory_setup.py",
+    "test_checkpoints.py",
+    "test_data_parallel.py",
+    "test_schedules_fit.py",
+    "test_equivalence.py",
+    "test_docs.py",
+    "test_pretrained.py",
+    "test_exactness.py",
+    "test_benchmarks.py",
+    "test_launchers.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FILES.index(name) if name in LONGEST_FILES else len(LONGEST_FILES)
+
+    items.sort(key=rank)  # stable: within a file, and among the other files, the collection order stays
