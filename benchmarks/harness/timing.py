@@ -70,10 +70,12 @@ class StepEnds(Callback):
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.cpu_times: list[float] = []  # this process's CPU time (every thread's) at each step's end
         self.observed: list[StepObservation] = []
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
         self.times.append(time.perf_counter())
+        self.cpu_times.append(time.process_time())
         observed = getattr(trainer.strategy, "last_observed_step", None)
         if observed is not None and (not self.observed or observed is not self.observed[-1]):
             self.observed.append(observed)
