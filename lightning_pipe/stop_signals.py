@@ -31,7 +31,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_pipe.watchdog import close_gloo_groups
 
-STOP_GRACE_S = 2.0  # how long a rank told to stop may take to stop at its next step, Lightning's way
+STOP_GRACE_S = 1.0  # how long a rank told to stop may take to stop at its next step, Lightning's way
 EXIT_GRACE_S = 3.0  # then, with its waits failed, how long it may take to end before its process is ended
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _received: list[int] = []  # the stop signal this process received, once its thread heard it

@@ -295,7 +295,7 @@ def test_sigterm_to_the_launching_process_stops_every_rank_at_the_next_step(tmp_
 @pytest.mark.parametrize("name", SIGNALS)
 def test_stop_signal_to_the_launching_process_ends_every_rank_even_one_blocked_in_a_wait(name, pooled_runs):
     """Rank 0 cannot run a Python signal handler while blocked in the wait; its thread hears the signal, passes it on to
-    the rank it started, and after 2 s closes its connections: rank 0 ends through Lightning's handling with the
+    the rank it started, and after 1 s closes its connections: rank 0 ends through Lightning's handling with the
     signal's exception, the stuck rank is ended, nothing is left."""
     run = pooled_runs[name]
     assert run.faults, f"the signal was never sent:\n{run.stderr[-4000:]}"

@@ -238,7 +238,6 @@ def test_deadlocked_first_step_ends_the_run_named_within_seconds(pooled_stalls):
     here; 10 minutes by default): the same report as any stall, every process gone seconds after the bound."""
     run = pooled_stalls["first-step"]
     check_stall_named(run, 2, FIRST_STEP_STALL[2], bound_s=FIRST_STEP_WATCHDOG["stall_first_step"])
-    assert run.seconds_to_exit < FIRST_STEP_WATCHDOG["stall_first_step"] + 30, f"{run.seconds_to_exit:.1f} s"
     assert "stage 0 (rank 1) stopped making progress in batch 0 of epoch 0" in run.stderr, run.stderr[-6000:]
     assert "(a first step's bound, stall_first_step=5 s)" in run.stderr
     assert "raise GPipeStrategy(stall_first_step=...)" in run.stderr
