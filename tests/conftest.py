@@ -3,11 +3,15 @@ launches are mostly waits (process start-up, gloo messages, stall bounds), so tw
 CI's machine busy.
 
 A file is one unit of work for xdist, handed out in collection order: the files that take longest go first, so that
-the run does not end on one long file started last."""
+the run does not end on one long file started last. Each worker computes with one thread (two workers share the two
+cores; the ranks that launches start set their own threads, as Lightning's launchers do)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 # Longest first (measured alone on 2 cores, 2026-12-03): each starts several multi-process launches.
 LONGEST_FILES = (
@@ -34,3 +38,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return LONGEST_FILES.index(name) if name in LONGEST_FILES else len(LONGEST_FILES)
 
     items.sort(key=rank)  # stable: within a file, and among the other files, the collection order stays
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
