@@ -1,6 +1,5 @@
-"""The suite runs its files on two pytest-xdist workers (``-n 2 --dist loadfile`` in pyproject.toml): a file's
-launches are mostly waits (process start-up, gloo messages, stall bounds), so two files at a time keep both cores of
-CI's machine busy.
+"""With ``-n 2 --dist loadfile`` (pytest-xdist) the suite runs two files at a time: a file's launches are partly waits
+(gloo messages, stall bounds), so two files keep both cores of a 2-core machine busy.
 
 A file is one unit of work for xdist, handed out in collection order: the files that take longest go first, so that
 the run does not end on one long file started last. Each worker computes with one thread (two workers share the two
