@@ -18,7 +18,7 @@ from lightning.pytorch import seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig
 
-from lightning_pipe.hydra import validate_config  # importing it registers the strategy schema before Hydra composes
+from lightning_pipe.integration.hydra_schema import validate_config  # importing it registers the strategy schema before Hydra composes
 from report import RunReport
 
 

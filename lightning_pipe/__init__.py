@@ -3,7 +3,7 @@
 ``import lightning_pipe`` registers the strategies ``"gpipe"``, ``"gpipe_spawn"`` and ``"gpipe_fork"``, so that
 ``Trainer(strategy="gpipe", devices=N)`` trains an unchanged LightningModule on ``N`` pipeline stages: the Trainer of
 ``lightning.pytorch``, and that of the standalone ``pytorch_lightning`` package where it is installed (see
-:mod:`lightning_pipe.packages`).
+:mod:`lightning_pipe.integration.lightning_packages`).
 """
 
 import importlib.metadata
@@ -12,10 +12,10 @@ import importlib.util
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from packaging.version import Version
 
+from lightning_pipe.checkpoints.pretrained import PretrainedWeights
 from lightning_pipe.config import PipelineParallelConfig
-from lightning_pipe.materialize import init_weights
-from lightning_pipe.packages import LIGHTNING_RELEASES
-from lightning_pipe.pretrained import PretrainedWeights
+from lightning_pipe.execution.materialize import init_weights
+from lightning_pipe.integration.lightning_packages import LIGHTNING_RELEASES
 from lightning_pipe.strategy import GPipeStrategy
 
 if "gpipe" not in StrategyRegistry:

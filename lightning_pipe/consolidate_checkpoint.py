@@ -4,14 +4,14 @@ SHARDED_DIR OUT.ckpt``.
 The file holds the whole model and every optimizer state numbered as on one device, like the checkpoint a run with
 ``save_distributed_checkpoint=False`` writes: it loads with ``torch.load`` or ``LightningModule.load_from_checkpoint``
 without this package, or resumes a pipeline of any stage count. It is written one stage at a time (see
-:func:`lightning_pipe.sharded.consolidate`), so the command needs about one stage's memory, not the model's.
+:func:`lightning_pipe.checkpoints.sharded.consolidate`), so the command needs about one stage's memory, not the model's.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from lightning_pipe.sharded import consolidate, is_sharded_checkpoint
+from lightning_pipe.checkpoints.sharded import consolidate, is_sharded_checkpoint
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,7 @@ Constructing a :class:`PipelineSettings` checks every setting, so everything aft
 the setting and its value and says the fix (``num_stages=0 is invalid; ...``); under Hydra, ``key="strategy."``
 makes it name the config key (``strategy.num_stages=0 is invalid; ...``). What needs more than the settings is
 checked where it becomes known: the process count by :func:`check_process_count` (at launch, or from the Hydra
-``trainer`` group), the model's layers and the profiling sample by :mod:`lightning_pipe.balance` (before launch, and
+``trainer`` group), the model's layers and the profiling sample by :mod:`lightning_pipe.partition.balance` (before launch, and
 at set-up for models built in ``configure_model``).
 """
 
@@ -20,26 +20,21 @@ from typing import Any, get_args
 
 import torch
 
-from lightning_pipe.balance import (
+from lightning_pipe.checkpoints.pretrained import PretrainedWeights, checked_pretrained
+from lightning_pipe.config import PipelineParallelConfig, require_positive_int
+from lightning_pipe.partition.balance import (
     BALANCE_MODES,
     BalanceMode,
     check_layer_counts,
     check_one_count_per_stage,
 )
-from lightning_pipe.config import PipelineParallelConfig, require_positive_int
-from lightning_pipe.pretrained import PretrainedWeights, checked_pretrained
-from lightning_pipe.schedule import (
-    SCHEDULES,
-    PipelineSchedule,
-    RecomputeMode,
-    StageActions,
-    check_schedule,
-    custom_schedule,
-)
-from lightning_pipe.stall_rule import StallRule
+from lightning_pipe.reliability.stall_rule import StallRule
+from lightning_pipe.schedules.actions import PipelineSchedule, RecomputeMode, StageActions, custom_schedule
+from lightning_pipe.schedules.builtin import SCHEDULES
+from lightning_pipe.schedules.simulator import check_schedule
 
 # Which forwards run again in backward instead of keeping their activations (the public option ``checkpoint``;
-# :func:`lightning_pipe.schedule.with_recompute` decides it per forward).
+# :func:`lightning_pipe.schedules.actions.with_recompute` decides it per forward).
 RECOMPUTE_MODES: tuple[str, ...] = get_args(RecomputeMode)
 MESH_ORDERS: tuple[tuple[str, str], ...] = (("pp", "dp"), ("dp", "pp"))
 START_METHODS: tuple[str, ...] = ("popen", "spawn", "fork", "forkserver")
@@ -133,7 +128,7 @@ class PipelineSettings:
         return self.compile
 
     def check_schedule(self, config: PipelineParallelConfig) -> None:
-        """Run the user's own schedule through :func:`~lightning_pipe.schedule.check_schedule` for the counts of
+        """Run the user's own schedule through :func:`~lightning_pipe.schedules.simulator.check_schedule` for the counts of
         ``config`` (the built-in schedules are checked by the tests), before any process starts."""
         schedule: PipelineSchedule = self.schedule  # type: ignore[assignment]  (checked in __post_init__)
         if not _is_built_in(schedule):
@@ -163,7 +158,7 @@ def _checked_schedule(
     if isinstance(schedule, str) or not callable(schedule):
         raise ValueError(
             f"{key}schedule={schedule!r} is not a schedule; use one of {', '.join(map(repr, SCHEDULES))} or a function"
-            " (stage, num_stages, num_micro_batches, virtual_stages) -> list[Action] (see lightning_pipe.schedule)."
+            " (stage, num_stages, num_micro_batches, virtual_stages) -> list[Action] (see lightning_pipe.schedules)."
         )
     chunks = virtual_stages if isinstance(virtual_stages, int) and not isinstance(virtual_stages, bool) else 1
     return custom_schedule(schedule, num_stages or 2, num_micro_batches, max(1, chunks))  # type: ignore[arg-type]

@@ -1,7 +1,7 @@
 """The gpipe strategy of the standalone ``pytorch_lightning`` package (``import pytorch_lightning as pl``).
 
 The same strategy as :class:`lightning_pipe.strategy.GPipeStrategy`, derived from ``pytorch_lightning``'s classes so
-that its Trainer accepts it, with the launchers likewise (see :mod:`lightning_pipe.packages`). ``import lightning_pipe``
+that its Trainer accepts it, with the launchers likewise (see :mod:`lightning_pipe.integration.lightning_packages`). ``import lightning_pipe``
 imports this module when ``pytorch_lightning`` is installed in the release range that ``lightning`` is, registers
 ``strategy="gpipe"`` (and ``"gpipe_spawn"``, ``"gpipe_fork"``) in its registry too, and lets each package's
 ``ParallelStrategy`` accept the other's gpipe strategy, which becomes the Trainer's on set-up.
@@ -15,8 +15,8 @@ from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from pytorch_lightning.strategies.strategy import _ForwardRedirection
 
-from lightning_pipe.launch import ModelCheck, SpawnedRanks
-from lightning_pipe.packages import STANDALONE, LightningPackage, register_package
+from lightning_pipe.integration.launchers import ModelCheck, SpawnedRanks
+from lightning_pipe.integration.lightning_packages import STANDALONE, LightningPackage, register_package
 from lightning_pipe.strategy import GPipeStrategyMixin
 
 

@@ -2,10 +2,10 @@
 
 Sections follow the order in which Lightning calls them: construction, launch, process groups, model setup,
 the steps, backward and the optimizer step, checkpoints, collectives, teardown. The work behind them lives in the
-modules named for it: :mod:`~lightning_pipe.launch` (starting and ending the ranks), :mod:`~lightning_pipe.groups` (the process groups
-and this rank's place), :mod:`~lightning_pipe.runtime` (running a step on this rank's stage),
-:mod:`~lightning_pipe.gradients` (reductions, clipping, overflow), :mod:`~lightning_pipe.whole_model` and
-:mod:`~lightning_pipe.sharded` (checkpoints, and the trained model after a run), :mod:`~lightning_pipe.trace`
+modules named for it: :mod:`~lightning_pipe.integration.launchers` (starting and ending the ranks), :mod:`~lightning_pipe.execution.process_groups` (the process groups
+and this rank's place), :mod:`~lightning_pipe.execution.runtime` (running a step on this rank's stage),
+:mod:`~lightning_pipe.execution.gradients` (reductions, clipping, overflow), :mod:`~lightning_pipe.checkpoints.whole_model` and
+:mod:`~lightning_pipe.checkpoints.sharded` (checkpoints, and the trained model after a run), :mod:`~lightning_pipe.trace`
 (the bubble and traces). Every setting is checked once, by :class:`~lightning_pipe.settings.PipelineSettings`.
 """
 
@@ -46,80 +46,13 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torchmetrics import Metric
 
-from lightning_pipe.balance import (
-    Balance,
-    PartitionPlan,
-    check_one_count_per_stage,
-    needs_sample,
-    plan_partition,
-    profiling_sample,
-    recompute_fraction,
-    stage_ranges,
-)
-from lightning_pipe.batchnorm import defer as defer_batch_norms
-from lightning_pipe.batchnorm import epoch_last_batch_size
-from lightning_pipe.batchnorm import revert as revert_batch_norms
-from lightning_pipe.compile import check_compiled, compile_stage, uncompiled_name
-from lightning_pipe.config import PipelineParallelConfig
-from lightning_pipe.consolidate import name_optimizer_state
-from lightning_pipe.engine import PipelineEngine
-from lightning_pipe.fingerprint import different_models_message, fingerprint_digest, model_fingerprint
-from lightning_pipe.gradients import (
-    add_gradients,
-    agree_on_gradient_overflow,
-    clip_grad_norm_over_pipeline,
-    reduce_gradients,
-    stop_agreeing_on_gradient_overflow,
-    swap_gradients,
-)
-from lightning_pipe.launch import (
-    CheckedMultiProcessingLauncher,
-    CheckedSubprocessScriptLauncher,
-    end_process_groups_at_exit,
-    end_started_ranks_at_exit,
-    keep_process_groups_at_exit,
-    note_sigterm,
-)
-from lightning_pipe.export import export_pretrained_by_stage, library_model_prefix
-from lightning_pipe.materialize import global_seed, holds_meta_tensors, materialize
-from lightning_pipe.model_summary import summarize_whole_model
-from lightning_pipe.groups import PipelineGroups, init_pipeline_groups
-from lightning_pipe.outcome import StepOutcome
-from lightning_pipe.packages import LIGHTNING, LightningPackage, adopt_package, overrides, register_package
-from lightning_pipe.pretrained import PretrainedLoad, PretrainedWeights, holds_pretrained_weights
-from lightning_pipe.random_streams import StageRandomStreams
-from lightning_pipe.region import (
-    MAX_OUTSIDE_SHARE,
-    Region,
-    find_region,
-    outside_parameters,
-    outside_share,
-    suggested_chain,
-)
-from lightning_pipe.settings import PipelineSettings, RecomputeMode, check_process_count
-from lightning_pipe.sharded import SHARDED, is_sharded_checkpoint
-from lightning_pipe.sharded import load as load_sharded
-from lightning_pipe.sharded import save as save_sharded
-from lightning_pipe.runtime import StageRuntime
-from lightning_pipe.schedule import PipelineSchedule, StageActions
-from lightning_pipe.stage import StageBlocks
-from lightning_pipe.stall_rule import Wait
-from lightning_pipe.step_probe import first_training_batch, random_state_kept, training_step_on
-from lightning_pipe.summary import (
-    StageSummary,
-    build_stage_summary,
-    model_checkpoint_note,
-    outside_warning,
-    self_checkpointing_warning,
-    stage_devices,
-)
-from lightning_pipe.tied import TiedParameters, parameters_shared_across_stages, replicated_parameters
-from lightning_pipe.topology import PipelineLayout
-from lightning_pipe.trace.timeline import StepTimeline
-from lightning_pipe.trace.tracer import TRACE_FILE_NAME, PipelineTracer, StepObservation, observe_step
-from lightning_pipe.stop_signals import StopSignals
-from lightning_pipe.watchdog import UNWATCHED, StallWatchdog, batch_shape
-from lightning_pipe.whole_model import (
+from lightning_pipe.checkpoints.export import export_pretrained_by_stage, library_model_prefix
+from lightning_pipe.checkpoints.optimizer_states import name_optimizer_state
+from lightning_pipe.checkpoints.pretrained import PretrainedLoad, PretrainedWeights, holds_pretrained_weights
+from lightning_pipe.checkpoints.sharded import SHARDED, is_sharded_checkpoint
+from lightning_pipe.checkpoints.sharded import load as load_sharded
+from lightning_pipe.checkpoints.sharded import save as save_sharded
+from lightning_pipe.checkpoints.whole_model import (
     PipelinedModule,
     group_names,
     held_state_dict,
@@ -130,6 +63,81 @@ from lightning_pipe.whole_model import (
     whole_optimizer_state,
     whole_state_dict,
 )
+from lightning_pipe.config import PipelineParallelConfig
+from lightning_pipe.execution.batchnorm import defer as defer_batch_norms
+from lightning_pipe.execution.batchnorm import epoch_last_batch_size
+from lightning_pipe.execution.batchnorm import revert as revert_batch_norms
+from lightning_pipe.execution.compiling import check_compiled, compile_stage, uncompiled_name
+from lightning_pipe.execution.engine import PipelineEngine
+from lightning_pipe.execution.gradients import (
+    add_gradients,
+    agree_on_gradient_overflow,
+    clip_grad_norm_over_pipeline,
+    reduce_gradients,
+    stop_agreeing_on_gradient_overflow,
+    swap_gradients,
+)
+from lightning_pipe.execution.materialize import global_seed, holds_meta_tensors, materialize
+from lightning_pipe.execution.process_groups import PipelineGroups, init_pipeline_groups
+from lightning_pipe.execution.random_streams import StageRandomStreams
+from lightning_pipe.execution.replayed_logs import StepOutcome
+from lightning_pipe.execution.runtime import StageRuntime
+from lightning_pipe.execution.stage import StageBlocks
+from lightning_pipe.execution.tied import TiedParameters, parameters_shared_across_stages, replicated_parameters
+from lightning_pipe.integration.launchers import (
+    CheckedMultiProcessingLauncher,
+    CheckedSubprocessScriptLauncher,
+    SpawnedRanks,
+    end_process_groups_at_exit,
+    end_started_ranks_at_exit,
+    keep_process_groups_at_exit,
+    note_sigterm,
+)
+from lightning_pipe.integration.lightning_packages import (
+    LIGHTNING,
+    LightningPackage,
+    adopt_package,
+    overrides,
+    register_package,
+)
+from lightning_pipe.integration.model_summary import summarize_whole_model
+from lightning_pipe.partition.balance import (
+    Balance,
+    PartitionPlan,
+    check_one_count_per_stage,
+    needs_sample,
+    plan_partition,
+    profiling_sample,
+    recompute_fraction,
+    stage_ranges,
+)
+from lightning_pipe.partition.fingerprint import different_models_message, fingerprint_digest, model_fingerprint
+from lightning_pipe.partition.region import (
+    MAX_OUTSIDE_SHARE,
+    Region,
+    find_region,
+    outside_parameters,
+    outside_share,
+    suggested_chain,
+)
+from lightning_pipe.partition.step_probe import first_training_batch, random_state_kept, training_step_on
+from lightning_pipe.partition.topology import PipelineLayout
+from lightning_pipe.reliability.stall_rule import Wait
+from lightning_pipe.reliability.stop_signals import StopSignals
+from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog, batch_shape
+from lightning_pipe.schedules.actions import PipelineSchedule, StageActions
+from lightning_pipe.schedules.simulator import ideal_bubble
+from lightning_pipe.settings import PipelineSettings, RecomputeMode, check_process_count
+from lightning_pipe.trace.stage_summary import (
+    StageSummary,
+    build_stage_summary,
+    model_checkpoint_note,
+    outside_warning,
+    self_checkpointing_warning,
+    stage_devices,
+)
+from lightning_pipe.trace.timeline import StepTimeline
+from lightning_pipe.trace.tracer import TRACE_FILE_NAME, PipelineTracer, StepObservation, observe_step
 
 # Lightning's warning for epoch-level values logged without sync_dist=True under a distributed run.
 _SYNC_DIST_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)"
@@ -144,7 +152,7 @@ class GPipeStrategyMixin:
 
     (The implementation, for either Lightning package: :class:`GPipeStrategy` is it with ``lightning.pytorch``'s
     ``ParallelStrategy``, :class:`lightning_pipe.standalone.GPipeStrategy` with ``pytorch_lightning``'s; see
-    :mod:`lightning_pipe.packages`.)
+    :mod:`lightning_pipe.integration.lightning_packages`.)
 
     Args:
         num_stages: pipeline stages; defaults to the number of processes (``devices * num_nodes``). A
@@ -197,7 +205,7 @@ class GPipeStrategyMixin:
             micro-batches' activations held), ``"interleaved_1f1b"`` (``virtual_stages`` model chunks per stage: a
             smaller bubble), ``"zero_bubble"`` (backward split into input and weight gradients, the latter filling the
             bubble) or ``"zbv"`` (two chunks per stage in a V). Or a function ``(stage, num_stages,
-            num_micro_batches, virtual_stages) -> list[Action]`` (see :mod:`lightning_pipe.schedule`).
+            num_micro_batches, virtual_stages) -> list[Action]`` (see :mod:`lightning_pipe.schedules`).
         virtual_stages: model chunks per stage for the schedules that interleave them (``"interleaved_1f1b"``:
             2 by default; ``"zbv"``: 2); the pipelined blocks are split into ``num_stages * virtual_stages`` chunks.
         deferred_batch_norm: update BatchNorm running statistics once per mini-batch, from the whole mini-batch's
@@ -206,19 +214,19 @@ class GPipeStrategyMixin:
         compile: compile each stage's layers with ``torch.compile`` (``True``), or with these keyword arguments of
             ``torch.compile`` (``{"mode": "max-autotune"}``): every layer separately, as torchtitan compiles each
             block. A ``torch.compile`` wrapper around the pipelined module is honoured the same way, with its settings
-            (see :mod:`lightning_pipe.compile`).
+            (see :mod:`lightning_pipe.execution.compiling`).
         pretrained: start from stored weights, each rank reading only its stage's and the replicated modules'
             tensors: the path of a Hugging Face model directory (safetensors, single or sharded, or
             ``pytorch_model.bin``), of a weights file, or of a checkpoint of this package; or
             :class:`~lightning_pipe.PretrainedWeights` with the ``prefix`` where the stored model sits in the
             LightningModule (inferred by default) and the ``dtype`` (the precision's, or the stored one). Checked
-            against the whole model on every rank before the first step (see :mod:`lightning_pipe.pretrained`); a
+            against the whole model on every rank before the first step (see :mod:`lightning_pipe.checkpoints.pretrained`); a
             model object loads them once (a later ``trainer.test`` keeps what ``fit`` trained).
         stall_watchdog: end the run on every rank when, in a training step, a wait on another rank (activations,
             gradients, the step's results, the gradient reductions and barriers) lasts longer than
             ``max(stall_floor, stall_multiple * the slowest recent step)``, or ``stall_first_step`` in a first step,
             naming the rank that stopped and writing every rank's Python stack to ``default_root_dir/stall_stacks/``
-            (see :mod:`lightning_pipe.watchdog`). Validation, checkpoints and epoch ends are left to ``timeout``,
+            (see :mod:`lightning_pipe.reliability.watchdog`). Validation, checkpoints and epoch ends are left to ``timeout``,
             which stays the hard limit everywhere.
         stall_multiple: how many times the slowest of the last 100 regular training steps a wait may last.
         stall_floor: the shortest bound, in seconds or as a ``timedelta``.
@@ -492,7 +500,7 @@ class GPipeStrategyMixin:
         connector._sigterm_notifier_fn = partial(  # type: ignore[method-assign]
             note_sigterm, trainer, self.launcher, self.cluster_environment, self.global_rank
         )
-        if self.world_size > 1:  # a rank blocked in a wait on a peer still stops (see lightning_pipe.stop_signals)
+        if self.world_size > 1:  # a rank blocked in a wait on a peer still stops (see lightning_pipe.reliability.stop_signals)
             self._stop_signals = StopSignals(
                 f"stage {self.layout.stage(self.global_rank)} (rank {self.global_rank})",
                 lambda: list(getattr(self.launcher, "procs", None) or []),
@@ -532,7 +540,7 @@ class GPipeStrategyMixin:
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """``trainer.init_module(empty_init=True)`` builds the model on the meta device: every rank then allocates
-        and initialises only its own stage in ``setup`` (see :mod:`lightning_pipe.materialize`)."""
+        and initialises only its own stage in ``setup`` (see :mod:`lightning_pipe.execution.materialize`)."""
         # The meta device innermost: Lightning's context sets the stage's device, which would otherwise win.
         with super().tensor_init_context(empty_init), torch.device("meta") if empty_init else nullcontext():
             yield
@@ -615,7 +623,7 @@ class GPipeStrategyMixin:
             self._tracer = PipelineTracer(
                 timeline, groups.meta, index, config.num_stages, self.global_rank, self._settings.trace_steps,
                 trace_path=trace_dir / TRACE_FILE_NAME if self.global_rank == 0 else None,
-                ideal_bubble=partial(schedule.ideal_bubble, config.num_stages, virtual_stages=v),
+                ideal_bubble=partial(ideal_bubble, schedule, config.num_stages, virtual_stages=v),
             )
 
     def _plan_pretrained_load(self, module: LightningModule) -> PretrainedLoad | None:
@@ -762,7 +770,7 @@ class GPipeStrategyMixin:
             outside=self._outside,
             owners=[schedule.owner(k, num_stages) for k in range(len(self._plan.ranges))],
             schedule=schedule.name,
-            ideal_bubble=schedule.ideal_bubble(num_stages, self.config.num_micro_batches, self._virtual_stages),
+            ideal_bubble=ideal_bubble(schedule, num_stages, self.config.num_micro_batches, self._virtual_stages),
         )
 
     def _observe_step(self) -> None:
@@ -996,7 +1004,7 @@ class GPipeStrategyMixin:
     ) -> None:
         self._watchdog.uneven_phase()
         if self._pipelined is None and "optimizer_states" in checkpoint:
-            refuse_checkpoint_without_stages(self.launcher, filepath)
+            refuse_checkpoint_without_stages(isinstance(self.launcher, SpawnedRanks), filepath)
         if not (self._saves_sharded and self._pipelined is not None and self.layout.num_stages > 1):
             return super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0 writes the whole model
         if storage_options is not None:

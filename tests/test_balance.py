@@ -13,10 +13,10 @@ from torch import nn
 from helpers.launch import launch
 from helpers.models import PipeClassifier
 from lightning_pipe import GPipeStrategy, PipelineParallelConfig
-from lightning_pipe.balance import min_max_partition, plan_partition, ranges_from_sizes, recompute_fraction, stage_costs
-from lightning_pipe.profile import pipelined_input, profile_layers
-from lightning_pipe.schedule import SCHEDULES
-from lightning_pipe.summary import build_stage_summary, stage_devices
+from lightning_pipe.partition.balance import min_max_partition, plan_partition, ranges_from_sizes, recompute_fraction, stage_costs
+from lightning_pipe.partition.profiling import pipelined_input, profile_layers
+from lightning_pipe.schedules.builtin import SCHEDULES
+from lightning_pipe.trace.stage_summary import build_stage_summary, stage_devices
 
 
 def brute_force_best(costs: list[float], num_stages: int) -> float:

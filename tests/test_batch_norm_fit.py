@@ -7,13 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe import batchnorm
-from lightning_pipe.batchnorm import (
+from lightning_pipe.execution import batchnorm
+from lightning_pipe.execution.batchnorm import (
     check_micro_batches_fit_batch_norm,
     epoch_last_batch_size,
     observed_batch_norm_inputs,
 )
-from lightning_pipe.microbatch import split
+from lightning_pipe.partition.microbatch import split
 
 from helpers.stock_models import resnet18
 
@@ -132,8 +132,8 @@ def test_batch_norm_in_evaluation_accepts_any_micro_batch_unless_it_keeps_no_run
 def test_a_pipeline_stage_refuses_a_too_small_micro_batch_before_its_blocks_run():
     """The strategy's check, as the last stage of a ResNet-18 chain (layer2 .. avgpool) makes it in its first
     training step: on the shapes of that step's calls, before any block runs, naming the layer as the model does."""
-    from lightning_pipe.region import find_region
-    from lightning_pipe.stage import StageBlocks
+    from lightning_pipe.partition.region import find_region
+    from lightning_pipe.execution.stage import StageBlocks
 
     torch.manual_seed(0)
     model, x = resnet18(width=8), torch.randn(8, 3, 32, 32)
@@ -183,8 +183,8 @@ def test_the_epochs_last_batch_size_is_read_from_the_loader():
 def test_a_pipeline_stage_refuses_an_epochs_last_batch_too_small_for_its_micro_batches():
     """Batches of 8 in 2 micro-batches fit ResNet-18's layer4; the epoch's last batch of 2 samples would give it
     micro-batches of one sample. The check in the first step names that batch and drop_last."""
-    from lightning_pipe.region import find_region
-    from lightning_pipe.stage import StageBlocks
+    from lightning_pipe.partition.region import find_region
+    from lightning_pipe.execution.stage import StageBlocks
 
     torch.manual_seed(0)
     model, x = resnet18(width=8), torch.randn(8, 3, 32, 32)

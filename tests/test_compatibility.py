@@ -12,7 +12,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from compat.check_releases import RELEASE_SETS, TABLE_PAGE, failed_tests, pytest_counts, read_rows
-from lightning_pipe.packages import LIGHTNING_RELEASES
+from lightning_pipe.integration.lightning_packages import LIGHTNING_RELEASES
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("torch", "lightning")

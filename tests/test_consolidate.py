@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.consolidate import (
+from lightning_pipe.checkpoints.optimizer_states import (
     global_group_names,
     merge_optimizer_states,
     name_optimizer_state,

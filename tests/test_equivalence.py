@@ -10,7 +10,8 @@ import torch
 
 from helpers.compare import merged_state_dict, rank_results, relative_weight_error, single_device_run
 from helpers.launch import launch
-from lightning_pipe.schedule import Action, gpipe
+from lightning_pipe.schedules.actions import Action
+from lightning_pipe.schedules.builtin import gpipe
 
 TOLERANCE = 1e-5  # of the total weight change during training
 MICRO_BATCHES = (1, 3, 4, 8)
@@ -92,7 +93,7 @@ def test_the_gradient_scaler_lets_go_of_the_pipeline_group_when_the_strategy_rel
     (Lightning 2.4 keeps one to the end) would keep that group's threads running at exit."""
     import weakref
 
-    from lightning_pipe.gradients import agree_on_gradient_overflow, stop_agreeing_on_gradient_overflow
+    from lightning_pipe.execution.gradients import agree_on_gradient_overflow, stop_agreeing_on_gradient_overflow
 
     class Group:  # stands in for the group: only its lifetime is checked
         pass

@@ -14,8 +14,8 @@ from helpers.compare import merged_state_dict, rank_results, relative_weight_err
 from helpers.launch import launch
 from helpers.models import COMPILE_BACKEND, CompiledAroundThePipeline, CompiledInPlace, TiedAcrossStages, loaders
 from lightning_pipe import GPipeStrategy
-from lightning_pipe.sharded import is_sharded_checkpoint
-from lightning_pipe.tied import TiedParameter, parameters_shared_across_stages
+from lightning_pipe.checkpoints.sharded import is_sharded_checkpoint
+from lightning_pipe.execution.tied import TiedParameter, parameters_shared_across_stages
 
 TOLERANCE = 1e-5  # of the total weight change during training
 M = 4

@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 
 import lightning_pipe
 from lightning_pipe import PipelineParallelConfig
-from lightning_pipe.hydra import start_method_for_this_run, validate_config
-from lightning_pipe.schedule import SCHEDULES
+from lightning_pipe.integration.hydra_schema import start_method_for_this_run, validate_config
+from lightning_pipe.schedules.builtin import SCHEDULES
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("model", "data", "trainer", "strategy")

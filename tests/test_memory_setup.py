@@ -16,11 +16,11 @@ from torchmetrics import MeanMetric
 from helpers.deferred_models import DEPTH, DeferredClassifier, EagerClassifier, fit, layers
 from helpers.launch import launch, run_python
 from lightning_pipe import GPipeStrategy, PipelineParallelConfig, init_weights
-from lightning_pipe.balance import plan_partition
-from lightning_pipe.materialize import holds_meta_tensors, layer_seed, mark_held_elsewhere, materialize
-from lightning_pipe.region import container_region
-from lightning_pipe.stage import StageBlocks
-from lightning_pipe.summary import build_stage_summary
+from lightning_pipe.execution.materialize import holds_meta_tensors, layer_seed, mark_held_elsewhere, materialize
+from lightning_pipe.execution.stage import StageBlocks
+from lightning_pipe.partition.balance import plan_partition
+from lightning_pipe.partition.region import container_region
+from lightning_pipe.trace.stage_summary import build_stage_summary
 
 TOLERANCE = 1e-5  # of the total weight change during training
 MICRO_BATCHES = 4

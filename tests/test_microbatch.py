@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_pipe import microbatch
+from lightning_pipe.partition import microbatch
 
 
 @pytest.mark.parametrize(("batch", "m", "sizes"), [(16, 4, [4] * 4), (10, 4, [3, 3, 2, 2]), (2, 4, [1, 1]), (1, 8, [1])])

@@ -5,8 +5,8 @@ from torch import nn
 
 from helpers.models import PipeClassifier
 from lightning_pipe import PipelineParallelConfig
-from lightning_pipe.balance import stage_ranges
-from lightning_pipe.region import find_region
+from lightning_pipe.partition.balance import stage_ranges
+from lightning_pipe.partition.region import find_region
 
 
 def test_default_is_the_outermost_sequential_with_most_parameters():

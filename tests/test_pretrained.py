@@ -21,12 +21,12 @@ from helpers.compare import relative_weight_error
 from helpers.launch import launch
 from helpers.stock_models import PretrainedCausalLM, gpt2_config, llama_config
 from lightning_pipe import PretrainedWeights, init_weights
-from lightning_pipe.export import library_model_prefix
+from lightning_pipe.checkpoints.export import library_model_prefix
+from lightning_pipe.checkpoints.pretrained import PretrainedLoad, PretrainedMismatchError
+from lightning_pipe.checkpoints.sharded import consolidate
+from lightning_pipe.checkpoints.stored_weights import open_stored_weights, read_tensors
+from lightning_pipe.execution.materialize import materialize
 from lightning_pipe.export_pretrained import main as export_command
-from lightning_pipe.materialize import materialize
-from lightning_pipe.pretrained import PretrainedLoad, PretrainedMismatchError
-from lightning_pipe.sharded import consolidate
-from lightning_pipe.stored_weights import open_stored_weights, read_tensors
 
 transformers = pytest.importorskip("transformers")
 

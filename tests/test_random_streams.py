@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_pipe.random_streams import StageRandomStreams, micro_batch_seed, seeded
+from lightning_pipe.execution.random_streams import StageRandomStreams, micro_batch_seed, seeded
 
 CPU = torch.device("cpu")
 

@@ -9,12 +9,12 @@ import torch
 from torch import nn
 
 from helpers.stock_models import STOCK_MODELS
-from lightning_pipe.balance import plan_partition
 from lightning_pipe.config import PipelineParallelConfig
-from lightning_pipe.region import container_region, find_region, outside_parameters, outside_share, suggested_chain
-from lightning_pipe.stage import PipelineOrderError, StageBlocks
-from lightning_pipe.step_probe import random_state_kept, training_step_on
-from lightning_pipe.summary import build_stage_summary, outside_warning
+from lightning_pipe.execution.stage import PipelineOrderError, StageBlocks
+from lightning_pipe.partition.balance import plan_partition
+from lightning_pipe.partition.region import container_region, find_region, outside_parameters, outside_share, suggested_chain
+from lightning_pipe.partition.step_probe import random_state_kept, training_step_on
+from lightning_pipe.trace.stage_summary import build_stage_summary, outside_warning
 
 
 def summary_of(name: str):

@@ -33,14 +33,14 @@ from lightning.pytorch import seed_everything
 from helpers.launch import REPO, WORKERS, Finished, launch, python_environment, run_python
 from helpers.models import ProjectModule
 from lightning_pipe import GPipeStrategy
-from lightning_pipe.engine import PipelineEngine
-from lightning_pipe.groups import PipelineGroups
-from lightning_pipe.p2p import ACTIVATION, Header, TensorMeta, failed_wait
-from lightning_pipe.region import container_region
-from lightning_pipe.runtime import StageRuntime
-from lightning_pipe.schedule import SCHEDULES
-from lightning_pipe.stage import StageBlocks
-from lightning_pipe.topology import PipelineLayout
+from lightning_pipe.execution.engine import PipelineEngine
+from lightning_pipe.execution.p2p import ACTIVATION, Header, TensorMeta, failed_wait
+from lightning_pipe.execution.process_groups import PipelineGroups
+from lightning_pipe.execution.runtime import StageRuntime
+from lightning_pipe.execution.stage import StageBlocks
+from lightning_pipe.partition.region import container_region
+from lightning_pipe.partition.topology import PipelineLayout
+from lightning_pipe.schedules.builtin import SCHEDULES
 
 FAULT_TO_EXIT_LIMIT_S = 60  # the bound: every process gone this long after the fault
 MARKER_VARIABLE = "LIGHTNING_PIPE_RELIABILITY_RUN"

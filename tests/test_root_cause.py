@@ -10,8 +10,8 @@ import traceback
 import pytest
 import torch.distributed as dist
 
-from lightning_pipe.root_cause import PipelineStageError, RecordedFailure, StageTraceback, raising_the_root_cause
-from lightning_pipe.p2p import PipelineCommunicationError
+from lightning_pipe.reliability.root_cause import PipelineCommunicationError
+from lightning_pipe.reliability.root_cause import PipelineStageError, RecordedFailure, StageTraceback, raising_the_root_cause
 
 KEY = "lightning_pipe/first_failure/test"
 

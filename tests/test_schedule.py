@@ -9,19 +9,12 @@ from fractions import Fraction
 
 import pytest
 
-from lightning_pipe import schedule as schedule_module
-from lightning_pipe.schedule import (
-    SCHEDULES,
-    Action,
-    PipelineSchedule,
-    check_schedule,
-    clock_cycles,
-    custom_schedule,
-    gpipe,
-    gpipe_schedule,
-    render_timeline,
-    stage_chunks,
-)
+from lightning_pipe.schedules import actions as actions_module
+from lightning_pipe.schedules import builtin as builtin_module
+from lightning_pipe.schedules import simulator as simulator_module
+from lightning_pipe.schedules.actions import Action, PipelineSchedule, custom_schedule, stage_chunks
+from lightning_pipe.schedules.builtin import SCHEDULES, gpipe, gpipe_schedule
+from lightning_pipe.schedules.simulator import check_schedule, clock_cycles, ideal_bubble, render_timeline
 
 # Each built-in schedule with the chunk counts per stage it is checked with.
 CONFIGURATIONS = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3), ("zero_bubble", 1),
@@ -64,7 +57,7 @@ def test_split_backward_sends_the_input_gradient_before_computing_the_weight_gra
     for num_stages, num_micro_batches in ((2, 4), (4, 8)):
         assert idle_ticks(split, num_stages, num_micro_batches) == [2 * (num_stages - 1)] * num_stages
         assert idle_ticks("gpipe", num_stages, num_micro_batches) == [3 * (num_stages - 1)] * num_stages
-    assert clock_cycles(4, 8, split).bubble_fraction == pytest.approx(split.ideal_bubble(4, 8, 1)) == 6 / 30
+    assert clock_cycles(4, 8, split).bubble_fraction == pytest.approx(ideal_bubble(split, 4, 8, 1)) == 6 / 30
 
 
 def test_one_f_one_b_holds_at_most_as_many_micro_batches_as_stages_from_its_own_on():
@@ -118,7 +111,7 @@ def test_simulated_bubble_is_the_schedule_formula(name, v, formula):
             simulated = clock_cycles(num_stages, num_micro_batches, schedule, v).bubble_fraction
             expected = float(formula(num_stages, num_micro_batches, v))
             assert simulated == pytest.approx(expected, abs=1e-12), (num_stages, num_micro_batches)
-            assert schedule.ideal_bubble(num_stages, num_micro_batches, v) == pytest.approx(expected, abs=1e-12)
+            assert ideal_bubble(schedule, num_stages, num_micro_batches, v) == pytest.approx(expected, abs=1e-12)
 
 
 def test_bubbles_at_four_stages_and_eight_micro_batches_in_idle_ticks_per_stage():
@@ -136,9 +129,9 @@ def test_bubbles_at_four_stages_and_eight_micro_batches_in_idle_ticks_per_stage(
 def test_interleaved_one_f_one_b_runs_any_micro_batch_count():
     """M // S rounds of at least S micro-batches, as even as possible, where torch and Megatron need S to divide M:
     at S=4, 10 micro-batches run as 5 + 5, 11 as 6 + 5, 5 as one round."""
-    assert schedule_module._rounds(10, 4) == [range(0, 5), range(5, 10)]
-    assert schedule_module._rounds(11, 4) == [range(0, 6), range(6, 11)]
-    assert schedule_module._rounds(5, 4) == [range(0, 5)] and schedule_module._rounds(3, 4) == [range(0, 3)]
+    assert builtin_module._rounds(10, 4) == [range(0, 5), range(5, 10)]
+    assert builtin_module._rounds(11, 4) == [range(0, 6), range(6, 11)]
+    assert builtin_module._rounds(5, 4) == [range(0, 5)] and builtin_module._rounds(3, 4) == [range(0, 3)]
     actions = SCHEDULES["interleaved_1f1b"].actions(1, 2, 3, 2)
     forwards = [(a.chunk, a.micro_batch) for a in actions if a.kind == "forward"]
     assert forwards == [(1, 0), (1, 1), (1, 2), (3, 0), (3, 1), (3, 2)]
@@ -311,8 +304,8 @@ def test_a_users_function_becomes_a_schedule_that_interleaves_when_its_lists_do(
 TABLE = re.compile(
     r"``render_timeline\((?P<args>[^`]*)\)``\)?::\n\n(?P<table>(?P<indent>[ ]+)tick.*\n(?:(?P=indent)stage .*\n)*)"
 )
-DOCUMENTED = [schedule_module, schedule_module.gpipe, schedule_module.one_f_one_b,
-              schedule_module.interleaved_one_f_one_b, schedule_module.zero_bubble, schedule_module.zbv]
+DOCUMENTED = [actions_module, builtin_module.gpipe, builtin_module.one_f_one_b,
+              builtin_module.interleaved_one_f_one_b, builtin_module.zero_bubble, builtin_module.zbv]
 
 
 @pytest.mark.parametrize("documented", DOCUMENTED, ids=lambda d: d.__name__)
@@ -320,7 +313,7 @@ def test_docstring_tables_are_what_the_renderer_draws(documented):
     tables = list(TABLE.finditer(documented.__doc__))
     assert tables, f"{documented.__name__}'s docstring shows no tick table"
     for table in tables:
-        drawn = eval(f"render_timeline({table['args']})", vars(schedule_module))  # noqa: S307 (our own docstring)
+        drawn = eval(f"render_timeline({table['args']})", {**vars(builtin_module), **vars(simulator_module)})  # noqa: S307 (our own docstring)
         assert textwrap.dedent(table["table"]).rstrip("\n") == drawn, f"redraw it:\n{drawn}"
 
 

@@ -13,11 +13,11 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from lightning_pipe import GPipeStrategy, PipelineParallelConfig, PretrainedWeights
-from lightning_pipe.balance import profiling_sample
-from lightning_pipe.hydra import validate_strategy_config
-from lightning_pipe.schedule import SCHEDULES, gpipe
+from lightning_pipe.integration.hydra_schema import validate_strategy_config
+from lightning_pipe.partition.balance import profiling_sample
+from lightning_pipe.reliability.stall_rule import StallRule
+from lightning_pipe.schedules.builtin import SCHEDULES, gpipe
 from lightning_pipe.settings import PipelineSettings, check_process_count
-from lightning_pipe.stall_rule import StallRule
 
 # (settings, the message's start; "{key}" is "" in Python and "strategy." under Hydra)
 INVALID = {

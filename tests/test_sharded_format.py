@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe import sharded
-from lightning_pipe.consolidate import name_optimizer_state
-from lightning_pipe.whole_model import group_names
+from lightning_pipe.checkpoints import sharded
+from lightning_pipe.checkpoints.optimizer_states import name_optimizer_state
+from lightning_pipe.checkpoints.whole_model import group_names
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_pipe.split_backward import backward_input
+from lightning_pipe.execution.split_backward import backward_input
 
 
 class Block(nn.Module):

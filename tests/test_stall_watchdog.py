@@ -2,7 +2,7 @@
 the run on every rank, each rank's error names its own wait and the rank that stopped, and every rank's Python stack
 is written; legitimately slow phases (the first step, validation, a checkpoint) do not trip it.
 
-The rule is tested directly (:mod:`lightning_pipe.stall_rule`); the runs launch ``workers/reliability_faults_worker.py``
+The rule is tested directly (:mod:`lightning_pipe.reliability.stall_rule`); the runs launch ``workers/reliability_faults_worker.py``
 (as ``test_reliability.py`` does) with a low floor, so that a stall ends in seconds.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pipe.stall_rule import (
+from lightning_pipe.reliability.stall_rule import (
     WARMUP_STEPS,
     WINDOW,
     RankState,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_pipe.topology import PipelineLayout
+from lightning_pipe.partition.topology import PipelineLayout
 
 
 @pytest.mark.parametrize("outermost", [True, False], ids=["pipeline-outermost", "replicas-outermost"])

@@ -14,15 +14,16 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from lightning_pipe.config import PipelineParallelConfig
-from lightning_pipe.engine import PipelineEngine
-from lightning_pipe.groups import init_pipeline_groups
-from lightning_pipe.microbatch import Activation
-from lightning_pipe.region import container_region
-from lightning_pipe.runtime import StageRuntime
-from lightning_pipe.schedule import SCHEDULES, PipelineSchedule
+from lightning_pipe.execution.engine import PipelineEngine
+from lightning_pipe.execution.process_groups import init_pipeline_groups
+from lightning_pipe.execution.runtime import StageRuntime
+from lightning_pipe.execution.stage import StageBlocks
+from lightning_pipe.partition.microbatch import Activation
+from lightning_pipe.partition.region import container_region
+from lightning_pipe.partition.topology import PipelineLayout
+from lightning_pipe.schedules.actions import PipelineSchedule
+from lightning_pipe.schedules.builtin import SCHEDULES
 from lightning_pipe.settings import RecomputeMode
-from lightning_pipe.stage import StageBlocks
-from lightning_pipe.topology import PipelineLayout
 
 
 class _MeanSquaredError(LightningModule):

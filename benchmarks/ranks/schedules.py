@@ -29,7 +29,7 @@ from harness.stack import make_batch, make_stack
 from harness.timing import in_turns, timed
 from harness.workload import Workload
 from lightning_pipe.config import PipelineParallelConfig
-from lightning_pipe.schedule import SCHEDULES, gpipe_schedule
+from lightning_pipe.schedules.builtin import SCHEDULES, gpipe_schedule
 from ranks.engine_step import EngineStep
 
 # Ours -> the peer's schedule class, and whether it takes a list of stages per rank.

@@ -16,7 +16,8 @@ from typing import Any
 
 from harness.launch import launch
 from harness.report import markdown_table
-from lightning_pipe.schedule import SCHEDULES
+from lightning_pipe.schedules.builtin import SCHEDULES
+from lightning_pipe.schedules.simulator import ideal_bubble
 from ranks import bubble
 
 
@@ -35,7 +36,7 @@ def run(quick: bool) -> dict[str, Any]:
     answer = launch(bubble.measure, NUM_STAGES, spec)[0]
     rows = []
     for m, result in zip(spec["micro_batches"], answer["results"]):
-        ideal = SCHEDULES["gpipe"].ideal_bubble(NUM_STAGES, m, 1)
+        ideal = ideal_bubble(SCHEDULES["gpipe"], NUM_STAGES, m, 1)
         rows.append([m, f"{ideal:.3f}", f"{result['bubble_fraction']:.3f}", f"{result['bubble_fraction'] - ideal:+.3f}",
                      f"{1e3 * result['step_s']:.1f}"])
     table = markdown_table(

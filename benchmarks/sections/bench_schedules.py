@@ -15,7 +15,8 @@ from harness.measurements import stage_counts
 from harness.report import markdown_table, verdict
 from harness.summarize import median, median_ratio
 from harness.workload import workload
-from lightning_pipe.schedule import SCHEDULES, gpipe_schedule
+from lightning_pipe.schedules.builtin import SCHEDULES, gpipe_schedule
+from lightning_pipe.schedules.simulator import ideal_bubble
 
 MICRO_BATCHES = (2, 4, 8)
 QUICK_MICRO_BATCHES = (2,)
@@ -24,7 +25,7 @@ TARGET_MICRO_BATCHES = 8
 
 def _ideal_bubble(name: str, num_stages: int, m: int) -> float:
     schedule = gpipe_schedule(split_backward=True) if name == "gpipe_split" else SCHEDULES[name]
-    return schedule.ideal_bubble(num_stages, m, schedule.virtual_stages)
+    return ideal_bubble(schedule, num_stages, m, schedule.virtual_stages)
 
 
 def run(quick: bool) -> dict[str, Any]:

@@ -9,7 +9,11 @@ clock. Open it in https://ui.perfetto.dev or ``chrome://tracing``, or draw it::
 The pieces: :mod:`~lightning_pipe.trace.timeline` records what one stage did in a step (the engine feeds it);
 :mod:`~lightning_pipe.trace.tracer` gathers the stages' timelines on one clock during training, logs the bubble and
 writes the traced steps; :mod:`~lightning_pipe.trace.chrome` is the file format, :mod:`~lightning_pipe.trace.picture`
-the PNG, and :func:`main` the command line.
+the PNG, and :func:`main` the command line. :mod:`~lightning_pipe.trace.stage_summary` is the start-up's stage
+table: what each stage holds, where it runs, what it costs.
+
+May import: ``config``, ``schedules``, ``partition``. Imported by ``execution`` (the engine feeds a timeline) and the
+strategy.
 """
 
 from __future__ import annotations

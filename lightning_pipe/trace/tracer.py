@@ -23,7 +23,8 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_pipe.schedule import SCHEDULES
+from lightning_pipe.schedules import simulator
+from lightning_pipe.schedules.builtin import SCHEDULES
 from lightning_pipe.trace.chrome import TracedStep, write_chrome_trace
 from lightning_pipe.trace.timeline import FORWARD, Interval, StageExtent, StepTimeline, bubble_fraction, stage_extent
 
@@ -96,7 +97,7 @@ class PipelineTracer:
     ) -> None:
         self.timeline = timeline
         # The schedule's idle share for a step of that many micro-batches (by default GPipe's, one chunk per stage).
-        self.ideal_bubble = ideal_bubble or (lambda m: SCHEDULES["gpipe"].ideal_bubble(num_stages, m, 1))
+        self.ideal_bubble = ideal_bubble or (lambda m: simulator.ideal_bubble(SCHEDULES["gpipe"], num_stages, m, 1))
         self.group = group
         self.stage = stage
         self.num_stages = num_stages

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_pipe import engine
+from lightning_pipe.execution import engine
 
 
 def drop_gradient_of(micro_batch: int) -> Callable[[], None]:

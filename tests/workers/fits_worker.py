@@ -23,8 +23,8 @@ from helpers import models
 from helpers.models import MODELS, loaders, sequence_loaders
 from helpers.negative_controls import clip_one_ulp_apart, drop_gradient_of
 from helpers.recording import MetricRecorder
-from lightning_pipe import tied
-from lightning_pipe.schedule import gpipe_schedule
+from lightning_pipe.execution import tied
+from lightning_pipe.schedules.builtin import gpipe_schedule
 
 
 def record_dropout_masks(model, rows):

@@ -13,7 +13,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 
 import lightning_pipe
 from helpers.models import PipeClassifier, loaders
-from lightning_pipe import runtime as runtime_module
+from lightning_pipe.execution import runtime as runtime_module
 
 runtime_module._OUTSIDE_STEP_TIMEOUT = timedelta(seconds=5)  # the test need not wait the default minute
 

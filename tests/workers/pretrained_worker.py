@@ -22,7 +22,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 
 import lightning_pipe
 from helpers.stock_models import PretrainedCausalLM
-from lightning_pipe import stored_weights
+from lightning_pipe.checkpoints import stored_weights
 
 
 class CountedSafeOpen:

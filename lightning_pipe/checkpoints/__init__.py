@@ -1,0 +1,12 @@
+"""Weights in and out of a pipelined model: checkpoints, pretrained weights, and the trained model exported.
+
+Holds: optimizer states numbered by parameter name (``optimizer_states``), the whole model gathered from and split
+back onto the stages (``whole_model``), sharded checkpoints through ``torch.distributed.checkpoint`` (``sharded``),
+weights read from files a tensor at a time (``stored_weights``), pretrained weights mapped onto the model
+(``pretrained``) and the Hugging Face export (``export``). The two commands that use them,
+``python -m lightning_pipe.consolidate_checkpoint`` and ``python -m lightning_pipe.export_pretrained``, stay at the
+package's top, where users call them.
+
+May import: everything below it (``config`` to ``execution``). Imported by ``settings``, ``integration``, the
+strategy and the two commands.
+"""

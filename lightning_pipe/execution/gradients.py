@@ -1,0 +1,141 @@
+"""Gradients across processes, before the optimizer step: reductions, clipping by the global norm, overflow checks.
+
+Two reductions, both once per optimizer step (after gradient accumulation, like DDP's ``no_sync``):
+
+* over the stages of a pipeline, a parameter held by every stage (an embedding before the pipelined module, a head
+  after it) sums each stage's contribution;
+* over the data-parallel replicas of a stage, every parameter averages the replicas' gradients.
+
+A parameter that no participating process used keeps ``grad=None``, as on one device, so optimizers skip it.
+
+Then every stage must decide as one device would: clipping by norm uses the norm of the whole model's gradient, and
+with a gradient scaler an overflow on one stage skips the step on all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog
+
+def swap_gradients(parameters: list[nn.Parameter], grads: list[Tensor | None]) -> list[Tensor | None]:
+    """Give ``parameters`` the gradients ``grads``; their gradients until now are returned.
+
+    A per-micro-batch step runs its backwards inside ``training_step``, but Lightning zeroes the gradients between a
+    step and its backward: the step's gradients wait aside (:func:`add_gradients` brings them back in ``backward``),
+    and the gradients accumulated before the step are back in place for Lightning to zero or keep."""
+    earlier = [p.grad for p in parameters]
+    for p, grad in zip(parameters, grads):
+        p.grad = grad
+    return earlier
+
+
+def add_gradients(parameters: list[nn.Parameter], grads: list[Tensor | None]) -> None:
+    """Accumulate ``grads`` into the parameters' gradients, as backward does."""
+    for p, grad in zip(parameters, grads):
+        if grad is not None:
+            p.grad = grad if p.grad is None else p.grad.add_(grad)
+
+
+def reduce_gradients(
+    parameters: list[nn.Parameter], group: dist.ProcessGroup, average: bool, watchdog: StallWatchdog = UNWATCHED
+) -> None:
+    """Sum (or average) the gradients of ``parameters`` over ``group``, in one flat all-reduce (a wait ``watchdog``
+    bounds)."""
+    if not parameters or dist.get_world_size(group) == 1:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+    used = torch.tensor([float(p.grad is not None) for p in parameters], device=grads[0].device)
+    flat = torch.cat([g.reshape(-1) for g in grads] + [used.to(grads[0].dtype)])
+    what = "the average of the gradients over the replicas" if average else "the sum of the shared parameters' gradients"
+    watchdog.wait([dist.all_reduce(flat, group=group, async_op=True)], watchdog.collective(what, group), group)
+    if average:
+        flat[: flat.numel() - len(parameters)] /= dist.get_world_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+    for p, g, users in zip(parameters, grads, flat[offset:].tolist()):
+        p.grad = g if users > 0 else None
+
+
+def clip_grad_norm_over_pipeline(
+    parameters: Iterable[nn.Parameter],
+    replicated: list[nn.Parameter],
+    clip_val: float,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    counted_elsewhere: Iterable[nn.Parameter] = (),
+    watchdog: StallWatchdog = UNWATCHED,
+) -> None:
+    """``clip_grad_norm_`` over the whole model: this stage's norm combined with the others' over the pipeline's
+    ``group``, the ``replicated`` parameters (identical on every stage after the gradient sum) counted once, and
+    the ``counted_elsewhere`` ones (copies of a parameter that another stage also holds) not here.
+
+    Every rank clips by the same bits, so that the copies of a replicated parameter never drift apart: each rank's
+    squared norm is gathered and the parts are added in rank order on every rank, and the replicated parameters'
+    part comes from the group's first rank alone (summed in another order, or with another thread count, a rank's
+    copy of it could differ in the last bit)."""
+    params = [p for p in parameters if p.grad is not None]
+    held = {id(p) for p in params}
+    replicated_ids = {id(p) for p in replicated}
+    elsewhere_ids = {id(p) for p in counted_elsewhere}
+    own = [p.grad for p in params if id(p) not in replicated_ids and id(p) not in elsewhere_ids]
+    part = _squared_norm(own, device)
+    ranks = dist.get_process_group_ranks(group) if dist.get_world_size(group) > 1 else [dist.get_rank()]
+    if dist.get_rank() == min(ranks):
+        part = part + _squared_norm([p.grad for p in replicated if id(p) in held], device)
+    parts = [part]
+    if len(ranks) > 1:
+        parts = [torch.empty_like(part) for _ in ranks]
+        work = dist.all_gather(parts, part, group=group, async_op=True)
+        watchdog.wait([work], watchdog.collective("the gradient norm over the pipeline", group), group)
+    total_norm = torch.stack(parts).sum().sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, clip_val, total_norm)
+
+
+def _squared_norm(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """The squared 2-norm of ``tensors`` seen as one vector (zero for none), on ``device``, in float64: the same dtype
+    on every rank, whatever its gradients' dtypes."""
+    if not tensors:
+        return torch.zeros((), device=device, dtype=torch.float64)
+    return torch.nn.utils.get_total_norm(tensors).to(device, torch.float64).square()
+
+
+def agree_on_gradient_overflow(
+    scaler: torch.amp.GradScaler, group: dist.ProcessGroup, device: torch.device, watchdog: StallWatchdog = UNWATCHED
+) -> None:
+    """With a gradient scaler (``16-mixed``), an inf on one stage must skip the step on every stage, and every
+    stage's scale must change alike: share the overflow flag over the pipeline's ``group`` right after each stage
+    unscales its gradients."""
+    if "unscale_" in scaler.__dict__:
+        return
+    unscale = scaler.unscale_
+
+    def unscale_and_agree(optimizer: Optimizer) -> None:
+        unscale(optimizer)
+        if not scaler.is_enabled():  # a disabled scaler unscales nothing and skips no step
+            return
+        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        flag = torch.zeros((), device=device)
+        for value in found.values():
+            flag = torch.maximum(flag, value.to(flag.device))
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        watchdog.wait([work], watchdog.collective("the gradient scaler's overflow check", group), group)
+        for value in found.values():
+            value.copy_(flag)
+
+    scaler.unscale_ = unscale_and_agree  # type: ignore[method-assign]
+
+
+def stop_agreeing_on_gradient_overflow(scaler: torch.amp.GradScaler) -> None:
+    """Undo :func:`agree_on_gradient_overflow`: the scaler lets go of the pipeline's group, which must be freed before
+    the process exits (a Trainer kept alive to the end, by Lightning 2.4 for one, would otherwise keep it)."""
+    installed = scaler.__dict__.get("unscale_")
+    if getattr(installed, "__qualname__", "").startswith(f"{agree_on_gradient_overflow.__name__}.<locals>"):
+        del scaler.__dict__["unscale_"]

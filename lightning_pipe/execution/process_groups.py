@@ -1,0 +1,107 @@
+"""The process groups of a pipeline run and this rank's place in them, built once when the ranks start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from lightning_pipe.execution.p2p import Link
+from lightning_pipe.partition.topology import PipelineLayout
+from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog
+
+
+@dataclass(frozen=True)
+class PipelineGroups:
+    """Everything a rank needs to talk to the rest of the run.
+
+    ``pipeline`` joins the stages of this rank's replica (activations and gradients travel there), ``replicas`` the
+    ranks holding this stage in every replica (they average gradients), ``meta`` is a CPU (gloo) group over the same
+    ranks as ``pipeline``: headers and step results travel there, so reading them never waits on a GPU stream.
+    """
+
+    layout: PipelineLayout
+    rank: int  # global rank
+    device: torch.device
+    timeout: timedelta | None
+    pipeline: dist.ProcessGroup
+    replicas: dist.ProcessGroup
+    meta: dist.ProcessGroup
+    watchdog: StallWatchdog = UNWATCHED  # bounds the waits on other ranks (see lightning_pipe.reliability.watchdog)
+
+    @property
+    def stage(self) -> int:
+        return self.layout.stage(self.rank)
+
+    @property
+    def num_stages(self) -> int:
+        return self.layout.num_stages
+
+    @property
+    def replica(self) -> int:
+        return self.layout.replica(self.rank)
+
+    @property
+    def stage_ranks(self) -> list[int]:
+        """The global ranks of this rank's pipeline, by stage."""
+        return self.layout.pipeline_ranks(self.replica)
+
+    @property
+    def loss_rank(self) -> int:
+        """The global rank of this pipeline's stage that holds the model's last chunk (the loss, the step results)."""
+        return self.stage_ranks[self.layout.loss_stage]
+
+    def link(self, stage: int) -> Link:
+        """The connection from this rank's stage to ``stage`` of the same pipeline."""
+        return Link(
+            self.stage_ranks[stage], self.pipeline, self.meta, self.device,
+            stage=self.stage, peer_stage=stage, timeout=self.timeout, watchdog=self.watchdog,
+        )
+
+    def describe(self, stage: int | None = None) -> str:
+        """``"stage 1 (rank 2)"`` for ``stage`` of this pipeline (this rank's stage by default), as errors name it."""
+        stage = self.stage if stage is None else stage
+        return f"stage {stage} (rank {self.stage_ranks[stage]})"
+
+
+def init_pipeline_groups(
+    layout: PipelineLayout,
+    rank: int,
+    device: torch.device,
+    backend: str,
+    timeout: timedelta | None,
+    mesh_order: tuple[str, str],
+    watchdog: StallWatchdog = UNWATCHED,
+) -> PipelineGroups:
+    """The groups of ``layout`` over the initialised default group: a ``DeviceMesh`` with a ``"pp"`` (pipeline) and a
+    ``"dp"`` (replica) dimension, outermost first as ``mesh_order`` says, and the CPU group for headers."""
+    sizes = {"pp": layout.num_stages, "dp": layout.num_replicas}
+    mesh = init_device_mesh(
+        device.type,
+        tuple(sizes[name] for name in mesh_order),
+        mesh_dim_names=mesh_order,
+        backend_override=_mesh_backends(backend, timeout, mesh_order, layout.num_replicas),
+    )
+    if backend == "gloo":
+        meta = mesh.get_group("pp")
+    else:
+        pipelines = [layout.pipeline_ranks(replica) for replica in range(layout.num_replicas)]
+        meta, _ = dist.new_subgroups_by_enumeration(pipelines, backend="gloo", timeout=timeout)
+    return PipelineGroups(layout, rank, device, timeout, mesh.get_group("pp"), mesh.get_group("dp"), meta, watchdog)
+
+
+def _mesh_backends(
+    backend: str, timeout: timedelta | None, mesh_order: tuple[str, str], num_replicas: int
+) -> dict[str, tuple[str, Any]] | None:
+    """The mesh's groups with the run's timeout. With replicas, the mesh creates a group per pipeline and per stage,
+    which torch would give its default timeout (30 minutes) rather than the world's: a stalled stage would go
+    unnoticed that long. With one replica the pipeline's group is the world's, which has the timeout."""
+    if timeout is None or num_replicas == 1:
+        return None
+    options = dist.ProcessGroupGloo._Options() if backend == "gloo" else dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return {name: (backend, options) for name in mesh_order}

@@ -1,0 +1,9 @@
+"""How the model and the batch are split: which blocks to pipeline and which stage holds each, into micro-batches.
+
+Holds: finding the region (``region``, ``step_probe``, ``hooks``), the split into stages (``balance``, measured by
+``profiling``), the batch into micro-batches (``microbatch``), which rank runs which stage (``topology``) and the check
+that every rank built the same model (``fingerprint``). Pure logic and meta-device runs: nothing here needs a process
+group.
+
+May import: ``lightning_pipe.config`` and ``schedules``. Imported by everything above it (docs/architecture.md).
+"""

@@ -1,0 +1,200 @@
+"""Measuring what each layer of the pipelined ``nn.Sequential`` costs: forward and backward time, and memory.
+
+Profiling runs on one rank before the partition exists, on a deep copy of one layer at a time (so the model's
+weights, gradients and BatchNorm statistics stay untouched and a model too big for one device can still be
+profiled), with the input each layer would see in the pipeline: the first micro-batch of a sample.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from torch import Tensor, nn
+
+from lightning_pipe.partition import microbatch
+from lightning_pipe.partition.microbatch import Activation
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """What one layer costs on one micro-batch."""
+
+    forward_seconds: float
+    backward_seconds: float  # back-propagation through the layer, re-computation not included
+    parameter_bytes: int
+    activation_bytes: int  # tensors autograd saves for the layer's backward (its parameters not counted)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.parameter_bytes + self.activation_bytes
+
+
+class _Captured(BaseException):
+    """Stops the sample's forward at the pipelined module. A ``BaseException`` so a user's ``except Exception``
+    around the call does not swallow it."""
+
+    def __init__(self, value: Activation) -> None:
+        super().__init__()
+        self.value = value
+
+
+def pipelined_input(module: nn.Module, sequential: nn.Sequential, sample: Any) -> Activation:
+    """The input the pipelined ``sequential`` receives when ``module`` is called on ``sample``.
+
+    ``sample`` is an input of ``module``'s ``forward`` (a LightningModule's ``example_input_array``): a tuple is
+    passed as positional arguments, a dict as keyword arguments, anything else as the one argument. The call runs in
+    eval mode without gradients and stops where ``sequential`` would start, so no layer runs, no running statistic
+    changes and the random number generators end as they began.
+    """
+
+    def capture(_module: nn.Module, args: tuple[Any, ...]) -> None:
+        raise _Captured(args[0])
+
+    # The first block's first argument: what a Sequential passes on, or what the model's loop calls its blocks with.
+    handle = sequential[0].register_forward_pre_hook(capture)
+    modes = {submodule: submodule.training for submodule in module.modules()}
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    sample = move_data_to_device(sample, device)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=_rng_devices(device)):
+            module.eval()
+            if isinstance(sample, tuple):
+                module(*sample)
+            elif isinstance(sample, dict):
+                module(**sample)
+            else:
+                module(sample)
+    except _Captured as captured:
+        return captured.value
+    finally:
+        handle.remove()
+        for submodule, training in modes.items():
+            submodule.training = training
+    raise ValueError(
+        f"calling {type(module).__name__} on the sample never called the pipelined nn.Sequential, so its input is"
+        " unknown; make the LightningModule's forward call the pipelined module, or pass a sample that does."
+    )
+
+
+def profile_layers(
+    sequential: nn.Sequential,
+    sample: Activation,
+    device: torch.device,
+    num_micro_batches: int = 1,
+    seconds_per_layer: float = 0.05,
+    min_repeats: int = 3,
+) -> list[LayerProfile]:
+    """Forward and backward time and memory of every layer of ``sequential`` on ``device``.
+
+    ``sample`` is the input of ``sequential`` (see :func:`pipelined_input`); each layer runs on the first of its
+    ``num_micro_batches`` micro-batches, as a stage would. Each layer is timed ``min_repeats`` times or for about
+    ``seconds_per_layer``, whichever takes longer, after one warm-up run; the fastest run counts, since other
+    processes on the machine only ever add time (as ``timeit`` reasons).
+    """
+    value = microbatch.split(move_data_to_device(_real(sample, device), device), num_micro_batches)[0]
+    profiles = []
+    with torch.random.fork_rng(devices=_rng_devices(device)):
+        for index, layer in enumerate(sequential):
+            profile, value = _profile_layer(layer, value, device, seconds_per_layer, min_repeats, index)
+            profiles.append(profile)
+    return profiles
+
+
+def _profile_layer(
+    layer: nn.Module, value: Activation, device: torch.device, budget: float, min_repeats: int, index: int
+) -> tuple[LayerProfile, Activation]:
+    """The profile of one layer and its output (the next layer's input), detached."""
+    layer = _materialized(copy.deepcopy(layer), device)
+    is_tuple = isinstance(value, tuple)
+    where = f"the input of layer {index} of the pipelined module"
+    inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in microbatch.as_tensors(value, where))
+    parameter_pointers = {p.data_ptr() for p in layer.parameters()}
+    parameter_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+    sync = _synchronizer(device)
+
+    forwards: list[float] = []
+    backwards: list[float] = []
+    activation_bytes = 0
+    output: Activation = value
+    spent, run = 0.0, 0
+    while run <= min_repeats or spent < budget:  # run 0 is the warm-up
+        saved: dict[tuple[int, tuple[int, ...]], int] = {}
+
+        def pack(tensor: Tensor, saved: dict[tuple[int, tuple[int, ...]], int] = saved) -> Tensor:
+            if tensor.data_ptr() not in parameter_pointers:
+                saved[(tensor.data_ptr(), tuple(tensor.shape))] = tensor.numel() * tensor.element_size()
+            return tensor
+
+        # A layer that works in place (``nn.ReLU(inplace=True)``) may not modify a leaf that requires grad, and must
+        # not modify the input the next run reuses: it gets a copy, made outside the timed span.
+        copies = tuple(t.clone() for t in inputs)
+        sync()
+        start = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            output = layer(copies if is_tuple else copies[0])
+        sync()
+        middle = time.perf_counter()
+        outputs = microbatch.as_tensors(output, f"the output of layer {index} of the pipelined module")
+        needing = [t for t in outputs if t.requires_grad]
+        if needing:
+            torch.autograd.backward(needing, [torch.ones_like(t) for t in needing])
+        sync()
+        end = time.perf_counter()
+        if run > 0:
+            forwards.append(middle - start)
+            backwards.append(end - middle)
+            spent += end - start
+        activation_bytes = sum(saved.values())
+        layer.zero_grad(set_to_none=True)
+        for tensor in inputs:
+            tensor.grad = None
+        run += 1
+    detached = tuple(t.detach() for t in microbatch.as_tensors(output, "the output"))
+    profile = LayerProfile(min(forwards), min(backwards), parameter_bytes, activation_bytes)
+    return profile, detached if isinstance(output, tuple) else detached[0]
+
+
+def _materialized(layer: nn.Module, device: torch.device) -> nn.Module:
+    """``layer`` on ``device``; a layer built on the meta device (deferred initialisation) gets freshly initialised
+    weights there: timing and sizes do not depend on the values."""
+    if not any(t.is_meta for t in (*layer.parameters(), *layer.buffers())):
+        return layer.to(device)
+    layer = layer.to_empty(device=device)
+    for module in layer.modules():
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+    return layer
+
+
+def _real(value: Activation, device: torch.device) -> Activation:
+    """The sample input with meta tensors (from modules before the pipeline still on the meta device) replaced by
+    random ones of the same shape and dtype."""
+    tensors = microbatch.as_tensors(value, "the input of the pipelined module")
+    if not any(t.is_meta for t in tensors):
+        return value
+    def filled(t: Tensor) -> Tensor:
+        make = torch.randn if t.is_floating_point() else torch.zeros
+        return make(t.shape, dtype=t.dtype, device=device) if t.is_meta else t
+
+    real = tuple(filled(t) for t in tensors)
+    return real if isinstance(value, tuple) else real[0]
+
+
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    """Waits for the device's queued work, so that host clocks time the work and not its launch."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    if device.type == "cpu":
+        return lambda: None
+    return lambda: torch.accelerator.synchronize(device)
+
+
+def _rng_devices(device: torch.device) -> list[int]:
+    return [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []

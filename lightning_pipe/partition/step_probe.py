@@ -1,0 +1,64 @@
+"""The training step run on the shapes of the first training batch, to see which modules it calls one after another.
+
+The blocks to pipeline are found in the model's containers and in what its ``forward`` calls; when those leave much of
+the model outside the pipeline, the strategy also looks at what ``training_step`` calls (Lightning's README
+autoencoder calls ``self.encoder`` then ``self.decoder`` from its step; its ``forward`` calls the encoder only). The
+step then runs once at start-up, on every rank alike: on the meta device (through
+:func:`lightning_pipe.partition.region.observed_chains`), with ``self.log`` and ``self.log_dict`` doing nothing, on the first
+batch of the training DataLoader moved to the meta device. Neither taking the batch nor the step's run changes the
+random state that training then starts from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from torch import nn
+
+
+@contextlib.contextmanager
+def random_state_kept() -> Iterator[None]:
+    """Whatever runs inside draws no number that the code after it would have drawn."""
+    states = _collect_rng_states(include_cuda=torch.cuda.is_available())
+    try:
+        yield
+    finally:
+        _set_rng_states(states)
+
+
+def first_training_batch(trainer: Any, module: nn.Module) -> Any | None:
+    """The first batch of the training DataLoader, through the module's batch hooks, on the meta device; ``None``
+    when there is no training DataLoader or it cannot be read here. Before the fit attaches its data (the check
+    before the processes start), the module's own ``train_dataloader``, if it has one."""
+    source = trainer.fit_loop._data_source
+    try:
+        try:
+            loader = source.dataloader()
+        except Exception:  # not attached yet: Lightning's own hook, where the module defines none, raises too
+            loader = module.train_dataloader()
+        batch = next(iter(loader))
+        batch = module._on_before_batch_transfer(batch, 0)
+        return module._apply_batch_transfer_handler(batch, torch.device("meta"), 0)
+    except Exception:  # an unusual loader or hook: the region is found without the step
+        return None
+
+
+def training_step_on(batch: Any) -> Callable[[nn.Module], Any]:
+    """What runs ``module.training_step(batch, 0)`` with logging turned off."""
+
+    def step(module: nn.Module) -> Any:
+        module.log = module.log_dict = _log_nothing  # type: ignore[method-assign]
+        try:
+            return module.training_step(batch, 0)  # type: ignore[operator]
+        finally:
+            del module.log, module.log_dict
+
+    return step
+
+
+def _log_nothing(*args: Any, **kwargs: Any) -> None:
+    pass
