@@ -14,6 +14,7 @@ from packaging.version import Version
 
 from lightning_pipe.checkpoints.pretrained import PretrainedWeights
 from lightning_pipe.config import PipelineParallelConfig
+from lightning_pipe.integration import former_paths
 from lightning_pipe.execution.materialize import init_weights
 from lightning_pipe.integration.lightning_packages import LIGHTNING_RELEASES
 from lightning_pipe.strategy import GPipeStrategy
@@ -59,6 +60,7 @@ def _register_for_pytorch_lightning() -> None:
 
 
 _register_for_pytorch_lightning()
+former_paths.install()
 
 __all__ = ["GPipeStrategy", "PipelineParallelConfig", "PretrainedWeights", "init_weights"]
 __version__ = "0.1.0"

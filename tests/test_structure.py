@@ -1,9 +1,12 @@
-"""The package's structure as docs/design.md maps it: every module is in the map, and no import cycle."""
+"""The package's structure as docs/architecture.md draws it: layers that no import climbs, every module in the map,
+no import cycle, files and classes a reader can hold in mind, and no module named like a well-known one."""
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import re
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,19 +93,82 @@ def test_the_cycle_check_finds_a_cycle():
     assert cycles(graph) == [["engine", "stage", "engine"]]
 
 
-def test_the_design_map_names_every_module_and_only_modules():
-    design = (REPO / "docs" / "design.md").read_text()
-    section = design.split("## The pieces", 1)[1].split("\n## ", 1)[0]
+ARCHITECTURE = (REPO / "docs" / "architecture.md").read_text()
+MAX_FILE_LINES, MAX_CLASS_LINES = 700, 450
+# Named like the standard library's ``trace``, kept: ``python -m lightning_pipe.trace`` is a command users call.
+KEPT_NAMES = {"trace"}
+
+
+def layers() -> dict[str, int]:
+    """Each part's layer, from the table of docs/architecture.md: ``| 5 | `execution` | ...``."""
+    rows = re.findall(r"^\| (\d+) \| `([\w.]+)` \|", ARCHITECTURE, re.M)
+    return {part: int(layer) for layer, part in rows}
+
+
+def part_of(module: str) -> str:
+    """The part a module belongs to: its folder (``execution`` for ``execution.engine``), or itself at the top."""
+    return module.split(".")[0] or "__init__"
+
+
+def climbing_imports(graph: dict[str, set[str]], layer_of: dict[str, int]) -> list[str]:
+    """Every import from a module to one in a higher layer, as ``importer (layer) -> imported (layer)``."""
+    return [
+        f"{module} (layer {layer_of[part_of(module)]}) -> {target} (layer {layer_of[part_of(target)]})"
+        for module, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if layer_of[part_of(target)] > layer_of[part_of(module)]
+    ]
+
+
+def test_no_import_climbs_a_layer():
+    graph, layer_of = import_graph(), layers()
+    unplaced = sorted({part_of(module) for module in graph} - set(layer_of))
+    assert not unplaced, f"parts with no layer in docs/architecture.md's table: {unplaced}"
+    assert not climbing_imports(graph, layer_of), "imports that climb a layer:\n" + "\n".join(
+        climbing_imports(graph, layer_of)
+    )
+
+
+def test_the_layer_check_finds_an_import_that_climbs():
+    """Negative control: the schedules importing the engine is caught and named."""
+    graph = {"schedules.actions": {"execution.engine"}, "execution.engine": {"schedules.actions"}}
+    assert climbing_imports(graph, layers()) == ["schedules.actions (layer 1) -> execution.engine (layer 5)"]
+
+
+def test_the_module_map_names_every_module_and_only_modules():
+    section = ARCHITECTURE.split("## The modules", 1)[1].split("\n## ", 1)[0]
     first_column = [row.split("|")[1] for row in section.splitlines() if row.startswith("| `")]
     mapped = {name for cell in first_column for name in re.findall(r"`([\w.]+)`", cell)}
-    # A package's row lists its modules in parentheses: `trace` (package: `timeline`, `tracer`, ...).
-    mapped |= {
-        f"{package}.{module}"
-        for cell in first_column
-        for package, inner in re.findall(r"`(\w+)` \(package: ([^)]*)\)", cell)
-        for module in re.findall(r"`(\w+)`", inner)
-    }
-    found = set(modules())
-    assert not found - mapped, f"modules missing from docs/design.md's map: {sorted(found - mapped)}"
-    submodules = {name.rpartition(".")[2] for name in found if "." in name}
-    assert not mapped - found - submodules, f"the map names modules that do not exist: {sorted(mapped - found - submodules)}"
+    found = {name for name, path in modules().items() if path.name != "__init__.py"}
+    assert not found - mapped, f"modules missing from docs/architecture.md's map: {sorted(found - mapped)}"
+    assert not mapped - found, f"the map names modules that do not exist: {sorted(mapped - found)}"
+
+
+def test_every_folder_says_what_it_holds_may_import_and_who_imports_it():
+    for name, path in modules().items():
+        if path.name == "__init__.py" and "." not in name:
+            doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+            assert "Holds" in doc and "May import" in doc and "mported by" in doc, f"{path}: docstring incomplete"
+
+
+def test_no_file_or_class_is_too_long_to_hold_in_mind():
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        where = path.relative_to(REPO)
+        if len(text.splitlines()) > MAX_FILE_LINES:
+            too_long.append(f"{where}: {len(text.splitlines())} lines (at most {MAX_FILE_LINES})")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                lines = node.end_lineno - node.lineno + 1
+                too_long.append(f"{where}: class {node.name} {lines} lines (at most {MAX_CLASS_LINES})")
+    assert not too_long, "\n".join(too_long)
+
+
+def test_no_module_takes_the_name_of_a_standard_or_installed_package():
+    """``lightning_pipe.hydra`` read as Hydra, ``profile`` as the standard library's profiler: a name says one thing."""
+    taken = set(sys.stdlib_module_names) | set(importlib.metadata.packages_distributions())
+    clashing = sorted(
+        name for name in modules() if name.rpartition(".")[2] in taken - KEPT_NAMES
+    )
+    assert not clashing, f"modules named like a standard or installed package: {clashing}"

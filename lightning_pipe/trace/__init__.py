@@ -6,7 +6,7 @@ clock. Open it in https://ui.perfetto.dev or ``chrome://tracing``, or draw it::
 
     python -m lightning_pipe.trace render traces/gpipe_trace.json timeline.png   # needs matplotlib (the plot extra)
 
-The pieces: :mod:`~lightning_pipe.trace.timeline` records what one stage did in a step (the engine feeds it);
+Holds: :mod:`~lightning_pipe.trace.timeline` records what one stage did in a step (the engine feeds it);
 :mod:`~lightning_pipe.trace.tracer` gathers the stages' timelines on one clock during training, logs the bubble and
 writes the traced steps; :mod:`~lightning_pipe.trace.chrome` is the file format, :mod:`~lightning_pipe.trace.picture`
 the PNG, and :func:`main` the command line. :mod:`~lightning_pipe.trace.stage_summary` is the start-up's stage
