@@ -1,9 +1,12 @@
-"""The benchmark models and data: the :class:`Workload` stack, built identically in every process; He-initialised
+"""The benchmark models and data: the :class:`Workload` stack, built identically in every process, and the
+LightningModule that trains it; He-initialised
 blocks for the sections that build their own models; the dataset that hands a Trainer the same batch every step."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -17,6 +20,26 @@ def make_stack(work: Workload) -> nn.Sequential:
     for _ in range(work.depth):
         layers += [nn.Linear(work.width, work.width), nn.ReLU()]
     return nn.Sequential(*layers)
+
+
+LEARNING_RATE = 1e-4  # small: the weights should stay in a normal range over many steps
+
+
+class StackModule(LightningModule):
+    """The benchmark model as a user would write it: the stack in ``self.model``, an MSE loss, the loss logged."""
+
+    def __init__(self, work: Workload) -> None:
+        super().__init__()
+        self.model = make_stack(work)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, target = batch
+        loss = F.mse_loss(self.model(x), target)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LEARNING_RATE)
 
 
 def make_batch(work: Workload) -> tuple[Tensor, Tensor]:

@@ -16,37 +16,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from lightning.pytorch import LightningModule
-from torch import Tensor
 from torch.utils.data import DataLoader
 
 from harness.rank import run_rank
-from harness.stack import RepeatedBatch, make_batch, make_stack
+from harness.stack import LEARNING_RATE, RepeatedBatch, StackModule, make_batch, make_stack
 from harness.timing import StepEnds, measuring_trainer, step_intervals
 from harness.workload import Workload
 from lightning_pipe import GPipeStrategy
 from ranks.engine_step import EngineStep
-
-LEARNING_RATE = 1e-4  # small: the weights should stay in a normal range over many steps
-
-
-class StackModule(LightningModule):
-    """The benchmark model as a user would write it: the stack in ``self.model``, an MSE loss, the loss logged."""
-
-    def __init__(self, work: Workload) -> None:
-        super().__init__()
-        self.model = make_stack(work)
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        x, target = batch
-        loss = F.mse_loss(self.model(x), target)
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=LEARNING_RATE)
-
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     work = Workload.from_spec(spec)
