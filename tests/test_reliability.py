@@ -123,8 +123,13 @@ class Case:
 
 STALL_TIMEOUT_S = 20  # GPipeStrategy(timeout=...) of the stall case; it also bounds the ranks' start-up
 FAILURES = {
-    # A child rank (stage 1 of 3) raises inside a pipelined layer: Lightning's observer ends rank 0.
+    # A child rank (stage 1 of 3) raises inside a pipelined layer: rank 0, waiting on it, re-raises its exception.
     "popen-middle-layer-train": Case("gpipe", 3, [fault("raise", "layer", 1)]),
+    # The same while the launching process (rank 0, the last stage) is busy for 10 s before it next waits on the
+    # failed rank: Lightning's child-process observer (every 5 s) must not SIGKILL it before it says the cause.
+    "popen-first-layer-train-launcher-busy": Case(
+        "gpipe", 2, [fault("raise", "layer", 0), {**fault("busy", "hook", 1), "seconds": 10}]
+    ),
     # Rank 0 raises in validation while the other rank computes outside any communication (here: sleeps in a
     # callback): nothing would ever stop that rank, so the launching process ends it as it exits.
     "popen-last-hook-val-other-stuck": Case(

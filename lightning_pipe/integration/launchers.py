@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 
 # After a failed run, how long the ranks a popen launch started may take to exit on their own before they are killed.
 _STARTED_RANKS_GRACE_S = 3.0
+# After a started rank failed, how long the launching process may take to raise the run's cause before it is killed.
+_FAILED_RANK_GRACE_S = 30.0
 
 
 class ModelCheck:
@@ -53,6 +56,8 @@ class ModelCheck:
         if self.check_model is not None and args and lightning_module_base(args[0]) is not None:
             self.check_model(args[0], trainer)
         function = partial(raising_the_root_cause, function, trainer, next_failure_key())
+        # Lightning calls ``function`` once it has started the other ranks (popen launcher) and its observer.
+        function = partial(_watching_started_ranks, self, function)
         if self._exceptions_dir is not None:
             function = partial(leaving_the_exception, self._exceptions_dir, function)
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
@@ -193,6 +198,44 @@ def keep_process_groups_at_exit() -> None:
     """After a failed run, leave the groups alone at exit: a gloo group would wait there for receives from peers
     that may never answer, and the process must end."""
     _process_groups_at_exit["destroy"] = False
+
+
+def _watching_started_ranks(launcher: _Launcher, function: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Run ``function``, watching the ranks that ``launcher`` started (popen launcher; others start none here)."""
+    procs = getattr(launcher, "procs", None)
+    if procs:
+        watcher = threading.Thread(
+            target=_watch_started_ranks, args=(procs, os.getpid()), name="lightning-pipe-rank-watcher", daemon=True
+        )
+        watcher.start()
+    return function(*args, **kwargs)
+
+
+def _watch_started_ranks(procs: list[subprocess.Popen], launching_pid: int) -> None:
+    """Take a started rank that failed out of the list Lightning's child-process observer watches.
+
+    NOTE: within 5 s of a started rank's failure, the observer SIGKILLs the launching process (and every rank), so
+    that none lingers. On a loaded machine that comes before the launching process has raised the run's cause: the
+    user sees a bare SIGKILL instead of the failing stage's exception. The launching process ends on its own once it
+    next waits on the failed rank (the peer is lost, the cause re-raised); only if it is still running
+    ``_FAILED_RANK_GRACE_S`` later are it and the ranks killed, as the observer would.
+    """
+    started = list(procs)
+    deadline = None
+    while deadline is None or time.monotonic() < deadline:
+        time.sleep(0.2)
+        codes = [proc.poll() for proc in started]
+        if all(code == 0 for code in codes):
+            return
+        for proc, code in zip(started, codes):
+            if code not in (None, 0) and proc in procs:
+                with suppress(ValueError):  # the list may be emptied at exit meanwhile (see _end_started_ranks)
+                    procs.remove(proc)
+                deadline = deadline or time.monotonic() + _FAILED_RANK_GRACE_S
+    for proc in started:
+        with suppress(OSError):
+            proc.kill()
+    os.kill(launching_pid, signal.SIGKILL)
 
 
 def end_started_ranks_at_exit(launcher: _Launcher | None) -> bool:

@@ -14,7 +14,7 @@ reading batch B on stage S's rank) or "checkpoint" (a callback's on_save_checkpo
 KIND: "raise", "sigkill", "sigterm" or "stall" (anywhere); "sigterm_launcher" or "sigint_launcher" (the rank sends
 the signal to its parent, the launching process, as a scheduler or Ctrl-C would, then is stuck); "sigusr1_all" (the
 rank sends SIGUSR1 to every rank, as SLURM does before a job's time limit, then goes on); "slow" (sleeps twice the bound the stall watchdog would set
-now, then goes on); or a misuse by a pipelined layer (``where="layer"``): its output is
+now, then goes on); "busy" (sleeps the fault's "seconds", then goes on: a rank busy in its own work); or a misuse by a pipelined layer (``where="layer"``): its output is
 "non_tensor" (a dict), "batch_dim" (the first row only), "dtype" (float64 where the next stage has float32) or
 "nan" (NaN: the loss becomes NaN); or "skip" (``where="step"``, stage 0): the first stage's step returns before the
 pipelined call while the last stage's calls it.
@@ -164,6 +164,9 @@ class Faults:
                 name = f"slow-{spec['where']}-{spec['phase']}-{_rank()}.json"
                 (self.out / name).write_text(json.dumps({"seconds": seconds, "bound": self.would_be_bound(), **spec}))
             time.sleep(seconds)
+            return
+        if spec["kind"] == "busy":
+            time.sleep(spec["seconds"])
             return
         self._record(spec)
         if spec["kind"] == "sigkill":
