@@ -2,9 +2,9 @@
 lightning_pipe.export_pretrained CHECKPOINT OUT_DIR [--config PRETRAINED_DIR]``.
 
 ``CHECKPOINT`` is a consolidated checkpoint file or a sharded checkpoint directory of this package (or any weights
-:mod:`lightning_pipe.checkpoints.stored_weights` reads). ``OUT_DIR`` receives safetensors shards with their index and, from
-``--config``, the model's ``config.json``: ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads it. The shards are
-read and written one at a time (a sharded checkpoint's file per rank, cut at ``--max-shard-size``), so the command
+:mod:`lightning_pipe.checkpoints.stored_weights` reads). ``OUT_DIR`` receives safetensors shards with their index and,
+from ``--config``, the model's ``config.json``: ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads it. The shards
+are read and written one at a time (a sharded checkpoint's file per rank, cut at ``--max-shard-size``), so the command
 needs about one shard's memory, not the model's (see :func:`lightning_pipe.checkpoints.export.export_checkpoint`).
 """
 

@@ -35,7 +35,12 @@ from torch.multiprocessing.spawn import ProcessRaisedException
 
 from lightning_pipe.execution.materialize import holds_meta_tensors, mark_held_elsewhere
 from lightning_pipe.integration.lightning_packages import lightning_module_base, overrides
-from lightning_pipe.reliability.root_cause import left_exception, leaving_the_exception, next_failure_key, raising_the_root_cause
+from lightning_pipe.reliability.root_cause import (
+    left_exception,
+    leaving_the_exception,
+    next_failure_key,
+    raising_the_root_cause,
+)
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 Lightning's ``ModelSummary`` (and ``RichModelSummary``) callback summarises the LightningModule at the start of
 ``fit`` on global rank 0, the last stage. There the other stages' blocks are stand-ins without parameters; while the
-callback builds its summary, :meth:`~lightning_pipe.execution.stage.StageBlocks.showing_whole_model` puts the blocks back, so
-the table lists the real types and parameter counts, and a last column says which stage runs each layer.
+callback builds its summary, :meth:`~lightning_pipe.execution.stage.StageBlocks.showing_whole_model` puts the blocks
+back, so the table lists the real types and parameter counts, and a last column says which stage runs each layer.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 A pipeline runs at the pace of its most expensive stage. Given a cost per layer (its parameter count, its profiled
 time or memory), :func:`min_max_partition` returns the contiguous split whose most expensive stage is as cheap as
 possible: exactly, by dynamic programming, not by a greedy fill. :func:`plan_partition` turns a ``balance=`` choice
-into a split, profiling the layers (:mod:`lightning_pipe.partition.profiling`) when the choice asks for it. The rules a balance
-must follow are checked here, once: :mod:`lightning_pipe.settings` applies the ones it can before any process starts.
+into a split, profiling the layers (:mod:`lightning_pipe.partition.profiling`) when the choice asks for it. The rules a
+balance must follow are checked here, once: :mod:`lightning_pipe.settings` applies the ones it can before any process
+starts.
 """
 
 from __future__ import annotations

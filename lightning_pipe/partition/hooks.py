@@ -1,11 +1,12 @@
 """Module hooks kept away from the runs on the meta device.
 
-A stage learns the shape of a block it does not run by running it on the meta device (:mod:`lightning_pipe.execution.stage`),
-and the region is found by observing a forward there (:mod:`lightning_pipe.partition.region`): tensors without values, which
-a user's hook (one that reads activations, counts calls, records shapes) must never see. Inside
-:func:`hooks_set_aside` none of the modules' forward and backward hooks registered before fires, nor any global
-module hook; hooks registered inside (by the caller, to observe the run) do. torch's own hooks that compute a
-module's weights before its forward (pruning, ``weight_norm``, ``spectral_norm``) stay: the module needs them to run.
+A stage learns the shape of a block it does not run by running it on the meta device
+(:mod:`lightning_pipe.execution.stage`), and the region is found by observing a forward there
+(:mod:`lightning_pipe.partition.region`): tensors without values, which a user's hook (one that reads activations,
+counts calls, records shapes) must never see. Inside :func:`hooks_set_aside` none of the modules' forward and backward
+hooks registered before fires, nor any global module hook; hooks registered inside (by the caller, to observe the run)
+do. torch's own hooks that compute a module's weights before its forward (pruning, ``weight_norm``, ``spectral_norm``)
+stay: the module needs them to run.
 """
 
 from __future__ import annotations

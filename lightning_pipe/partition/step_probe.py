@@ -4,9 +4,9 @@ The blocks to pipeline are found in the model's containers and in what its ``for
 the model outside the pipeline, the strategy also looks at what ``training_step`` calls (Lightning's README
 autoencoder calls ``self.encoder`` then ``self.decoder`` from its step; its ``forward`` calls the encoder only). The
 step then runs once at start-up, on every rank alike: on the meta device (through
-:func:`lightning_pipe.partition.region.observed_chains`), with ``self.log`` and ``self.log_dict`` doing nothing, on the first
-batch of the training DataLoader moved to the meta device. Neither taking the batch nor the step's run changes the
-random state that training then starts from.
+:func:`lightning_pipe.partition.region.observed_chains`), with ``self.log`` and ``self.log_dict`` doing nothing, on the
+first batch of the training DataLoader moved to the meta device. Neither taking the batch nor the step's run changes
+the random state that training then starts from.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ which the thread reads at once. The thread then
    handler does once it runs;
 2. gives the run ``STOP_GRACE_S`` to stop by itself, as Lightning stops it: at the next training step
    (``SIGTERMException``), or by ``KeyboardInterrupt``;
-3. then closes the rank's gloo connections (:func:`~lightning_pipe.reliability.watchdog.close_gloo_groups`): the wait its main
-   thread is blocked in fails, and the rank ends with Lightning's exception for the signal
+3. then closes the rank's gloo connections (:func:`~lightning_pipe.reliability.watchdog.close_gloo_groups`): the
+   wait its main thread is blocked in fails, and the rank ends with Lightning's exception for the signal
    (:func:`stop_exception`) through Lightning's usual exception handling;
 4. and ends the process ``EXIT_GRACE_S`` later if it still runs (its started ranks with it).
 """

@@ -1,8 +1,8 @@
 """The stall watchdog at run time: waits on other ranks bounded, who stopped found from every rank's answer, every
 rank's stack written, the run ended.
 
-The rule (the bound, which steps it applies to, who stopped) is :mod:`lightning_pipe.reliability.stall_rule`; this module applies
-it in a run. Two things watch a rank:
+The rule (the bound, which steps it applies to, who stopped) is :mod:`lightning_pipe.reliability.stall_rule`; this
+module applies it in a run. Two things watch a rank:
 
 * Its waits. Every wait of the pipeline on another rank comes through :meth:`StallWatchdog.wait` (the works of
   point-to-point messages and of the strategy's collectives, with what is awaited and from whom) or
@@ -17,11 +17,11 @@ it in a run. Two things watch a rank:
 When a rank fires, every rank answers through the store with its state (what it waits for and on whom, or where its
 main thread is) and writes its Python stack (all threads, ``faulthandler``) to its log and to
 ``<default_root_dir>/stall_stacks/rank<R>.txt``. From the answers the rank that stopped is found (awaited, waiting on
-no one), and each rank ends with a :class:`~lightning_pipe.reliability.stall_rule.PipelineStallError` that names its own wait and
-that rank. A waiting rank's watcher closes the rank's gloo connections (:func:`close_gloo_groups`, what gloo itself
-does when a timed wait expires), so that the wait in its main thread fails and raises the error; the stopped rank's
-watcher raises it in its main thread (a signal interrupts a sleep, a lock or a blocking read). Either watcher ends
-its process if that does not end it.
+no one), and each rank ends with a :class:`~lightning_pipe.reliability.stall_rule.PipelineStallError` that names its own
+wait and that rank. A waiting rank's watcher closes the rank's gloo connections (:func:`close_gloo_groups`, what gloo
+itself does when a timed wait expires), so that the wait in its main thread fails and raises the error; the stopped
+rank's watcher raises it in its main thread (a signal interrupts a sleep, a lock or a blocking read). Either watcher
+ends its process if that does not end it.
 """
 
 from __future__ import annotations

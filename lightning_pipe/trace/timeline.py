@@ -131,7 +131,7 @@ def bubble_fraction(extents: Sequence[StageExtent]) -> float:
 
     The window runs from the first forward on any stage to the last backward on any stage. With equal stages and
     free communication, GPipe's stages each idle ``(S - 1) / (M + S - 1)`` of it
-    (:meth:`lightning_pipe.schedules.actions.PipelineSchedule.ideal_bubble`); unequal stages and communication add to that.
+    (:func:`lightning_pipe.schedules.simulator.ideal_bubble`); unequal stages and communication add to that.
     """
     window = max(e.last_end for e in extents) - min(e.first_start for e in extents)
     if window <= 0:
