@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from lightning_pipe.execution.stage import ChunkCall
+from lightning_pipe.execution.call_order import ChunkCall
 from lightning_pipe.partition import microbatch
 
 WHERE_INPUT = "the input of the pipelined module"

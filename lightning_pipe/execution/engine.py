@@ -10,9 +10,11 @@ run. A stage holds one model chunk, or several with virtual stages; its actions 
   :meth:`PipelineEngine.backward_phase` runs the schedule's backward actions afterwards, from the gradients the
   next stage sends (or, on the last chunk, those the user's ``loss.backward()`` left on the leaves).
 * **Per-micro-batch steps** (1F1B, interleaved, zero bubble): :meth:`PipelineEngine.run_schedule` runs every action
-  in order; for each forward it asks the runtime to run the user's step on that micro-batch, whose call of the
-  chunk's blocks comes back here (:meth:`PipelineEngine.forward_micro_batch`), and each backward of the last chunk
-  starts from that micro-batch's loss.
+  in order; for each forward it runs the user's step on that micro-batch (the runtime hands it in), whose call of
+  the chunk's blocks runs the chunk (:meth:`PipelineEngine.forward_micro_batch`), and each backward of the last
+  chunk starts from that micro-batch's loss.
+
+Either way every action runs through one table, one handler per kind of action (``PipelineEngine._handlers``).
 
 Every chunk output that another chunk reads is cut from the graph: the next chunk's input is a leaf (received, or
 handed over on the same stage), and the last chunk's output reaches the user's code as leaves. So each backward
@@ -50,7 +52,8 @@ from lightning_pipe.execution.p2p import ACTIVATION, SKIP, Header, Link, TensorM
 from lightning_pipe.execution.random_streams import StageRandomStreams
 from lightning_pipe.execution.recomputation import recompute_later, unchanged_running_stats
 from lightning_pipe.execution.split_backward import WeightGradients, backward_input
-from lightning_pipe.execution.stage import ChainKey, ChunkCall, StageBlocks
+from lightning_pipe.execution.call_order import ChainKey, ChunkCall
+from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.partition import microbatch
 from lightning_pipe.partition.microbatch import Activation
 from lightning_pipe.schedules.actions import Action, ActionKind, PipelineSchedule, RecomputeMode
@@ -136,6 +139,17 @@ class _StepState:
     sends: list[tuple[Link, list[dist.Work], str]] = field(default_factory=list)  # kept until they complete
     sent_metas: dict[int, tuple[TensorMeta, ...]] = field(default_factory=dict)  # per peer: the last activation's
 
+    def wait_sends(self, done_only: bool = False) -> None:
+        """Wait for this step's sends to complete (``done_only``: release the completed ones, wait for none), each
+        named if it fails."""
+        waiting = []
+        for link, works, what in self.sends:
+            if done_only and not all(work.is_completed() for work in works):
+                waiting.append((link, works, what))
+            else:
+                link.wait(works, what, sending=True)
+        self.sends = waiting
+
 
 class PipelineEngine:
     """Runs one stage's share of each step; one instance per process.
@@ -199,7 +213,7 @@ class PipelineEngine:
 
     def begin_step(self) -> None:
         """Forget the previous step (its backward may have been skipped)."""
-        self._wait_sends()
+        self._step.wait_sends()
         self._step = _StepState()
         self.timeline.begin_step()
         if self.random_streams is not None:
@@ -240,7 +254,7 @@ class PipelineEngine:
         step.whole_batch = None
         # Training, the forward phase is followed by waits for the next stage (its gradients, the step's outcome):
         # sent activations are held until the next stage has them, and no longer.
-        self._wait_sends(done_only=not grad)
+        self._step.wait_sends(done_only=not grad)
         if k != self.last_chunk:
             return None
         return microbatch.join([forwards.outputs[m] for m in range(num)], alias=grad)
@@ -294,7 +308,7 @@ class PipelineEngine:
         The chunk runs on it; its output on the last chunk (as leaves), else ``None``."""
         action = self._step.actions[self._step.next_action - 1]
         assert action.kind == "forward" and action.micro_batch == m and action.chunk == call.chunk
-        inputs = self._take_input(call.chunk, m, call.stage_input if call.chunk == 0 else None)
+        inputs = _input_of(self._step, call.chunk, m, call.stage_input if call.chunk == 0 else None)
         return self._run_chunk(action, call, inputs, 0, 1)
 
     def set_loss(self, m: int, loss: Tensor | None) -> None:
@@ -345,7 +359,7 @@ class PipelineEngine:
             if k < self.last_chunk and not self._here(k + 1):
                 link = self.links[self.owner(k + 1)]
                 self._step.sends.append((link, [link.send_header(Header(SKIP, chunk=k + 1))], "the activations"))
-        self._wait_sends()
+        self._step.wait_sends()
 
     # ---- executing actions ---------------------------------------------------------------------------------------
 
@@ -357,7 +371,7 @@ class PipelineEngine:
             self._handlers[action.kind](action)
         elif action.kind == "forward":
             self._pass_skip(*key)
-        self._wait_sends(done_only=True)
+        self._step.wait_sends(done_only=True)
 
     def _forward(self, action: Action) -> None:
         """A forward of the schedule. In a per-micro-batch step the user's step runs on the micro-batch, and its call
@@ -372,22 +386,10 @@ class PipelineEngine:
             return
         forwards = step.whole_batch
         assert forwards is not None, f"{action} runs only inside a chunk's forwards"
-        inputs = self._take_input(k, m, forwards.parts[m] if k == 0 else None)
+        inputs = _input_of(self._step, k, m, forwards.parts[m] if k == 0 else None)
         output = self._run_chunk(action, forwards.call, inputs, m, step.num_micro_batches)
         if k == self.last_chunk:
             forwards.outputs[m] = output
-
-    def _take_input(self, k: int, m: int, own: Activation | None) -> _Input:
-        """Micro-batch ``m``'s input of chunk ``k``, as leaves: ``own`` for the first chunk, the output of chunk
-        ``k - 1`` when this stage holds it, else received."""
-        grad = torch.is_grad_enabled()
-        if k == 0:
-            assert own is not None
-            leaves = tuple(input_leaf(t, grad and t.requires_grad) for t in microbatch.as_tensors(own, WHERE_INPUT))
-            return _Input(leaves, isinstance(own, tuple))
-        out = self._step.outputs.pop((k - 1, m))  # handed over by chunk k - 1 on this stage, or received
-        leaves = tuple(input_leaf(t, grad and needs) for t, needs in zip(out.tensors, out.requires_grad))
-        return _Input(leaves, out.is_tuple, out.carried)
 
     def _receive_input(self, action: Action) -> None:
         """Receive micro-batch ``m``'s input of chunk ``k`` from the stage of chunk ``k - 1`` (or that it skipped it)."""
@@ -445,7 +447,7 @@ class PipelineEngine:
             else:
                 out, carried = run(*inputs)
         except Exception as error:  # the user's error, unchanged, with where in the pipeline it happened
-            error.add_note(self._where_it_failed(error, inputs, call, m))
+            error.add_note(_where_it_failed(self, error, inputs, call, m))
             raise
         self.timeline.add(FORWARD, m, start)
         result = None
@@ -453,7 +455,7 @@ class PipelineEngine:
             result, originals, micro_batch.user_outputs = cut_output(out, grad, every_float=later)
             micro_batch.outputs = gradient_edges(originals)
         else:
-            step.outputs[(k, m)] = self._output_to_pass_on(micro_batch, out, carried, later, k, m)
+            step.outputs[(k, m)] = _output_to_pass_on(micro_batch, out, carried, later, k, m)
         if grad:
             step.micro_batches[(k, m)] = micro_batch
             step.calls.setdefault(id(call), CallState(call)).forwarded[m] = inputs
@@ -462,23 +464,6 @@ class PipelineEngine:
                 if isinstance(batch_norm, DeferredBatchNorm):
                     batch_norm.commit()  # the mini-batch is complete: update the running statistics once
         return result
-
-    def _output_to_pass_on(
-        self, micro_batch: _MicroBatch, out: Any, carried: dict[ChainKey, Tensor], later: bool, k: int, m: int
-    ) -> _Output:
-        """A chunk's output that is not the model's, detached for the next chunk; ``micro_batch`` keeps where the
-        gradients of those that need one enter its graph, and their shapes."""
-        out = self.stage.travelling(out)
-        outputs = microbatch.as_tensors(out, f"the output of model chunk {k} for micro-batch {m}")
-        if micro_batch.inputs:
-            microbatch.check_batch_kept(micro_batch.inputs, outputs, k, m)
-        outputs += tuple(carried.values())
-        needs = tuple(t.requires_grad or (later and t.is_floating_point()) for t in outputs)
-        micro_batch.outputs = gradient_edges(t for t, needed in zip(outputs, needs) if needed)
-        micro_batch.output_metas = tuple(
-            TensorMeta(tuple(t.shape), t.dtype, False) for t, needed in zip(outputs, needs) if needed
-        )
-        return _Output(tuple(t.detach() for t in outputs), needs, isinstance(out, tuple), tuple(carried))
 
     def _send_activation(self, action: Action) -> None:
         """Send chunk ``k``'s output of micro-batch ``m`` to the stage holding chunk ``k + 1``."""
@@ -530,7 +515,7 @@ class PipelineEngine:
             if k == self.last_chunk:
                 micro_batch.outputs = gradient_edges(cut_output(out, True, every_float=True)[1])
             else:
-                tensors = microbatch.as_tensors(self.stage.travelling(out), "") + tuple(carried.values())
+                tensors = microbatch.as_tensors(micro_batch.call.travelling(out), "") + tuple(carried.values())
                 micro_batch.outputs = gradient_edges(t for t in tensors if t.is_floating_point())
         pairs = [(edge, g) for edge, g in zip(micro_batch.outputs, micro_batch.output_grads) if edge is not None]
         edges, grads = [edge for edge, _ in pairs], [g for _, g in pairs]
@@ -586,43 +571,10 @@ class PipelineEngine:
             backward_into_user_graph(state)
 
     def end_step(self) -> None:
-        self._wait_sends()
+        self._step.wait_sends()
         self._step = _StepState()
 
-    def _wait_sends(self, done_only: bool = False) -> None:
-        """Wait for this step's sends to complete (``done_only``: release the completed ones, wait for none), each
-        named if it fails."""
-        step = self._step
-        waiting = []
-        for link, works, what in step.sends:
-            if done_only and not all(work.is_completed() for work in works):
-                waiting.append((link, works, what))
-            else:
-                link.wait(works, what, sending=True)
-        step.sends = waiting
-
     # ---- errors and re-computation -------------------------------------------------------------------------------
-
-    def _where_it_failed(self, error: Exception, inputs: tuple[Tensor, ...], call: ChunkCall, m: int) -> str:
-        """A note for an error raised by a chunk's blocks: the stage, its blocks, the micro-batch, and, for a dtype
-        error on a received input, the stage that sent that dtype."""
-        stage = self.stage
-        chunk_range = stage.chunk_ranges[call.chunk]
-        span = f"{chunk_range.start}..{chunk_range.stop - 1}"
-        chunk = f", model chunk {call.chunk}" if stage.num_chunks != stage.num_stages else ""
-        num = self._step.num_micro_batches
-        note = f"raised by pipeline stage {stage.stage_index}{chunk} (layers {span}) on micro-batch {m} of {num}"
-        if stage.region.container is None:
-            note += f" ({call.describe(stage.region.names)})"
-        received = sorted({str(t.dtype) for t in inputs if t.is_floating_point()})
-        own = sorted({str(p.dtype) for p in self._weights[call.chunk] if p.is_floating_point()})
-        if call.chunk > 0 and ("dtype" in str(error) or "scalar type" in str(error)) and received != own:
-            note += (
-                f"; it received {', '.join(received)} from stage {self.owner(call.chunk - 1)} but its parameters are"
-                f" {', '.join(own)}: give every stage the same dtype (convert the whole model, e.g. model.double(),"
-                " or set the Trainer's precision)"
-            )
-        return note
 
     def _recomputation_contexts(
         self, m: int
@@ -636,3 +588,58 @@ class PipelineEngine:
         batch_norms = [bn for chunk_norms in self._batch_norms.values() for bn in chunk_norms]
         with self.timeline.recomputing(m), unchanged_running_stats(batch_norms):
             yield
+
+
+def _output_to_pass_on(
+    micro_batch: _MicroBatch, out: Any, carried: dict[ChainKey, Tensor], later: bool, k: int, m: int
+) -> _Output:
+    """A chunk's output that is not the model's, detached for the next chunk; ``micro_batch`` keeps where the
+    gradients of those that need one enter its graph, and their shapes."""
+    out = micro_batch.call.travelling(out)
+    outputs = microbatch.as_tensors(out, f"the output of model chunk {k} for micro-batch {m}")
+    if micro_batch.inputs:
+        microbatch.check_batch_kept(micro_batch.inputs, outputs, k, m)
+    outputs += tuple(carried.values())
+    needs = tuple(t.requires_grad or (later and t.is_floating_point()) for t in outputs)
+    micro_batch.outputs = gradient_edges(t for t, needed in zip(outputs, needs) if needed)
+    micro_batch.output_metas = tuple(
+        TensorMeta(tuple(t.shape), t.dtype, False) for t, needed in zip(outputs, needs) if needed
+    )
+    return _Output(tuple(t.detach() for t in outputs), needs, isinstance(out, tuple), tuple(carried))
+
+
+def _where_it_failed(
+    engine: PipelineEngine, error: Exception, inputs: tuple[Tensor, ...], call: ChunkCall, m: int
+) -> str:
+    """A note for an error raised by a chunk's blocks: the stage, its blocks, the micro-batch, and, for a dtype
+    error on a received input, the stage that sent that dtype."""
+    stage = engine.stage
+    chunk_range = stage.chunk_ranges[call.chunk]
+    span = f"{chunk_range.start}..{chunk_range.stop - 1}"
+    chunk = f", model chunk {call.chunk}" if stage.num_chunks != stage.num_stages else ""
+    num = engine._step.num_micro_batches
+    note = f"raised by pipeline stage {stage.stage_index}{chunk} (layers {span}) on micro-batch {m} of {num}"
+    if stage.region.container is None:
+        note += f" ({call.describe(stage.region.names)})"
+    received = sorted({str(t.dtype) for t in inputs if t.is_floating_point()})
+    own = sorted({str(p.dtype) for p in engine._weights[call.chunk] if p.is_floating_point()})
+    if call.chunk > 0 and ("dtype" in str(error) or "scalar type" in str(error)) and received != own:
+        note += (
+            f"; it received {', '.join(received)} from stage {engine.owner(call.chunk - 1)} but its parameters are"
+            f" {', '.join(own)}: give every stage the same dtype (convert the whole model, e.g. model.double(),"
+            " or set the Trainer's precision)"
+        )
+    return note
+
+
+def _input_of(step: _StepState, k: int, m: int, own: Activation | None) -> _Input:
+    """In ``step``, micro-batch ``m``'s input of chunk ``k``, as leaves: ``own`` for the first chunk, the output of
+    chunk ``k - 1`` when this stage holds it, else received."""
+    grad = torch.is_grad_enabled()
+    if k == 0:
+        assert own is not None
+        leaves = tuple(input_leaf(t, grad and t.requires_grad) for t in microbatch.as_tensors(own, WHERE_INPUT))
+        return _Input(leaves, isinstance(own, tuple))
+    out = step.outputs.pop((k - 1, m))  # handed over by chunk k - 1 on this stage, or received
+    leaves = tuple(input_leaf(t, grad and needs) for t, needs in zip(out.tensors, out.requires_grad))
+    return _Input(leaves, out.is_tuple, out.carried)
