@@ -309,7 +309,7 @@ class PipelineEngine:
         action = self._step.actions[self._step.next_action - 1]
         assert action.kind == "forward" and action.micro_batch == m and action.chunk == call.chunk
         inputs = _input_of(self._step, call.chunk, m, call.stage_input if call.chunk == 0 else None)
-        return self._run_chunk(action, call, inputs, 0, 1)
+        return self._run_micro_batch(action, call, inputs, 0, 1)
 
     def set_loss(self, m: int, loss: Tensor | None) -> None:
         """The scaled loss of micro-batch ``m``, which the last chunk's backward of ``m`` starts from (``None``: the
@@ -387,7 +387,7 @@ class PipelineEngine:
         forwards = step.whole_batch
         assert forwards is not None, f"{action} runs only inside a chunk's forwards"
         inputs = _input_of(self._step, k, m, forwards.parts[m] if k == 0 else None)
-        output = self._run_chunk(action, forwards.call, inputs, m, step.num_micro_batches)
+        output = self._run_micro_batch(action, forwards.call, inputs, m, step.num_micro_batches)
         if k == self.last_chunk:
             forwards.outputs[m] = output
 
@@ -422,7 +422,7 @@ class PipelineEngine:
             for m in range(step.num_micro_batches)
         ]
 
-    def _run_chunk(self, action: Action, call: ChunkCall, taken: _Input, part: int, parts: int) -> Activation | None:
+    def _run_micro_batch(self, action: Action, call: ChunkCall, taken: _Input, part: int, parts: int) -> Activation | None:
         """Chunk ``action.chunk`` on micro-batch ``action.micro_batch`` (part ``part`` of ``parts`` of ``call``'s
         batch), re-computed in backward when the action says so. Its output is kept to send or to hand to the next
         chunk; on the last chunk it is returned, cut from the graph (see :func:`cut_output`)."""
@@ -511,12 +511,7 @@ class PipelineEngine:
             micro_batch.output_grads = tuple(grad_or_zeros(t) for t in micro_batch.user_outputs)
         assert micro_batch.output_grads is not None  # received, or handed over by the next chunk on this stage
         if micro_batch.rerun is not None:  # the graph, for both halves of the backward
-            (out, carried), micro_batch.rerun = micro_batch.rerun(), None
-            if k == self.last_chunk:
-                micro_batch.outputs = gradient_edges(cut_output(out, True, every_float=True)[1])
-            else:
-                tensors = microbatch.as_tensors(micro_batch.call.travelling(out), "") + tuple(carried.values())
-                micro_batch.outputs = gradient_edges(t for t in tensors if t.is_floating_point())
+            self._rerun_forward(micro_batch, k)
         pairs = [(edge, g) for edge, g in zip(micro_batch.outputs, micro_batch.output_grads) if edge is not None]
         edges, grads = [edge for edge, _ in pairs], [g for _, g in pairs]
         needing = [t for t in micro_batch.inputs if t.requires_grad]
@@ -532,13 +527,28 @@ class PipelineEngine:
         micro_batch.output_grads = None
         self.timeline.add(BACKWARD, m, start)
         if k > 0:
-            gradients = tuple(grad_or_zeros(t) for t in needing)
-            if self._here(k - 1):
-                step.micro_batches[(k - 1, m)].output_grads = gradients
-            else:
-                step.input_grads[(k, m)] = gradients
+            self._pass_input_gradients(k, m, tuple(grad_or_zeros(t) for t in needing))
         if not split:
             self._done(k, m)
+
+    def _rerun_forward(self, micro_batch: _MicroBatch, k: int) -> None:
+        """A forward re-computed for a split backward: run again with its graph, where both halves start."""
+        assert micro_batch.rerun is not None
+        (out, carried), micro_batch.rerun = micro_batch.rerun(), None
+        if k == self.last_chunk:
+            micro_batch.outputs = gradient_edges(cut_output(out, True, every_float=True)[1])
+        else:
+            tensors = microbatch.as_tensors(micro_batch.call.travelling(out), "") + tuple(carried.values())
+            micro_batch.outputs = gradient_edges(t for t in tensors if t.is_floating_point())
+
+    def _pass_input_gradients(self, k: int, m: int, gradients: tuple[Tensor, ...]) -> None:
+        """Chunk ``k``'s input gradients on micro-batch ``m``: handed to chunk ``k - 1`` on this stage, else kept to
+        send."""
+        step = self._step
+        if self._here(k - 1):
+            step.micro_batches[(k - 1, m)].output_grads = gradients
+        else:
+            step.input_grads[(k, m)] = gradients
 
     def _backward_weights(self, action: Action) -> None:
         """The weight half of a split backward: the gradients of chunk ``k``'s weights on micro-batch ``m``."""
