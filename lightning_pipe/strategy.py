@@ -574,7 +574,6 @@ class GPipeStrategyMixin:
         index = self.stage_index
         local = {k: chunk_ranges[k] for k in schedule.chunks(index, config.num_stages, v)}
         stage = StageBlocks(module, region, local, index, config.num_stages, num_chunks=len(chunk_ranges))
-        stage.on_model_checkpoint = partial(rank_zero_info, model_checkpoint_note(self._settings.recompute))
         stage.install()
         # Built on the meta device: only what this rank runs becomes real (the stage, the replicated modules).
         self._deferred = self.reduce_boolean_decision(holds_meta_tensors(layers), all=False)
@@ -615,7 +614,8 @@ class GPipeStrategyMixin:
             random_streams=streams,
         )
         self._runtime = StageRuntime(
-            groups, engine, stage, scale_loss=self._scale_micro_batch_loss, step_context=self.precision_plugin.train_step_context
+            groups, engine, stage, scale_loss=self._scale_micro_batch_loss, step_context=self.precision_plugin.train_step_context,
+            on_model_checkpoint=partial(rank_zero_info, model_checkpoint_note(self._settings.recompute)),
         )
         self._tracer = None
         if timeline.enabled and config.num_stages > 1:

@@ -133,6 +133,7 @@ def test_a_pipeline_stage_refuses_a_too_small_micro_batch_before_its_blocks_run(
     """The strategy's check, as the last stage of a ResNet-18 chain (layer2 .. avgpool) makes it in its first
     training step: on the shapes of that step's calls, before any block runs, naming the layer as the model does."""
     from lightning_pipe.partition.region import find_region
+    from lightning_pipe.execution.block_calls import BlockCalls
     from lightning_pipe.execution.stage import StageBlocks
 
     torch.manual_seed(0)
@@ -141,8 +142,8 @@ def test_a_pipeline_stage_refuses_a_too_small_micro_batch_before_its_blocks_run(
     assert region.label == "conv1 .. avgpool"
     stage = StageBlocks(model, region, range(5, 9), stage_index=1, num_stages=2)
     stage.install()
-    stage.on_chunk_end = lambda chunk: stage.check_micro_batches_fit_batch_norm(stage.chunk_call(chunk, False), 8)
-    stage.begin_step(in_step=True)
+    calls = BlockCalls(stage, lambda chunk: calls.check_micro_batches_fit_batch_norm(calls.chunk_call(chunk, False), 8))
+    calls.begin_step(in_step=True)
     with pytest.raises(ValueError) as error:
         model(x)
     message = str(error.value)
@@ -153,11 +154,11 @@ def test_a_pipeline_stage_refuses_a_too_small_micro_batch_before_its_blocks_run(
     )
 
     def fixed(chunk: int) -> torch.Tensor:  # the fix the message names passes; the pipeline's output stands in after it
-        stage.check_micro_batches_fit_batch_norm(stage.chunk_call(chunk, False), 4)
+        fixed_calls.check_micro_batches_fit_batch_norm(fixed_calls.chunk_call(chunk, False), 4)
         return torch.zeros(8, 64, 1, 1)
 
-    stage.on_chunk_end = fixed
-    stage.begin_step(in_step=True)
+    fixed_calls = BlockCalls(stage, fixed)  # the model's calls answered anew, with the fixed count
+    fixed_calls.begin_step(in_step=True)
     assert model(x).shape == (8, 10)
 
 
@@ -184,16 +185,17 @@ def test_a_pipeline_stage_refuses_an_epochs_last_batch_too_small_for_its_micro_b
     """Batches of 8 in 2 micro-batches fit ResNet-18's layer4; the epoch's last batch of 2 samples would give it
     micro-batches of one sample. The check in the first step names that batch and drop_last."""
     from lightning_pipe.partition.region import find_region
+    from lightning_pipe.execution.block_calls import BlockCalls
     from lightning_pipe.execution.stage import StageBlocks
 
     torch.manual_seed(0)
     model, x = resnet18(width=8), torch.randn(8, 3, 32, 32)
     stage = StageBlocks(model, find_region(model, None, x[:2]), range(5, 9), stage_index=1, num_stages=2)
     stage.install()
-    stage.on_chunk_end = lambda chunk: stage.check_micro_batches_fit_batch_norm(
-        stage.chunk_call(chunk, False), 2, epoch_last_batch=2
-    )
-    stage.begin_step(in_step=True)
+    calls = BlockCalls(stage, lambda chunk: calls.check_micro_batches_fit_batch_norm(
+        calls.chunk_call(chunk, False), 2, epoch_last_batch=2
+    ))
+    calls.begin_step(in_step=True)
     with pytest.raises(ValueError) as error:
         model(x)
     assert "the epoch's last batch of 2 samples in num_micro_batches=2 gives micro-batches of 1 sample" in str(
@@ -203,11 +205,11 @@ def test_a_pipeline_stage_refuses_an_epochs_last_batch_too_small_for_its_micro_b
         check_micro_batches_fit_batch_norm(mlp(), {"1": 1.0}, 1, 4, last_of_epoch=True)
 
     def fits(chunk: int) -> torch.Tensor:  # a last batch of 4 gives micro-batches of 2: 2 values per channel in layer4
-        stage.check_micro_batches_fit_batch_norm(stage.chunk_call(chunk, False), 2, epoch_last_batch=4)
+        fitting_calls.check_micro_batches_fit_batch_norm(fitting_calls.chunk_call(chunk, False), 2, epoch_last_batch=4)
         return torch.zeros(8, 64, 1, 1)
 
-    stage.on_chunk_end = fits
-    stage.begin_step(in_step=True)
+    fitting_calls = BlockCalls(stage, fits)  # the model's calls answered anew, with the larger last batch
+    fitting_calls.begin_step(in_step=True)
     assert model(x).shape == (8, 10)
 
 

@@ -10,7 +10,9 @@ from torch import nn
 
 from helpers.stock_models import STOCK_MODELS
 from lightning_pipe.config import PipelineParallelConfig
-from lightning_pipe.execution.stage import PipelineOrderError, StageBlocks
+from lightning_pipe.execution.block_calls import BlockCalls
+from lightning_pipe.execution.call_order import PipelineOrderError
+from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.partition.balance import plan_partition
 from lightning_pipe.partition.region import container_region, find_region, outside_parameters, outside_share, suggested_chain
 from lightning_pipe.partition.step_probe import random_state_kept, training_step_on
@@ -182,15 +184,15 @@ def test_an_encoder_decoder_restarts_the_chain_and_carries_the_encoders_output_t
     sent = {}
 
     def run_chunk(chunk):
-        call = stage.chunk_call(chunk, detach_side_arguments=False)
+        call = calls.chunk_call(chunk, detach_side_arguments=False)
         sent["carried"] = call.carried
         output, sent["values"] = stage.run_micro_batch(call, 0, 1, False, (), received)
         return output
 
-    stage.on_chunk_end = run_chunk
-    stage.begin_step(in_step=True)
+    calls = BlockCalls(stage, run_chunk)
+    calls.begin_step(in_step=True)
     model(torch.randn(2, 4))
-    assert [call.restart for call in stage._calls] == [False, False, True, False]
+    assert [call.restart for call in calls.chain.calls] == [False, False, True, False]
     assert sent["carried"] == ((1, None),)  # blocks.1's output goes on to the stage of blocks.3
     assert list(sent["values"]) == [(1, None)] and torch.equal(sent["values"][(1, None)], received)
 
@@ -208,8 +210,8 @@ def test_an_encoder_output_that_cannot_reach_the_decoder_is_refused_naming_the_b
     stage = StageBlocks(model, container_region(model, "blocks"), range(2, 4), 1, 2)
     stage.install()
     received = torch.randn(2, 4)
-    stage.on_chunk_end = lambda chunk: stage.run_micro_batch(stage.chunk_call(chunk, False), 0, 1, False, (), received)[0]
-    stage.begin_step(in_step=True)
+    calls = BlockCalls(stage, lambda chunk: stage.run_micro_batch(calls.chunk_call(chunk, False), 0, 1, False, (), received)[0])
+    calls.begin_step(in_step=True)
     with pytest.raises(PipelineOrderError, match=message):
         model(torch.randn(2, 4))
 
@@ -234,8 +236,8 @@ def first_step(model: nn.Module, stage_index: int, num_stages: int) -> None:
     local = range(stage_index * per_stage, len(region) if stage_index == num_stages - 1 else (stage_index + 1) * per_stage)
     stage = StageBlocks(model, region, local, stage_index, num_stages)
     stage.install()
-    stage.on_chunk_end = lambda chunk: pytest.fail("the pipeline ran: the order check came too late")
-    stage.begin_step(in_step=True)
+    calls = BlockCalls(stage, lambda chunk: pytest.fail("the pipeline ran: the order check came too late"))
+    calls.begin_step(in_step=True)
     model(torch.randn(2, 4))
 
 
@@ -329,10 +331,10 @@ def test_blocks_run_on_the_meta_device_once_per_input_signature():
     model = Chain()
     stage = StageBlocks(model, container_region(model, "blocks"), range(0, 1), stage_index=0, num_stages=2)
     stage.install()
-    stage.on_chunk_end = lambda chunk: None
+    block_calls = BlockCalls(stage, lambda chunk: None)
 
     def step(x, **kwargs):
-        stage.begin_step(in_step=True)
+        block_calls.begin_step(in_step=True)
         output = model(x, **kwargs)
         assert output.is_meta and output.shape == (len(x), 4)
         return output, [block.meta_calls for block in model.blocks]

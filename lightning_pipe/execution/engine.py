@@ -10,9 +10,11 @@ run. A stage holds one model chunk, or several with virtual stages; its actions 
   :meth:`PipelineEngine.backward_phase` runs the schedule's backward actions afterwards, from the gradients the
   next stage sends (or, on the last chunk, those the user's ``loss.backward()`` left on the leaves).
 * **Per-micro-batch steps** (1F1B, interleaved, zero bubble): :meth:`PipelineEngine.run_schedule` runs every action
-  in order; for each forward it asks the runtime to run the user's step on that micro-batch, whose call of the
-  chunk's blocks comes back here (:meth:`PipelineEngine.forward_micro_batch`), and each backward of the last chunk
-  starts from that micro-batch's loss.
+  in order; for each forward it runs the user's step on that micro-batch (the runtime hands it in), whose call of
+  the chunk's blocks runs the chunk (:meth:`PipelineEngine.forward_micro_batch`), and each backward of the last
+  chunk starts from that micro-batch's loss.
+
+Either way every action runs through one table, one handler per kind of action (``PipelineEngine._handlers``).
 
 Every chunk output that another chunk reads is cut from the graph: the next chunk's input is a leaf (received, or
 handed over on the same stage), and the last chunk's output reaches the user's code as leaves. So each backward
@@ -23,7 +25,7 @@ may be split into the two (:mod:`lightning_pipe.execution.split_backward`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -31,33 +33,39 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
+from torch.utils.checkpoint import checkpoint
 
 from lightning_pipe.execution.batchnorm import DeferredBatchNorm
-from lightning_pipe.execution.p2p import ACTIVATION, SKIP, Header, Link, PendingHeader, PostedTensors, TensorMeta
+from lightning_pipe.execution.chunk_graph import (
+    WHERE_INPUT,
+    CallState,
+    backward_into_user_graph,
+    cut_output,
+    grad_or_zeros,
+    gradient_edges,
+    input_leaf,
+)
+from lightning_pipe.execution.inboxes import ActivationInbox, GradientInbox, Key, PipelineMismatchError
+from lightning_pipe.execution.p2p import ACTIVATION, SKIP, Header, Link, TensorMeta
 from lightning_pipe.execution.random_streams import StageRandomStreams
+from lightning_pipe.execution.recomputation import recompute_later, unchanged_running_stats
 from lightning_pipe.execution.split_backward import WeightGradients, backward_input
-from lightning_pipe.execution.stage import ChainKey, ChunkCall, StageBlocks
+from lightning_pipe.execution.call_order import ChainKey, ChunkCall
+from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.partition import microbatch
 from lightning_pipe.partition.microbatch import Activation
-from lightning_pipe.schedules.actions import Action, PipelineSchedule, RecomputeMode
+from lightning_pipe.schedules.actions import Action, ActionKind, PipelineSchedule, RecomputeMode
 from lightning_pipe.trace.timeline import BACKWARD, FORWARD, SEND, WAIT, StepTimeline
 
-
-class PipelineMismatchError(RuntimeError):
-    """The stages of one pipeline disagree about what happens in a step."""
-
+__all__ = ["PipelineEngine", "PipelineMismatchError"]
 
 _FORWARD_KINDS = ("recv", "forward", "send")
-_WHERE_INPUT = "the input of the pipelined module"
 _SAME_PATH = (
     "; the step must take the same path on every stage (do not branch on random numbers or on per-process state"
     " before the pipelined call)."
 )
-
-Key = tuple[int, int]  # (chunk, micro-batch)
 
 
 @dataclass
@@ -74,8 +82,18 @@ class _MicroBatch:
     output_grads: tuple[Tensor, ...] | None = None
     loss: Tensor | None = None  # last chunk of a per-micro-batch step: the micro-batch's scaled loss
     recomputed: bool = False  # by torch.utils.checkpoint, in its backward (which then cannot be split)
-    rerun: Callable[[], Any] | None = None  # a re-computed forward whose backward is split: see `_recompute_later`
+    rerun: Callable[[], Any] | None = None  # a re-computed forward whose backward is split: see `recompute_later`
     weights: WeightGradients | None = None  # left by the input half of a split backward
+
+
+@dataclass
+class _Input:
+    """A chunk's input on one micro-batch, as autograd leaves: the travelling value's tensors (``is_tuple``: a tuple
+    of them), then the earlier blocks' outputs ``carried`` with it."""
+
+    tensors: tuple[Tensor, ...]
+    is_tuple: bool
+    carried: tuple[ChainKey, ...] = ()
 
 
 @dataclass
@@ -90,6 +108,16 @@ class _Output:
 
 
 @dataclass
+class _WholeBatchForwards:
+    """The forwards of one chunk call in a whole-batch step: the call, the first chunk's input split into
+    micro-batches, and the last chunk's output of each micro-batch as it comes."""
+
+    call: ChunkCall
+    parts: list[Activation]
+    outputs: dict[int, Activation] = field(default_factory=dict)
+
+
+@dataclass
 class _StepState:
     """What one step leaves between the engine's calls: the micro-batches in flight, messages, calls in progress."""
 
@@ -97,15 +125,30 @@ class _StepState:
     actions: list[Action] = field(default_factory=list)  # this stage's schedule for the step
     next_action: int = 0  # the first action not executed yet
     split: set[Key] = field(default_factory=set)  # the pairs whose backward is split into input and weight halves
+    # Where a forward action's work comes from: the user's step, run on (chunk, micro-batch) up to the chunk's blocks
+    # (per-micro-batch steps), or the chunk call the model's code made with the whole batch (whole-batch steps).
+    run_user_step: Callable[[int, int], None] | None = None
+    whole_batch: _WholeBatchForwards | None = None
     micro_batches: dict[Key, _MicroBatch] = field(default_factory=dict)
     skipped: set[Key] = field(default_factory=set)  # per-micro-batch steps: pairs whose step returned before them
     outputs: dict[Key, _Output] = field(default_factory=dict)  # chunk outputs: to send, hand over, or received
     input_grads: dict[Key, tuple[Tensor, ...]] = field(default_factory=dict)  # to send to the chunk before
-    calls: dict[int, _CallState] = field(default_factory=dict)  # id(call) -> its micro-batches in this step
-    inboxes: dict[int, _Inbox] = field(default_factory=dict)  # per stage sending activations here
-    gradient_inboxes: dict[int, _GradientInbox] = field(default_factory=dict)
+    calls: dict[int, CallState] = field(default_factory=dict)  # id(call) -> its micro-batches in this step
+    inboxes: dict[int, ActivationInbox] = field(default_factory=dict)  # per stage sending activations here
+    gradient_inboxes: dict[int, GradientInbox] = field(default_factory=dict)
     sends: list[tuple[Link, list[dist.Work], str]] = field(default_factory=list)  # kept until they complete
     sent_metas: dict[int, tuple[TensorMeta, ...]] = field(default_factory=dict)  # per peer: the last activation's
+
+    def wait_sends(self, done_only: bool = False) -> None:
+        """Wait for this step's sends to complete (``done_only``: release the completed ones, wait for none), each
+        named if it fails."""
+        waiting = []
+        for link, works, what in self.sends:
+            if done_only and not all(work.is_completed() for work in works):
+                waiting.append((link, works, what))
+            else:
+                link.wait(works, what, sending=True)
+        self.sends = waiting
 
 
 class PipelineEngine:
@@ -145,6 +188,17 @@ class PipelineEngine:
         }
         # Intervals of forward, backward, sends and waits, for the bubble metric and traces (off: no-op calls).
         self.timeline = timeline if timeline is not None else StepTimeline(torch.device("cpu"), enabled=False)
+        # Every action of every step runs through `_execute`, by this table: one handler per kind.
+        self._handlers: dict[ActionKind, Callable[[Action], None]] = {
+            "recv": self._receive_input,
+            "forward": self._forward,
+            "send": self._send_activation,
+            "recv_grad": self._receive_gradient,
+            "backward": self._backward,
+            "backward_input": self._backward,
+            "backward_weight": self._backward_weights,
+            "send_grad": self._send_gradient,
+        }
 
     @property
     def holds_last_chunk(self) -> bool:
@@ -159,7 +213,7 @@ class PipelineEngine:
 
     def begin_step(self) -> None:
         """Forget the previous step (its backward may have been skipped)."""
-        self._wait_sends()
+        self._step.wait_sends()
         self._step = _StepState()
         self.timeline.begin_step()
         if self.random_streams is not None:
@@ -183,44 +237,39 @@ class PipelineEngine:
         Training, the forwards come from this step's schedule (GPipe: all before any backward); without gradients,
         micro-batches 0..M-1 of the chunk, received and sent on as they come.
         """
-        k, step = call.chunk, self._step
-        if k == 0:
-            chunks = microbatch.split(call.stage_input, self.num_micro_batches)
-            num = len(chunks)
-        elif self._here(k - 1):
-            num = step.num_micro_batches
-        else:
-            header = self._inbox(k - 1).first_header()
-            if header.kind == SKIP:
-                raise PipelineMismatchError(
-                    f"stage {self.stage.stage_index} reached model chunk {k} in this step, but stage"
-                    f" {self.owner(k - 1)}'s step returned before running chunk {k - 1}" + _SAME_PATH
-                )
-            num = header.num_micro_batches
-        if not step.actions and torch.is_grad_enabled():
+        k, step, grad = call.chunk, self._step, torch.is_grad_enabled()
+        parts = microbatch.split(call.stage_input, self.num_micro_batches) if k == 0 else []
+        num = len(parts) if k == 0 else self._micro_batches_sent_to(k)
+        if not step.actions and grad:
             self._plan(num)
         step.num_micro_batches = num
-        if torch.is_grad_enabled():
+        if grad:
             actions = [a for a in step.actions[step.next_action:] if a.chunk == k and a.kind in _FORWARD_KINDS]
             step.next_action = step.actions.index(actions[-1]) + 1
         else:
             actions = self._forward_only_actions(k, num)
-        outputs: dict[int, Activation] = {}
+        forwards = step.whole_batch = _WholeBatchForwards(call, parts)
         for action in actions:
-            if action.kind == "forward":
-                m = action.micro_batch
-                inputs = self._take_input(k, m, chunks[m] if k == 0 else None)
-                out = self._forward(action, call, inputs, m, num)
-                if k == self.last_chunk:
-                    outputs[m] = out
-            else:
-                self._execute(action)
+            self._execute(action)
+        step.whole_batch = None
         # Training, the forward phase is followed by waits for the next stage (its gradients, the step's outcome):
         # sent activations are held until the next stage has them, and no longer.
-        self._wait_sends(done_only=not torch.is_grad_enabled())
+        self._step.wait_sends(done_only=not grad)
         if k != self.last_chunk:
             return None
-        return microbatch.join([outputs[m] for m in range(num)], alias=torch.is_grad_enabled())
+        return microbatch.join([forwards.outputs[m] for m in range(num)], alias=grad)
+
+    def _micro_batches_sent_to(self, k: int) -> int:
+        """The count of micro-batches chunk ``k`` runs on in this step: those of chunk ``k - 1``, run here or sent."""
+        if self._here(k - 1):
+            return self._step.num_micro_batches
+        header = self._inbox(k - 1).first_header()
+        if header.kind == SKIP:
+            raise PipelineMismatchError(
+                f"stage {self.stage.stage_index} reached model chunk {k} in this step, but stage"
+                f" {self.owner(k - 1)}'s step returned before running chunk {k - 1}" + _SAME_PATH
+            )
+        return header.num_micro_batches
 
     def _forward_only_actions(self, k: int, num: int) -> list[Action]:
         """Chunk ``k``'s forwards without a backward to follow: each micro-batch received, run and sent on in turn."""
@@ -248,17 +297,10 @@ class PipelineEngine:
         runs the user's step on micro-batch ``m`` up to the chunk's blocks, which call :meth:`forward_micro_batch`."""
         self._plan(num)
         step = self._step
+        step.run_user_step = run_user_step
         for index, action in enumerate(step.actions):
             step.next_action = index + 1
-            key = (action.chunk, action.micro_batch)
-            if action.kind != "forward":
-                self._execute(action)
-            elif key in step.skipped:
-                self._pass_skip(*key)
-            else:
-                run_user_step(*key)
-                if key not in step.micro_batches:
-                    self._skip(*key)  # the step returned before reaching the chunk's blocks
+            self._execute(action)
         self.end_step()
 
     def forward_micro_batch(self, call: ChunkCall, m: int) -> Activation | None:
@@ -266,8 +308,8 @@ class PipelineEngine:
         The chunk runs on it; its output on the last chunk (as leaves), else ``None``."""
         action = self._step.actions[self._step.next_action - 1]
         assert action.kind == "forward" and action.micro_batch == m and action.chunk == call.chunk
-        inputs = self._take_input(call.chunk, m, call.stage_input if call.chunk == 0 else None)
-        return self._forward(action, call, inputs, 0, 1)
+        inputs = _input_of(self._step, call.chunk, m, call.stage_input if call.chunk == 0 else None)
+        return self._run_micro_batch(action, call, inputs, 0, 1)
 
     def set_loss(self, m: int, loss: Tensor | None) -> None:
         """The scaled loss of micro-batch ``m``, which the last chunk's backward of ``m`` starts from (``None``: the
@@ -296,7 +338,8 @@ class PipelineEngine:
             return
         peer = self.owner(k + 1)
         link = self.links[peer]
-        # The receiver posted no guess of the next message's shapes after this one (see _Inbox): none is expected.
+        # The receiver posted no guess of the next message's shapes after this one (see ActivationInbox): none is
+        # expected.
         works = link.send_skip(Header(SKIP, m, step.num_micro_batches, chunk=k + 1), step.sent_metas.pop(peer, None))
         step.sends.append((link, works, "the activations"))
 
@@ -314,48 +357,43 @@ class PipelineEngine:
                         f" {self.stage.stage_index}'s step returned before reaching chunk {k}" + _SAME_PATH
                     )
             if k < self.last_chunk and not self._here(k + 1):
-                self._send_header(k + 1, Header(SKIP, chunk=k + 1))
-        self._wait_sends()
+                link = self.links[self.owner(k + 1)]
+                self._step.sends.append((link, [link.send_header(Header(SKIP, chunk=k + 1))], "the activations"))
+        self._step.wait_sends()
 
     # ---- executing actions ---------------------------------------------------------------------------------------
 
     def _execute(self, action: Action) -> None:
+        """Run one action of the schedule by its kind's handler; a skipped micro-batch's forward only passes the skip
+        on, and nothing else runs for it."""
         key = (action.chunk, action.micro_batch)
-        if key in self._step.skipped:
+        if key not in self._step.skipped:
+            self._handlers[action.kind](action)
+        elif action.kind == "forward":
+            self._pass_skip(*key)
+        self._step.wait_sends(done_only=True)
+
+    def _forward(self, action: Action) -> None:
+        """A forward of the schedule. In a per-micro-batch step the user's step runs on the micro-batch, and its call
+        of the chunk's blocks runs the chunk (:meth:`forward_micro_batch`); in a whole-batch step the chunk runs on
+        that micro-batch of the call the model's code made."""
+        k, m = action.chunk, action.micro_batch
+        step = self._step
+        if step.run_user_step is not None:
+            step.run_user_step(k, m)
+            if (k, m) not in step.micro_batches:
+                self._skip(k, m)  # the step returned before reaching the chunk's blocks
             return
-        if action.kind == "recv":
-            self._receive_input(*key)
-        elif action.kind == "send":
-            self._send_activation(*key)
-        elif action.kind == "recv_grad":
-            self._receive_gradient(*key)
-        elif action.kind in ("backward", "backward_input"):
-            self._backward(*key, split=action.kind == "backward_input")
-        elif action.kind == "backward_weight":
-            self._backward_weights(*key)
-        elif action.kind == "send_grad":
-            start = self.timeline.now()
-            link = self.links[self.owner(action.chunk - 1)]
-            works = link.send_gradients(self._step.input_grads.pop(key))
-            self._step.sends.append((link, works, "the gradients"))
-            self.timeline.add(SEND, action.micro_batch, start)
-        else:  # a forward outside a step's forward phase: the caller runs those
-            raise AssertionError(f"{action} cannot be executed here")
-        self._wait_sends(done_only=True)
+        forwards = step.whole_batch
+        assert forwards is not None, f"{action} runs only inside a chunk's forwards"
+        inputs = _input_of(self._step, k, m, forwards.parts[m] if k == 0 else None)
+        output = self._run_micro_batch(action, forwards.call, inputs, m, step.num_micro_batches)
+        if k == self.last_chunk:
+            forwards.outputs[m] = output
 
-    def _take_input(self, k: int, m: int, own: Activation | None) -> _Input:
-        """Micro-batch ``m``'s input of chunk ``k``, as leaves: ``own`` for the first chunk, the output of chunk
-        ``k - 1`` when this stage holds it, else received."""
-        grad = torch.is_grad_enabled()
-        if k == 0:
-            assert own is not None
-            leaves = tuple(_leaf(t, grad and t.requires_grad) for t in microbatch.as_tensors(own, _WHERE_INPUT))
-            return _Input(leaves, isinstance(own, tuple))
-        out = self._step.outputs.pop((k - 1, m))  # handed over by chunk k - 1 on this stage, or received
-        return _Input(tuple(_leaf(t, grad and needs) for t, needs in zip(out.tensors, out.requires_grad)), out.is_tuple, out.carried)
-
-    def _receive_input(self, k: int, m: int) -> None:
+    def _receive_input(self, action: Action) -> None:
         """Receive micro-batch ``m``'s input of chunk ``k`` from the stage of chunk ``k - 1`` (or that it skipped it)."""
+        k, m = action.chunk, action.micro_batch
         start = self.timeline.now()
         header, tensors = self._inbox(k - 1).take(k, m)
         self.timeline.add(WAIT, m, start)
@@ -365,33 +403,29 @@ class PipelineEngine:
             needs = tuple(t.requires_grad for t in header.tensors)
             self._step.outputs[(k - 1, m)] = _Output(tensors, needs, header.is_tuple, header.carried)
 
-    def _inbox(self, sending_chunk: int) -> _Inbox:
+    def _inbox(self, sending_chunk: int) -> ActivationInbox:
         """The activations from the stage holding ``sending_chunk``, in this step's order."""
         peer = self.owner(sending_chunk)
         step = self._step
         if peer not in step.inboxes:
-            step.inboxes[peer] = _Inbox(self.links[peer], self._expected_from(peer))
+            step.inboxes[peer] = ActivationInbox(self.links[peer], partial(self._expected_from, peer))
         return step.inboxes[peer]
 
-    def _expected_from(self, peer: int) -> Callable[[], list[Key]]:
-        """The (chunk, micro-batch) pairs this step receives from ``peer``, in order (known once the step's count
-        of micro-batches is)."""
+    def _expected_from(self, peer: int) -> list[Key]:
+        """The (chunk, micro-batch) pairs this step receives from ``peer``, in order (asked once the step's count
+        of micro-batches is known)."""
+        step = self._step
+        if step.actions:
+            return [(a.chunk, a.micro_batch) for a in step.actions if a.kind == "recv" and self.owner(a.chunk - 1) == peer]
+        return [  # forward-only: the chunks in order, every micro-batch of each
+            (k, m) for k in sorted(self.stage.chunk_ranges) if k > 0 and self.owner(k - 1) == peer
+            for m in range(step.num_micro_batches)
+        ]
 
-        def expected() -> list[Key]:
-            step = self._step
-            if step.actions:
-                return [(a.chunk, a.micro_batch) for a in step.actions if a.kind == "recv" and self.owner(a.chunk - 1) == peer]
-            return [  # forward-only: the chunks in order, every micro-batch of each
-                (k, m) for k in sorted(self.stage.chunk_ranges) if k > 0 and self.owner(k - 1) == peer
-                for m in range(step.num_micro_batches)
-            ]
-
-        return expected
-
-    def _forward(self, action: Action, call: ChunkCall, taken: _Input, part: int, parts: int) -> Activation | None:
+    def _run_micro_batch(self, action: Action, call: ChunkCall, taken: _Input, part: int, parts: int) -> Activation | None:
         """Chunk ``action.chunk`` on micro-batch ``action.micro_batch`` (part ``part`` of ``parts`` of ``call``'s
         batch), re-computed in backward when the action says so. Its output is kept to send or to hand to the next
-        chunk; on the last chunk it is returned, cut from the graph (see :func:`_cut`)."""
+        chunk; on the last chunk it is returned, cut from the graph (see :func:`cut_output`)."""
         k, m = action.chunk, action.micro_batch
         inputs = taken.tensors
         run = partial(self.stage.run_micro_batch, call, part, parts, taken.is_tuple, taken.carried)
@@ -401,48 +435,39 @@ class PipelineEngine:
         step = self._step
         grad = torch.is_grad_enabled()
         # A re-computed forward whose backward is split runs now without a graph, and again right before its input
-        # half (see `_recompute_later`): its outputs that may need a gradient are all the floating-point ones.
+        # half (see `recompute_later`): its outputs that may need a gradient are all the floating-point ones.
         later = grad and action.recompute and (k, m) in step.split
         micro_batch = _MicroBatch(call, inputs, recomputed=grad and action.recompute and not later)
         try:
             if later:
-                (out, carried), micro_batch.rerun = _recompute_later(run, inputs, self._recomputing(m))
+                (out, carried), micro_batch.rerun = recompute_later(run, inputs, self._recomputing(m))
             elif grad and action.recompute:
                 context = partial(self._recomputation_contexts, m)
                 out, carried = checkpoint(run, *inputs, use_reentrant=False, context_fn=context)
             else:
                 out, carried = run(*inputs)
         except Exception as error:  # the user's error, unchanged, with where in the pipeline it happened
-            error.add_note(self._where_it_failed(error, inputs, call, m))
+            error.add_note(_where_it_failed(self, error, inputs, call, m))
             raise
         self.timeline.add(FORWARD, m, start)
         result = None
         if k == self.last_chunk:
-            result, originals, micro_batch.user_outputs = _cut(out, grad, every_float=later)
-            micro_batch.outputs = _edges(originals)
+            result, originals, micro_batch.user_outputs = cut_output(out, grad, every_float=later)
+            micro_batch.outputs = gradient_edges(originals)
         else:
-            out = self.stage.travelling(out)
-            outputs = microbatch.as_tensors(out, f"the output of model chunk {k} for micro-batch {m}")
-            if inputs:
-                microbatch.check_batch_kept(inputs, outputs, k, m)
-            outputs += tuple(carried.values())
-            needs = tuple(t.requires_grad or (later and t.is_floating_point()) for t in outputs)
-            micro_batch.outputs = _edges(t for t, needed in zip(outputs, needs) if needed)
-            micro_batch.output_metas = tuple(
-                TensorMeta(tuple(t.shape), t.dtype, False) for t, needed in zip(outputs, needs) if needed
-            )
-            step.outputs[(k, m)] = _Output(tuple(t.detach() for t in outputs), needs, isinstance(out, tuple), tuple(carried))
+            step.outputs[(k, m)] = _output_to_pass_on(micro_batch, out, carried, later, k, m)
         if grad:
             step.micro_batches[(k, m)] = micro_batch
-            step.calls.setdefault(id(call), _CallState(call)).forwarded[m] = inputs
+            step.calls.setdefault(id(call), CallState(call)).forwarded[m] = inputs
         if m == step.num_micro_batches - 1:
             for batch_norm in self._batch_norms[k]:
                 if isinstance(batch_norm, DeferredBatchNorm):
                     batch_norm.commit()  # the mini-batch is complete: update the running statistics once
         return result
 
-    def _send_activation(self, k: int, m: int) -> None:
+    def _send_activation(self, action: Action) -> None:
         """Send chunk ``k``'s output of micro-batch ``m`` to the stage holding chunk ``k + 1``."""
+        k, m = action.chunk, action.micro_batch
         step = self._step
         out = step.outputs.pop((k, m))
         outputs = out.tensors
@@ -451,17 +476,15 @@ class PipelineEngine:
         start = self.timeline.now()
         header = Header(ACTIVATION, m, step.num_micro_batches, metas, out.is_tuple, k + 1, out.carried)
         link = self.links[peer]
-        # The receiver posted this message's receive with the previous message's shapes (see _Inbox).
+        # The receiver posted this message's receive with the previous message's shapes (see ActivationInbox).
         works = link.send_activation(header, outputs, step.sent_metas.get(peer))
         step.sent_metas[peer] = metas
         step.sends.append((link, works, "the activations"))
         self.timeline.add(SEND, m, start)
 
-    def _send_header(self, chunk: int, header: Header) -> None:
-        link = self.links[self.owner(chunk)]
-        self._step.sends.append((link, [link.send_header(header)], "the activations"))
-
-    def _receive_gradient(self, k: int, m: int) -> None:
+    def _receive_gradient(self, action: Action) -> None:
+        """Receive the gradients of chunk ``k``'s output on micro-batch ``m`` from the stage holding chunk ``k + 1``."""
+        k, m = action.chunk, action.micro_batch
         start = self.timeline.now()
         peer = self.owner(k + 1)
         step = self._step
@@ -470,13 +493,14 @@ class PipelineEngine:
                 (a.chunk, a.micro_batch) for a in step.actions
                 if a.kind == "recv_grad" and self.owner(a.chunk + 1) == peer
             ]
-            step.gradient_inboxes[peer] = _GradientInbox(self.links[peer], expected)
+            step.gradient_inboxes[peer] = GradientInbox(self.links[peer], expected)
         step.micro_batches[(k, m)].output_grads = step.gradient_inboxes[peer].take(k, m, step.micro_batches)
         self.timeline.add(WAIT, m, start)
 
-    def _backward(self, k: int, m: int, split: bool) -> None:
+    def _backward(self, action: Action) -> None:
         """Chunk ``k``'s backward on micro-batch ``m``: its input gradients (kept to send, or for the chunk before on
-        this stage), and its weight gradients unless ``split`` defers them."""
+        this stage), and its weight gradients unless the action is the input half of a split backward."""
+        k, m, split = action.chunk, action.micro_batch, action.kind == "backward_input"
         step = self._step
         micro_batch = step.micro_batches[(k, m)]
         start = self.timeline.now()
@@ -484,15 +508,10 @@ class PipelineEngine:
             if micro_batch.loss is not None:
                 micro_batch.loss.backward()  # to the leaves of the chunk's output (and through the model's head)
                 micro_batch.loss = None
-            micro_batch.output_grads = tuple(_grad_or_zeros(t) for t in micro_batch.user_outputs)
+            micro_batch.output_grads = tuple(grad_or_zeros(t) for t in micro_batch.user_outputs)
         assert micro_batch.output_grads is not None  # received, or handed over by the next chunk on this stage
         if micro_batch.rerun is not None:  # the graph, for both halves of the backward
-            (out, carried), micro_batch.rerun = micro_batch.rerun(), None
-            if k == self.last_chunk:
-                micro_batch.outputs = _edges(_cut(out, True, every_float=True)[1])
-            else:
-                tensors = microbatch.as_tensors(self.stage.travelling(out), "") + tuple(carried.values())
-                micro_batch.outputs = _edges(t for t in tensors if t.is_floating_point())
+            self._rerun_forward(micro_batch, k)
         pairs = [(edge, g) for edge, g in zip(micro_batch.outputs, micro_batch.output_grads) if edge is not None]
         edges, grads = [edge for edge, _ in pairs], [g for _, g in pairs]
         needing = [t for t in micro_batch.inputs if t.requires_grad]
@@ -508,15 +527,32 @@ class PipelineEngine:
         micro_batch.output_grads = None
         self.timeline.add(BACKWARD, m, start)
         if k > 0:
-            gradients = tuple(_grad_or_zeros(t) for t in needing)
-            if self._here(k - 1):
-                step.micro_batches[(k - 1, m)].output_grads = gradients
-            else:
-                step.input_grads[(k, m)] = gradients
+            self._pass_input_gradients(k, m, tuple(grad_or_zeros(t) for t in needing))
         if not split:
             self._done(k, m)
 
-    def _backward_weights(self, k: int, m: int) -> None:
+    def _rerun_forward(self, micro_batch: _MicroBatch, k: int) -> None:
+        """A forward re-computed for a split backward: run again with its graph, where both halves start."""
+        assert micro_batch.rerun is not None
+        (out, carried), micro_batch.rerun = micro_batch.rerun(), None
+        if k == self.last_chunk:
+            micro_batch.outputs = gradient_edges(cut_output(out, True, every_float=True)[1])
+        else:
+            tensors = microbatch.as_tensors(micro_batch.call.travelling(out), "") + tuple(carried.values())
+            micro_batch.outputs = gradient_edges(t for t in tensors if t.is_floating_point())
+
+    def _pass_input_gradients(self, k: int, m: int, gradients: tuple[Tensor, ...]) -> None:
+        """Chunk ``k``'s input gradients on micro-batch ``m``: handed to chunk ``k - 1`` on this stage, else kept to
+        send."""
+        step = self._step
+        if self._here(k - 1):
+            step.micro_batches[(k - 1, m)].output_grads = gradients
+        else:
+            step.input_grads[(k, m)] = gradients
+
+    def _backward_weights(self, action: Action) -> None:
+        """The weight half of a split backward: the gradients of chunk ``k``'s weights on micro-batch ``m``."""
+        k, m = action.chunk, action.micro_batch
         micro_batch = self._step.micro_batches[(k, m)]
         if micro_batch.weights is not None:
             start = self.timeline.now()
@@ -524,6 +560,14 @@ class PipelineEngine:
             micro_batch.weights = None
             self.timeline.add(BACKWARD, m, start)
         self._done(k, m)
+
+    def _send_gradient(self, action: Action) -> None:
+        """Send the gradients of chunk ``k``'s input on micro-batch ``m`` to the stage holding chunk ``k - 1``."""
+        start = self.timeline.now()
+        link = self.links[self.owner(action.chunk - 1)]
+        works = link.send_gradients(self._step.input_grads.pop((action.chunk, action.micro_batch)))
+        self._step.sends.append((link, works, "the gradients"))
+        self.timeline.add(SEND, action.micro_batch, start)
 
     def _done(self, k: int, m: int) -> None:
         """(chunk, micro-batch) is back-propagated; once every micro-batch of its call is, the gradients that stopped
@@ -534,46 +578,13 @@ class PipelineEngine:
         state.back_propagated += 1
         if state.back_propagated == len(state.forwarded):
             del step.calls[id(call)]
-            _backward_into_user_graph(state)
+            backward_into_user_graph(state)
 
     def end_step(self) -> None:
-        self._wait_sends()
+        self._step.wait_sends()
         self._step = _StepState()
 
-    def _wait_sends(self, done_only: bool = False) -> None:
-        """Wait for this step's sends to complete (``done_only``: release the completed ones, wait for none), each
-        named if it fails."""
-        step = self._step
-        waiting = []
-        for link, works, what in step.sends:
-            if done_only and not all(work.is_completed() for work in works):
-                waiting.append((link, works, what))
-            else:
-                link.wait(works, what, sending=True)
-        step.sends = waiting
-
     # ---- errors and re-computation -------------------------------------------------------------------------------
-
-    def _where_it_failed(self, error: Exception, inputs: tuple[Tensor, ...], call: ChunkCall, m: int) -> str:
-        """A note for an error raised by a chunk's layers: the stage, its layers, the micro-batch, and, for a dtype
-        error on a received input, the stage that sent that dtype."""
-        stage = self.stage
-        chunk_range = stage.chunk_ranges[call.chunk]
-        span = f"{chunk_range.start}..{chunk_range.stop - 1}"
-        chunk = f", model chunk {call.chunk}" if stage.num_chunks != stage.num_stages else ""
-        num = self._step.num_micro_batches
-        note = f"raised by pipeline stage {stage.stage_index}{chunk} (layers {span}) on micro-batch {m} of {num}"
-        if stage.region.container is None:
-            note += f" ({call.describe(stage.region.names)})"
-        received = sorted({str(t.dtype) for t in inputs if t.is_floating_point()})
-        own = sorted({str(p.dtype) for p in self._weights[call.chunk] if p.is_floating_point()})
-        if call.chunk > 0 and ("dtype" in str(error) or "scalar type" in str(error)) and received != own:
-            note += (
-                f"; it received {', '.join(received)} from stage {self.owner(call.chunk - 1)} but its parameters are"
-                f" {', '.join(own)}: give every stage the same dtype (convert the whole model, e.g. model.double(),"
-                " or set the Trainer's precision)"
-            )
-        return note
 
     def _recomputation_contexts(
         self, m: int
@@ -585,204 +596,60 @@ class PipelineEngine:
     @contextlib.contextmanager
     def _recomputing(self, m: int) -> Iterator[None]:
         batch_norms = [bn for chunk_norms in self._batch_norms.values() for bn in chunk_norms]
-        with self.timeline.recomputing(m), _unchanged_running_stats(batch_norms):
+        with self.timeline.recomputing(m), unchanged_running_stats(batch_norms):
             yield
 
 
-@dataclass
-class _Input:
-    """A chunk's input on one micro-batch, as autograd leaves: the travelling value's tensors (``is_tuple``: a tuple
-    of them), then the earlier blocks' outputs ``carried`` with it."""
-
-    tensors: tuple[Tensor, ...]
-    is_tuple: bool
-    carried: tuple[ChainKey, ...] = ()
-
-
-@dataclass
-class _CallState:
-    """One call of a chunk by the model's code in this step: its micro-batches' inputs, and how many are done."""
-
-    call: ChunkCall
-    forwarded: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)  # part of the call -> its input leaves
-    back_propagated: int = 0
-
-
-def _backward_into_user_graph(state: _CallState) -> None:
-    """Carry the gradients that stopped at a call's leaves into the model's code, in one backward: the first chunk's
-    input (joined over the micro-batches) and every side argument (masks, position embeddings, an encoder's output)
-    that the model's code before the blocks computed."""
-    targets, grads = [], []
-    parts = [state.forwarded[m] for m in sorted(state.forwarded)]
-    if state.call.chunk == 0:
-        for i, original in enumerate(microbatch.as_tensors(state.call.stage_input, _WHERE_INPUT)):
-            if original.requires_grad:
-                pieces = [_grad_or_zeros(inputs[i]) for inputs in parts]
-                targets.append(original)
-                grads.append(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
-    for original, grad in state.call.side_gradients():
-        targets.append(original)
-        grads.append(grad)
-    if targets:
-        torch.autograd.backward(targets, grads)
+def _output_to_pass_on(
+    micro_batch: _MicroBatch, out: Any, carried: dict[ChainKey, Tensor], later: bool, k: int, m: int
+) -> _Output:
+    """A chunk's output that is not the model's, detached for the next chunk; ``micro_batch`` keeps where the
+    gradients of those that need one enter its graph, and their shapes."""
+    out = micro_batch.call.travelling(out)
+    outputs = microbatch.as_tensors(out, f"the output of model chunk {k} for micro-batch {m}")
+    if micro_batch.inputs:
+        microbatch.check_batch_kept(micro_batch.inputs, outputs, k, m)
+    outputs += tuple(carried.values())
+    needs = tuple(t.requires_grad or (later and t.is_floating_point()) for t in outputs)
+    micro_batch.outputs = gradient_edges(t for t, needed in zip(outputs, needs) if needed)
+    micro_batch.output_metas = tuple(
+        TensorMeta(tuple(t.shape), t.dtype, False) for t, needed in zip(outputs, needs) if needed
+    )
+    return _Output(tuple(t.detach() for t in outputs), needs, isinstance(out, tuple), tuple(carried))
 
 
-class _Inbox:
-    """The activations one stage sends to this one in a step, in the order this stage's schedule takes them.
-
-    The next message's header and tensors are received while this stage computes: their receives are posted when
-    the current one is taken, the tensors' with its shapes (the sender corrects a wrong guess, see
-    :meth:`Link.send_activation`). Each (chunk, micro-batch) is received into buffers of its own, reused from step
-    to step.
-    """
-
-    def __init__(self, link: Link, expected: Callable[[], list[Key]]) -> None:
-        self.link = link
-        self._expected = expected
-        self._order: list[Key] | None = None
-        self._index = 0
-        self._header: Header | None = None  # the next message's, when read ahead
-        self._pending: PendingHeader | None = None
-        self._posted: PostedTensors | None = None
-
-    def first_header(self) -> Header:
-        """The next message's header, before it is taken: a step's first tells the count of micro-batches."""
-        if self._header is None:
-            self._header = self._pending.wait() if self._pending is not None else self.link.recv_header()
-            self._pending = None
-        return self._header
-
-    def take(self, k: int, m: int) -> tuple[Header, tuple[Tensor, ...]]:
-        if self._order is None:
-            self._order = self._expected()
-        link = self.link
-        header, self._header = self.first_header(), None
-        if header.kind == SKIP:
-            self._check(header, k, m)
-            if self._posted is not None:  # the sender filled the receive posted ahead with placeholders
-                link.wait(self._posted.works, "the placeholder of a skipped micro-batch", m)
-            self._advance(None)
-            return header, ()
-        received = link.recv_activation(header, (k, m), self._posted)
-        self._check(header, k, m)
-        self._advance(header)
-        link.wait(received.works, "the activation", m)
-        return header, received.buffers
-
-    def _advance(self, header: Header | None) -> None:
-        """Post the next message's receives, guessing its shapes from this one's."""
-        assert self._order is not None
-        self._index += 1
-        self._pending = self._posted = None
-        if self._index < len(self._order):
-            following = self._order[self._index]
-            self._pending = self.link.post_header(following[1])
-            if header is not None:
-                self._posted = self.link.post_activation(header.tensors, following)
-
-    def _check(self, header: Header, k: int, m: int) -> None:
-        if (header.chunk, header.micro_batch) != (k, m):
-            raise PipelineMismatchError(
-                f"stage {self.link.stage} expected the input of chunk {k} for micro-batch {m} from stage"
-                f" {self.link.peer_stage}, which sent chunk {header.chunk}'s for micro-batch {header.micro_batch}:"
-                " the stages run different schedules or different micro-batch counts."
-            )
+def _where_it_failed(
+    engine: PipelineEngine, error: Exception, inputs: tuple[Tensor, ...], call: ChunkCall, m: int
+) -> str:
+    """A note for an error raised by a chunk's blocks: the stage, its blocks, the micro-batch, and, for a dtype
+    error on a received input, the stage that sent that dtype."""
+    stage = engine.stage
+    chunk_range = stage.chunk_ranges[call.chunk]
+    span = f"{chunk_range.start}..{chunk_range.stop - 1}"
+    chunk = f", model chunk {call.chunk}" if stage.num_chunks != stage.num_stages else ""
+    num = engine._step.num_micro_batches
+    note = f"raised by pipeline stage {stage.stage_index}{chunk} (layers {span}) on micro-batch {m} of {num}"
+    if stage.region.container is None:
+        note += f" ({call.describe(stage.region.names)})"
+    received = sorted({str(t.dtype) for t in inputs if t.is_floating_point()})
+    own = sorted({str(p.dtype) for p in engine._weights[call.chunk] if p.is_floating_point()})
+    if call.chunk > 0 and ("dtype" in str(error) or "scalar type" in str(error)) and received != own:
+        note += (
+            f"; it received {', '.join(received)} from stage {engine.owner(call.chunk - 1)} but its parameters are"
+            f" {', '.join(own)}: give every stage the same dtype (convert the whole model, e.g. model.double(),"
+            " or set the Trainer's precision)"
+        )
+    return note
 
 
-class _GradientInbox:
-    """The gradients one stage sends back to this one in a step, in the order this stage's schedule takes them; the
-    next one's receive is posted when the current one is taken, if its forward has run (its shapes are known)."""
-
-    def __init__(self, link: Link, order: list[Key]) -> None:
-        self.link = link
-        self._order = order
-        self._index = 0
-        self._posted: tuple[tuple[Tensor, ...], list[dist.Work]] | None = None
-
-    def take(self, k: int, m: int, micro_batches: dict[Key, _MicroBatch]) -> tuple[Tensor, ...]:
-        while self._order[self._index] != (k, m):  # skipped micro-batches send no gradient
-            assert self._order[self._index] not in micro_batches
-            self._index += 1
-        if self._posted is None:
-            self._posted = self.link.recv_gradients(micro_batches[(k, m)].output_metas)
-        (tensors, works), self._posted = self._posted, None
-        self._index += 1
-        if self._index < len(self._order) and self._order[self._index] in micro_batches:
-            self._posted = self.link.recv_gradients(micro_batches[self._order[self._index]].output_metas)
-        self.link.wait(works, "the gradient", m)
-        return tensors
-
-
-def _cut(out: Any, grad: bool, every_float: bool = False) -> tuple[Any, tuple[Tensor, ...], tuple[Tensor, ...]]:
-    """The last chunk's output as the user's code gets it when training: every tensor that needs a gradient (with
-    ``every_float``, every floating-point one) replaced by a leaf that needs one, so that the user's loss ends there
-    and each micro-batch's backward starts there; with the original tensors and the leaves, in the same order."""
-    originals: list[Tensor] = []
-    leaves: list[Tensor] = []
-
-    def cut(tensor: Tensor) -> Tensor:
-        if not (grad and tensor.is_floating_point() and (tensor.requires_grad or every_float)):
-            return tensor
-        leaf = tensor.detach().requires_grad_(True)
-        originals.append(tensor)
-        leaves.append(leaf)
-        return leaf
-
-    return microbatch.map_tensors(out, cut), tuple(originals), tuple(leaves)
-
-
-def _edges(tensors: Iterable[Tensor]) -> tuple[GradientEdge | None, ...]:
-    """Where each tensor's gradient enters the graph (``None`` for one that needs none)."""
-    return tuple(get_gradient_edge(t) if t.requires_grad else None for t in tensors)
-
-
-def _recompute_later(
-    run: Callable[..., Any], inputs: tuple[Tensor, ...], recomputing: contextlib.AbstractContextManager
-) -> tuple[Any, Callable[[], Any]]:
-    """``run`` on ``inputs`` without a graph, and what runs it again with one, as ``torch.utils.checkpoint`` would
-    in backward: from the same random state, under the same autocast, not updating BatchNorm statistics again.
-
-    Used where a backward is split in two: checkpoint re-computes the forward for each backward call, here once for
-    both halves. (``torch.utils.checkpoint.GraphExecGroup`` shares one re-computation between calls only when they
-    unpack different saved tensors, which a layer whose input half and weight half read both its input and its
-    weight does not.)"""
-    devices, device_states = get_device_states(*inputs)
-    cpu_state = torch.get_rng_state()
-    device_type = next((t.device.type for t in inputs), "cpu")
-    autocast = {"device_type": device_type, "enabled": torch.is_autocast_enabled(device_type),
-                "dtype": torch.get_autocast_dtype(device_type)}
-    with torch.no_grad():
-        out = run(*inputs)
-
-    def rerun() -> Any:
-        with torch.random.fork_rng(devices=devices, device_type=device_type):
-            torch.set_rng_state(cpu_state)
-            set_device_states(devices, device_states, device_type=device_type)
-            with torch.enable_grad(), torch.autocast(**autocast), recomputing:
-                return run(*inputs)
-
-    return out, rerun
-
-
-@contextlib.contextmanager
-def _unchanged_running_stats(batch_norms: list[_BatchNorm]) -> Iterator[None]:
-    saved = [(bn, [buffer.clone() for buffer in bn.buffers()]) for bn in batch_norms]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for bn, buffers in saved:
-                for buffer, value in zip(bn.buffers(), buffers):
-                    buffer.copy_(value)
-
-
-def _leaf(tensor: Tensor, requires_grad: bool) -> Tensor:
-    """A chunk input as an autograd leaf, so that each micro-batch's backward stops at the chunk boundary."""
-    leaf = tensor.detach()
-    if requires_grad and leaf.is_floating_point():
-        leaf.requires_grad_(True)
-    return leaf
-
-
-def _grad_or_zeros(tensor: Tensor) -> Tensor:
-    return tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
+def _input_of(step: _StepState, k: int, m: int, own: Activation | None) -> _Input:
+    """In ``step``, micro-batch ``m``'s input of chunk ``k``, as leaves: ``own`` for the first chunk, the output of
+    chunk ``k - 1`` when this stage holds it, else received."""
+    grad = torch.is_grad_enabled()
+    if k == 0:
+        assert own is not None
+        leaves = tuple(input_leaf(t, grad and t.requires_grad) for t in microbatch.as_tensors(own, WHERE_INPUT))
+        return _Input(leaves, isinstance(own, tuple))
+    out = step.outputs.pop((k - 1, m))  # handed over by chunk k - 1 on this stage, or received
+    leaves = tuple(input_leaf(t, grad and needs) for t, needs in zip(out.tensors, out.requires_grad))
+    return _Input(leaves, out.is_tuple, out.carried)

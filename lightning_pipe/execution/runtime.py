@@ -31,6 +31,8 @@ from lightning.pytorch import LightningModule
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
+from lightning_pipe.execution.block_calls import BlockCalls
+from lightning_pipe.execution.call_order import ChunkCall
 from lightning_pipe.execution.engine import PipelineEngine
 from lightning_pipe.execution.p2p import failed_wait
 from lightning_pipe.execution.process_groups import PipelineGroups
@@ -47,7 +49,7 @@ from lightning_pipe.execution.replayed_logs import (
     recording_logs,
     replay_logs,
 )
-from lightning_pipe.execution.stage import ChunkCall, StageBlocks
+from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.partition import microbatch
 from lightning_pipe.reliability.root_cause import PipelineCommunicationError
 from lightning_pipe.reliability.stall_rule import Wait
@@ -69,6 +71,10 @@ class StageRuntime:
     ``scale_loss`` turns a micro-batch's loss into what its backward starts from in a per-micro-batch step (its
     share of the batch, Lightning's gradient accumulation, a gradient scaler); ``step_context`` is the precision's
     context for the user's step (autocast), entered around each call of it there, and not around backward.
+    ``on_model_checkpoint`` is said once when the model's code calls its blocks under ``torch.utils.checkpoint``.
+
+    The runtime answers the model's calls of the stage's blocks (:class:`BlockCalls`, built here): at the end of a
+    chunk, :meth:`_run_chunk` hands the chunk to the engine, which runs the stage's blocks on each micro-batch.
     """
 
     def __init__(
@@ -78,6 +84,7 @@ class StageRuntime:
         stage: StageBlocks,
         scale_loss: Callable[[Tensor], Tensor] = lambda loss: loss,
         step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        on_model_checkpoint: Callable[[], None] = lambda: None,
     ) -> None:
         self.groups = groups
         self.engine = engine
@@ -93,9 +100,9 @@ class StageRuntime:
         self.requeues_asked = 0  # SLURM's requeue signals this rank got (a signal handler counts; the last stage's count)
         self._requeues_shared = 0  # of those, the ones the last stage's outcomes have told the pipeline about
         self.requeue_due = False  # an outcome said so: every stage requeues before its next training step
-        stage.on_chunk_end = self._run_chunk
-        stage.on_outside_step_start = self._outside_step_starts
-        stage.outside_step_output = self._share_last_output
+        self.calls = BlockCalls(
+            stage, self._run_chunk, self._outside_step_starts, self._share_last_output, on_model_checkpoint
+        )
 
     @property
     def is_last(self) -> bool:
@@ -148,12 +155,12 @@ class StageRuntime:
     def _user_step(self) -> Iterator[None]:
         """Marks the user's step: the pipelined blocks' calls inside it are one micro-batched pipeline step."""
         self.engine.begin_step()
-        self.stage.begin_step(in_step=True)
+        self.calls.begin_step(in_step=True)
         self._called = False
         try:
             yield
         finally:
-            self.stage.in_step = False
+            self.calls.end_step()
 
     def _run_per_micro_batch(self, module: LightningModule, args: tuple, kwargs: dict) -> tuple[StepOutcome, Any]:
         """A training step of a per-micro-batch schedule: the user's ``training_step`` runs once per micro-batch (the
@@ -168,7 +175,7 @@ class StageRuntime:
         records: dict[int, list[LogRecord]] = {}
 
         def run_user_step(chunk: int, m: int) -> None:
-            self.stage.begin_step(in_step=True, targets=[chunk])
+            self.calls.begin_step(in_step=True, targets=[chunk])
             self._micro_batch, self._called = m, False
             try:
                 with self.step_context():
@@ -181,7 +188,7 @@ class StageRuntime:
                 return
             finally:
                 self._micro_batch = None
-                self.stage.in_step = False
+                self.calls.end_step()
             if self._called:
                 loss = _loss_tensor(results[m])
                 self.engine.set_loss(m, None if loss is None else self.scale_loss(loss * (sizes[m] / sum(sizes))))
@@ -200,16 +207,16 @@ class StageRuntime:
     def _run_chunk(self, chunk: int) -> Any:
         """At the last block of a chunk this call runs: run the chunk in this stage's role. The last chunk returns
         its output to the model's code; in a step, the stage's last chunk of the call ends the user's step there."""
-        engine, stage = self.engine, self.stage
+        engine, calls = self.engine, self.calls
         grad = torch.is_grad_enabled()
-        call = stage.chunk_call(chunk, detach_side_arguments=grad and (stage.in_step or self.groups.num_stages > 1))
-        if not stage.in_step:
+        call = calls.chunk_call(chunk, detach_side_arguments=grad and (calls.in_step or self.groups.num_stages > 1))
+        if not calls.in_step:
             return self._run_chunk_outside_step(call)
         self._called = True
         batch = self._batch_size if self._micro_batch is not None else call.batch
         if grad and (chunk, batch) not in self._batch_sizes_checked:
             # Before the first training step, for its batches and the epoch's last; again for any other size.
-            stage.check_micro_batches_fit_batch_norm(call, engine.num_micro_batches, self.epoch_last_batch, batch)
+            calls.check_micro_batches_fit_batch_norm(call, engine.num_micro_batches, self.epoch_last_batch, batch)
             self._batch_sizes_checked |= {(chunk, batch), (chunk, self.epoch_last_batch)}
         if self._micro_batch is not None:
             output = engine.forward_micro_batch(call, self._micro_batch)
@@ -217,7 +224,7 @@ class StageRuntime:
             output = engine.forward_chunk(call)
         if chunk == engine.last_chunk:
             return output
-        if chunk == max(stage.targets):
+        if chunk == max(calls.targets):
             raise HandedOff
         return None
 

@@ -6,19 +6,19 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_pipe.execution import engine
+from lightning_pipe.execution import inboxes
 
 
 def drop_gradient_of(micro_batch: int) -> Callable[[], None]:
     """Every stage that receives gradients takes zeros instead of one micro-batch's; returns what undoes it."""
-    original = engine._GradientInbox.take
+    original = inboxes.GradientInbox.take
 
     def take(self, k, m, micro_batches):
         grads = original(self, k, m, micro_batches)
         return tuple(torch.zeros_like(g) for g in grads) if m == micro_batch else grads
 
-    engine._GradientInbox.take = take
-    return lambda: setattr(engine._GradientInbox, "take", original)
+    inboxes.GradientInbox.take = take
+    return lambda: setattr(inboxes.GradientInbox, "take", original)
 
 
 def clip_one_ulp_apart() -> Callable[[], None]:
