@@ -14,7 +14,7 @@ May import: every folder below it (``config`` to ``integration``). Imported by: 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import Metric
 
@@ -33,14 +33,22 @@ from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.execution.batchnorm import defer as defer_batch_norms
 from lightning_pipe.execution.compiling import check_compiled, compile_stage, uncompiled_name
 from lightning_pipe.execution.engine import PipelineEngine
-from lightning_pipe.execution.gradients import clip_grad_norm_over_pipeline, reduce_gradients
+from lightning_pipe.execution.gradients import (
+    add_gradients,
+    agree_on_gradient_overflow,
+    clip_grad_norm_over_pipeline,
+    reduce_gradients,
+    swap_gradients,
+)
 from lightning_pipe.execution.materialize import global_seed, holds_meta_tensors, materialize
 from lightning_pipe.execution.process_groups import PipelineGroups, broadcast_object, decide_over_world
 from lightning_pipe.execution.random_streams import StageRandomStreams
 from lightning_pipe.execution.runtime import StageRuntime
 from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.execution.tied import TiedParameters, parameters_shared_across_stages, replicated_parameters
+from lightning_pipe.execution.replayed_logs import StepOutcome
 from lightning_pipe.integration.lightning_packages import overrides
+from lightning_pipe.integration.model_summary import summarize_whole_model
 from lightning_pipe.partition.balance import (
     PartitionPlan,
     needs_sample,
@@ -95,6 +103,23 @@ class BuiltPipeline:
     tracer: PipelineTracer | None  # gathers the stages' timelines; None for one stage or none asked for
     deferred: bool  # the pipelined module was built on the meta device
     pretrained_prefix: str | None = None  # where the pretrained model sits, once its weights were mapped
+    # A per-micro-batch step's gradients, from its `training_step` to Lightning's `backward` (see `swap_gradients`).
+    step_gradients: list[tuple[list[nn.Parameter], list[Tensor | None]]] = field(default_factory=list)
+
+    # ---- set-up ------------------------------------------------------------------------------------------------
+
+    def start(self, module: LightningModule, callbacks: Sequence[Any]) -> list[Callable[[], None]]:
+        """Start the run on the model moved to its device: identical replicated state, metrics synced within
+        replicas, the epoch-end hooks on the last stage, Lightning's summary of the whole model, the last stage's
+        random state on every stage. What undoes the changes to the user's objects, for teardown."""
+        self.start_identical()
+        self.sync_metrics_within_replicas(module)
+        undo = [
+            self.run_epoch_end_hooks_on_last_stage(module),
+            summarize_whole_model(callbacks, self.runtime.stage, self.pipelined.ranges),  # type: ignore[union-attr]
+        ]
+        self.runtime.share_outcome(module, StepOutcome())  # every stage starts from the last stage's random state
+        return undo
 
     def start_identical(self) -> None:
         """Start identical where training keeps things identical: parameters outside the pipelined module on every
@@ -109,6 +134,45 @@ class BuiltPipeline:
                 source = layout.rank(self.groups.stage, replica=0)
                 for tensor in [*self.runtime.stage.parameters(), *self.runtime.stage.buffers()]:
                     dist.broadcast(tensor.data, src=source, group=self.groups.replicas)
+
+    def agree_on_gradient_overflow(self, precision: Any) -> None:
+        """With a gradient scaler (16-mixed), an overflow on one stage skips the step on every stage."""
+        scaler = getattr(precision, "scaler", None)
+        if scaler is not None and self.config.num_stages > 1:
+            agree_on_gradient_overflow(scaler, self.groups.pipeline, self.groups.device, self.groups.watchdog)
+
+    # ---- a training step ---------------------------------------------------------------------------------------
+
+    def training_step(self, module: LightningModule, model: nn.Module, precision: Any, args: tuple, kwargs: dict) -> Any:
+        """What Lightning's training step gets on this rank: the user's output on the last stage, a stand-in loss
+        elsewhere (Lightning calls backward on it; the pipeline's own backward runs instead)."""
+        runtime = self.runtime
+        # A per-micro-batch step enters the precision's context around each call of the user's step, not around the
+        # backwards it runs in between.
+        if runtime.per_micro_batch:  # its backwards run inside: see `swap_gradients`
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            earlier = swap_gradients(trainable, [None] * len(trainable))
+            outcome, output = runtime.run_step(module, "training_step", args, kwargs)
+            self.step_gradients[:] = [(trainable, swap_gradients(trainable, earlier))]
+        else:
+            with precision.train_step_context():
+                outcome, output = runtime.run_step(module, "training_step", args, kwargs)
+        if outcome.skipped:
+            # Lightning refuses `None` from a distributed training_step. A placeholder loss that `backward` ignores,
+            # and that the optimizer-step closure reports as None, gives one device's behaviour: no update.
+            return torch.zeros((), device=self.groups.device)
+        return output if runtime.is_last else torch.tensor(outcome.loss, device=self.groups.device)
+
+    def backward(self, closure_loss: Tensor, module: LightningModule, precision: Any, *args: Any, **kwargs: Any) -> None:
+        """The step's backward on this stage, between the precision's ``pre_backward`` and ``post_backward``."""
+        if self.runtime.per_micro_batch:  # every backward ran in the step, where its schedule said
+            for parameters, gradients in self.step_gradients:
+                add_gradients(parameters, gradients)
+            self.step_gradients.clear()
+            return
+        if self.runtime.is_last:  # the user's loss.backward(), through the model's head to the blocks' output
+            precision.backward(closure_loss, module, *args, **kwargs)
+        self.runtime.backward()  # the blocks' own backward, micro-batch by micro-batch
 
     def reduce_gradients(self, module: nn.Module) -> None:
         """Sum the replicated parameters' gradients over the pipeline, then average every gradient over replicas."""
@@ -126,6 +190,8 @@ class BuiltPipeline:
             parameters, self.replicated, clip_val, groups.pipeline, groups.device, self.tied.counted_elsewhere,
             groups.watchdog,
         )
+
+    # ---- what it reports ---------------------------------------------------------------------------------------
 
     def stage_summary(self, devices: Sequence[str], busy_seconds: Sequence[float] | None) -> StageSummary:
         """The stage table (see :mod:`lightning_pipe.trace.stage_summary`); ``devices[s]`` names where stage ``s``
@@ -149,17 +215,16 @@ class BuiltPipeline:
             ),
         )
 
-    def start_up_warnings(self, module: LightningModule, summary: StageSummary) -> list[str]:
-        """What the user should hear at start-up: much of the model left outside the pipeline, layers that
+    def announce(self, module: LightningModule, summary: StageSummary, category: type[Warning]) -> None:
+        """Print the stage summary, and warn of much of the model left outside the pipeline and of layers that
         re-compute their activations themselves on top of the pipeline's re-computation."""
-        warnings = []
+        rank_zero_info(str(summary))
         if (warning := outside_warning(summary, suggested_chain(module, self.region))) is not None:
-            warnings.append(warning)
+            rank_zero_warn(warning, category=category)
         stage = self.runtime.stage
         checkpointing_themselves = any(getattr(m, "gradient_checkpointing", None) is True for m in stage.modules())
         if checkpointing_themselves and self.settings.recompute != "never":
-            warnings.append(self_checkpointing_warning(self.settings.recompute))  # type: ignore[arg-type]
-        return warnings
+            rank_zero_warn(self_checkpointing_warning(self.settings.recompute), category=category)  # type: ignore[arg-type]
 
     def put_whole_model_back(self, module: LightningModule) -> None:
         """After the run: the user's pipelined module back in ``module`` (see
@@ -178,7 +243,7 @@ class BuiltPipeline:
             return None
         return observe_step(self.tracer, trainer, self.settings.log_bubble_fraction)
 
-    def run_epoch_end_hooks_on_last_stage(self, module: LightningModule, watchdog: Any) -> Callable[[], None]:
+    def run_epoch_end_hooks_on_last_stage(self, module: LightningModule) -> Callable[[], None]:
         """Run the user's epoch-end hooks on the last stage only, replaying what they log on the other stages; what
         puts them back."""
         wrapped_hooks = []
@@ -188,7 +253,7 @@ class BuiltPipeline:
             user_hook = getattr(module, hook)
 
             def wrapped(user_hook: Callable[[], None] = user_hook) -> None:
-                watchdog.uneven_phase()  # the last stage may take long over a whole epoch's results
+                self.groups.watchdog.uneven_phase()  # the last stage may take long over a whole epoch's results
                 self.runtime.run_on_last_stage(module, user_hook)
 
             setattr(module, hook, wrapped)

@@ -11,7 +11,6 @@ place, the watched collectives), :mod:`~lightning_pipe.pipeline` (building the p
 
 from __future__ import annotations
 
-import signal
 import warnings
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -22,15 +21,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
@@ -40,7 +34,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
@@ -52,41 +46,31 @@ from lightning_pipe.checkpoints.strategy_io import StageCheckpoints
 from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.execution.batchnorm import epoch_last_batch_reached
 from lightning_pipe.execution.batchnorm import revert as revert_batch_norms
-from lightning_pipe.execution.gradients import (
-    add_gradients,
-    agree_on_gradient_overflow,
-    stop_agreeing_on_gradient_overflow,
-    swap_gradients,
-)
+from lightning_pipe.execution.gradients import stop_agreeing_on_gradient_overflow
 from lightning_pipe.execution.materialize import meta_tensors_left_in_place
 from lightning_pipe.execution.process_groups import (
     PipelineGroups,
     broadcast_object,
     decide_over_world,
-    init_pipeline_groups,
+    reduce_tensor,
     world_barrier,
 )
-from lightning_pipe.execution.replayed_logs import StepOutcome
 from lightning_pipe.integration.launchers import (
     CheckedMultiProcessingLauncher,
     CheckedSubprocessScriptLauncher,
     SpawnedRanks,
     end_process_groups_at_exit,
     end_started_ranks_at_exit,
+    hear_signals,
     keep_process_groups_at_exit,
-    note_sigterm,
+    requeue_if_due,
+    start_process_groups,
 )
 from lightning_pipe.integration.lightning_packages import LIGHTNING, LightningPackage, adopt_package, register_package
-from lightning_pipe.integration.model_summary import summarize_whole_model
 from lightning_pipe.partition.balance import Balance
 from lightning_pipe.partition.topology import PipelineLayout
-from lightning_pipe.pipeline import (
-    BuiltPipeline,
-    build_pipeline,
-    check_partition_before_launch,
-    require_automatic_optimization,
-)
-from lightning_pipe.reliability.stop_signals import StopSignals
+from lightning_pipe.pipeline import BuiltPipeline, build_pipeline, check_partition_before_launch
+from lightning_pipe.pipeline import require_automatic_optimization
 from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog, batch_shape
 from lightning_pipe.schedules.actions import PipelineSchedule, StageActions
 from lightning_pipe.settings import PipelineSettings, RecomputeMode
@@ -100,7 +84,76 @@ _SETTING_ARGUMENTS = tuple("checkpoint" if f.name == "recompute" else f.name for
 _SYNC_DIST_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)"
 
 
-class GPipeStrategyMixin:
+class PipelineView:
+    """What a GPipe strategy tells about its pipeline, for users, callbacks and the strategy's own hooks: the counts,
+    which rank holds which stage, the process groups, the stage summary and the last observed step. (Not Lightning's:
+    :class:`GPipeStrategyMixin` holds Lightning's hooks.)"""
+
+    _settings: PipelineSettings
+    _layout: PipelineLayout | None
+    _groups: PipelineGroups | None
+    _pipeline: BuiltPipeline | None  # built in `setup`, kept after the run for its checkpoints
+    _last_observation: StepObservation | None
+    num_processes: int
+    num_nodes: int
+    global_rank: int
+    parallel_devices: list[torch.device] | None
+
+    @property
+    def config(self) -> PipelineParallelConfig:
+        """The resolved stage and micro-batch counts (known once the device count is)."""
+        return self._settings.pipeline_config(self.num_processes * self.num_nodes)
+
+    @property
+    def chunk_config(self) -> PipelineParallelConfig:
+        """The counts the partition splits the blocks by: one part per model chunk (``virtual_stages`` per stage)."""
+        return self._settings.chunk_config(self.num_processes * self.num_nodes)
+
+    @property
+    def layout(self) -> PipelineLayout:
+        """Which rank holds which stage of which replica (``devices * num_nodes = num_stages * replicas``)."""
+        if self._layout is None:
+            self._layout = self._settings.layout(self.num_processes * self.num_nodes)
+        return self._layout
+
+    @property
+    def stage_index(self) -> int:
+        return self.layout.stage(self.global_rank)
+
+    @property
+    def groups(self) -> PipelineGroups:
+        """The process groups and this rank's place in them (available once the ranks have started)."""
+        assert self._groups is not None, "the process groups exist once the strategy has set up the environment"
+        return self._groups
+
+    def stage_summary(self) -> StageSummary:
+        """The stage table printed at start-up: where each stage runs, its layers, parameters, profiled cost and,
+        once a training step has run, its measured busy time; with the imbalance (slowest stage over the mean).
+
+        The same on every rank. Available once the Trainer has set the strategy up (from ``on_fit_start`` on).
+        """
+        if self._pipeline is None:
+            raise RuntimeError(
+                "the stage summary exists once the strategy has partitioned the model; call stage_summary() after"
+                " the Trainer has set up (e.g. in a callback's on_fit_start or after trainer.fit)."
+            )
+        assert self.parallel_devices is not None
+        devices = stage_devices(self.layout.pipeline_ranks(0), self.parallel_devices, self.num_nodes)
+        busy = self._last_observation.busy_seconds if self._last_observation is not None else None
+        return self._pipeline.stage_summary(devices, busy)
+
+    @property
+    def last_observed_step(self) -> StepObservation | None:
+        """The bubble and the per-stage busy time of the last logged or traced training step, on every rank."""
+        return self._last_observation
+
+    @property
+    def _built(self) -> BuiltPipeline:
+        assert self._pipeline is not None, "the pipeline exists once the strategy has set the model up"
+        return self._pipeline
+
+
+class GPipeStrategyMixin(PipelineView):
     """GPipe pipeline parallelism: the model's layers split into stages, one per process and device::
 
         Trainer(strategy="gpipe", devices=4)
@@ -126,38 +179,25 @@ class GPipeStrategyMixin:
         checkpoint: RecomputeMode | None = None,
         balance: Balance = None,
         module_name: str | Sequence[str] | None = None,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
+        # Lightning's own arguments, as its strategies take them.
+        accelerator: Accelerator | None = None, parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None, process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        sample: Any = None,
-        trace_steps: Sequence[int] = (),
-        trace_dir: str | Path | None = None,
-        log_bubble_fraction: bool = True,
-        deferred_batch_norm: bool = False,
-        mesh_order: tuple[str, str] = ("pp", "dp"),
-        save_distributed_checkpoint: bool | None = None,
-        gather_model_after_run: bool = False,
-        schedule: str | PipelineSchedule | StageActions = "gpipe",
-        virtual_stages: int | None = None,
+        # The other pipeline settings (see PipelineSettings).
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen", sample: Any = None,
+        trace_steps: Sequence[int] = (), trace_dir: str | Path | None = None, log_bubble_fraction: bool = True,
+        deferred_batch_norm: bool = False, mesh_order: tuple[str, str] = ("pp", "dp"),
+        save_distributed_checkpoint: bool | None = None, gather_model_after_run: bool = False,
+        schedule: str | PipelineSchedule | StageActions = "gpipe", virtual_stages: int | None = None,
         compile: bool | Mapping[str, Any] = False,
         pretrained: str | Path | PretrainedWeights | Mapping[str, Any] | None = None,
-        stall_watchdog: bool = True,
-        stall_multiple: float = 10.0,
-        stall_floor: float | timedelta = 30.0,
+        stall_watchdog: bool = True, stall_multiple: float = 10.0, stall_floor: float | timedelta = 30.0,
         stall_first_step: float | timedelta = 600.0,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
         # Every argument but Lightning's own is a pipeline setting, checked here once, before any process starts;
         # what needs the process count or the model is checked at launch (`_configure_launcher`).
         arguments = locals()
@@ -169,11 +209,9 @@ class GPipeStrategyMixin:
         self._groups: PipelineGroups | None = None
         self._pipeline: BuiltPipeline | None = None  # built in `setup`, kept after the run for its checkpoints
         self._watchdog: StallWatchdog = UNWATCHED
-        self._stop_signals: StopSignals | None = None  # hears SIGTERM and SIGINT while the main thread waits
-        self._undo_at_teardown: list[Callable[[], None]] = []  # what `setup` changed in the user's objects
+        # What `setup` started or changed in the user's objects: the signals heard, the hooks, the model summary.
+        self._undo_at_teardown: list[Callable[[], None]] = []
         self._last_observation: StepObservation | None = None
-        # A per-micro-batch step's gradients, from its `training_step` to Lightning's `backward` (see `swap_gradients`).
-        self._step_gradients: tuple[list[nn.Parameter], list[Tensor | None]] = ([], [])
         self._failed = False
         self._ending_started_ranks = False
 
@@ -192,32 +230,11 @@ class GPipeStrategyMixin:
         self._accelerator = accelerator
 
     @property
-    def config(self) -> PipelineParallelConfig:
-        """The resolved stage and micro-batch counts (known once the device count is)."""
-        return self._settings.pipeline_config(self.num_processes * self.num_nodes)
-
-    @property
-    def chunk_config(self) -> PipelineParallelConfig:
-        """The counts the partition splits the blocks by: one part per model chunk (``virtual_stages`` per stage)."""
-        return self._settings.chunk_config(self.num_processes * self.num_nodes)
-
-    @property
-    def layout(self) -> PipelineLayout:
-        """Which rank holds which stage of which replica (``devices * num_nodes = num_stages * replicas``)."""
-        if self._layout is None:
-            self._layout = self._settings.layout(self.num_processes * self.num_nodes)
-        return self._layout
-
-    @property
     @override
     def is_distributed(self) -> bool:
         # Lightning asks custom strategies this: it enables the distributed sampler and `self.log(sync_dist=True)`.
         # A single pipeline is not data-parallel: every stage reads the batches one device would, in its order.
         return self.layout.num_replicas > 1
-
-    @property
-    def stage_index(self) -> int:
-        return self.layout.stage(self.global_rank)
 
     @property
     @override
@@ -267,8 +284,8 @@ class GPipeStrategyMixin:
 
     @override
     def setup_environment(self) -> None:
-        super().setup_environment()  # type: ignore[misc]
-        self._setup_distributed()
+        super().setup_environment()
+        self._setup_distributed()  # as Lightning's DDP strategy: the process groups before anything else
 
     @override
     def set_world_ranks(self) -> None:
@@ -286,19 +303,12 @@ class GPipeStrategyMixin:
             self.root_device
         )
         assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-        )
         end_process_groups_at_exit(self)
-        rule, layout = self._settings.stall_rule, self.layout
-        if rule is not None and self.world_size > 1:
-            names = {rank: f"stage {layout.stage(rank)} (rank {rank})" for rank in range(self.world_size)}
-            self._watchdog = StallWatchdog(rule, self.global_rank, names, self._timeout)
-        self._groups = init_pipeline_groups(
-            layout, self.global_rank, self.root_device, self._process_group_backend, self._timeout,
-            self._settings.mesh_order, self._watchdog,
+        self._groups = start_process_groups(
+            self.cluster_environment, self._settings, self.layout, self.global_rank, self.root_device,
+            self._process_group_backend, self._timeout,
         )
+        self._watchdog = self._groups.watchdog
 
     def release_process_groups(self) -> None:
         """Drop every reference to the process groups (at the interpreter's exit, before they are destroyed)."""
@@ -308,19 +318,17 @@ class GPipeStrategyMixin:
         if scaler is not None:
             stop_agreeing_on_gradient_overflow(scaler)
 
-    @property
-    def groups(self) -> PipelineGroups:
-        """The process groups and this rank's place in them (available once the ranks have started)."""
-        assert self._groups is not None, "the process groups exist once the strategy has set up the environment"
-        return self._groups
-
     # ---- model setup ---------------------------------------------------------------------------------------------
 
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
-        self._hear_signals(trainer)
+        stop_signals = hear_signals(
+            trainer, self.launcher, self.cluster_environment, self.layout, self.global_rank,
+            lambda: self._pipeline.runtime if self._pipeline is not None else None,
+        )
+        self._undo_at_teardown = [stop_signals.stop] if stop_signals is not None else []
         if not self.is_distributed:
             # Every stage holds the last stage's logged values: Lightning's advice to synchronise them is moot.
             warnings.filterwarnings("ignore", _SYNC_DIST_ADVICE, self.lightning_package.possible_user_warning)
@@ -328,42 +336,13 @@ class GPipeStrategyMixin:
         if fitting:
             require_automatic_optimization(module)
         self._pipeline = pipeline = build_pipeline(module, self._settings, self.groups, self.precision_plugin)
-        self._announce_pipeline()
+        pipeline.announce(module, self.stage_summary(), self.lightning_package.possible_user_warning)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        pipeline.start_identical()
-        pipeline.sync_metrics_within_replicas(module)
-        self._undo_at_teardown = [
-            pipeline.run_epoch_end_hooks_on_last_stage(module, self._watchdog),
-            summarize_whole_model(trainer.callbacks, pipeline.runtime.stage, pipeline.pipelined.ranges),  # type: ignore[union-attr]
-        ]
-        pipeline.runtime.share_outcome(module, StepOutcome())  # every stage starts from the last stage's random state
+        self._undo_at_teardown += pipeline.start(module, trainer.callbacks)
         self._setup_optimization(trainer, fitting)
         if fitting:
             self._watchdog.start(Path(trainer.default_root_dir))
-
-    def _hear_signals(self, trainer: Trainer) -> None:
-        """SIGTERM, SIGINT and SLURM's requeue signal, heard by a rank that may be blocked in a wait on a peer."""
-        connector = trainer._signal_connector
-        # The Trainer registers its SIGTERM handler right after `setup`; see `note_sigterm`.
-        connector._sigterm_notifier_fn = partial(  # type: ignore[method-assign]
-            note_sigterm, trainer, self.launcher, self.cluster_environment, self.global_rank
-        )
-        if self.world_size > 1:  # see lightning_pipe.reliability.stop_signals
-            self._stop_signals = StopSignals(
-                f"stage {self.layout.stage(self.global_rank)} (rank {self.global_rank})",
-                lambda: list(getattr(self.launcher, "procs", None) or []),
-            )
-            self._stop_signals.start()
-        if self.layout.num_stages > 1:  # SLURM's requeue waits for a step boundary (see `_note_requeue`)
-            connector._slurm_sigusr_handler_fn = self._note_requeue  # type: ignore[method-assign]
-
-    def _announce_pipeline(self) -> None:
-        summary = self.stage_summary()
-        rank_zero_info(str(summary))
-        assert self._pipeline is not None and self.lightning_module is not None
-        for warning in self._pipeline.start_up_warnings(self.lightning_module, summary):
-            rank_zero_warn(warning, category=self.lightning_package.possible_user_warning)
 
     def _setup_optimization(self, trainer: Trainer, fitting: bool) -> None:
         """The optimizers and the precision, with clipping by norm and a gradient scaler's overflow over all stages."""
@@ -372,28 +351,21 @@ class GPipeStrategyMixin:
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-        # Clipping by norm must see the norm over all stages, not this stage's share of it.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
-        # With a gradient scaler (16-mixed), an overflow on one stage must skip the step on every stage.
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is not None and self.layout.num_stages > 1:
-            agree_on_gradient_overflow(scaler, self.groups.pipeline, self.root_device, self._watchdog)
+        self._built.agree_on_gradient_overflow(self.precision_plugin)
 
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """``trainer.init_module(empty_init=True)`` builds the model on the meta device: every rank then allocates
-        and initialises only its own stage in ``setup`` (see :mod:`lightning_pipe.execution.materialize`)."""
-        # The meta device innermost: Lightning's context sets the stage's device, which would otherwise win.
-        with super().tensor_init_context(empty_init), torch.device("meta") if empty_init else nullcontext():  # type: ignore[misc]
+        # `init_module(empty_init=True)` builds on the meta device: each rank makes only its own stage real in `setup`
+        # (see lightning_pipe.execution.materialize). The meta device innermost, or Lightning's device would win.
+        with super().tensor_init_context(empty_init), torch.device("meta") if empty_init else nullcontext():
             yield
 
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """``configure_model()`` runs here: its layers are built on the meta device, taking no memory until ``setup``
-        knows which of them are this rank's."""
-        with torch.device("meta"):
+        with torch.device("meta"):  # configure_model's layers take no memory until `setup` knows this rank's
             yield
 
     @override
@@ -401,91 +373,35 @@ class GPipeStrategyMixin:
         assert self.model is not None
         self.model.to(self.root_device)
 
-    @property
-    def _built(self) -> BuiltPipeline:
-        assert self._pipeline is not None, "the pipeline exists once the strategy has set the model up"
-        return self._pipeline
-
-    # ---- what the pipeline reports -------------------------------------------------------------------------------
-
-    def stage_summary(self) -> StageSummary:
-        """The stage table printed at start-up: where each stage runs, its layers, parameters, profiled cost and,
-        once a training step has run, its measured busy time; with the imbalance (slowest stage over the mean).
-
-        The same on every rank. Available once the Trainer has set the strategy up (from ``on_fit_start`` on).
-        """
-        if self._pipeline is None:
-            raise RuntimeError(
-                "the stage summary exists once the strategy has partitioned the model; call stage_summary() after"
-                " the Trainer has set up (e.g. in a callback's on_fit_start or after trainer.fit)."
-            )
-        assert self.parallel_devices is not None
-        devices = stage_devices(self.layout.pipeline_ranks(0), self.parallel_devices, self.num_nodes)
-        busy = self._last_observation.busy_seconds if self._last_observation is not None else None
-        return self._pipeline.stage_summary(devices, busy)
-
-    @property
-    def last_observed_step(self) -> StepObservation | None:
-        """The bubble and the per-stage busy time of the last logged or traced training step, on every rank."""
-        return self._last_observation
-
     # ---- steps ---------------------------------------------------------------------------------------------------
 
     @override
     def on_train_start(self) -> None:
-        super().on_train_start()  # type: ignore[misc]
+        super().on_train_start()
         if self._pipeline is not None and self.lightning_module is not None:  # for the BatchNorm check of step one
             self._pipeline.runtime.epoch_last_batch = epoch_last_batch_reached(self.lightning_module.trainer)
-
-    def _note_requeue(self, signum: Any, frame: Any) -> None:
-        """SLURM's requeue signal (SIGUSR1). Lightning saves the hpc checkpoint and requeues from inside the handler,
-        wherever each rank happens to be: mid-step, a rank's peers wait on it while it waits for them in the
-        checkpoint's gathers. Counted instead: the last stage's count travels with its next step outcome, and every
-        stage of the pipeline requeues (Lightning's handler) at the start of the training step after it."""
-        if self._pipeline is not None:
-            self._pipeline.runtime.requeues_asked += 1
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        runtime = self._pipeline.runtime if self._pipeline is not None else None
-        if trainer is not None and runtime is not None and runtime.requeue_due:
-            runtime.requeue_due = False
-            connector = trainer._signal_connector
-            type(connector)._slurm_sigusr_handler_fn(connector, signal.SIGUSR1, None)  # type: ignore[arg-type]
+        if trainer is not None:
+            requeue_if_due(trainer, self._pipeline.runtime if self._pipeline is not None else None)
         self._watchdog.step_starts(trainer.current_epoch if trainer is not None else 0, batch_idx, batch_shape(batch))
 
     @override
     def on_validation_start(self) -> None:
         self._watchdog.uneven_phase()
-        super().on_validation_start()  # type: ignore[misc]
+        super().on_validation_start()
 
     @override
     def on_train_end(self) -> None:
         self._watchdog.uneven_phase()
-        super().on_train_end()  # type: ignore[misc]
+        super().on_train_end()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        runtime = self._built.runtime
-        # A per-micro-batch step enters the precision's context around each call of the user's step, not around the
-        # backwards it runs in between.
-        if runtime.per_micro_batch:  # its backwards run inside: see `swap_gradients`
-            trainable = [p for p in self.model.parameters() if p.requires_grad]
-            earlier = swap_gradients(trainable, [None] * len(trainable))
-            outcome, output = self._run_step("training_step", args, kwargs)
-            self._step_gradients = (trainable, swap_gradients(trainable, earlier))
-        else:
-            with self.precision_plugin.train_step_context():
-                outcome, output = self._run_step("training_step", args, kwargs)
-        if outcome.skipped:
-            # Lightning refuses `None` from a distributed training_step. A placeholder loss that `backward` ignores,
-            # and that the optimizer-step closure reports as None, gives one device's behaviour: no update.
-            return torch.zeros((), device=self.root_device)
-        if runtime.is_last:
-            return output
-        # Lightning calls backward on this; the pipeline's own backward runs instead (see `backward`).
-        return torch.tensor(outcome.loss, device=self.root_device)
+        assert self.lightning_module is not None and self.model is not None
+        return self._built.training_step(self.lightning_module, self.model, self.precision_plugin, args, kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -502,35 +418,26 @@ class GPipeStrategyMixin:
         with self.precision_plugin.predict_step_context():
             return self._step_output("predict_step", args, kwargs)
 
-    def _run_step(self, hook: str, args: tuple, kwargs: dict) -> tuple[StepOutcome, Any]:
-        assert self.lightning_module is not None
-        return self._built.runtime.run_step(self.lightning_module, hook, args, kwargs)
-
     def _step_output(self, hook: str, args: tuple, kwargs: dict) -> Any:
         """The user's step output where it is (the last stage), None on the other stages."""
-        _, output = self._run_step(hook, args, kwargs)
+        assert self.lightning_module is not None
+        _, output = self._built.runtime.run_step(self.lightning_module, hook, args, kwargs)
         return output if self._built.runtime.is_last else None
 
     # ---- backward and optimizer step -----------------------------------------------------------------------------
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        runtime, module = self._built.runtime, self.lightning_module
+        module = self.lightning_module
         assert module is not None
-        if runtime.step_skipped:
+        if self._built.runtime.step_skipped:
             return closure_loss
         self.pre_backward(closure_loss)
         # Lightning's hooks run around this call in either mode. A per-micro-batch step ran every backward where its
         # schedule said, each micro-batch's loss scaled as the precision scales this one: here on_before_backward
         # comes after the fact, and the scaler only starts its scale on a stage without loss.
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        if runtime.per_micro_batch:
-            add_gradients(*self._step_gradients)
-            self._step_gradients = ([], [])
-        else:
-            if runtime.is_last:  # the user's loss.backward(), through the model's head to the blocks' output
-                self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-            runtime.backward()  # the blocks' own backward, micro-batch by micro-batch
+        self._built.backward(closure_loss, module, self.precision_plugin, optimizer, *args, **kwargs)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         if (observation := self._built.observe_step(module.trainer)) is not None:
@@ -539,10 +446,7 @@ class GPipeStrategyMixin:
 
     @override
     def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: LightningModule | nn.Module | None = None,
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: LightningModule | nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
         def closure_then_reduce_gradients() -> Any:
@@ -553,7 +457,7 @@ class GPipeStrategyMixin:
             self._built.reduce_gradients(self.lightning_module)
             return result
 
-        result = super().optimizer_step(optimizer, closure_then_reduce_gradients, model, **kwargs)  # type: ignore[misc]
+        result = super().optimizer_step(optimizer, closure_then_reduce_gradients, model, **kwargs)
         self._watchdog.step_ends()
         return result
 
@@ -570,29 +474,23 @@ class GPipeStrategyMixin:
 
     def _checkpoints(self) -> StageCheckpoints:
         pipeline = self._pipeline
+        if pipeline is None:
+            return StageCheckpoints(self.lightning_module, None, self._groups, self.layout.num_stages)
         return StageCheckpoints(
-            self.lightning_module, pipeline.pipelined if pipeline is not None else None, self._groups,
-            self.layout.num_stages, sharded=self._saves_sharded,
-            pretrained_prefix=pipeline.pretrained_prefix if pipeline is not None else None,
+            self.lightning_module, pipeline.pipelined, self._groups, self.layout.num_stages,
+            self._settings.save_distributed_checkpoint, pipeline.deferred, pipeline.pretrained_prefix,
         )
-
-    @property
-    def _saves_sharded(self) -> bool:
-        """Checkpoints go sharded when asked, and by default for a model built on the meta device."""
-        if self._settings.save_distributed_checkpoint is not None:
-            return self._settings.save_distributed_checkpoint
-        return self._pipeline is not None and self._pipeline.deferred
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         default_io = type(self.checkpoint_io).load_checkpoint is self.lightning_package.torch_checkpoint_io.load_checkpoint
         read = self._checkpoints().read(checkpoint_path, self.optimizers, default_io, weights_only)
-        return read if read is not None else super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        return read if read is not None else super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if not self._checkpoints().load_model_state(checkpoint, strict):
-            super().load_model_state_dict(checkpoint, strict=strict)  # type: ignore[misc]
+            super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -611,7 +509,7 @@ class GPipeStrategyMixin:
         self._watchdog.uneven_phase()
         spawned = isinstance(self.launcher, SpawnedRanks)
         if not self._checkpoints().write(checkpoint, filepath, storage_options, after_spawned_ranks=spawned):
-            super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]  (rank 0 writes the whole model)
+            super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0 writes the whole model
 
     def save_pretrained(
         self, directory: str | Path, prefix: str | None = None, dtype: torch.dtype | str | None = None
@@ -624,7 +522,7 @@ class GPipeStrategyMixin:
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if not self._checkpoints().load_optimizer_states(self.optimizers, checkpoint, self.root_device):
-            super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]
+            super().load_optimizer_state_dict(checkpoint)
 
     # ---- collectives ---------------------------------------------------------------------------------------------
 
@@ -633,16 +531,11 @@ class GPipeStrategyMixin:
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
         """Reduce across data-parallel replicas of this stage (logged values are already the same on every stage)."""
-        if not isinstance(tensor, Tensor):
-            return tensor
-        group = group if group is not None else self.groups.replicas
-        if dist.get_world_size(group) == 1:
-            return tensor
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return reduce_tensor(tensor, group if group is not None else self.groups.replicas, reduce_op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        return super().all_gather(tensor, group if group is not None else self.groups.replicas, sync_grads)  # type: ignore[misc]
+        return super().all_gather(tensor, group if group is not None else self.groups.replicas, sync_grads)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -670,8 +563,6 @@ class GPipeStrategyMixin:
     @override
     def teardown(self) -> None:
         self._watchdog.stop()
-        if self._stop_signals is not None:
-            self._stop_signals.stop()
         for undo in self._undo_at_teardown:
             undo()
         self._undo_at_teardown = []
@@ -684,7 +575,7 @@ class GPipeStrategyMixin:
             self._pipeline = replace(self._pipeline, pipelined=None)
         # Otherwise the pipeline stays: a checkpoint saved after the run gathers every stage's optimizer state.
         with meta_tensors_left_in_place(module):
-            super().teardown()  # type: ignore[misc]
+            super().teardown()
 
     @classmethod
     @override

@@ -50,8 +50,17 @@ class StageCheckpoints:
     pipelined: PipelinedModule | None
     groups: PipelineGroups | None  # set wherever `pipelined` is
     num_stages: int
-    sharded: bool  # written with torch.distributed.checkpoint, each rank its own stage
+    save_distributed_checkpoint: bool | None = None  # the setting: sharded, one file, or None (as built)
+    deferred: bool = False  # the pipelined module was built on the meta device
     pretrained_prefix: str | None = None  # where the pretrained model sits, once its weights were mapped
+
+    @property
+    def sharded(self) -> bool:
+        """Written with torch.distributed.checkpoint, each rank its own stage: when asked, and by default for a model
+        built on the meta device (which need not fit on one host)."""
+        if self.save_distributed_checkpoint is not None:
+            return self.save_distributed_checkpoint
+        return self.deferred
 
     @property
     def _split(self) -> bool:

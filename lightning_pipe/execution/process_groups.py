@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_pipe.execution.p2p import Link
@@ -132,6 +133,13 @@ def decide_over_world(decision: bool, every: bool, device: torch.device, watchdo
     work = dist.all_reduce(flag, async_op=True)
     watchdog.wait([work], watchdog.collective("a decision of every rank", dist.group.WORLD), dist.group.WORLD)
     return bool(flag == dist.get_world_size()) if every else bool(flag)
+
+
+def reduce_tensor(tensor: Any, group: dist.ProcessGroup, reduce_op: Any = "mean") -> Any:
+    """``tensor`` reduced over ``group`` (``"mean"``, ``"sum"`` or a ``ReduceOp``); anything else as it is."""
+    if not isinstance(tensor, torch.Tensor) or dist.get_world_size(group) == 1:
+        return tensor
+    return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
 
 def world_barrier(watchdog: StallWatchdog = UNWATCHED) -> None:
