@@ -228,8 +228,9 @@ class BuiltPipeline:
 
     def put_whole_model_back(self, module: LightningModule) -> None:
         """After the run: the user's pipelined module back in ``module`` (see
-        :func:`~lightning_pipe.checkpoints.whole_model.restore_whole_model`)."""
-        assert self.pipelined is not None
+        :func:`~lightning_pipe.checkpoints.whole_model.restore_whole_model`); nothing once the stages were lost."""
+        if self.pipelined is None:
+            return
         groups = self.groups
         restore_whole_model(
             module, self.pipelined, groups.stage_ranks, groups.rank, groups.pipeline, groups.device, self.deferred,
@@ -284,13 +285,15 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
     blocks = region.blocks(module)
     layers = nn.Sequential(*blocks)  # the blocks in order, for the partition plan and the whole model
     plan = decide_partition(module, layers, settings, groups)
+    outside = outside_parameters(module, region)  # before this rank's stage takes the blocks' place
     held = _blocks_held_by_stage(plan, settings, config.num_stages)
     ties = parameters_shared_across_stages(blocks, held)  # before materialising replaces parameters
     state_keys, parameter_order = list(module.state_dict().keys()), [name for name, _ in module.named_parameters()]
     pretrained = plan_pretrained_load(module, settings.pretrained)  # checked on the whole model: every rank alike
     stage = _install_stage(module, region, plan, settings, groups)
     # Built on the meta device: only what this rank runs becomes real (the stage, the replicated modules).
-    deferred = decide_over_world(holds_meta_tensors(layers), False, groups.device, groups.watchdog)
+    deferred = decide_over_world(holds_meta_tensors(layers), every=False, device=groups.device,
+                                 watchdog=groups.watchdog)
     _make_real(module, pretrained, precision, groups)
     if settings.deferred_batch_norm:
         for block in stage.blocks:
@@ -303,7 +306,7 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
     compile_stage(module, region, stage, settings.compile_options)
     timeline = StepTimeline(groups.device, enabled=settings.log_bubble_fraction or bool(settings.trace_steps))
     return BuiltPipeline(
-        settings, config, groups, region, plan, outside_parameters(module, region), pipelined, replicated, tied,
+        settings, config, groups, region, plan, outside, pipelined, replicated, tied,
         runtime=_stage_runtime(module, stage, settings, config, groups, precision, timeline),
         tracer=_tracer(module, settings, config, groups, timeline),
         deferred=deferred,

@@ -569,7 +569,7 @@ class GPipeStrategyMixin(PipelineView):
         module = self.lightning_module
         if module is not None:
             revert_batch_norms(module)
-            if self._pipeline is not None and self._pipeline.pipelined is not None and not self._failed:
+            if self._pipeline is not None and not self._failed:
                 self._pipeline.put_whole_model_back(module)
         if self._failed and self._pipeline is not None:  # another stage may be gone: no checkpoint can gather them
             self._pipeline = replace(self._pipeline, pipelined=None)
