@@ -28,6 +28,7 @@ from lightning_pipe.partition.balance import (
     check_layer_counts,
     check_one_count_per_stage,
 )
+from lightning_pipe.partition.topology import PipelineLayout
 from lightning_pipe.reliability.stall_rule import StallRule
 from lightning_pipe.schedules.actions import PipelineSchedule, RecomputeMode, StageActions, custom_schedule
 from lightning_pipe.schedules.builtin import SCHEDULES
@@ -43,33 +44,109 @@ MICRO_BATCHES_PER_STAGE = 4  # the default: GPipe's bubble (S-1)/(M+S-1) is then
 
 @dataclass(frozen=True)
 class PipelineSettings:
-    """The pipeline settings of :class:`~lightning_pipe.GPipeStrategy`, checked (its arguments say what each does).
+    """The pipeline settings of :class:`~lightning_pipe.GPipeStrategy`, checked: each field is the strategy's argument
+    of the same name (``recompute`` is the argument ``checkpoint``); its docstring says what it does. docs/api.md
+    holds the same as a table with the defaults.
 
     ``key`` prefixes the settings' names in error messages: ``"strategy."`` for a Hydra config.
     """
 
-    num_stages: int | None = None  # None: one stage per process
-    num_micro_batches: int | None = None  # None: MICRO_BATCHES_PER_STAGE per stage
-    recompute: RecomputeMode | None = None  # the public option `checkpoint`; None: the schedule's default
+    num_stages: int | None = None
+    """Pipeline stages; defaults to the number of processes (``devices * num_nodes``). A
+    :class:`PipelineParallelConfig`, or a mapping such as a Hydra/OmegaConf node with ``num_stages`` and
+    ``num_micro_batches``, may be passed here instead of both counts."""
+    num_micro_batches: int | None = None
+    """Micro-batches per mini-batch; defaults to ``4 * num_stages``, where GPipe's idle bubble becomes negligible."""
+    recompute: RecomputeMode | None = None
+    """The argument ``checkpoint``, activation re-computation: ``"always"``, ``"except_last"`` (every forward but
+    those whose backward follows next: in GPipe the last micro-batch's) or ``"never"``. By default ``"except_last"``
+    under GPipe, ``"never"`` under a per-micro-batch schedule, which holds few micro-batches' activations anyway."""
     balance: list[int] | BalanceMode | None = None
-    module_name: str | tuple[str, ...] | None = None  # a container's path, or consecutive sibling modules
+    """Layers per stage, e.g. ``[3, 5]``, or how to choose them: ``"uniform"`` (the default: equal layer counts),
+    ``"parameters"`` (equal parameter counts), ``"time"`` (equal forward + backward time, profiled per layer on the
+    device) or ``"memory"`` (equal parameter + activation bytes, profiled). The profiled modes need a sample input;
+    every rank applies the split that global rank 0 decided."""
+    module_name: str | tuple[str, ...] | None = None
+    """Dotted path of the ``nn.Sequential`` to pipeline (``"net.model"``), or consecutive sibling modules; by default
+    the outermost ``nn.Sequential`` with the most parameters."""
     sample: Any = field(default=None, compare=False, repr=False)
+    """An input of the LightningModule's ``forward`` (as ``example_input_array``, which is used when this is
+    ``None``) to profile the layers with for ``balance="time"`` or ``"memory"``."""
     trace_steps: tuple[int, ...] = ()
+    """Training steps (``trainer.global_step`` values) whose timeline of every stage is written as a Chrome trace to
+    ``trace_dir/gpipe_trace.json``, whose absolute path is printed when it is first written (see
+    :mod:`lightning_pipe.trace`)."""
     trace_dir: Path | None = None
+    """Where the trace goes; defaults to the Trainer's ``default_root_dir``."""
     log_bubble_fraction: bool = True
+    """Send ``pipeline/bubble_fraction`` (the measured idle share of a step's compute window) and
+    ``pipeline/ideal_bubble_fraction`` (``(S-1)/(M+S-1)``) to the loggers every ``log_every_n_steps``. Costs a few
+    clock readings per micro-batch and one small gather over the pipeline per logged step."""
     deferred_batch_norm: bool = False
+    """Update BatchNorm running statistics once per mini-batch, from the whole mini-batch's statistics, so that they
+    equal one device's. By default (GPipe's semantics) each micro-batch updates them with its own statistics. Either
+    way each micro-batch is normalised by its own statistics."""
     mesh_order: tuple[str, str] = ("pp", "dp")
+    """How ranks are laid out over the pipeline (``"pp"``) and data-parallel (``"dp"``) dimensions, outermost first,
+    when ``devices * num_nodes`` is a multiple of ``num_stages`` (the replicas of the pipeline average their
+    gradients). ``("pp", "dp")``, as in torchtitan and Megatron, keeps the heavier gradient all-reduce on the fast
+    links inside a node and sends only activations across nodes."""
     start_method: str = "popen"
-    save_distributed_checkpoint: bool | None = None  # None: sharded for a model built on the meta device
+    """``"popen"`` (re-run the script per process), ``"spawn"``, ``"fork"`` or ``"forkserver"``, as for DDP."""
+    save_distributed_checkpoint: bool | None = None
+    """Write checkpoints sharded with ``torch.distributed.checkpoint`` (a directory): every rank writes its own stage,
+    nothing is gathered on one host. Such a checkpoint resumes with any stage count (only the local share is read);
+    ``python -m lightning_pipe.consolidate_checkpoint DIR FILE`` turns it into one file that loads anywhere.
+    ``False``: the whole model is gathered to rank 0, which writes one file that loads anywhere (with
+    ``load_from_checkpoint``, on one device) and holds the whole model and its optimizer state while writing. By
+    default (``None``) sharded for a model built on the meta device (in ``configure_model()`` or under
+    ``init_module(empty_init=True)``), one file otherwise."""
     gather_model_after_run: bool = False
+    """After ``fit``, ``validate``, ``test`` or ``predict`` of a model built on the meta device, send every stage's
+    layers to global rank 0 (the last stage, the launching process), so that the user's model object there holds the
+    whole trained model, as on one device. Costs rank 0 the whole model in host memory. By default each rank keeps
+    only its own stage (the other layers stay on the meta device) and the trained model lives in the checkpoints. A
+    model built the usual way always comes back whole on every rank."""
     schedule: str | PipelineSchedule | StageActions = field(default="gpipe", compare=False)
-    virtual_stages: int | None = None  # model chunks per stage; None: the schedule's default
-    compile: bool | dict[str, Any] = False  # True, or torch.compile's keyword arguments, for each stage's layers
-    pretrained: PretrainedWeights | None = None  # a path or a mapping enters; PretrainedWeights once checked
+    """The order of each stage's forwards, backwards, sends and receives in a step (see docs/schedules.md):
+    ``"gpipe"`` (the default; the loss on the whole batch), or a schedule with a loss per micro-batch, for which
+    ``training_step`` runs once per micro-batch: ``"1f1b"`` (at most ``S - stage`` micro-batches' activations held),
+    ``"interleaved_1f1b"`` (``virtual_stages`` model chunks per stage: a smaller bubble), ``"zero_bubble"`` (backward
+    split into input and weight gradients, the latter filling the bubble) or ``"zbv"`` (two chunks per stage in a
+    V). Or a function ``(stage, num_stages, num_micro_batches, virtual_stages) -> list[Action]`` (see
+    :mod:`lightning_pipe.schedules`). Once checked, a :class:`PipelineSchedule`."""
+    virtual_stages: int | None = None
+    """Model chunks per stage for the schedules that interleave them (``"interleaved_1f1b"``: 2 by default;
+    ``"zbv"``: 2); the pipelined blocks are split into ``num_stages * virtual_stages`` chunks. Once checked, the
+    count (1 for the other schedules)."""
+    compile: bool | dict[str, Any] = False
+    """Compile each stage's layers with ``torch.compile`` (``True``), or with these keyword arguments of
+    ``torch.compile`` (``{"mode": "max-autotune"}``): every layer separately, as torchtitan compiles each block. A
+    ``torch.compile`` wrapper around the pipelined module is honoured the same way, with its settings (see
+    :mod:`lightning_pipe.execution.compiling`)."""
+    pretrained: PretrainedWeights | None = None
+    """Start from stored weights, each rank reading only its stage's and the replicated modules' tensors: the path
+    of a Hugging Face model directory (safetensors, single or sharded, or ``pytorch_model.bin``), of a weights file,
+    or of a checkpoint of this package; or :class:`~lightning_pipe.PretrainedWeights` with the ``prefix`` where the
+    stored model sits in the LightningModule (inferred by default) and the ``dtype`` (the precision's, or the stored
+    one). Checked against the whole model on every rank before the first step (see
+    :mod:`lightning_pipe.checkpoints.pretrained`); a model object loads them once (a later ``trainer.test`` keeps
+    what ``fit`` trained). A path or a mapping enters; :class:`PretrainedWeights` once checked."""
     stall_watchdog: bool = True
+    """End the run on every rank when, in a training step, a wait on another rank (activations, gradients, the
+    step's results, the gradient reductions and barriers) lasts longer than ``max(stall_floor, stall_multiple * the
+    slowest recent step)``, or ``stall_first_step`` in a first step, naming the rank that stopped and writing every
+    rank's Python stack to ``default_root_dir/stall_stacks/`` (see :mod:`lightning_pipe.reliability.watchdog`).
+    Validation, checkpoints and epoch ends are left to the strategy's ``timeout``, which stays the hard limit
+    everywhere."""
     stall_multiple: float = StallRule.multiple
-    stall_floor: float = StallRule.floor_s  # seconds (a timedelta is accepted and converted)
-    stall_first_step: float = StallRule.first_step_s  # likewise
+    """How many times the slowest of the last 100 regular training steps a wait may last."""
+    stall_floor: float = StallRule.floor_s
+    """The shortest bound, in seconds (a ``timedelta`` is accepted and converted)."""
+    stall_first_step: float = StallRule.first_step_s
+    """The bound on a wait in a first step (a run's first two, an epoch's first, the first after validation or a
+    checkpoint, the first with a batch of new shapes), which may compile or allocate for long: seconds or a
+    ``timedelta``. Where the regular bound is longer, that one."""
     key: InitVar[str] = ""
 
     def __post_init__(self, key: str) -> None:
@@ -133,6 +210,7 @@ class PipelineSettings:
         schedule: PipelineSchedule = self.schedule  # type: ignore[assignment]  (checked in __post_init__)
         if not _is_built_in(schedule):
             check_schedule(schedule, config.num_stages, config.num_micro_batches, self.virtual_stages)
+
     @property
     def stall_rule(self) -> StallRule | None:
         """The stall watchdog's rule, or ``None`` when it is turned off."""
@@ -143,6 +221,33 @@ class PipelineSettings:
         ``MICRO_BATCHES_PER_STAGE`` micro-batches per stage."""
         num_stages = self.num_stages or num_processes
         return PipelineParallelConfig(num_stages, self.num_micro_batches or MICRO_BATCHES_PER_STAGE * num_stages)
+
+    def check_counts(self, num_processes: int, num_nodes: int) -> None:
+        """What these settings could not check alone, once the launch knows the process count (``num_processes``
+        on each of ``num_nodes`` nodes): whole pipelines, a layer count per stage, the user's schedule."""
+        total = num_processes * num_nodes
+        if self.num_stages is not None:
+            check_process_count(self.num_stages, num_processes, num_nodes)
+        elif isinstance(self.balance, list):  # with num_stages set, __post_init__ compared the two
+            check_one_count_per_stage(self.balance, self.pipeline_config(total).num_stages,
+                                      virtual_stages=self.virtual_stages, schedule=self.schedule.name)  # type: ignore[arg-type, union-attr]
+        config = self.pipeline_config(total)  # validates the resolved counts
+        if self.num_stages is None:  # with num_stages set, __post_init__ ran the user's schedule already
+            self.check_schedule(config)
+
+    def layout(self, num_processes: int) -> PipelineLayout:
+        """Which of ``num_processes`` ranks holds which stage of which replica (``num_stages * replicas``)."""
+        num_stages = self.pipeline_config(num_processes).num_stages
+        loss_stage = self.schedule.loss_stage(num_stages, self.virtual_stages)  # type: ignore[union-attr]
+        return PipelineLayout(
+            num_stages, max(1, num_processes // num_stages), pipeline_outermost=self.mesh_order[0] == "pp",
+            loss_on_first_stage=num_stages > 1 and loss_stage == 0,
+        )
+
+    def chunk_config(self, num_processes: int) -> PipelineParallelConfig:
+        """The counts the partition splits the blocks by: one part per model chunk (``virtual_stages`` per stage)."""
+        config = self.pipeline_config(num_processes)
+        return PipelineParallelConfig(config.num_stages * self.virtual_stages, config.num_micro_batches)  # type: ignore[operator]
 
 
 def _checked_schedule(

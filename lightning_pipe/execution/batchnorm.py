@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -184,3 +185,18 @@ def _values(count: float) -> str:
 
 def _samples(count: int) -> str:
     return f"{count} sample" + ("" if count == 1 else "s")
+
+
+def epoch_last_batch_reached(trainer: Any) -> int | None:
+    """The size of the training DataLoader's smaller last batch, if this fit reaches it: ``limit_train_batches`` or
+    ``max_steps`` may end the epoch first (then a BatchNorm need not fit it; a later step checks any new size)."""
+    loader = trainer.train_dataloader
+    size = epoch_last_batch_size(loader)
+    if size is None:
+        return None
+    batches = len(loader)
+    if trainer.num_training_batches < batches:
+        return None
+    if trainer.max_steps != -1 and trainer.max_steps * trainer.accumulate_grad_batches < batches:
+        return None
+    return size

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Generator, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -193,3 +194,17 @@ def _check_metrics(root: nn.Module) -> None:
                 " values and reset() cannot give them any; create torchmetrics metrics in __init__, not in"
                 " configure_model()."
             )
+
+
+@contextmanager
+def meta_tensors_left_in_place(module: nn.Module | None) -> Generator[None, None, None]:
+    """Lightning's teardown moves the model to the CPU. A tensor on the meta device (a layer another rank trained, or
+    one never materialised because the run failed before) has no data to move: it stays where it is."""
+    if module is None or not holds_meta_tensors(module):
+        yield
+        return
+    module.cpu = lambda: module._apply(lambda t: t if t.is_meta else t.cpu())  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.cpu

@@ -1,4 +1,5 @@
-"""The process groups of a pipeline run and this rank's place in them, built once when the ranks start."""
+"""The process groups of a pipeline run and this rank's place in them, built once when the ranks start; and the
+collectives over every rank (a broadcast, a decision, a barrier) whose waits the stall watchdog bounds."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_pipe.execution.p2p import Link
 from lightning_pipe.partition.topology import PipelineLayout
+from lightning_pipe.reliability.stall_rule import Wait
 from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog
 
 
@@ -105,3 +108,42 @@ def _mesh_backends(
     options = dist.ProcessGroupGloo._Options() if backend == "gloo" else dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     return {name: (backend, options) for name in mesh_order}
+
+
+# ---- collectives over every rank, each wait watched --------------------------------------------------------------
+
+
+def broadcast_object(obj: Any, src: int, rank: int, watchdog: StallWatchdog = UNWATCHED) -> Any:
+    """``obj`` as global rank ``src`` holds it, on every rank (``obj`` itself when no process group is up)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    holder = [obj]
+    if rank == src:
+        waited = watchdog.collective("a value broadcast to every rank", dist.group.WORLD, sending=True)
+    else:
+        waited = Wait(f"a value broadcast by rank {src}", (src,))
+    with watchdog.waiting(waited):
+        dist.broadcast_object_list(holder, src)
+    return holder[0]
+
+
+def decide_over_world(decision: bool, every: bool, device: torch.device, watchdog: StallWatchdog = UNWATCHED) -> bool:
+    """Whether every rank (``every``) or any rank decided ``decision``."""
+    flag = torch.tensor(int(decision), device=device)
+    work = dist.all_reduce(flag, async_op=True)
+    watchdog.wait([work], watchdog.collective("a decision of every rank", dist.group.WORLD), dist.group.WORLD)
+    return bool(flag == dist.get_world_size()) if every else bool(flag)
+
+
+def reduce_tensor(tensor: Any, group: dist.ProcessGroup, reduce_op: Any = "mean") -> Any:
+    """``tensor`` reduced over ``group`` (``"mean"``, ``"sum"`` or a ``ReduceOp``); anything else as it is."""
+    if not isinstance(tensor, torch.Tensor) or dist.get_world_size(group) == 1:
+        return tensor
+    return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+
+def world_barrier(watchdog: StallWatchdog = UNWATCHED) -> None:
+    """Wait for every rank (nothing when no process group is up)."""
+    if dist.is_available() and dist.is_initialized():
+        barrier = watchdog.collective("the other ranks at a barrier", dist.group.WORLD)
+        watchdog.wait([dist.barrier(async_op=True)], barrier, dist.group.WORLD)

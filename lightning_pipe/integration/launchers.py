@@ -1,4 +1,5 @@
-"""Starting the ranks and ending them: launchers that check the model first, SIGTERM, and the ranks of a failed run.
+"""Starting the ranks and ending them: launchers that check the model first, the process groups, the signals a rank
+hears (SIGTERM, SIGINT, SLURM's requeue), and the ranks of a failed run.
 
 Lightning's launchers start one process per rank. The checked launchers raise the partition's errors in the
 launching process, before any rank starts. When a run fails or is told to stop, a rank may be blocked in a receive
@@ -21,11 +22,12 @@ import weakref
 from collections.abc import Callable
 from contextlib import suppress
 from functools import partial
+from datetime import timedelta
 from typing import Any
 
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.utilities.distributed import _destroy_dist_connection
+from lightning.fabric.utilities.distributed import _destroy_dist_connection, _init_dist_connection
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -34,13 +36,19 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.multiprocessing.spawn import ProcessRaisedException
 
 from lightning_pipe.execution.materialize import holds_meta_tensors, mark_held_elsewhere
+from lightning_pipe.execution.process_groups import PipelineGroups, init_pipeline_groups
+from lightning_pipe.execution.runtime import StageRuntime
 from lightning_pipe.integration.lightning_packages import lightning_module_base, overrides
+from lightning_pipe.partition.topology import PipelineLayout
 from lightning_pipe.reliability.root_cause import (
     left_exception,
     leaving_the_exception,
     next_failure_key,
     raising_the_root_cause,
 )
+from lightning_pipe.reliability.stop_signals import StopSignals
+from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog
+from lightning_pipe.settings import PipelineSettings
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +171,65 @@ def note_sigterm(
     if not connector.received_sigterm and launcher is not None:
         launcher.kill(signum)
     connector.received_sigterm = True
+
+
+def hear_signals(
+    trainer: Trainer,
+    launcher: _Launcher | None,
+    cluster_environment: ClusterEnvironment | None,
+    layout: PipelineLayout,
+    rank: int,
+    runtime: Callable[[], StageRuntime | None],
+) -> StopSignals | None:
+    """Hear SIGTERM, SIGINT and SLURM's requeue signal on a rank that may be blocked in a wait on a peer (see
+    :func:`note_sigterm`, :func:`note_requeue` and :mod:`lightning_pipe.reliability.stop_signals`); what listens for
+    the stop signals, to be stopped at teardown. ``runtime`` gives this rank's step runtime once it is built."""
+    connector = trainer._signal_connector
+    # The Trainer registers its SIGTERM handler right after the strategy's `setup`; see `note_sigterm`.
+    connector._sigterm_notifier_fn = partial(note_sigterm, trainer, launcher, cluster_environment, rank)
+    if layout.num_stages > 1:  # SLURM's requeue waits for a step boundary
+        connector._slurm_sigusr_handler_fn = partial(note_requeue, runtime)
+    if layout.num_stages * layout.num_replicas == 1:
+        return None
+    stop_signals = StopSignals(
+        f"stage {layout.stage(rank)} (rank {rank})", lambda: list(getattr(launcher, "procs", None) or [])
+    )
+    stop_signals.start()
+    return stop_signals
+
+
+def note_requeue(runtime: Callable[[], StageRuntime | None], signum: Any, frame: Any) -> None:
+    """SLURM's requeue signal (SIGUSR1). Lightning saves the hpc checkpoint and requeues from inside the handler,
+    wherever each rank happens to be: mid-step, a rank's peers wait on it while it waits for them in the
+    checkpoint's gathers. Counted instead: the last stage's count travels with its next step outcome, and every
+    stage of the pipeline requeues (:func:`requeue_if_due`) at the start of the training step after it."""
+    if (stage_runtime := runtime()) is not None:
+        stage_runtime.requeues_asked += 1
+
+
+def requeue_if_due(trainer: Trainer, runtime: StageRuntime | None) -> None:
+    """Lightning's requeue (its SIGUSR1 handler), at the start of a training step, where a step outcome asked it."""
+    if runtime is None or not runtime.requeue_due:
+        return
+    runtime.requeue_due = False
+    connector = trainer._signal_connector
+    type(connector)._slurm_sigusr_handler_fn(connector, signal.SIGUSR1, None)  # type: ignore[arg-type]
+
+
+def start_process_groups(
+    cluster_environment: ClusterEnvironment, settings: PipelineSettings, layout: PipelineLayout, rank: int,
+    device: torch.device, backend: str, timeout: timedelta | None,
+) -> PipelineGroups:
+    """Join the run's default process group, then build the pipeline's groups over it, their waits watched by a
+    stall watchdog where the settings ask for one and there are several ranks."""
+    device_id = device if device.type != "cpu" else None
+    _init_dist_connection(cluster_environment, backend, timeout=timeout, device_id=device_id)
+    world_size = layout.num_stages * layout.num_replicas
+    watchdog = UNWATCHED
+    if settings.stall_rule is not None and world_size > 1:
+        names = {r: f"stage {layout.stage(r)} (rank {r})" for r in range(world_size)}
+        watchdog = StallWatchdog(settings.stall_rule, rank, names, timeout)
+    return init_pipeline_groups(layout, rank, device, backend, timeout, settings.mesh_order, watchdog)
 
 
 # Whether this process destroys its process groups at exit: set up with the groups, withdrawn after a failure; and

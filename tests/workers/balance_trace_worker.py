@@ -65,9 +65,9 @@ def main(spec_path):
         summary = strategy.stage_summary()
         out.mkdir(parents=True, exist_ok=True)
         result = {
-            "ranges": [[r.start, r.stop] for r in strategy._plan.ranges],
-            "method": strategy._plan.method,
-            "costs": strategy._plan.costs,
+            "ranges": [[r.start, r.stop] for r in strategy._pipeline.plan.ranges],
+            "method": strategy._pipeline.plan.method,
+            "costs": strategy._pipeline.plan.costs,
             "summary": str(summary),
             "imbalance": summary.imbalance,
             "rows": [{"stage": row.stage, "rank": row.rank, "parameters": row.parameters} for row in summary.rows],

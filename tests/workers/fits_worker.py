@@ -143,7 +143,8 @@ def main(spec_path):
             trainer.save_checkpoint(out / "weights.ckpt", weights_only=True)
         summary = recorder.summary()
         summary["compiled_graphs"] = models.compiled_graphs - graphs_before  # by torch.compile in this run
-        plan = trainer.strategy._plan  # the split applied (None in the launching process of spawn/fork)
+        pipeline = trainer.strategy._pipeline  # what was built (None in the launching process of spawn/fork)
+        plan = pipeline.plan if pipeline is not None else None
         if plan is not None:
             summary["chunk_ranges"] = [[r.start, r.stop] for r in plan.ranges]
         if hasattr(model, "forward_counts"):

@@ -1,0 +1,504 @@
+"""The pipeline built on one rank: the user's model split into stages, and what runs this rank's.
+
+:func:`build_pipeline` checks that every rank built the same model, finds the region (the blocks to pipeline),
+decides the partition on global rank 0, plans the pretrained weights' load, puts this rank's
+:class:`~lightning_pipe.execution.stage.StageBlocks` into the model, makes its tensors real and fills them, and
+builds the engine, the step runtime and the tracer. What it built is one :class:`BuiltPipeline`, which the strategy
+keeps from ``setup`` to the interpreter's exit, and whose methods do the pipeline's share of the strategy's hooks
+(replicated state, gradient reductions, clipping, the stage summary, observing a step).
+
+May import: every folder below it (``config`` to ``integration``). Imported by: the strategy and its
+``pytorch_lightning`` twin only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from torchmetrics import Metric
+
+from lightning_pipe.checkpoints.pretrained import PretrainedLoad, PretrainedWeights, holds_pretrained_weights
+from lightning_pipe.checkpoints.whole_model import PipelinedModule, restore_whole_model
+from lightning_pipe.config import PipelineParallelConfig
+from lightning_pipe.execution.batchnorm import defer as defer_batch_norms
+from lightning_pipe.execution.compiling import check_compiled, compile_stage, uncompiled_name
+from lightning_pipe.execution.engine import PipelineEngine
+from lightning_pipe.execution.gradients import (
+    add_gradients,
+    agree_on_gradient_overflow,
+    clip_grad_norm_over_pipeline,
+    reduce_gradients,
+    swap_gradients,
+)
+from lightning_pipe.execution.materialize import global_seed, holds_meta_tensors, materialize
+from lightning_pipe.execution.process_groups import PipelineGroups, broadcast_object, decide_over_world
+from lightning_pipe.execution.random_streams import StageRandomStreams
+from lightning_pipe.execution.runtime import StageRuntime
+from lightning_pipe.execution.stage import StageBlocks
+from lightning_pipe.execution.tied import TiedParameters, parameters_shared_across_stages, replicated_parameters
+from lightning_pipe.execution.replayed_logs import StepOutcome
+from lightning_pipe.integration.lightning_packages import overrides
+from lightning_pipe.integration.model_summary import summarize_whole_model
+from lightning_pipe.partition.balance import (
+    PartitionPlan,
+    needs_sample,
+    plan_partition,
+    profiling_sample,
+    recompute_fraction,
+    stage_ranges,
+)
+from lightning_pipe.partition.fingerprint import different_models_message, fingerprint_digest, model_fingerprint
+from lightning_pipe.partition.region import (
+    MAX_OUTSIDE_SHARE,
+    Region,
+    find_region,
+    outside_parameters,
+    outside_share,
+    suggested_chain,
+)
+from lightning_pipe.partition.step_probe import first_training_batch, random_state_kept, training_step_on
+from lightning_pipe.partition.topology import PipelineLayout
+from lightning_pipe.schedules.simulator import ideal_bubble
+from lightning_pipe.settings import PipelineSettings
+from lightning_pipe.trace.stage_summary import (
+    StageSummary,
+    build_stage_summary,
+    model_checkpoint_note,
+    outside_warning,
+    self_checkpointing_warning,
+)
+from lightning_pipe.trace.timeline import StepTimeline
+from lightning_pipe.trace.tracer import TRACE_FILE_NAME, PipelineTracer, StepObservation, observe_step
+
+# LightningModule hooks whose user code consumes step results, so they run where those results are: on the last
+# stage. Whatever they log is replayed on the other stages.
+_EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
+
+
+@dataclass(frozen=True)
+class BuiltPipeline:
+    """What :func:`build_pipeline` built on this rank, and the pipeline's share of the strategy's hooks."""
+
+    settings: PipelineSettings
+    config: PipelineParallelConfig  # the resolved stage and micro-batch counts
+    groups: PipelineGroups
+    region: Region  # the blocks pipelined
+    plan: PartitionPlan  # the blocks of each model chunk, as global rank 0 decided
+    outside: list[tuple[str, int]]  # what runs whole on every stage, with its parameter count
+    # The user's pipelined module as it was, to put it back after the run; None once a failed run lost the stages.
+    pipelined: PipelinedModule | None
+    replicated: list[nn.Parameter]  # parameters outside the pipelined blocks, held by every stage
+    tied: TiedParameters  # parameters shared by blocks of several stages
+    runtime: StageRuntime
+    tracer: PipelineTracer | None  # gathers the stages' timelines; None for one stage or none asked for
+    deferred: bool  # the pipelined module was built on the meta device
+    pretrained_prefix: str | None = None  # where the pretrained model sits, once its weights were mapped
+    # A per-micro-batch step's gradients, from its `training_step` to Lightning's `backward` (see `swap_gradients`).
+    step_gradients: list[tuple[list[nn.Parameter], list[Tensor | None]]] = field(default_factory=list)
+
+    # ---- set-up ------------------------------------------------------------------------------------------------
+
+    def start(self, module: LightningModule, callbacks: Sequence[Any]) -> list[Callable[[], None]]:
+        """Start the run on the model moved to its device: identical replicated state, metrics synced within
+        replicas, the epoch-end hooks on the last stage, Lightning's summary of the whole model, the last stage's
+        random state on every stage. What undoes the changes to the user's objects, for teardown."""
+        self.start_identical()
+        self.sync_metrics_within_replicas(module)
+        undo = [
+            self.run_epoch_end_hooks_on_last_stage(module),
+            summarize_whole_model(callbacks, self.runtime.stage, self.pipelined.ranges),  # type: ignore[union-attr]
+        ]
+        self.runtime.share_outcome(module, StepOutcome())  # every stage starts from the last stage's random state
+        return undo
+
+    def start_identical(self) -> None:
+        """Start identical where training keeps things identical: parameters outside the pipelined module on every
+        rank (from rank 0), tied parameters, and each stage's parameters and buffers on its replicas (from replica
+        0)."""
+        layout = self.groups.layout
+        with torch.no_grad():
+            for tensor in self.replicated:
+                dist.broadcast(tensor.data, src=0)
+            self.tied.start_identical()
+            if layout.num_replicas > 1:
+                source = layout.rank(self.groups.stage, replica=0)
+                for tensor in [*self.runtime.stage.parameters(), *self.runtime.stage.buffers()]:
+                    dist.broadcast(tensor.data, src=source, group=self.groups.replicas)
+
+    def agree_on_gradient_overflow(self, precision: Any) -> None:
+        """With a gradient scaler (16-mixed), an overflow on one stage skips the step on every stage."""
+        scaler = getattr(precision, "scaler", None)
+        if scaler is not None and self.config.num_stages > 1:
+            agree_on_gradient_overflow(scaler, self.groups.pipeline, self.groups.device, self.groups.watchdog)
+
+    # ---- a training step ---------------------------------------------------------------------------------------
+
+    def training_step(self, module: LightningModule, model: nn.Module, precision: Any, args: tuple, kwargs: dict) -> Any:
+        """What Lightning's training step gets on this rank: the user's output on the last stage, a stand-in loss
+        elsewhere (Lightning calls backward on it; the pipeline's own backward runs instead)."""
+        runtime = self.runtime
+        # A per-micro-batch step enters the precision's context around each call of the user's step, not around the
+        # backwards it runs in between.
+        if runtime.per_micro_batch:  # its backwards run inside: see `swap_gradients`
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            earlier = swap_gradients(trainable, [None] * len(trainable))
+            outcome, output = runtime.run_step(module, "training_step", args, kwargs)
+            self.step_gradients[:] = [(trainable, swap_gradients(trainable, earlier))]
+        else:
+            with precision.train_step_context():
+                outcome, output = runtime.run_step(module, "training_step", args, kwargs)
+        if outcome.skipped:
+            # Lightning refuses `None` from a distributed training_step. A placeholder loss that `backward` ignores,
+            # and that the optimizer-step closure reports as None, gives one device's behaviour: no update.
+            return torch.zeros((), device=self.groups.device)
+        return output if runtime.is_last else torch.tensor(outcome.loss, device=self.groups.device)
+
+    def backward(self, closure_loss: Tensor, module: LightningModule, precision: Any, *args: Any, **kwargs: Any) -> None:
+        """The step's backward on this stage, between the precision's ``pre_backward`` and ``post_backward``."""
+        if self.runtime.per_micro_batch:  # every backward ran in the step, where its schedule said
+            for parameters, gradients in self.step_gradients:
+                add_gradients(parameters, gradients)
+            self.step_gradients.clear()
+            return
+        if self.runtime.is_last:  # the user's loss.backward(), through the model's head to the blocks' output
+            precision.backward(closure_loss, module, *args, **kwargs)
+        self.runtime.backward()  # the blocks' own backward, micro-batch by micro-batch
+
+    def reduce_gradients(self, module: nn.Module) -> None:
+        """Sum the replicated parameters' gradients over the pipeline, then average every gradient over replicas."""
+        watchdog = self.groups.watchdog
+        reduce_gradients(self.replicated, self.groups.pipeline, average=False, watchdog=watchdog)
+        self.tied.sum_gradients()
+        if self.groups.layout.num_replicas > 1:
+            trainable = [p for p in module.parameters() if p.requires_grad]
+            reduce_gradients(trainable, self.groups.replicas, average=True, watchdog=watchdog)
+
+    def clip_grad_norm(self, parameters: Any, clip_val: float) -> None:
+        """``clip_grad_norm_`` over the whole model (see :func:`clip_grad_norm_over_pipeline`)."""
+        groups = self.groups
+        clip_grad_norm_over_pipeline(
+            parameters, self.replicated, clip_val, groups.pipeline, groups.device, self.tied.counted_elsewhere,
+            groups.watchdog,
+        )
+
+    # ---- what it reports ---------------------------------------------------------------------------------------
+
+    def stage_summary(self, devices: Sequence[str], busy_seconds: Sequence[float] | None) -> StageSummary:
+        """The stage table (see :mod:`lightning_pipe.trace.stage_summary`); ``devices[s]`` names where stage ``s``
+        of the first pipeline runs."""
+        schedule, num_stages = self.settings.schedule, self.config.num_stages
+        return build_stage_summary(
+            self.plan,
+            self.region.label,
+            self.groups.layout.pipeline_ranks(0),
+            devices,
+            sum(p.numel() for p in self.replicated),
+            self.config.num_micro_batches,
+            self.settings.recompute,  # type: ignore[arg-type]
+            busy_seconds,
+            built_whole=not self.deferred,
+            outside=self.outside,
+            owners=[schedule.owner(k, num_stages) for k in range(len(self.plan.ranges))],  # type: ignore[union-attr]
+            schedule=schedule.name,  # type: ignore[union-attr]
+            ideal_bubble=ideal_bubble(
+                schedule, num_stages, self.config.num_micro_batches, self.settings.virtual_stages  # type: ignore[arg-type]
+            ),
+        )
+
+    def announce(self, module: LightningModule, summary: StageSummary, category: type[Warning]) -> None:
+        """Print the stage summary, and warn of much of the model left outside the pipeline and of layers that
+        re-compute their activations themselves on top of the pipeline's re-computation."""
+        rank_zero_info(str(summary))
+        if (warning := outside_warning(summary, suggested_chain(module, self.region))) is not None:
+            rank_zero_warn(warning, category=category)
+        stage = self.runtime.stage
+        checkpointing_themselves = any(getattr(m, "gradient_checkpointing", None) is True for m in stage.modules())
+        if checkpointing_themselves and self.settings.recompute != "never":
+            rank_zero_warn(self_checkpointing_warning(self.settings.recompute), category=category)  # type: ignore[arg-type]
+
+    def put_whole_model_back(self, module: LightningModule) -> None:
+        """After the run: the user's pipelined module back in ``module`` (see
+        :func:`~lightning_pipe.checkpoints.whole_model.restore_whole_model`); nothing once the stages were lost."""
+        if self.pipelined is None:
+            return
+        groups = self.groups
+        restore_whole_model(
+            module, self.pipelined, groups.stage_ranks, groups.rank, groups.pipeline, groups.device, self.deferred,
+            self.settings.gather_model_after_run,
+        )
+
+    def observe_step(self, trainer: Trainer) -> StepObservation | None:
+        """After a training step's backward: gather the stages' timelines when this step is logged (every
+        ``log_every_n_steps``, as Lightning's own monitors do) or traced; log the bubble, write the trace."""
+        if self.tracer is None:
+            return None
+        return observe_step(self.tracer, trainer, self.settings.log_bubble_fraction)
+
+    def run_epoch_end_hooks_on_last_stage(self, module: LightningModule) -> Callable[[], None]:
+        """Run the user's epoch-end hooks on the last stage only, replaying what they log on the other stages; what
+        puts them back."""
+        wrapped_hooks = []
+        for hook in _EPOCH_END_HOOKS:
+            if hook in module.__dict__:
+                continue  # already wrapped by an earlier call with this model
+            user_hook = getattr(module, hook)
+
+            def wrapped(user_hook: Callable[[], None] = user_hook) -> None:
+                self.groups.watchdog.uneven_phase()  # the last stage may take long over a whole epoch's results
+                self.runtime.run_on_last_stage(module, user_hook)
+
+            setattr(module, hook, wrapped)
+            wrapped_hooks.append(hook)
+
+        def put_back() -> None:
+            for hook in wrapped_hooks:
+                module.__dict__.pop(hook, None)
+
+        return put_back
+
+    def sync_metrics_within_replicas(self, module: LightningModule) -> None:
+        """torchmetrics syncs over the whole world by default; only a stage's replicas hold the same metric."""
+        for metric in module.modules():
+            if isinstance(metric, Metric):
+                metric.process_group = self.groups.replicas
+
+
+def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: PipelineGroups, precision: Any) -> BuiltPipeline:
+    """Split ``module`` into stages and build this rank's: a collective, called on every rank at set-up.
+    ``precision`` is the strategy's precision plugin (its dtype, step context and gradient scaler)."""
+    config = settings.pipeline_config(groups.num_stages)
+    check_every_rank_built_the_same_model(module, groups.layout)
+    region = broadcast_object(  # every rank splits the same blocks
+        find_pipelined_region(module, settings, config.num_stages, module._trainer), 0, groups.rank, groups.watchdog
+    )
+    check_compiled(module, region)
+    blocks = region.blocks(module)
+    layers = nn.Sequential(*blocks)  # the blocks in order, for the partition plan and the whole model
+    plan = decide_partition(module, layers, settings, groups)
+    outside = outside_parameters(module, region)  # before this rank's stage takes the blocks' place
+    held = _blocks_held_by_stage(plan, settings, config.num_stages)
+    ties = parameters_shared_across_stages(blocks, held)  # before materialising replaces parameters
+    state_keys, parameter_order = list(module.state_dict().keys()), [name for name, _ in module.named_parameters()]
+    pretrained = plan_pretrained_load(module, settings.pretrained)  # checked on the whole model: every rank alike
+    stage = _install_stage(module, region, plan, settings, groups)
+    # Built on the meta device: only what this rank runs becomes real (the stage, the replicated modules).
+    deferred = decide_over_world(holds_meta_tensors(layers), every=False, device=groups.device,
+                                 watchdog=groups.watchdog)
+    _make_real(module, pretrained, precision, groups)
+    if settings.deferred_batch_norm:
+        for block in stage.blocks:
+            defer_batch_norms(block)
+    pipelined = PipelinedModule(
+        region.label, layers, held, state_keys, parameter_order, put_back=stage.uninstall, block_names=region.names
+    )
+    replicated = replicated_parameters(module, region.names)
+    tied = TiedParameters(ties, stage, groups.layout, replicated, groups.timeout)
+    compile_stage(module, region, stage, settings.compile_options)
+    timeline = StepTimeline(groups.device, enabled=settings.log_bubble_fraction or bool(settings.trace_steps))
+    return BuiltPipeline(
+        settings, config, groups, region, plan, outside, pipelined, replicated, tied,
+        runtime=_stage_runtime(module, stage, settings, config, groups, precision, timeline),
+        tracer=_tracer(module, settings, config, groups, timeline),
+        deferred=deferred,
+        pretrained_prefix=pretrained.mapping.prefix if pretrained is not None else None,
+    )
+
+
+def check_partition_before_launch(
+    model: LightningModule, trainer: Trainer | None, settings: PipelineSettings, num_processes: int
+) -> None:
+    """Raise the partition's errors (no Sequential, too many stages, a bad balance) before processes start."""
+    if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+        require_automatic_optimization(model)
+    if overrides(model, "configure_model"):
+        return  # the layers may exist only once configure_model has run, in each process: set-up checks them
+    region = find_pipelined_region(model, settings, settings.pipeline_config(num_processes).num_stages, trainer)
+    check_compiled(model, region)
+    balance = settings.balance if isinstance(settings.balance, list) else None
+    stage_ranges(settings.chunk_config(num_processes), len(region), balance)
+    profiling_sample(settings.balance, settings.sample, model)
+
+
+def require_automatic_optimization(module: LightningModule) -> None:
+    if not module.automatic_optimization:
+        raise RuntimeError(
+            "GPipeStrategy supports automatic optimization only: the pipeline drives backward itself, so"
+            " `self.manual_backward` cannot reach the other stages. Set `self.automatic_optimization = True` and"
+            " return the loss from training_step."
+        )
+
+
+def check_every_rank_built_the_same_model(module: LightningModule, layout: PipelineLayout) -> None:
+    """Raise on every rank if the ranks' models differ in any state-dict entry's name, shape or dtype."""
+    world_size = dist.get_world_size()
+    if world_size == 1:
+        return
+    fingerprint = model_fingerprint(module)
+    digests: list[Any] = [None] * world_size
+    dist.all_gather_object(digests, fingerprint_digest(fingerprint))
+    if len(set(digests)) == 1:
+        return
+    every: list[Any] = [None] * world_size
+    dist.all_gather_object(every, fingerprint)
+    raise ValueError(different_models_message(every, lambda rank: f"rank {rank} (stage {layout.stage(rank)})"))
+
+
+def find_pipelined_region(
+    module: LightningModule, settings: PipelineSettings, num_stages: int, trainer: Trainer | None = None
+) -> Region:
+    """The blocks to pipeline (see :func:`find_region`); with the ``trainer`` of a fit, also those that the
+    training step chains, when what the model and its ``forward`` show leaves much of the model outside."""
+    sample = settings.sample if settings.sample is not None else getattr(module, "example_input_array", None)
+    name = uncompiled_name(module, settings.module_name)
+    region = find_region(module, name, sample, num_stages=num_stages)
+    fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+    if name is None and fitting and outside_share(module, region) > MAX_OUTSIDE_SHARE:
+        with random_state_kept():
+            batch = first_training_batch(trainer, module)  # type: ignore[arg-type]
+            if batch is not None:
+                region = find_region(module, name, sample, training_step_on(batch), num_stages)
+    return region
+
+
+def decide_partition(
+    module: LightningModule, sequential: nn.Sequential, settings: PipelineSettings, groups: PipelineGroups
+) -> PartitionPlan:
+    """The split, decided on global rank 0 (profiling there when ``balance`` asks) and broadcast, so that every
+    rank applies the same split even where measurements differ between ranks."""
+    config = settings.chunk_config(groups.num_stages)
+    decided: PartitionPlan | str | None = None
+    error: Exception | None = None
+    if groups.rank == 0:
+        fraction = recompute_fraction(settings.recompute, config.num_micro_batches)  # type: ignore[arg-type]
+        try:
+            if needs_sample(settings.balance) and holds_meta_tensors(sequential):
+                raise ValueError(
+                    f"balance={settings.balance!r} profiles every layer with its weights, but the pipelined module"
+                    " was built on the meta device (in configure_model() or under init_module(empty_init=True)),"
+                    " where it has none yet; use balance='parameters' or a list of layers per stage, or build"
+                    " the model in __init__."
+                )
+            decided = plan_partition(
+                module, sequential, config, settings.balance, settings.sample, groups.device, fraction
+            )
+        except Exception as exception:  # the other ranks wait in the broadcast: tell them, then raise
+            error, decided = exception, f"{type(exception).__name__}: {exception}"
+    decided = broadcast_object(decided, 0, groups.rank, groups.watchdog)
+    if error is not None:
+        raise error
+    if isinstance(decided, str):
+        raise RuntimeError(f"global rank 0 failed to partition the model: {decided}")
+    assert decided is not None
+    return decided
+
+
+def plan_pretrained_load(module: LightningModule, weights: PretrainedWeights | None) -> PretrainedLoad | None:
+    """The pretrained weights to read into this model, checked against it; None when none were asked for or
+    this model object holds them already (from an earlier run, which may have trained them)."""
+    if weights is None:
+        return None
+    if holds_pretrained_weights(module):
+        rank_zero_info(f"The model holds the weights of an earlier run: {str(weights.path)!r} is not read again.")
+        return None
+    load = PretrainedLoad.plan(module, weights)
+    rank_zero_info(
+        f"Starting from the pretrained weights {load.stored.describe()}: {load.mapping.describe(load.stored)};"
+        " each rank reads its stage's share."
+    )
+    return load
+
+
+def _blocks_held_by_stage(plan: PartitionPlan, settings: PipelineSettings, num_stages: int) -> list[list[int]]:
+    """The blocks each stage holds: those of every model chunk the schedule gives it."""
+    schedule, v = settings.schedule, settings.virtual_stages
+    return [
+        sorted(i for k in schedule.chunks(s, num_stages, v) for i in plan.ranges[k])  # type: ignore[union-attr]
+        for s in range(num_stages)
+    ]
+
+
+def _install_stage(
+    module: LightningModule, region: Region, plan: PartitionPlan, settings: PipelineSettings, groups: PipelineGroups
+) -> StageBlocks:
+    """This rank's stage, put into ``module`` in place of the pipelined blocks."""
+    index, num_stages = groups.stage, groups.num_stages
+    chunks = settings.schedule.chunks(index, num_stages, settings.virtual_stages)  # type: ignore[union-attr]
+    local = {k: plan.ranges[k] for k in chunks}
+    stage = StageBlocks(module, region, local, index, num_stages, num_chunks=len(plan.ranges))
+    stage.install()  # before materialising: the other stages' blocks are taken out
+    return stage
+
+
+def _make_real(module: LightningModule, pretrained: PretrainedLoad | None, precision: Any, groups: PipelineGroups) -> None:
+    """Allocate and initialise what this rank runs that was built on the meta device, then read the pretrained
+    weights into it."""
+    filled = pretrained.mapping.filled if pretrained is not None else ()
+    materialize(module, groups.device, broadcast_object(global_seed(), 0, groups.rank, groups.watchdog), filled)
+    if pretrained is not None:
+        with precision.tensor_init_context():  # sets the precision's dtype as torch's default
+            precision_dtype = torch.get_default_dtype()
+        pretrained.fill(module, precision_dtype)
+
+
+def _stage_runtime(
+    module: LightningModule,
+    stage: StageBlocks,
+    settings: PipelineSettings,
+    config: PipelineParallelConfig,
+    groups: PipelineGroups,
+    precision: Any,
+    timeline: StepTimeline,
+) -> StageRuntime:
+    """The engine that runs the schedule on ``stage``, in the runtime that runs a step on this rank."""
+    schedule, v, index = settings.schedule, settings.virtual_stages, groups.stage
+    # One stage draws from the global stream, as one device does; several need streams of their own.
+    streams = StageRandomStreams(groups.device, index, groups.replica) if config.num_stages > 1 else None
+    engine = PipelineEngine(
+        stage, config.num_micro_batches, settings.recompute,  # type: ignore[arg-type]
+        links={peer: groups.link(peer) for peer in schedule.neighbours(index, config.num_stages, v)},  # type: ignore[union-attr]
+        schedule=schedule,  # type: ignore[arg-type]
+        virtual_stages=v,  # type: ignore[arg-type]
+        timeline=timeline,
+        random_streams=streams,
+    )
+    return StageRuntime(
+        groups, engine, stage, scale_loss=partial(_scaled_micro_batch_loss, module, precision),
+        step_context=precision.train_step_context,
+        on_model_checkpoint=partial(rank_zero_info, model_checkpoint_note(settings.recompute)),
+    )
+
+
+def _scaled_micro_batch_loss(module: LightningModule, precision: Any, loss: Tensor) -> Tensor:
+    """What a per-micro-batch step back-propagates of a micro-batch's (weighted) loss: divided over Lightning's
+    gradient accumulation, and scaled by the gradient scaler, as Lightning does with one step's loss."""
+    loss = loss / module.trainer.accumulate_grad_batches
+    scaler = getattr(precision, "scaler", None)
+    return scaler.scale(loss) if scaler is not None else loss
+
+
+def _tracer(
+    module: LightningModule,
+    settings: PipelineSettings,
+    config: PipelineParallelConfig,
+    groups: PipelineGroups,
+    timeline: StepTimeline,
+) -> PipelineTracer | None:
+    """The tracer that gathers the stages' timelines, where a timeline is kept and there are several stages."""
+    if not (timeline.enabled and config.num_stages > 1):
+        return None
+    trace_dir = settings.trace_dir or Path(module.trainer.default_root_dir)
+    return PipelineTracer(
+        timeline, groups.meta, groups.stage, config.num_stages, groups.rank, settings.trace_steps,
+        trace_path=trace_dir / TRACE_FILE_NAME if groups.rank == 0 else None,
+        ideal_bubble=partial(ideal_bubble, settings.schedule, config.num_stages, virtual_stages=settings.virtual_stages),
+    )
