@@ -4,6 +4,7 @@ no import cycle, files and classes a reader can hold in mind, and no module name
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.metadata
 import re
 import sys
@@ -172,3 +173,23 @@ def test_no_module_takes_the_name_of_a_standard_or_installed_package():
         name for name in modules() if name.rpartition(".")[2] in taken - KEPT_NAMES
     )
     assert not clashing, f"modules named like a standard or installed package: {clashing}"
+
+
+def walked_functions() -> list[str]:
+    """The ``file:function`` of each line of docs/architecture.md's walk through a training step."""
+    section = ARCHITECTURE.split("## One training step, walked through", 1)[1]
+    return re.findall(r"^(lightning_pipe/[\w/]+\.py:[\w.]+)", section, re.M)
+
+
+def test_every_function_of_the_walk_through_a_step_exists():
+    walked = walked_functions()
+    assert len(walked) >= 20, f"the walk names {len(walked)} functions: the parser is broken"
+    missing = []
+    for entry in walked:
+        path, _, qualified = entry.partition(":")
+        target = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        for name in qualified.split("."):
+            target = getattr(target, name, None)
+        if not callable(target):
+            missing.append(entry)
+    assert not missing, f"docs/architecture.md walks through functions that do not exist: {missing}"
