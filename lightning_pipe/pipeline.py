@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 
 from lightning_pipe.checkpoints.pretrained import PretrainedLoad, PretrainedWeights, holds_pretrained_weights
-from lightning_pipe.checkpoints.whole_model import PipelinedModule, restore_whole_model
+from lightning_pipe.checkpoints.whole_model import WholeModelLayout, restore_whole_model
 from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.execution.batchnorm import defer as defer_batch_norms
 from lightning_pipe.execution.compiling import check_compiled, compile_stage, uncompiled_name
@@ -96,7 +96,7 @@ class BuiltPipeline:
     plan: PartitionPlan  # the blocks of each model chunk, as global rank 0 decided
     outside: list[tuple[str, int]]  # what runs whole on every stage, with its parameter count
     # The user's pipelined module as it was, to put it back after the run; None once a failed run lost the stages.
-    pipelined: PipelinedModule | None
+    pipelined: WholeModelLayout | None
     replicated: list[nn.Parameter]  # parameters outside the pipelined blocks, held by every stage
     tied: TiedParameters  # parameters shared by blocks of several stages
     runtime: StageRuntime
@@ -298,7 +298,7 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
     if settings.deferred_batch_norm:
         for block in stage.blocks:
             defer_batch_norms(block)
-    pipelined = PipelinedModule(
+    pipelined = WholeModelLayout(
         region.label, layers, held, state_keys, parameter_order, put_back=stage.uninstall, block_names=region.names
     )
     replicated = replicated_parameters(module, region.names)

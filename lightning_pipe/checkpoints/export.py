@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from lightning_pipe.checkpoints.stored_weights import SAFETENSORS_INDEX, StoredWeights, describe_names, read_tensors
-from lightning_pipe.checkpoints.whole_model import PipelinedModule, gather_to_loss_stage
+from lightning_pipe.checkpoints.whole_model import WholeModelLayout, gather_to_loss_stage
 
 CONFIG_FILES = ("config.json", "generation_config.json")  # what `from_pretrained` reads besides the weights
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)i?B?\s*$", re.IGNORECASE)
@@ -109,7 +109,7 @@ def parse_size(size: str | int) -> int:
 
 def export_pretrained_by_stage(
     module: nn.Module,
-    pipelined: PipelinedModule,
+    pipelined: WholeModelLayout,
     directory: Path,
     prefix: str,
     dtype: torch.dtype | str | None,

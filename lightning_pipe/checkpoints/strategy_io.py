@@ -28,7 +28,7 @@ from lightning_pipe.checkpoints.sharded import SHARDED, is_sharded_checkpoint
 from lightning_pipe.checkpoints.sharded import load as load_sharded
 from lightning_pipe.checkpoints.sharded import save as save_sharded
 from lightning_pipe.checkpoints.whole_model import (
-    PipelinedModule,
+    WholeModelLayout,
     group_names,
     held_state_dict,
     load_stage_optimizer_state,
@@ -47,7 +47,7 @@ class StageCheckpoints:
     module: LightningModule | None
     # The user's pipelined module as it was; None where this process holds no stage (before set-up, the launching
     # process of spawn/fork after its workers ended, a failed run).
-    pipelined: PipelinedModule | None
+    pipelined: WholeModelLayout | None
     groups: PipelineGroups | None  # set wherever `pipelined` is
     num_stages: int
     save_distributed_checkpoint: bool | None = None  # the setting: sharded, one file, or None (as built)

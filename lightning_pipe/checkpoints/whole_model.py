@@ -38,8 +38,9 @@ from lightning_pipe.execution.materialize import mark_held_elsewhere
 
 
 @dataclass
-class PipelinedModule:
-    """The user's pipelined module as it was, kept to put it back after the run."""
+class WholeModelLayout:
+    """The whole model as the user built it: its blocks, which stage holds which, its keys in order, and how to put
+    the blocks back after the run."""
 
     name: str
     sequential: nn.Sequential
@@ -65,7 +66,7 @@ class PipelinedModule:
 
 def whole_state_dict(
     module: LightningModule,
-    pipelined: PipelinedModule,
+    pipelined: WholeModelLayout,
     stage_ranks: Sequence[int],
     rank: int,
     group: dist.ProcessGroup | None,
@@ -197,7 +198,7 @@ def load_stage_optimizer_state(
 
 def restore_whole_model(
     module: LightningModule,
-    pipelined: PipelinedModule,
+    pipelined: WholeModelLayout,
     stage_ranks: Sequence[int],
     rank: int,
     group: dist.ProcessGroup | None,
@@ -236,7 +237,7 @@ def restore_whole_model(
 
 
 def _gather_whole_model_to_loss_stage(
-    pipelined: PipelinedModule,
+    pipelined: WholeModelLayout,
     stage_ranks: Sequence[int],
     rank: int,
     group: dist.ProcessGroup | None,
