@@ -219,7 +219,7 @@ def test_the_epochs_last_batch_counts_only_if_the_fit_reaches_it():
 
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_pipe.strategy import _epoch_last_batch_reached
+    from lightning_pipe.execution.batchnorm import epoch_last_batch_reached
 
     loader = DataLoader(TensorDataset(torch.randn(34, 6)), batch_size=8)  # 5 batches, the last of 2 samples
 
@@ -227,8 +227,8 @@ def test_the_epochs_last_batch_counts_only_if_the_fit_reaches_it():
         return SimpleNamespace(train_dataloader=loader, num_training_batches=num_training_batches,
                                max_steps=max_steps, accumulate_grad_batches=accumulate_grad_batches)
 
-    assert _epoch_last_batch_reached(fit()) == 2
-    assert _epoch_last_batch_reached(fit(max_steps=5)) == 2
-    assert _epoch_last_batch_reached(fit(max_steps=3, accumulate_grad_batches=2)) == 2
-    assert _epoch_last_batch_reached(fit(num_training_batches=4)) is None  # limit_train_batches=4
-    assert _epoch_last_batch_reached(fit(max_steps=4)) is None
+    assert epoch_last_batch_reached(fit()) == 2
+    assert epoch_last_batch_reached(fit(max_steps=5)) == 2
+    assert epoch_last_batch_reached(fit(max_steps=3, accumulate_grad_batches=2)) == 2
+    assert epoch_last_batch_reached(fit(num_training_batches=4)) is None  # limit_train_batches=4
+    assert epoch_last_batch_reached(fit(max_steps=4)) is None
