@@ -172,6 +172,20 @@ class LlamaModule(CausalLM):
         super().__init__(LlamaForCausalLM(llama_config(layers)), **kwargs)
 
 
+class TokenMeanLlama(LlamaModule):
+    """``LlamaModule`` whose LightningModule says what its loss averages over (``items_in_loss``): the label tokens
+    the model's own loss counts, after its shift by one (labels -100 on padding are not counted)."""
+
+    def items_in_loss(self, batch) -> int:
+        return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def padded_token_loaders(train_samples: int, val_samples: int, batch_size: int) -> tuple[DataLoader, DataLoader]:
+    """Right-padded counting sequences of varying lengths (:class:`CountingSequences`), for training and validation."""
+    return (DataLoader(CountingSequences(train_samples, seed=0), batch_size=batch_size),
+            DataLoader(CountingSequences(val_samples, seed=1), batch_size=batch_size))
+
+
 def bart_config(layers: int = 2):
     from transformers import BartConfig
 
