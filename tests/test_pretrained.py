@@ -2,27 +2,33 @@
 pipelined fine-tune equals one device that called ``from_pretrained``, weights that do not fit fail on every rank
 before the first step, and the trained model goes back out as a directory ``from_pretrained`` loads.
 
-No downloads: tiny GPT-2 and Llama models (tests/helpers/stock_models.py) are saved with ``save_pretrained`` into
-temporary directories, as one safetensors file, as shards with an index, and as ``pytorch_model.bin``.
+Checkpoints of another shape of the model are read as ``from_pretrained`` reads them: a task model's into its base
+model held at any attribute (its head left out), a base model's into a task model (its new head initialised), names
+renamed by the model class (BERT's old ``gamma``/``beta``) or by the user's ``key_mapping``.
+
+No downloads: tiny GPT-2, Llama and BERT models (tests/helpers/stock_models.py) are saved with ``save_pretrained``
+into temporary directories, as one safetensors file, as shards with an index, and as ``pytorch_model.bin``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from helpers.compare import relative_weight_error
 from helpers.launch import launch
-from helpers.stock_models import PretrainedCausalLM, gpt2_config, llama_config
+from helpers import stock_models
+from helpers.stock_models import PretrainedCausalLM, bert_config, gpt2_config, llama_config
 from lightning_pipe import PretrainedWeights, init_weights
 from lightning_pipe.checkpoints.export import library_model_prefix
-from lightning_pipe.checkpoints.pretrained import PretrainedLoad, PretrainedMismatchError
+from lightning_pipe.checkpoints.pretrained import PretrainedLoad, PretrainedMismatchError, checked_pretrained
 from lightning_pipe.checkpoints.sharded import consolidate
 from lightning_pipe.checkpoints.stored_weights import open_stored_weights, read_tensors
 from lightning_pipe.execution.materialize import materialize
@@ -32,7 +38,16 @@ transformers = pytest.importorskip("transformers")
 
 STEPS = 3
 TOLERANCE = 1e-5  # of the weights' change over the run, as the stock pipelines' tests
-FAMILIES = {"gpt2": (transformers.GPT2LMHeadModel, gpt2_config), "llama": (transformers.LlamaForCausalLM, llama_config)}
+FAMILIES = {"gpt2": (transformers.GPT2LMHeadModel, gpt2_config), "llama": (transformers.LlamaForCausalLM, llama_config),
+            "bert": (transformers.BertForSequenceClassification, bert_config)}
+GPT2_BLOCKS_RENAMED = {r"^transformer\.blocks\.": "transformer.h."}  # the key_mapping of the "gpt2_renamed" weights
+# Runs of the two-stage launch whose checkpoint is of another shape than the model: the run -> (its weights, its
+# LightningModule of helpers.stock_models, the directory of its config, the keys that start at their initialisation).
+ANOTHER_SHAPE = {
+    "llama_task_into_backbone": ("llama_sharded", "BackboneCausalLM", "llama_sharded", "lm_head."),
+    "bert_task_into_encoder": ("bert_legacy", "BertClassifier", "bert_legacy", "classifier."),
+    "llama_base_into_task": ("llama_base", "PretrainedCausalLM", "llama_sharded", "model.lm_head."),
+}
 
 
 # ---- the pretrained models, saved as their library saves them ------------------------------------------------------
@@ -66,7 +81,23 @@ def saved(tmp_path_factory) -> dict[str, Path]:
     (root / "gpt2_mismatch").mkdir()
     save_file(other, str(root / "gpt2_mismatch" / "model.safetensors"), metadata={"format": "pt"})
     gpt2_config().save_pretrained(root / "gpt2_mismatch")
+    pretrained_model("llama").model.save_pretrained(root / "llama_base")  # LlamaModel: a task model's body
+    # A BERT classifier's checkpoint with the LayerNorm names of old files (gamma, beta), which transformers renames.
+    pretrained_model("bert").save_pretrained(root / "bert_legacy")
+    renamed_file(root / "bert_legacy" / "model.safetensors", {"LayerNorm.weight": "LayerNorm.gamma",
+                                                               "LayerNorm.bias": "LayerNorm.beta"})
+    # GPT-2 with its blocks stored under another name, read with key_mapping=GPT2_BLOCKS_RENAMED.
+    pretrained_model("gpt2").save_pretrained(root / "gpt2_renamed")
+    renamed_file(root / "gpt2_renamed" / "model.safetensors", {"transformer.h.": "transformer.blocks."})
     return {path.name: path for path in root.iterdir()}
+
+
+def renamed_file(path: Path, renames: dict[str, str]) -> None:
+    """The safetensors file at ``path`` rewritten with each name's parts renamed (``old -> new``)."""
+    tensors = load_file(path)
+    for old, new in renames.items():
+        tensors = {name.replace(old, new): value for name, value in tensors.items()}
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 # ---- the pipelined runs -------------------------------------------------------------------------------------------
@@ -83,6 +114,8 @@ def pipelined(saved, tmp_path_factory) -> dict[int, Path]:
         {"name": "gpt2_from_sharded_checkpoint", "path": str(root / "2" / "gpt2" / "sharded.ckpt"),
          "config": str(saved["gpt2"]), "validate_only": True},
         {"name": "gpt2_bf16", "path": str(saved["gpt2_bf16"]), "precision": "bf16-true"},
+        *({"name": run, "path": str(saved[weights]), "module": module, "config": str(saved[config]),
+           "strategy": {"num_micro_batches": 2}} for run, (weights, module, config, _) in ANOTHER_SHAPE.items()),
         {"name": "mismatch", "path": str(saved["gpt2_mismatch"]), "fails": True},
     ]
     four = [
@@ -112,21 +145,27 @@ def merged(run_dir: Path, when: str = "final") -> dict[str, torch.Tensor]:
     return whole
 
 
-_one_device: dict[Path, tuple[dict, dict]] = {}
+_one_device: dict[tuple[Path, str], tuple[dict, dict]] = {}
 
 
-def fine_tuned_on_one_device(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The weights before and after ``STEPS`` steps on one device of the model made with ``from_pretrained``."""
-    if path not in _one_device:
+def fine_tuned_on_one_device(
+    path: Path, module: str = "PretrainedCausalLM", start: dict[str, torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The weights before and after ``STEPS`` steps on one device of the LightningModule ``module`` whose library
+    model is made with ``from_pretrained(path)``; ``start``: tensors it starts from instead (a new head's)."""
+    if (path, module) not in _one_device:
         seed_everything(0, verbose=False)
-        model = PretrainedCausalLM(str(path), from_pretrained=True)
+        model = getattr(stock_models, module)(str(path), from_pretrained=True)
+        model.configure_model()  # the LightningModule's own head, if any (the Trainer's call then keeps it)
+        if start:
+            model.load_state_dict({**model.state_dict(), **start})
         before = {key: value.clone() for key, value in model.state_dict().items()}
         trainer = Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
                           enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                           limit_val_batches=0)
         trainer.fit(model)
-        _one_device[path] = before, model.state_dict()
-    return _one_device[path]
+        _one_device[path, module] = before, model.state_dict()
+    return _one_device[path, module]
 
 
 @pytest.mark.parametrize("devices, family", [(2, "gpt2"), (2, "llama"), (4, "gpt2"), (4, "llama")])
@@ -142,6 +181,38 @@ def test_pipelined_fine_tune_from_pretrained_weights_equals_one_device_that_call
         assert torch.equal(started[key], value), f"{key}: not the pretrained weights at the start"
     error = relative_weight_error(before, after, merged(pipelined[devices] / family))
     assert error < TOLERANCE, f"{family} on {devices} stages: weights differ by {error:.2e} of their change"
+
+
+@pytest.mark.parametrize("run", ANOTHER_SHAPE)
+def test_a_checkpoint_of_another_shape_of_the_model_fine_tunes_as_one_device_that_called_from_pretrained(
+    pipelined, saved, run
+):
+    """A task model's checkpoint into its base model at ``self.backbone``/``self.encoder`` (Llama; BERT with old
+    LayerNorm names), a base model's into a task model: the pipelined start is ``from_pretrained``'s, the new head
+    (initialised, not read) is taken over by the one device, and both end alike."""
+    weights, module, _, new = ANOTHER_SHAPE[run]
+    started = merged(pipelined[2] / run, "initial")
+    head = {key: value for key, value in started.items() if key.startswith(new)}
+    assert head, f"{run}: no key starts with {new!r}"
+    before, after = fine_tuned_on_one_device(saved[weights], module, head)
+    assert started.keys() == before.keys()
+    for key, value in before.items():
+        assert torch.equal(started[key], value), f"{run}: {key} is not from_pretrained's at the start"
+    error = relative_weight_error(before, after, merged(pipelined[2] / run))
+    assert error < TOLERANCE, f"{run}: weights differ by {error:.2e} of their change"
+
+
+@pytest.mark.parametrize("run", ANOTHER_SHAPE)
+def test_each_rank_reads_only_its_stage_of_a_checkpoint_of_another_shape(pipelined, saved, run):
+    weights, module, config, _ = ANOTHER_SHAPE[run]
+    mapping = PretrainedLoad.plan(built_on_meta(saved[config], module), PretrainedWeights(saved[weights])).mapping
+    read_anywhere = set()
+    for result in rank_results(pipelined[2] / run):
+        assert len(result["read"]) == len(set(result["read"])), "a tensor was read twice"
+        assert set(result["read"]) == {mapping.sources[key] for key in result["initial"] if key in mapping.sources}
+        assert len(result["read"]) < len(set(mapping.sources.values()))
+        read_anywhere |= set(result["read"])
+    assert read_anywhere == set(mapping.sources.values())
 
 
 def test_the_comparison_detects_one_tensor_read_wrong(pipelined, saved, tmp_path):
@@ -255,9 +326,9 @@ def test_the_export_command_writes_a_directory_from_pretrained_loads_from_a_chec
 # ---- without processes: formats, mapping, initialisation, dtypes, messages ---------------------------------------
 
 
-def built_on_meta(path: Path) -> PretrainedCausalLM:
+def built_on_meta(path: Path, module: str = "PretrainedCausalLM") -> nn.Module:
     """The LightningModule as the gpipe strategy has it before set-up: its model built on the meta device."""
-    module = PretrainedCausalLM(str(path))
+    module = getattr(stock_models, module)(str(path))
     with torch.device("meta"):
         module.configure_model()
     return module
@@ -305,12 +376,76 @@ def test_a_model_built_on_the_meta_device_holds_from_pretrained_weights_ties_and
         assert module.model.lm_head.weight is module.model.transformer.wte.weight
 
 
-def test_a_checkpoint_of_the_base_model_fills_the_model_under_the_deeper_prefix_and_its_tied_head(saved):
+def test_a_checkpoint_of_the_base_model_fills_the_task_model_with_the_base_prefix_added_and_its_tied_head(saved):
     module = built_on_meta(saved["gpt2"])
     load = loaded_on_one_process(module, PretrainedWeights(saved["gpt2_base"]))
-    assert load.mapping.prefix == "model.transformer."
+    assert load.mapping.prefix == "model."  # the task model's place: the export writes the task model
+    assert "with the base-model prefix 'transformer.' added" in load.mapping.describe(load.stored)
     base = transformers.GPT2Model.from_pretrained(saved["gpt2_base"])
     assert torch.equal(module.model.lm_head.weight, base.wte.weight)
+
+
+def test_a_base_checkpoint_leaves_the_task_models_new_head_at_its_initialisation(saved):
+    module = built_on_meta(saved["llama_sharded"])
+    load = loaded_on_one_process(module, PretrainedWeights(saved["llama_base"]))
+    assert "model.lm_head.weight" not in load.mapping.filled
+    assert load.mapping.sources["model.model.layers.0.mlp.up_proj.weight"] == "layers.0.mlp.up_proj.weight"
+    expected = transformers.LlamaForCausalLM.from_pretrained(saved["llama_base"]).state_dict()
+    for key, value in module.model.state_dict().items():
+        assert torch.equal(value, expected[key]) != (key == "lm_head.weight"), key  # all but the new head
+
+
+@pytest.mark.parametrize("weights, module, body, head", [
+    ("llama_sharded", "BackboneCausalLM", "backbone", ["lm_head.weight"]),
+    ("bert_legacy", "BertClassifier", "encoder", ["classifier.bias", "classifier.weight"]),
+])
+def test_a_task_checkpoint_fills_a_base_model_at_any_attribute_and_leaves_out_its_head(
+    saved, weights, module, body, head
+):
+    """As ``AutoModel.from_pretrained`` of the task model's checkpoint: the base-model prefix dropped, the class's
+    renames applied (BERT's old LayerNorm ``gamma``/``beta``), the task head's stored tensors not read."""
+    built = built_on_meta(saved[weights], module)
+    load = loaded_on_one_process(built, PretrainedWeights(saved[weights]))
+    assert load.mapping.prefix == f"{body}." and sorted(load.mapping.left_out) == head
+    line = load.mapping.describe(load.stored)
+    assert f"less the base-model prefix '{'bert' if module == 'BertClassifier' else 'model'}.'" in line
+    assert f"not read, as from_pretrained drops a task model's head: {head}" in line
+    if module == "BertClassifier":
+        assert "18 renamed ('bert.embeddings.LayerNorm.beta' -> 'bert.embeddings.LayerNorm.bias'" in line
+    expected = transformers.AutoModel.from_pretrained(saved[weights]).state_dict()
+    state = getattr(built, body).state_dict()
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
+
+
+def test_stored_names_renamed_by_key_mapping_are_read_as_from_pretrained_reads_them(saved):
+    module = built_on_meta(saved["gpt2"])
+    load = loaded_on_one_process(module, PretrainedWeights(saved["gpt2_renamed"], key_mapping=GPT2_BLOCKS_RENAMED))
+    assert "48 renamed ('transformer.blocks.0.attn.c_attn.bias' -> 'transformer.h.0.attn.c_attn.bias'" in load.mapping.describe(
+        load.stored)
+    expected = transformers.GPT2LMHeadModel.from_pretrained(saved["gpt2_renamed"], key_mapping=GPT2_BLOCKS_RENAMED)
+    for key, value in expected.state_dict().items():
+        assert torch.equal(module.model.state_dict()[key], value), key
+    with pytest.raises(PretrainedMismatchError, match=r"lacks: \['model\.transformer\.h\.0\.ln_1\.weight',.*stored"
+                       r" names that fill no key of the model: \['transformer\.blocks\.0\.attn\.c_attn\.weight',.*"
+                       r"key_mapping=\{regex: replacement\} for names stored otherwise"):
+        PretrainedLoad.plan(built_on_meta(saved["gpt2"]), PretrainedWeights(saved["gpt2_renamed"], prefix="model."))
+
+
+def test_a_task_checkpoint_of_more_layers_than_the_base_model_is_refused_naming_them(saved, tmp_path):
+    llama_config(3).save_pretrained(tmp_path)
+    with pytest.raises(PretrainedMismatchError) as error:
+        PretrainedLoad.plan(built_on_meta(tmp_path, "BackboneCausalLM"), PretrainedWeights(saved["llama_sharded"]))
+    message = str(error.value)
+    assert re.search(r"stored names that fill no key of the model: \['model\.layers\.3\.[^]]*\] \(9\)\.", message)
+    assert "lm_head" not in message.split("Mapping tried")[0]  # the task head is left out, not a mismatch
+    assert "'backbone.' + NAME less the base-model prefix 'model.'" in message
+
+
+def test_a_key_mapping_that_is_not_a_regular_expression_is_refused_where_it_enters(saved):
+    with pytest.raises(ValueError, match=r"pretrained\.key_mapping: '\(unclosed' is not a regular expression"):
+        checked_pretrained(PretrainedWeights(saved["gpt2"], key_mapping={"(unclosed": "x"}))
 
 
 def test_modules_outside_the_prefix_start_as_they_would_without_pretrained_weights(saved):

@@ -54,6 +54,13 @@ def runs_for(devices: int) -> list[dict]:
             {"name": "fp16_overflow", "model": "poisoned", "num_micro_batches": 4, "fp16": True, "strategy": one_f_one_b},
             {"name": "dropped", "num_micro_batches": 4, "drop_gradient_of": 1, "strategy": {"schedule": "zero_bubble"}},
         ]
+        # A Llama's token mean on right-padded batches of varying lengths: every schedule, its LightningModule
+        # saying what the loss averages over (items_in_loss); the negative control weights by samples.
+        token_mean = {"model": "token_mean_llama", "data": "padded_tokens", "num_micro_batches": 4, "lr": 3e-3,
+                      "train_samples": 48, "val_samples": 16}
+        runs += [{**token_mean, "name": f"{schedule}_token_mean", "strategy": {"schedule": schedule}}
+                 for schedule in ("gpipe", *PER_MICRO_BATCH)]
+        runs.append({**token_mean, "model": "llama", "name": "1f1b_sample_weighted", "strategy": one_f_one_b})
     return runs
 
 
@@ -105,6 +112,24 @@ def test_per_micro_batch_schedule_equals_one_device_accumulating_micro_batches(p
 def test_per_micro_batch_schedule_equals_one_device_on_the_whole_batch(pipelined, schedule):
     _, tmp, runs = pipelined
     assert_equals_the_whole_batch(tmp, runs[f"{schedule}_m4"])
+
+
+@pytest.mark.parametrize("schedule", ("gpipe", *PER_MICRO_BATCH))
+def test_a_token_mean_on_padded_batches_equals_one_device_on_the_whole_batch(pipelined, schedule):
+    """Micro-batches holding different numbers of label tokens, each weighted by its share of the batch's tokens
+    (the LightningModule's ``items_in_loss``): the whole batch's token mean, as one device computes it."""
+    devices, tmp, runs = pipelined
+    if devices != 2:
+        pytest.skip("run on 2 stages")
+    assert weight_error(tmp, runs[f"{schedule}_token_mean"]) < TOLERANCE
+
+
+def test_sample_weighting_of_a_token_mean_on_padded_batches_differs_from_one_device(pipelined):
+    """Negative control: the same model and data without ``items_in_loss``, weighted by samples."""
+    devices, tmp, runs = pipelined
+    if devices != 2:
+        pytest.skip("run on 2 stages")
+    assert weight_error(tmp, runs["1f1b_sample_weighted"]) > 100 * TOLERANCE
 
 
 @pytest.mark.parametrize("schedule", PER_MICRO_BATCH)

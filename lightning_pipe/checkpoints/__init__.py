@@ -2,7 +2,8 @@
 
 Holds: optimizer states numbered by parameter name (``optimizer_states``), the whole model gathered from and split
 back onto the stages (``whole_model``), sharded checkpoints through ``torch.distributed.checkpoint`` (``sharded``),
-weights read from files a tensor at a time (``stored_weights``), pretrained weights mapped onto the model
+weights read from files a tensor at a time (``stored_weights``), stored names placed as ``from_pretrained`` places
+them (``stored_names``), pretrained weights mapped onto the model
 (``pretrained``), the Hugging Face export (``export``), and what the strategy's checkpoint hooks do on one rank
 (``strategy_io``). The two commands that use them, ``python -m lightning_pipe.consolidate_checkpoint`` and
 ``python -m lightning_pipe.export_pretrained``, stay at the package's top, where users call them.

@@ -11,7 +11,9 @@ blocks before it answer placeholders, see :mod:`lightning_pipe.execution.stage`)
   (:meth:`PipelineEngine.backward_phase`);
 * **per-micro-batch steps** (1F1B, interleaved, zero bubble): the user's ``training_step`` runs once for each
   forward of the schedule, on that micro-batch, up to that chunk; on the last chunk it runs to its end and its
-  loss is back-propagated when the schedule says (:meth:`PipelineEngine.run_schedule`).
+  loss, weighted by the micro-batch's share of the batch's samples (or of the items its loss averages over, by the
+  LightningModule's ``items_in_loss(batch)``), is back-propagated when the schedule says
+  (:meth:`PipelineEngine.run_schedule`).
 
 Either way the step's outcome (skipped or not, the loss, the logs, metric and random states) is then shared by the
 last stage with the other stages, which replay it (:mod:`lightning_pipe.execution.replayed_logs`).
@@ -96,6 +98,7 @@ class StageRuntime:
         self._micro_batch: int | None = None  # in a per-micro-batch step: the micro-batch the user's step runs on
         self._batch_sizes_checked: set[tuple[int, int | None]] = set()  # (chunk, batch size): see `_run_chunk`
         self._batch_size = 0  # in a per-micro-batch step: the whole batch's
+        self.items_in_batch = 0.0  # in a per-micro-batch step: what the loss averages over in the whole batch
         self.epoch_last_batch: int | None = None  # the training DataLoader's smaller last batch, if it has one
         self.requeues_asked = 0  # SLURM's requeue signals this rank got (a signal handler counts; the last stage's count)
         self._requeues_shared = 0  # of those, the ones the last stage's outcomes have told the pipeline about
@@ -171,6 +174,8 @@ class StageRuntime:
         parts = microbatch.split_batch(batch, self.engine.num_micro_batches)
         sizes = [microbatch.batch_size_of(part) for part in parts]
         self._batch_size = sum(sizes)
+        items = _items_in_loss(module, parts) or [float(size) for size in sizes]
+        self.items_in_batch = sum(items)
         results: dict[int, Any] = {}
         records: dict[int, list[LogRecord]] = {}
 
@@ -190,14 +195,14 @@ class StageRuntime:
                 self._micro_batch = None
                 self.calls.end_step()
             if self._called:
-                loss = _loss_tensor(results[m])
-                self.engine.set_loss(m, None if loss is None else self.scale_loss(loss * (sizes[m] / sum(sizes))))
+                loss = _loss_tensor(results[m]) if items[m] > 0 else None  # a mean over no items: no gradient
+                self.engine.set_loss(m, None if loss is None else self.scale_loss(loss * (items[m] / sum(items))))
 
         self.engine.begin_step()
         self.engine.run_schedule(len(parts), run_user_step)
         outcome, output = StepOutcome(), None
         if self.is_last:
-            weights = {m: sizes[m] / sum(sizes) for m in results}
+            weights = {m: items[m] / sum(items) for m in results}
             logs = merged_logs(records, weights)
             replay_logs(module, logs)  # what the steps logged, once for the whole step
             output = merged_output(results, weights)
@@ -331,6 +336,23 @@ class StageRuntime:
         user's ``loss.backward()`` left on the leaves of the blocks' output, elsewhere from those the next stage
         sends."""
         self.engine.backward_phase()
+
+
+def _items_in_loss(module: LightningModule, parts: list[Any]) -> list[float] | None:
+    """What the step's loss averages over in each micro-batch (label tokens, say), by the LightningModule's
+    ``items_in_loss(batch)`` when it defines one; ``None`` when it does not (the samples are the items). The whole
+    batch's count is known before the first micro-batch runs, so the first backward already has its weight."""
+    count = getattr(module, "items_in_loss", None)
+    if not callable(count):
+        return None
+    items = [float(count(part)) for part in parts]
+    if any(item < 0 for item in items) or sum(items) == 0:
+        raise ValueError(
+            f"{type(module).__name__}.items_in_loss gave {items} for the batch's {len(parts)} micro-batches; it must"
+            " count what the training step's loss averages over (the label tokens not -100, say), at least one in"
+            " the batch."
+        )
+    return items
 
 
 def _loss_tensor(output: Any) -> Tensor | None:

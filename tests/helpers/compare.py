@@ -13,6 +13,7 @@ from lightning.pytorch.plugins import MixedPrecision
 import lightning_pipe
 
 from helpers.models import MODELS, loaders, sequence_loaders
+from helpers.stock_models import padded_token_loaders
 from helpers.recording import MetricRecorder
 
 
@@ -47,6 +48,8 @@ def single_device_run(run: dict) -> tuple[dict[str, torch.Tensor], dict[str, tor
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     if run.get("data") == "sequences":
         train, val = sequence_loaders(run.get("train_samples", 80), run.get("val_samples", 40), 16)
+    elif run.get("data") == "padded_tokens":
+        train, val = padded_token_loaders(run.get("train_samples", 80), run.get("val_samples", 40), 16)
     else:
         train, val = loaders(run.get("train_samples", 80), run.get("val_samples", 40), run.get("batch_size", 16))
     if run.get("shuffled_like_distributed_sampler"):

@@ -10,6 +10,8 @@ from torch._dynamo import register_backend
 from torch._dynamo.backends.registry import lookup_backend
 from torch.utils.data import DataLoader, TensorDataset
 
+from helpers import stock_models
+
 
 class Component(nn.Module):
     """A model component holding the layers to pipeline in ``self.model``, with a reshape before the call."""
@@ -389,7 +391,7 @@ MODELS = {"dropout": DropoutClassifier, "two_dropouts": TwoDropoutsClassifier, "
           "tied_deferred": DeferredTiedAcrossStages, "tied_outside": TiedToOutside, "tied_outside_only": TiedOutsideOnly,
           "tied_everywhere": TiedEverywhere,
           "compiled": CompiledPipelined, "compiled_layers": CompiledLayers, "counts": CountsForwards,
-          "sequences": SequenceClassifier}
+          "sequences": SequenceClassifier, "llama": stock_models.LlamaModule, "token_mean_llama": stock_models.TokenMeanLlama}
 
 
 class ProjectModule(LightningModule):

@@ -12,7 +12,8 @@ class MetricRecorder(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.train_losses.append(float(trainer.callback_metrics["train_loss"]))
-        self.batches.append(batch[1].tolist())  # which samples this rank trained on
+        labels = batch["labels"] if isinstance(batch, dict) else batch[1]
+        self.batches.append(labels.tolist())  # which samples this rank trained on
 
     def on_fit_end(self, trainer, pl_module):
         self.final_metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}

@@ -1,5 +1,5 @@
 """LightningModules around the classes people train, written as their users write them: Hugging Face GPT-2 and
-Llama, Hugging Face BART (an encoder-decoder), ``nn.TransformerEncoder`` with a padding mask, Lightning's demo transformer,
+Llama (also as a base model at ``self.backbone``), BERT (a base model with a classifier), Hugging Face BART (an encoder-decoder), ``nn.TransformerEncoder`` with a padding mask, Lightning's demo transformer,
 ResNet-18- and VGG-11-shaped CNNs.
 
 Tiny configurations, random weights (no downloads), dropout 0; each module brings its own tiny deterministic data
@@ -172,6 +172,20 @@ class LlamaModule(CausalLM):
         super().__init__(LlamaForCausalLM(llama_config(layers)), **kwargs)
 
 
+class TokenMeanLlama(LlamaModule):
+    """``LlamaModule`` whose LightningModule says what its loss averages over (``items_in_loss``): the label tokens
+    the model's own loss counts, after its shift by one (labels -100 on padding are not counted)."""
+
+    def items_in_loss(self, batch) -> int:
+        return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def padded_token_loaders(train_samples: int, val_samples: int, batch_size: int) -> tuple[DataLoader, DataLoader]:
+    """Right-padded counting sequences of varying lengths (:class:`CountingSequences`), for training and validation."""
+    return (DataLoader(CountingSequences(train_samples, seed=0), batch_size=batch_size),
+            DataLoader(CountingSequences(val_samples, seed=1), batch_size=batch_size))
+
+
 def bart_config(layers: int = 2):
     from transformers import BartConfig
 
@@ -230,6 +244,87 @@ class PretrainedCausalLM(CausalLM):
 
         if self.model is None:  # configure_model runs again for trainer.validate/test
             self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.path))
+
+
+class BackboneCausalLM(CausalLM):
+    """A base model held at ``self.backbone`` (``AutoModel.from_config``, no head) with the LightningModule's own
+    head and loss: how fine-tuning projects often hold a pretrained body. ``from_pretrained=True``: the body made
+    with ``AutoModel.from_pretrained`` in ``__init__`` (the one-device baseline)."""
+
+    def __init__(self, path: str, from_pretrained: bool = False, **kwargs) -> None:
+        from transformers import AutoModel
+
+        super().__init__(None, **kwargs)
+        self.path = path
+        self.backbone = AutoModel.from_pretrained(path) if from_pretrained else None
+        self.lm_head = None
+
+    def configure_model(self) -> None:
+        from transformers import AutoConfig, AutoModel
+
+        config = AutoConfig.from_pretrained(self.path)
+        if self.backbone is None:
+            self.backbone = AutoModel.from_config(config)
+        if self.lm_head is None:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def training_step(self, batch, batch_idx):
+        hidden = self.backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        logits = self.lm_head(hidden)[:, :-1]
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.training_step(batch, batch_idx))
+
+
+def bert_config(layers: int = 4):
+    from transformers import BertConfig
+
+    return BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                      intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                      attention_probs_dropout_prob=0.0, pad_token_id=0)
+
+
+class BertClassifier(TinyData, LightningModule):
+    """A BERT body held at ``self.encoder`` (``AutoModel.from_config``: ``BertModel``, with its pooler) and the
+    LightningModule's own classifier on the pooled output, on right-padded token classes. ``from_pretrained=True``:
+    the body made with ``AutoModel.from_pretrained`` in ``__init__`` (the one-device baseline)."""
+
+    def __init__(self, path: str, from_pretrained: bool = False, classes: int = 3, lr: float = 3e-3,
+                 batch_size: int = 8, samples: int = 32) -> None:
+        from transformers import AutoModel
+
+        super().__init__()
+        self.path, self.classes, self.lr, self.batch_size, self.samples = path, classes, lr, batch_size, samples
+        self.encoder = AutoModel.from_pretrained(path) if from_pretrained else None
+        self.classifier = None
+
+    def configure_model(self) -> None:
+        from transformers import AutoConfig, AutoModel
+
+        config = AutoConfig.from_pretrained(self.path)
+        if self.encoder is None:
+            self.encoder = AutoModel.from_config(config)
+        if self.classifier is None:
+            self.classifier = nn.Linear(config.hidden_size, self.classes)
+
+    def dataset(self, seed: int) -> Dataset:
+        return padded_token_classes(self.samples, seed=seed, classes=self.classes)
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        pooled = self.encoder(input_ids=tokens, attention_mask=(tokens != 0).long()).pooler_output
+        loss = F.cross_entropy(self.classifier(pooled), labels)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.training_step(batch, batch_idx))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
 
 
 # -- torch's TransformerEncoder ----------------------------------------------------------------------------------

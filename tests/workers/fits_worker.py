@@ -21,6 +21,7 @@ from torch import nn
 import lightning_pipe
 from helpers import models
 from helpers.models import MODELS, loaders, sequence_loaders
+from helpers.stock_models import padded_token_loaders
 from helpers.negative_controls import clip_one_ulp_apart, drop_gradient_of
 from helpers.recording import MetricRecorder
 from lightning_pipe.execution import tied
@@ -69,6 +70,8 @@ def main(spec_path):
     for run in spec["runs"]:
         if run.get("data") == "sequences":
             train, val = sequence_loaders(run.get("train_samples", 80), run.get("val_samples", 40), 16)
+        elif run.get("data") == "padded_tokens":
+            train, val = padded_token_loaders(run.get("train_samples", 80), run.get("val_samples", 40), 16)
         else:
             train, val = loaders(
                 run.get("train_samples", 80), run.get("val_samples", 40), run.get("batch_size", 16),

@@ -1,10 +1,11 @@
 """Worker: causal LMs fine-tuned from pretrained weights with the gpipe strategy, several runs in one launch.
 
 Usage: python pretrained_worker.py SPEC.json   (SPEC: {"devices": N, "out": DIR, "steps": S, "runs": [...]})
-A run is ``{"name", "path", "config", "strategy": {GPipeStrategy options}, "precision", "validate_only",
-"validate_after_fit", "save_pretrained", "save_checkpoint", "fails"}``: the model of
-:class:`helpers.stock_models.PretrainedCausalLM` built in ``configure_model`` from the config in ``config`` (by
-default ``path``), ``GPipeStrategy(pretrained=path, ...)``, then ``trainer.fit`` for S
+A run is ``{"name", "path", "config", "module", "key_mapping", "strategy": {GPipeStrategy options}, "precision",
+"validate_only", "validate_after_fit", "save_pretrained", "save_checkpoint", "fails"}``: the LightningModule
+``module`` of :mod:`helpers.stock_models` (by default ``PretrainedCausalLM``) built in ``configure_model`` from the
+config in ``config`` (by default ``path``), ``GPipeStrategy(pretrained=PretrainedWeights(path,
+key_mapping=key_mapping), ...)``, then ``trainer.fit`` for S
 steps (or only ``trainer.validate``). Each rank writes DIR/NAME/rank{R}.pt: the tensors it holds when the run starts
 (``initial``) and ends (``final``), the stored names it read through ``safetensors.safe_open(...).get_tensor``
 (``read``), the training steps run, and with ``validate_after_fit`` what it holds after a validate that follows.
@@ -21,7 +22,7 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
 import lightning_pipe
-from helpers.stock_models import PretrainedCausalLM
+from helpers import stock_models
 from lightning_pipe.checkpoints import stored_weights
 
 
@@ -84,7 +85,8 @@ def main(spec_path):
         reads: list[str] = []
         stored_weights.safe_open = CountedSafeOpen(reads)
         recorder = Held()
-        strategy = lightning_pipe.GPipeStrategy(pretrained=run["path"], **run.get("strategy", {}))
+        weights = lightning_pipe.PretrainedWeights(run["path"], key_mapping=run.get("key_mapping"))
+        strategy = lightning_pipe.GPipeStrategy(pretrained=weights, **run.get("strategy", {}))
         trainer = Trainer(
             strategy=strategy, accelerator="cpu", devices=spec["devices"], max_steps=spec["steps"], logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -92,7 +94,7 @@ def main(spec_path):
             precision=run.get("precision", "32-true"), callbacks=[recorder],
         )
         seed_everything(0, verbose=False)
-        model = PretrainedCausalLM(run.get("config", run["path"]))
+        model = getattr(stock_models, run.get("module", "PretrainedCausalLM"))(run.get("config", run["path"]))
         try:
             if run.get("validate_only"):
                 trainer.validate(model, verbose=False)
