@@ -4,7 +4,7 @@ taking turns in one run, so that the machine's drift falls on both alike.
 Usage::
 
     python benchmarks/compare_trees.py 6534a2b            # that commit against this working tree, 4 rounds
-    python benchmarks/compare_trees.py 6534a2b --rounds 6 --quick
+    python benchmarks/compare_trees.py 6534a2b --rounds 6 --quick --steps 40   # the per-step overhead alone
 
 Each round launches 2 ranks per tree (in alternating order), ``steps`` Trainer steps each; a run's step is the
 median of rank 0's intervals, its CPU time the median over steps of both ranks' CPU time summed. The result is the
@@ -29,9 +29,9 @@ from harness.workload import workload
 STEPS = 12
 
 
-def run_tree(tree: Path, quick: bool) -> dict[str, float]:
+def run_tree(tree: Path, quick: bool, steps: int) -> dict[str, float]:
     """One launch on ``tree``: its median step (rank 0's wall clock) and the ranks' CPU time per step."""
-    spec = {"workload": workload(quick).to_spec(), "steps": 4 if quick else STEPS}
+    spec = {"workload": workload(quick).to_spec(), "steps": steps}
     answers = launch(ranks.trainer_step.measure, 2, spec, env={"PYTHONPATH": f"{BENCHMARKS}{os.pathsep}{tree}"})
     cpu = [sum(per_rank) for per_rank in zip(*(answer["cpu_s"] for answer in answers))]
     return {"wall_s": statistics.median(answers[0]["wall_s"]), "cpu_s": statistics.median(cpu)}
@@ -41,7 +41,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("before", help="the commit to compare this working tree with")
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that the comparison runs")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: the per-step overhead alone")
+    parser.add_argument("--steps", type=int, default=STEPS, help="Trainer steps per launch (the first not measured)")
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="lightning_pipe_before_") as tmp:
@@ -52,7 +53,7 @@ def main() -> None:
             rows, ratios, cpu_ratios = [], [], []
             for round_index in range(args.rounds):
                 order = ("before", "now") if round_index % 2 == 0 else ("now", "before")
-                runs = {name: run_tree(before if name == "before" else REPO, args.quick) for name in order}
+                runs = {name: run_tree(before if name == "before" else REPO, args.quick, args.steps) for name in order}
                 ratio = runs["now"]["wall_s"] / runs["before"]["wall_s"]
                 cpu_ratio = runs["now"]["cpu_s"] / runs["before"]["cpu_s"]
                 ratios.append(ratio)
