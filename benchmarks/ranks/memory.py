@@ -104,8 +104,10 @@ def _one_micro_batch(step: EngineStep, x: Tensor, num_micro_batches: int) -> tup
     rows = -(-x.shape[0] // num_micro_batches)
     stage_input = torch.randn(rows, x.shape[1], requires_grad=0 not in step.stage.chunk_ranges)
     parameters = storages_of(step.stage.parameters())
-    with SavedStorages(parameters | storages_of([stage_input])) as saved:
-        step.stage.run_alone(stage_input)
+    with SavedStorages(parameters | storages_of([stage_input])) as saved, step.stage.running_blocks():
+        value = stage_input
+        for block in step.stage.blocks:  # the stack's blocks take and return one tensor
+            value = block(value)
     return sum(saved.sizes.values()), stage_input.untyped_storage().nbytes()
 
 
