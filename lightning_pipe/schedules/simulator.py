@@ -75,12 +75,13 @@ def clock_cycles(
     schedule: str | PipelineSchedule = "gpipe",
     virtual_stages: int | None = None,
     costs: Costs = DEFAULT_COSTS,
+    send_time: float = 0,
 ) -> Simulation:
     """Check ``schedule``'s lists and execute them with ``costs`` ticks per compute action (:data:`DEFAULT_COSTS`;
-    or one mapping per chunk, :data:`Costs`).
+    or one mapping per chunk, :data:`Costs`), a message arriving ``send_time`` after it is sent.
 
-    Each stage runs its list strictly in order; a send is instant and never blocks, a receive waits until the
-    matching send has run. A ``ValueError`` names the stage, the action and the rule for: a (chunk, micro-batch)
+    Each stage runs its list strictly in order; a send never blocks, a receive waits until the matching send has run
+    and ``send_time`` has passed. A ``ValueError`` names the stage, the action and the rule for: a (chunk, micro-batch)
     run twice or never, an action before what it needs (its input, its output's gradient, its forward), a message
     whose sender and receiver disagree on the order, and a deadlock (no stage can proceed while actions remain).
     """
@@ -95,7 +96,9 @@ def clock_cycles(
     for stage, actions in enumerate(lists):
         grid.check_stage(stage, actions)
     grid.check_message_order(lists)
-    return Simulation(_run(lists, grid, _per_chunk(costs, grid)), tuple(_peak_in_flight(actions) for actions in lists))
+    return Simulation(
+        _run(lists, grid, _per_chunk(costs, grid), send_time), tuple(_peak_in_flight(actions) for actions in lists)
+    )
 
 
 def _per_chunk(costs: Costs, grid: _Grid) -> list[Mapping[str, float]]:
@@ -279,7 +282,7 @@ class _Grid:
 
 
 def _run(
-    lists: list[list[Action]], grid: _Grid, costs: list[Mapping[str, float]]
+    lists: list[list[Action]], grid: _Grid, costs: list[Mapping[str, float]], send_time: float
 ) -> tuple[tuple[ScheduledAction, ...], ...]:
     """Each stage's compute actions at the ticks they run, each stage going as far as its receives allow; a
     ``ValueError`` if every unfinished stage waits for a message that will never be sent."""
@@ -307,7 +310,7 @@ def _run(
                     n = taken.get(channel, 0)
                     if n >= len(sent_at.get(channel, [])):
                         break  # blocked: the message has not been sent yet
-                    clock[stage] = max(clock[stage], sent_at[channel][n])
+                    clock[stage] = max(clock[stage], sent_at[channel][n] + send_time)
                     taken[channel] = n + 1
                 position[stage] += 1
                 progress = True
