@@ -18,7 +18,7 @@ from harness.report import markdown_table, verdict
 from harness.summarize import median, median_ratio
 from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.schedules.builtin import SCHEDULES, gpipe_schedule
-from lightning_pipe.schedules.simulator import clock_cycles
+from lightning_pipe.schedules.planner import ComputeCosts, predict
 from ranks.emulated import CONFIGURATIONS, PROFILES, block_times
 
 # Seconds per stage and micro-batch for each of F, I, W. "Short" shows the runtime's own cost; "long" is the
@@ -35,17 +35,18 @@ WIDTH, ROWS = 1024, 16  # the activation of one micro-batch: ROWS x WIDTH floats
 
 
 def ideal(name: str, profile: str, num_stages: int, m: int, stage_time: float) -> tuple[float, float]:
-    """The step that ``name``'s own tick table gives with the profile's costs (seconds, messages free), and the
-    most micro-batches' activations a stage holds at once (in units of one stage's activations)."""
+    """The step that ``name``'s own tick table gives with the profile's costs (seconds, messages free: the planner's
+    prediction), and the most micro-batches' activations a stage holds at once (in units of one stage's)."""
     schedule_name, v = CONFIGURATIONS[name]
     schedule = gpipe_schedule(split_backward=True) if schedule_name == "gpipe_split" else SCHEDULES[schedule_name]
     times = block_times(profile, num_stages, stage_time)
-    costs = []
-    for blocks in PipelineParallelConfig(num_stages * v, m).split_into_stages(len(times)):
-        f, i, w = (sum(getattr(times[b], part) for b in blocks) for part in ("forward", "input_gradient", "weight_gradient"))
-        costs.append({"forward": f, "backward_input": i, "backward_weight": w, "backward": i + w})
-    simulation = clock_cycles(num_stages, m, schedule, v, costs)
-    return simulation.makespan, max(simulation.peak_in_flight) / v
+    costs = [
+        ComputeCosts(*(sum(getattr(times[b], part) for b in blocks) for part in ("forward", "input_gradient",
+                                                                                 "weight_gradient")), 1 / v)
+        for blocks in PipelineParallelConfig(num_stages * v, m).split_into_stages(len(times))
+    ]
+    prediction = predict(schedule, num_stages, m, costs, v)
+    return prediction.step, max(prediction.peak_activation_bytes)
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -102,7 +103,7 @@ def _markdown(rows: list[dict[str, Any]], gaps: list[float], warmup: int, rounds
         f" {ROWS} × {WIDTH} floats; `checkpoint=\"never\"`; median of {rounds} steps after {warmup} warm-up, the"
         " configurations taking turns step by step. F=I=W is each stage's time per micro-batch; profiles: `uniform`,"
         " `heavy_last` (the last stage's blocks twice as heavy), `weight_heavy` (W = 2I). *ideal* is the step of the"
-        " schedule's own tick table (`clock_cycles` with these costs per chunk, messages free); *efficiency* is ideal"
+        " schedule's own tick table (`schedules.planner.predict` with these costs per chunk, messages free); *efficiency* is ideal"
         " / measured. *held at peak*: the most micro-batches' activations a stage holds at once, from the tick table"
         " (in whole-stage units). *gap per action*: the median, over the stages of one traced step, of the time from"
         " one compute's end to the next one's start when no message is waited for (the runtime's own cost per"
