@@ -17,7 +17,7 @@ import torch
 from lightning_pipe.emulate import BlockTimes, EmulatedBlock, emulated_blocks
 from lightning_pipe.execution.split_backward import backward_input
 
-REPEATS = 5
+REPEATS = 7
 WIDTH, ROWS = 64, 32
 
 
@@ -58,7 +58,7 @@ def test_forward_input_and_weight_gradients_each_take_their_set_time_on_little_c
 
 
 def test_split_backward_runs_the_input_gradients_first_and_defers_the_weight_gradients_time():
-    times = BlockTimes(forward=0.0, input_gradient=0.01, weight_gradient=0.04)
+    times = BlockTimes(forward=0.0, input_gradient=0.02, weight_gradient=0.04)
     chunk = emulated_blocks(WIDTH, [times] * 3)
     x = torch.randn(ROWS, WIDTH, requires_grad=True)
     weights = list(chunk.parameters())
