@@ -34,6 +34,9 @@ def test_quick_benchmarks_write_every_section(tmp_path):
     balance = next(s for s in report["sections"] if s["module"] == "bench_balance")["data"]
     assert balance["contention_factor"] > 0 and balance["speedup_without_contention"] > 0
     assert len(balance["round_contention_factors"]) == len(balance["per_round"]) == balance["rounds"]
+    emulated = next(s for s in report["sections"] if s["module"] == "bench_emulated")["data"]
+    assert {row["schedule"] for row in emulated["rows"]} >= {"gpipe", "gpipe_split", "zbv", "interleaved_1f1b_v4"}
+    assert all(row["t_ours_s"] > row["t_ideal_s"] > 0 for row in emulated["rows"])
     gpt2 = next(s for s in report["sections"] if s["module"] == "bench_gpt2")["data"]
     assert gpt2["t_pipeline_s"] > 0 and gpt2["efficiency"] > 0 and gpt2["parameters"] > 0
 
@@ -96,3 +99,15 @@ def test_gpu_check_cpu_path_reports_every_check_ok(tmp_path):
     expected |= {"trace, two stages, gloo": "ok", "two stages on one device, nccl": "not run",
                  "engine overhead (one stage)": "measured"}
     assert verdicts == expected, summary
+
+
+def test_the_emulated_sections_ideal_step_is_the_tick_table_of_its_costs(benchmark_modules):
+    """GPipe at 4 stages and 8 micro-batches, 16 ms per stage for each of F, I, W: (M + S - 1) x (F + I + W); the last
+    stage twice as heavy makes every micro-batch pass at its pace; deferred weight gradients shorten the drain."""
+    from sections.bench_emulated import ideal
+
+    assert ideal("gpipe", "uniform", 4, 8, 0.016) == pytest.approx((11 * 0.048, 8))
+    assert ideal("gpipe", "heavy_last", 4, 8, 0.016)[0] == pytest.approx(3 * 0.016 + 8 * 0.096 + 3 * 0.032)
+    assert ideal("gpipe_split", "uniform", 4, 8, 0.016)[0] < ideal("gpipe", "uniform", 4, 8, 0.016)[0]
+    step, held = ideal("1f1b", "uniform", 4, 8, 0.016)
+    assert step == pytest.approx(11 * 0.048) and held == 4  # 1F1B: GPipe's step, S micro-batches held, not M

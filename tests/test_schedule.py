@@ -323,3 +323,16 @@ def test_rendered_timeline_names_chunks_and_marks_multi_tick_actions():
     interleaved = render_timeline(2, 2, "interleaved_1f1b").splitlines()
     assert interleaved[1].split()[2:6] == ["F0a", "F1a", "F0b", "F1b"]  # a: the stage's first chunk, b: its second
     assert interleaved[1].split()[-2:] == ["B1a", "---"]
+
+
+def test_costs_per_chunk_time_a_step_with_a_heavy_last_stage():
+    """GPipe's step is (M + S - 1) times its slowest stage's F + B: a last stage twice as heavy doubles the ticks of
+    every micro-batch through it, and seconds give seconds."""
+    even = {"forward": 1, "backward_input": 1, "backward_weight": 1, "backward": 2}
+    heavy = {kind: 2 * cost for kind, cost in even.items()}
+    assert clock_cycles(4, 8, "gpipe", costs=[even, even, even, heavy]).makespan == 3 * (4 - 1) + 6 * 8
+    assert clock_cycles(4, 8, "gpipe", costs={k: 0.01 * c for k, c in even.items()}).makespan == pytest.approx(0.33)
+    with pytest.raises(ValueError, match="costs name 3 chunks but the step has 4; give one mapping per chunk"):
+        clock_cycles(4, 8, "gpipe", costs=[even] * 3)
+    with pytest.raises(ValueError, match=r"the costs of chunk 0 lack \['backward'\]"):
+        clock_cycles(2, 2, "gpipe", costs={"forward": 1, "backward_input": 1, "backward_weight": 1})

@@ -24,6 +24,7 @@ from lightning_pipe.partition.topology import PipelineLayout
 from lightning_pipe.schedules.actions import PipelineSchedule
 from lightning_pipe.schedules.builtin import SCHEDULES
 from lightning_pipe.settings import RecomputeMode
+from lightning_pipe.trace.timeline import StepTimeline
 
 
 class _MeanSquaredError(LightningModule):
@@ -48,6 +49,7 @@ class EngineStep:
         checkpoint: RecomputeMode,
         schedule: str | PipelineSchedule = "gpipe",
         virtual_stages: int | None = None,
+        timeline: StepTimeline | None = None,
     ) -> None:
         num_stages = dist.get_world_size()
         schedule = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
@@ -66,7 +68,7 @@ class EngineStep:
         self.engine = PipelineEngine(
             self.stage, num_micro_batches, checkpoint,
             links={peer: groups.link(peer) for peer in schedule.neighbours(index, num_stages, v)},
-            schedule=schedule, virtual_stages=v,
+            schedule=schedule, virtual_stages=v, timeline=timeline,
         )
         self.runtime = StageRuntime(groups, self.engine, self.stage)
 

@@ -47,10 +47,13 @@ class PeerSchedule:
     """This rank's stages of ``sequential`` on torch.distributed.pipelining, placed as ``name``'s schedule places
     them, and its training step."""
 
-    def __init__(self, name: str, sequential: nn.Sequential, num_micro_batches: int, group: dist.ProcessGroup) -> None:
+    def __init__(
+        self, name: str, sequential: nn.Sequential, num_micro_batches: int, group: dist.ProcessGroup,
+        virtual_stages: int | None = None,
+    ) -> None:
         schedule = SCHEDULES[name]
         num_stages, rank = dist.get_world_size(group), dist.get_rank(group)
-        v = schedule.virtual_stages
+        v = schedule.checked_virtual_stages(virtual_stages)
         ranges = PipelineParallelConfig(num_stages * v, num_micro_batches).split_into_stages(len(sequential))
         device = next(sequential.parameters()).device
         chunks = schedule.chunks(rank, num_stages, v)

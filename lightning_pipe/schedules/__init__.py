@@ -2,7 +2,8 @@
 
 Holds: what a schedule is made of (``actions``: :class:`Action`, :class:`PipelineSchedule`, the user's own through
 :func:`custom_schedule`), the built-in schedules (``builtin``: GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V) and the
-simulator (``simulator``: :func:`clock_cycles` checks and times a schedule, :func:`render_timeline` draws it). Pure
+simulator (``simulator``: :func:`clock_cycles` checks and times a schedule, :func:`render_timeline` draws it) and the
+planner's core (``planner``: :func:`predict` a step, its bubble and memory from measured costs). Pure
 logic: nothing here runs a model or needs a process. The names below are the public ones::
 
     from lightning_pipe.schedules import render_timeline

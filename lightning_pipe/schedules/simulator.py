@@ -7,8 +7,9 @@ a message out of order, naming the stage and the action); :func:`render_timeline
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, get_args
+from typing import NamedTuple, Union, get_args
 
 from lightning_pipe.schedules.actions import (
     COMPUTE_KINDS, INPUT_GRADIENT_KINDS, Action, ActionKind, PipelineSchedule, Placement, owner, stage_chunks,
@@ -30,13 +31,16 @@ def check_schedule(
 # the same (the Zero Bubble paper's assumption); a full backward is both gradients. Messages are free and instant.
 DEFAULT_COSTS: dict[str, int] = {"forward": 1, "backward_input": 1, "backward_weight": 1, "backward": 2}
 _ACTIVATION, _GRADIENT = "activation", "gradient"
+# What each compute action costs: one cost per kind for every chunk, or one such mapping per chunk (in model order),
+# for chunks of unequal cost (a heavy head on the last chunks, say). Ticks, or seconds for a predicted step.
+Costs = Union[Mapping[str, float], Sequence[Mapping[str, float]]]
 
 
 class ScheduledAction(NamedTuple):
     """A compute action at its place in the ideal timeline: it runs from tick ``start`` up to ``end``."""
 
-    start: int
-    end: int
+    start: float
+    end: float
     action: Action
 
 
@@ -53,7 +57,7 @@ class Simulation:
     peak_in_flight: tuple[int, ...]
 
     @property
-    def makespan(self) -> int:
+    def makespan(self) -> float:
         """Ticks from the first action's start to the last one's end."""
         return max((stage[-1].end for stage in self.intervals if stage), default=0)
 
@@ -70,12 +74,14 @@ def clock_cycles(
     num_micro_batches: int,
     schedule: str | PipelineSchedule = "gpipe",
     virtual_stages: int | None = None,
-    costs: dict[str, int] = DEFAULT_COSTS,
+    costs: Costs = DEFAULT_COSTS,
+    send_time: float = 0,
 ) -> Simulation:
-    """Check ``schedule``'s lists and execute them with ``costs`` ticks per compute action (:data:`DEFAULT_COSTS`).
+    """Check ``schedule``'s lists and execute them with ``costs`` ticks per compute action (:data:`DEFAULT_COSTS`;
+    or one mapping per chunk, :data:`Costs`), a message arriving ``send_time`` after it is sent.
 
-    Each stage runs its list strictly in order; a send is instant and never blocks, a receive waits until the
-    matching send has run. A ``ValueError`` names the stage, the action and the rule for: a (chunk, micro-batch)
+    Each stage runs its list strictly in order; a send never blocks, a receive waits until the matching send has run
+    and ``send_time`` has passed. A ``ValueError`` names the stage, the action and the rule for: a (chunk, micro-batch)
     run twice or never, an action before what it needs (its input, its output's gradient, its forward), a message
     whose sender and receiver disagree on the order, and a deadlock (no stage can proceed while actions remain).
     """
@@ -90,7 +96,25 @@ def clock_cycles(
     for stage, actions in enumerate(lists):
         grid.check_stage(stage, actions)
     grid.check_message_order(lists)
-    return Simulation(_run(lists, grid, costs), tuple(_peak_in_flight(actions) for actions in lists))
+    return Simulation(
+        _run(lists, grid, _per_chunk(costs, grid), send_time), tuple(_peak_in_flight(actions) for actions in lists)
+    )
+
+
+def _per_chunk(costs: Costs, grid: _Grid) -> list[Mapping[str, float]]:
+    """One mapping of costs per chunk; a ``ValueError`` naming what is missing."""
+    chunks = grid.last_chunk + 1
+    per_chunk = [costs] * chunks if isinstance(costs, Mapping) else list(costs)
+    if len(per_chunk) != chunks:
+        raise ValueError(
+            f"{grid.where}: costs name {len(per_chunk)} chunks but the step has {chunks}; give one mapping per chunk"
+            " (stages x chunks per stage, in model order) or one mapping for all"
+        )
+    for chunk, kinds in enumerate(per_chunk):
+        missing = [kind for kind in ("forward", "backward_input", "backward_weight", "backward") if kind not in kinds]
+        if missing:
+            raise ValueError(f"{grid.where}: the costs of chunk {chunk} lack {missing}; give a cost for every kind")
+    return per_chunk
 
 
 def ideal_bubble(schedule: PipelineSchedule, num_stages: int, num_micro_batches: int, virtual_stages: int) -> float:
@@ -257,11 +281,13 @@ class _Grid:
                     )
 
 
-def _run(lists: list[list[Action]], grid: _Grid, costs: dict[str, int]) -> tuple[tuple[ScheduledAction, ...], ...]:
+def _run(
+    lists: list[list[Action]], grid: _Grid, costs: list[Mapping[str, float]], send_time: float
+) -> tuple[tuple[ScheduledAction, ...], ...]:
     """Each stage's compute actions at the ticks they run, each stage going as far as its receives allow; a
     ``ValueError`` if every unfinished stage waits for a message that will never be sent."""
-    position, clock = [0] * len(lists), [0] * len(lists)
-    sent_at: dict[tuple[int, int, str], list[int]] = {}
+    position, clock = [0] * len(lists), [0] * len(lists)  # ints stay ints (ticks); seconds make floats
+    sent_at: dict[tuple[int, int, str], list[float]] = {}
     taken: dict[tuple[int, int, str], int] = {}
     intervals: list[list[ScheduledAction]] = [[] for _ in lists]
     progress = True
@@ -273,7 +299,7 @@ def _run(lists: list[list[Action]], grid: _Grid, costs: dict[str, int]) -> tuple
                 found = grid.message(stage, action)
                 if action.kind in COMPUTE_KINDS:
                     start = clock[stage]
-                    clock[stage] += costs[action.kind]
+                    clock[stage] += costs[action.chunk][action.kind]
                     intervals[stage].append(ScheduledAction(start, clock[stage], action))
                 elif action.kind in ("send", "send_grad"):
                     assert found is not None
@@ -284,7 +310,7 @@ def _run(lists: list[list[Action]], grid: _Grid, costs: dict[str, int]) -> tuple
                     n = taken.get(channel, 0)
                     if n >= len(sent_at.get(channel, [])):
                         break  # blocked: the message has not been sent yet
-                    clock[stage] = max(clock[stage], sent_at[channel][n])
+                    clock[stage] = max(clock[stage], sent_at[channel][n] + send_time)
                     taken[channel] = n + 1
                 position[stage] += 1
                 progress = True

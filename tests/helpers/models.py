@@ -367,6 +367,18 @@ class SequenceClassifier(PipeClassifier):
         return self.head(self.net.model(x * self.input_scale).mean(dim=1))
 
 
+class EmulatedClassifier(PipeClassifier):
+    """A Linear, then seven emulated blocks (``lightning_pipe.emulate``) of 1 ms per forward, input and weight
+    gradient, the last twice as heavy: what the schedules-at-scale benchmark trains, small enough for a test."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        from lightning_pipe.emulate import BlockTimes, emulated_blocks
+
+        times = BlockTimes(forward=1e-3, input_gradient=1e-3, weight_gradient=1e-3)
+        self.net.model = nn.Sequential(nn.Linear(12, 16), *emulated_blocks(16, [times] * 6 + [times.scaled(2)]))
+
+
 SEQUENCE_LENGTHS = (5, 2, 9, 3, 7)
 
 
@@ -391,7 +403,8 @@ MODELS = {"dropout": DropoutClassifier, "two_dropouts": TwoDropoutsClassifier, "
           "tied_deferred": DeferredTiedAcrossStages, "tied_outside": TiedToOutside, "tied_outside_only": TiedOutsideOnly,
           "tied_everywhere": TiedEverywhere,
           "compiled": CompiledPipelined, "compiled_layers": CompiledLayers, "counts": CountsForwards,
-          "sequences": SequenceClassifier, "llama": stock_models.LlamaModule, "token_mean_llama": stock_models.TokenMeanLlama}
+          "sequences": SequenceClassifier, "llama": stock_models.LlamaModule, "token_mean_llama": stock_models.TokenMeanLlama,
+          "emulated": EmulatedClassifier}
 
 
 class ProjectModule(LightningModule):

@@ -1,0 +1,114 @@
+"""A schedule's step time, bubble and peak activation memory per stage, predicted from measured costs.
+
+The pure core of choosing a schedule: the schedule's own actions executed by the simulator
+(:func:`~lightning_pipe.schedules.simulator.clock_cycles`) with the seconds each part of the work takes, and a
+message taking ``send_time`` to arrive::
+
+    >>> from lightning_pipe.schedules.planner import ComputeCosts, predict
+    >>> stage = ComputeCosts(forward=0.016, input_gradient=0.016, weight_gradient=0.016)
+    >>> round(predict("gpipe", 4, 8, stage).step, 3)      # (M + S - 1) x (F + I + W)
+    0.528
+    >>> round(predict("zbv", 4, 8, stage).step, 3)
+    0.408
+
+Costs are given per stage (``S`` of them, each stage's chunks sharing its cost evenly) or per chunk (``S·v``, in model
+order: the way to say that the last blocks, the head and the loss, are heavy whatever stage holds them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+from lightning_pipe.schedules.actions import Action, PipelineSchedule
+from lightning_pipe.schedules.builtin import SCHEDULES
+from lightning_pipe.schedules.simulator import Simulation, clock_cycles
+
+
+@dataclass(frozen=True)
+class ComputeCosts:
+    """What one micro-batch costs a stage (or a chunk): seconds of forward, input gradient and weight gradient, and
+    the bytes of activations it holds from its forward until its backward."""
+
+    forward: float
+    input_gradient: float
+    weight_gradient: float
+    activation_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"ComputeCosts({field.name}={value!r}): a cost is a number, 0 or more")
+
+    def share(self, parts: int) -> ComputeCosts:
+        """One of ``parts`` equal shares: what each chunk of a stage of ``parts`` chunks costs."""
+        return ComputeCosts(*(getattr(self, field.name) / parts for field in fields(self)))
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A schedule's step predicted from costs: ``step`` seconds, the idle share ``bubble`` (of every stage's time in
+    the step), each stage's idle share, and each stage's peak activation memory (bytes)."""
+
+    step: float
+    bubble: float
+    stage_bubbles: tuple[float, ...]
+    peak_activation_bytes: tuple[float, ...]
+    simulation: Simulation
+
+
+def predict(
+    schedule: str | PipelineSchedule,
+    num_stages: int,
+    num_micro_batches: int,
+    costs: ComputeCosts | Sequence[ComputeCosts],
+    virtual_stages: int | None = None,
+    send_time: float = 0.0,
+) -> Prediction:
+    """The step of ``schedule`` with ``costs`` (one for every stage, one per stage, or one per chunk) and messages
+    that take ``send_time`` seconds to arrive."""
+    schedule = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
+    v = schedule.checked_virtual_stages(virtual_stages)
+    chunks = num_stages * v
+    if isinstance(costs, ComputeCosts):
+        per_chunk = [costs.share(v)] * chunks
+    elif len(costs) == num_stages:
+        per_chunk = [costs[schedule.owner(k, num_stages)].share(v) for k in range(chunks)]
+    elif len(costs) == chunks:
+        per_chunk = list(costs)
+    else:
+        raise ValueError(
+            f"predict({schedule.name!r}, num_stages={num_stages}, virtual_stages={v}): {len(costs)} costs given; give"
+            f" one ComputeCosts for all, {num_stages} (one per stage) or {chunks} (one per chunk, in model order)"
+        )
+    if not send_time >= 0:
+        raise ValueError(f"predict(send_time={send_time!r}): the seconds a message takes to arrive, 0 or more")
+    simulation = clock_cycles(
+        num_stages, num_micro_batches, schedule, v,
+        [{"forward": c.forward, "backward_input": c.input_gradient, "backward_weight": c.weight_gradient,
+          "backward": c.input_gradient + c.weight_gradient} for c in per_chunk],
+        send_time,
+    )
+    step = simulation.makespan
+    busy = [sum(a.end - a.start for a in stage) for stage in simulation.intervals]
+    lists = [schedule.actions(stage, num_stages, num_micro_batches, v) for stage in range(num_stages)]
+    return Prediction(
+        step=step,
+        bubble=simulation.bubble_fraction,
+        stage_bubbles=tuple(1 - b / step if step else 0.0 for b in busy),
+        peak_activation_bytes=tuple(_peak_bytes(actions, per_chunk) for actions in lists),
+        simulation=simulation,
+    )
+
+
+def _peak_bytes(actions: list[Action], per_chunk: list[ComputeCosts]) -> float:
+    """The most activation bytes held at once: a forward adds its chunk's, its (weight) backward frees them."""
+    held = peak = 0.0
+    for action in actions:
+        if action.kind == "forward":
+            held += per_chunk[action.chunk].activation_bytes
+            peak = max(peak, held)
+        elif action.kind in ("backward", "backward_weight"):
+            held -= per_chunk[action.chunk].activation_bytes
+    return peak
