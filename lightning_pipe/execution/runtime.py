@@ -98,7 +98,6 @@ class StageRuntime:
         self._micro_batch: int | None = None  # in a per-micro-batch step: the micro-batch the user's step runs on
         self._batch_sizes_checked: set[tuple[int, int | None]] = set()  # (chunk, batch size): see `_run_chunk`
         self._batch_size = 0  # in a per-micro-batch step: the whole batch's
-        self.items_in_batch = 0.0  # in a per-micro-batch step: what the loss averages over in the whole batch
         self.epoch_last_batch: int | None = None  # the training DataLoader's smaller last batch, if it has one
         self.requeues_asked = 0  # SLURM's requeue signals this rank got (a signal handler counts; the last stage's count)
         self._requeues_shared = 0  # of those, the ones the last stage's outcomes have told the pipeline about
@@ -175,7 +174,7 @@ class StageRuntime:
         sizes = [microbatch.batch_size_of(part) for part in parts]
         self._batch_size = sum(sizes)
         items = _items_in_loss(module, parts) or [float(size) for size in sizes]
-        self.items_in_batch = sum(items)
+        weights = [item / sum(items) for item in items]  # each micro-batch's share of what the loss averages over
         results: dict[int, Any] = {}
         records: dict[int, list[LogRecord]] = {}
 
@@ -196,16 +195,16 @@ class StageRuntime:
                 self.calls.end_step()
             if self._called:
                 loss = _loss_tensor(results[m]) if items[m] > 0 else None  # a mean over no items: no gradient
-                self.engine.set_loss(m, None if loss is None else self.scale_loss(loss * (items[m] / sum(items))))
+                self.engine.set_loss(m, None if loss is None else self.scale_loss(loss * weights[m]))
 
         self.engine.begin_step()
         self.engine.run_schedule(len(parts), run_user_step)
         outcome, output = StepOutcome(), None
         if self.is_last:
-            weights = {m: items[m] / sum(items) for m in results}
-            logs = merged_logs(records, weights)
+            ran = {m: weights[m] for m in results}
+            logs = merged_logs(records, ran)
             replay_logs(module, logs)  # what the steps logged, once for the whole step
-            output = merged_output(results, weights)
+            output = merged_output(results, ran)
             outcome = StepOutcome(output is None, _loss_value(output), logs, logged_metric_states(module, logs))
         return self.share_outcome(module, outcome), output
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from lightning_pipe.schedules.actions import Action, PipelineSchedule
+from lightning_pipe.schedules.actions import PipelineSchedule
 from lightning_pipe.schedules.builtin import SCHEDULES
-from lightning_pipe.schedules.simulator import Simulation, clock_cycles
+from lightning_pipe.schedules.simulator import Simulation, clock_cycles, peak_held
 
 
 @dataclass(frozen=True)
@@ -97,18 +97,6 @@ def predict(
         step=step,
         bubble=simulation.bubble_fraction,
         stage_bubbles=tuple(1 - b / step if step else 0.0 for b in busy),
-        peak_activation_bytes=tuple(_peak_bytes(actions, per_chunk) for actions in lists),
+        peak_activation_bytes=tuple(peak_held(actions, lambda k: per_chunk[k].activation_bytes) for actions in lists),
         simulation=simulation,
     )
-
-
-def _peak_bytes(actions: list[Action], per_chunk: list[ComputeCosts]) -> float:
-    """The most activation bytes held at once: a forward adds its chunk's, its (weight) backward frees them."""
-    held = peak = 0.0
-    for action in actions:
-        if action.kind == "forward":
-            held += per_chunk[action.chunk].activation_bytes
-            peak = max(peak, held)
-        elif action.kind in ("backward", "backward_weight"):
-            held -= per_chunk[action.chunk].activation_bytes
-    return peak

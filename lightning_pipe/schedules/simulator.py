@@ -7,7 +7,7 @@ a message out of order, naming the stage and the action); :func:`render_timeline
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Union, get_args
 
@@ -97,7 +97,7 @@ def clock_cycles(
         grid.check_stage(stage, actions)
     grid.check_message_order(lists)
     return Simulation(
-        _run(lists, grid, _per_chunk(costs, grid), send_time), tuple(_peak_in_flight(actions) for actions in lists)
+        _run(lists, grid, _per_chunk(costs, grid), send_time), tuple(int(peak_held(actions)) for actions in lists)
     )
 
 
@@ -325,15 +325,16 @@ def _run(
     return tuple(tuple(stage) for stage in intervals)
 
 
-def _peak_in_flight(actions: list[Action]) -> int:
-    """The most (chunk, micro-batch) pairs forwarded and not yet back-propagated (weights included) at once."""
-    held = peak = 0
+def peak_held(actions: list[Action], size: Callable[[int], float] = lambda chunk: 1) -> float:
+    """The most a stage holds at once of what each forward keeps until its (weight) backward: by default the count of
+    (chunk, micro-batch) pairs in flight; ``size(chunk)`` of each (its activation bytes, say) when given."""
+    held = peak = 0.0
     for action in actions:
         if action.kind == "forward":
-            held += 1
+            held += size(action.chunk)
             peak = max(peak, held)
         elif action.kind in ("backward", "backward_weight"):
-            held -= 1
+            held -= size(action.chunk)
     return peak
 
 
