@@ -41,6 +41,7 @@ from lightning_pipe.execution.gradients import (
     swap_gradients,
 )
 from lightning_pipe.execution.materialize import global_seed, holds_meta_tensors, materialize
+from lightning_pipe.execution.outside import OutsideModules, OutsideOwnership
 from lightning_pipe.execution.process_groups import PipelineGroups, broadcast_object, decide_over_world
 from lightning_pipe.execution.random_streams import StageRandomStreams
 from lightning_pipe.execution.runtime import StageRuntime
@@ -57,6 +58,7 @@ from lightning_pipe.partition.balance import (
     recompute_fraction,
     stage_ranges,
 )
+from lightning_pipe.partition.placement import EVERY, LOSS, OutsidePlaces, observe_places, outside_modules, parameter_holders
 from lightning_pipe.partition.fingerprint import different_models_message, fingerprint_digest, model_fingerprint
 from lightning_pipe.partition.region import (
     MAX_OUTSIDE_SHARE,
@@ -94,11 +96,13 @@ class BuiltPipeline:
     groups: PipelineGroups
     region: Region  # the blocks pipelined
     plan: PartitionPlan  # the blocks of each model chunk, as global rank 0 decided
-    outside: list[tuple[str, int]]  # what runs whole on every stage, with its parameter count
+    outside: list[tuple[str, int, str]]  # the modules outside the blocks: parameter count, which stages hold it
     # The user's pipelined module as it was, to put it back after the run; None once a failed run lost the stages.
     pipelined: WholeModelLayout | None
     replicated: list[nn.Parameter]  # parameters outside the pipelined blocks, held by every stage
     tied: TiedParameters  # parameters shared by blocks of several stages
+    outside_modules: OutsideModules  # the outside modules other stages hold, stood in for here
+    ownership: OutsideOwnership  # outside parameters held by some stages, not all (an embedding tied to the head)
     runtime: StageRuntime
     tracer: PipelineTracer | None  # gathers the stages' timelines; None for one stage or none asked for
     deferred: bool  # the pipelined module was built on the meta device
@@ -116,7 +120,10 @@ class BuiltPipeline:
         self.sync_metrics_within_replicas(module)
         undo = [
             self.run_epoch_end_hooks_on_last_stage(module),
-            summarize_whole_model(callbacks, self.runtime.stage, self.pipelined.ranges),  # type: ignore[union-attr]
+            summarize_whole_model(
+                callbacks, self.runtime.stage, self.pipelined.ranges,  # type: ignore[union-attr]
+                {name: where for name, _, where in self.outside}, self.outside_modules.showing_whole_model,
+            ),
         ]
         self.runtime.share_outcome(module, StepOutcome())  # every stage starts from the last stage's random state
         return undo
@@ -130,10 +137,18 @@ class BuiltPipeline:
             for tensor in self.replicated:
                 dist.broadcast(tensor.data, src=0)
             self.tied.start_identical()
+            self.ownership.start_identical()
             if layout.num_replicas > 1:
                 source = layout.rank(self.groups.stage, replica=0)
-                for tensor in [*self.runtime.stage.parameters(), *self.runtime.stage.buffers()]:
+                stage = self.runtime.stage
+                for tensor in [*stage.parameters(), *stage.buffers(), *self._held_outside_tensors()]:
                     dist.broadcast(tensor.data, src=source, group=self.groups.replicas)
+
+    def _held_outside_tensors(self) -> list[Tensor]:
+        """The tensors of the outside modules this stage holds and some other stage does not."""
+        pieces = self.pipelined.outside.values() if self.pipelined is not None else ()
+        mine = [module for module, stages, _ in pieces if self.groups.stage in stages]
+        return [t for module in mine for t in [*module.parameters(), *module.buffers()]]
 
     def agree_on_gradient_overflow(self, precision: Any) -> None:
         """With a gradient scaler (16-mixed), an overflow on one stage skips the step on every stage."""
@@ -179,6 +194,7 @@ class BuiltPipeline:
         watchdog = self.groups.watchdog
         reduce_gradients(self.replicated, self.groups.pipeline, average=False, watchdog=watchdog)
         self.tied.sum_gradients()
+        self.ownership.sum_gradients(watchdog)
         if self.groups.layout.num_replicas > 1:
             trainable = [p for p in module.parameters() if p.requires_grad]
             reduce_gradients(trainable, self.groups.replicas, average=True, watchdog=watchdog)
@@ -187,8 +203,8 @@ class BuiltPipeline:
         """``clip_grad_norm_`` over the whole model (see :func:`clip_grad_norm_over_pipeline`)."""
         groups = self.groups
         clip_grad_norm_over_pipeline(
-            parameters, self.replicated, clip_val, groups.pipeline, groups.device, self.tied.counted_elsewhere,
-            groups.watchdog,
+            parameters, self.replicated, clip_val, groups.pipeline, groups.device,
+            [*self.tied.counted_elsewhere, *self.ownership.counted_elsewhere], groups.watchdog,
         )
 
     # ---- what it reports ---------------------------------------------------------------------------------------
@@ -284,13 +300,22 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
     check_compiled(module, region)
     blocks = region.blocks(module)
     layers = nn.Sequential(*blocks)  # the blocks in order, for the partition plan and the whole model
-    plan = decide_partition(module, layers, settings, groups)
-    outside = outside_parameters(module, region)  # before this rank's stage takes the blocks' place
+    places = _outside_places(module, region, groups)
+    plan = decide_partition(module, layers, settings, groups, _charges(module, region, places))
     held = _blocks_held_by_stage(plan, settings, config.num_stages)
+    module_stages = _outside_module_stages(places, held, groups)
+    outside = _outside_summary(module, region, module_stages, config.num_stages)
     ties = parameters_shared_across_stages(blocks, held)  # before materialising replaces parameters
+    holders, sources, aliases = parameter_holders(module, module_stages)
+    built_real = {name: not holds_meta_tensors(module.get_submodule(name)) for name in module_stages}
     state_keys, parameter_order = list(module.state_dict().keys()), [name for name, _ in module.named_parameters()]
     pretrained = plan_pretrained_load(module, settings.pretrained)  # checked on the whole model: every rank alike
     stage = _install_stage(module, region, plan, settings, groups)
+    outside_modules = OutsideModules(
+        module, {name: _where(stages, config.num_stages) for name, stages in module_stages.items() if groups.stage not in stages},
+        groups.device,
+    )
+    outside_modules.install()  # before materialising: what other stages hold is never allocated here
     # Built on the meta device: only what this rank runs becomes real (the stage, the replicated modules).
     deferred = decide_over_world(holds_meta_tensors(layers), every=False, device=groups.device,
                                  watchdog=groups.watchdog)
@@ -299,14 +324,21 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
         for block in stage.blocks:
             defer_batch_norms(block)
     pipelined = WholeModelLayout(
-        region.label, layers, held, state_keys, parameter_order, put_back=stage.uninstall, block_names=region.names
+        region.label, layers, held, state_keys, parameter_order, put_back=partial(_put_back, stage, outside_modules),
+        block_names=region.names,
+        outside={
+            name: (outside_modules.originals.get(name) or module.get_submodule(name), tuple(sorted(stages)), built_real[name])
+            for name, stages in module_stages.items() if len(stages) < config.num_stages
+        },
     )
-    replicated = replicated_parameters(module, region.names)
+    replicated = _replicated_parameters(module, region, holders, aliases, config.num_stages)
+    shared = {name: stages for name, stages in holders.items() if 1 < len(stages) < config.num_stages}
+    ownership = OutsideOwnership(module, shared, sources, aliases, groups.stage, groups.layout, groups.timeout)
     tied = TiedParameters(ties, stage, groups.layout, replicated, groups.timeout)
     compile_stage(module, region, stage, settings.compile_options)
     timeline = StepTimeline(groups.device, enabled=settings.log_bubble_fraction or bool(settings.trace_steps))
     return BuiltPipeline(
-        settings, config, groups, region, plan, outside, pipelined, replicated, tied,
+        settings, config, groups, region, plan, outside, pipelined, replicated, tied, outside_modules, ownership,
         runtime=_stage_runtime(module, stage, settings, config, groups, precision, timeline),
         tracer=_tracer(module, settings, config, groups, timeline),
         deferred=deferred,
@@ -371,7 +403,11 @@ def find_pipelined_region(
 
 
 def decide_partition(
-    module: LightningModule, sequential: nn.Sequential, settings: PipelineSettings, groups: PipelineGroups
+    module: LightningModule,
+    sequential: nn.Sequential,
+    settings: PipelineSettings,
+    groups: PipelineGroups,
+    charges: Sequence[tuple[int, nn.Module]] = (),
 ) -> PartitionPlan:
     """The split, decided on global rank 0 (profiling there when ``balance`` asks) and broadcast, so that every
     rank applies the same split even where measurements differ between ranks."""
@@ -389,7 +425,7 @@ def decide_partition(
                     " the model in __init__."
                 )
             decided = plan_partition(
-                module, sequential, config, settings.balance, settings.sample, groups.device, fraction
+                module, sequential, config, settings.balance, settings.sample, groups.device, fraction, charges
             )
         except Exception as exception:  # the other ranks wait in the broadcast: tell them, then raise
             error, decided = exception, f"{type(exception).__name__}: {exception}"
@@ -425,6 +461,93 @@ def _blocks_held_by_stage(plan: PartitionPlan, settings: PipelineSettings, num_s
         sorted(i for k in schedule.chunks(s, num_stages, v) for i in plan.ranges[k])  # type: ignore[union-attr]
         for s in range(num_stages)
     ]
+
+
+def _outside_places(module: LightningModule, region: Region, groups: PipelineGroups) -> OutsidePlaces:
+    """Where each module outside the blocks runs (see :mod:`lightning_pipe.partition.placement`), observed on global
+    rank 0 in the training step on the first batch's shapes and broadcast; on every stage when there is no training
+    step to observe (validate, test, predict) or the step cannot run on the meta device."""
+    names = outside_modules(module, region)
+    places = OutsidePlaces({name: frozenset({EVERY}) for name in names})
+    if groups.rank == 0 and groups.num_stages > 1:
+        places = _observed_places(module, region, names) or places
+    return broadcast_object(places, 0, groups.rank, groups.watchdog)
+
+
+def _outside_module_stages(places: OutsidePlaces, held: list[list[int]], groups: PipelineGroups) -> dict[str, frozenset[int]]:
+    """The stages holding each module outside the blocks, once each stage's blocks are known."""
+    block_stage = {index: stage for stage, indices in enumerate(held) for index in indices}
+    loss_stage, num_stages = groups.layout.loss_stage, groups.num_stages
+    return {name: places.stages(name, block_stage.__getitem__, loss_stage, num_stages) for name in places.places}
+
+
+def _charges(module: LightningModule, region: Region, places: OutsidePlaces) -> list[tuple[int, nn.Module]]:
+    """The outside modules the balance charges to a block's stage: each module held by some stages only, at the
+    block it runs with (the last block for the loss stage's)."""
+    charges = []
+    for name, where in places.places.items():
+        if EVERY not in where:
+            for place in where:
+                charges.append((len(region) - 1 if place == LOSS else int(place), module.get_submodule(name)))
+    return charges
+
+
+def _observed_places(module: LightningModule, region: Region, names: list[str]) -> OutsidePlaces | None:
+    trainer = module._trainer
+    if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+        return None
+    try:
+        with random_state_kept():
+            batch = first_training_batch(trainer, module)
+            return None if batch is None else observe_places(module, region, training_step_on(batch), names)
+    except Exception:  # an unusual step: every stage holds every module, as the model was built
+        return None
+
+
+def _outside_summary(
+    module: LightningModule, region: Region, module_stages: dict[str, frozenset[int]], num_stages: int
+) -> list[tuple[str, int, str]]:
+    """The stage table's rows for what is outside the blocks: each module (or loose parameter), its parameters (a
+    tied one counted where it first appears) and which stages hold it."""
+    seen = {id(p) for block in region.blocks(module) for p in block.parameters()}
+    rows = []
+    for name, stages in module_stages.items():
+        new = [p for p in module.get_submodule(name).parameters() if id(p) not in seen]
+        seen.update(id(p) for p in new)
+        rows.append((name, sum(p.numel() for p in new), _where(stages, num_stages)))
+    listed = tuple(f"{name}." for name in module_stages)
+    for name, count in outside_parameters(module, region):
+        if name not in module_stages and not name.startswith(listed):
+            rows.append((name, count, "every stage"))
+    return rows
+
+
+def _where(stages: frozenset[int], num_stages: int) -> str:
+    if len(stages) == num_stages:
+        return "every stage"
+    return f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, sorted(stages)))}"
+
+
+def _replicated_parameters(
+    module: LightningModule, region: Region, holders: dict[str, frozenset[int]], aliases: dict[str, list[str]],
+    num_stages: int,
+) -> list[nn.Parameter]:
+    """The parameters outside the blocks that every stage holds: in no outside module held by fewer stages."""
+    first_name = {alias: first for first, names in aliases.items() for alias in names}
+    fewer = {first for first, stages in holders.items() if len(stages) < num_stages}
+    return [p for name, p in _named_outside(module, region) if first_name.get(name, name) not in fewer]
+
+
+def _named_outside(module: nn.Module, region: Region) -> list[tuple[str, nn.Parameter]]:
+    names: dict[int, str] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), name)
+    return [(names[id(p)], p) for p in replicated_parameters(module, region.names)]
+
+
+def _put_back(stage: StageBlocks, outside_modules: OutsideModules) -> None:
+    outside_modules.uninstall()
+    stage.uninstall()
 
 
 def _install_stage(

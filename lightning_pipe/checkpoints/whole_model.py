@@ -15,7 +15,7 @@ after the run gathers them as during it. ``stage_ranks`` is always this rank's p
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,14 +51,26 @@ class WholeModelLayout:
     # After a run of a model built the usual way, every rank holds the whole trained model: nothing to gather.
     whole_on_every_rank: bool = False
     block_names: tuple[str, ...] = ()  # each block's qualified name in the LightningModule, in order
+    # The modules outside the blocks that some stages hold and others not: the module as built, its holding stages,
+    # and whether it was built with real tensors (not on the meta device) on every rank.
+    outside: dict[str, tuple[nn.Module, tuple[int, ...], bool]] = field(default_factory=dict)
 
     def stage_keys(self, stage: int) -> list[str]:
-        """The state-dict keys that stage ``stage`` writes when each stage writes its own: its blocks' keys, and on
-        the first stage the keys outside the pipelined blocks (which every stage holds), in the whole model's
-        order."""
+        """The state-dict keys that stage ``stage`` writes when each stage writes its own, in the whole model's
+        order: its blocks' keys, and each key outside the blocks on the first stage holding it."""
         inside = tuple(f"{name}." for name in self.block_names)
         mine = tuple(f"{self.block_names[i]}." for i in self.ranges[stage])
-        return [key for key in self.state_keys if key.startswith(mine) or (stage == 0 and not key.startswith(inside))]
+        return [
+            key for key in self.state_keys
+            if key.startswith(mine) or (not key.startswith(inside) and self.writer_of(key) == stage)
+        ]
+
+    def writer_of(self, key: str) -> int:
+        """The stage that writes ``key``, a key outside the blocks: the first stage holding it."""
+        for name, (_, stages, _) in self.outside.items():
+            if key.startswith(f"{name}."):
+                return stages[0]
+        return 0
 
 
 # ---- saving: the whole model on the loss stage -------------------------------------------------------------------
@@ -214,64 +226,84 @@ def restore_whole_model(
     need not fit on one host: each rank keeps its own stage, the other stages' layers stay on the meta device; with
     ``gather_deferred`` the loss stage receives them (see :func:`_gather_whole_model_to_loss_stage`).
     """
+    pieces = _pieces(pipelined)
     if deferred:
+        # Outside modules built real on every rank (in __init__, beside a pipelined module built in configure_model)
+        # come back trained everywhere, as they were held everywhere before the run.
+        built_real = [(module, stages) for module, stages, real in pipelined.outside.values() if real]
+        _broadcast_from_holders(built_real, stage_ranks, group, device)
+        rest = [piece for piece in pieces if all(piece[0] is not module for module, _ in built_real)]
         if gather_deferred:
-            _gather_whole_model_to_loss_stage(pipelined, stage_ranks, rank, group, device)
+            _gather_whole_model_to_loss_stage(rest, stage_ranks, rank, group, device)
         else:
-            layers = list(pipelined.sequential)
-            mine = pipelined.ranges[stage_ranks.index(rank)]
-            mark_held_elsewhere([layers[i] for i in range(len(layers)) if i not in mine])
+            mine = stage_ranks.index(rank)
+            mark_held_elsewhere([module for module, stages in rest if mine not in stages])
         pipelined.put_back()
         return
-    layers = list(pipelined.sequential)
-    with torch.no_grad():
-        for stage, layer_range in enumerate(pipelined.ranges):
-            owner = stage_ranks[stage]
-            for index in layer_range:
-                for tensor in layers[index].state_dict().values():
-                    buffer = tensor.to(device)
-                    dist.broadcast(buffer, src=owner, group=group)
-                    tensor.copy_(buffer)
+    _broadcast_from_holders(pieces, stage_ranks, group, device)
     pipelined.put_back()
     pipelined.whole_on_every_rank = True
 
 
+def _broadcast_from_holders(
+    pieces: list[tuple[nn.Module, tuple[int, ...]]], stage_ranks: Sequence[int], group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> None:
+    """Every rank's copy of each piece takes the trained values of its first holding stage."""
+    with torch.no_grad():
+        for module, stages in pieces:
+            for tensor in module.state_dict().values():
+                buffer = tensor.to(device)
+                dist.broadcast(buffer, src=stage_ranks[stages[0]], group=group)
+                tensor.copy_(buffer)
+
+
+def _pieces(pipelined: WholeModelLayout) -> list[tuple[nn.Module, tuple[int, ...]]]:
+    """What some stage does not hold, in an order every rank agrees on: each block and each outside module held by
+    some stages only, with the stages holding it."""
+    layers = list(pipelined.sequential)
+    blocks = [(layers[index], (stage,)) for stage, indices in enumerate(pipelined.ranges) for index in indices]
+    return blocks + [(module, stages) for module, stages, _ in pipelined.outside.values()]
+
+
 def _gather_whole_model_to_loss_stage(
-    pipelined: WholeModelLayout,
+    pieces: list[tuple[nn.Module, tuple[int, ...]]],
     stage_ranks: Sequence[int],
     rank: int,
     group: dist.ProcessGroup | None,
     device: torch.device,
 ) -> None:
     """After a run of a model built on the meta device: the loss stage (global rank 0 in the first pipeline)
-    receives every other stage's trained layers into host memory, layer by layer.
+    receives every other stage's trained layers (and the outside modules it does not hold) into host memory, one
+    ``pieces`` entry (a module, the stages holding it) at a time.
 
     The launching process then holds the whole trained model, as on one device (for ``torch.save``,
     ``trainer.test(model)`` and the spawn launcher), at the cost a consolidated checkpoint has anyway; the other
     ranks never hold more than their stage. There the other stages' layers stay on the meta device, marked so
     that a later setup does not re-initialise them as new.
     """
-    layers = list(pipelined.sequential)
     receiver = _loss_stage_rank(stage_ranks)
     elsewhere = []
     with torch.no_grad():
-        for owner, layer_range in zip(stage_ranks, pipelined.ranges):
-            if owner == receiver:
-                continue
-            for index in layer_range:
-                layer = layers[index]
-                if rank == receiver:
-                    layer.to_empty(device="cpu")
-                    for tensor in _own_tensors(layer):
-                        on_device = device.type != "cpu"
-                        buffer = torch.empty_like(tensor, device=device) if on_device else tensor
-                        dist.recv(buffer, src=owner, group=group)
-                        tensor.copy_(buffer)
-                elif rank == owner:
-                    for tensor in _own_tensors(layer):
-                        dist.send(tensor.to(device), dst=receiver, group=group)
-                else:
+        for layer, stages in pieces:
+            holders = [stage_ranks[stage] for stage in stages]
+            owner = holders[0]
+            if receiver in holders:
+                if rank not in holders:
                     elsewhere.append(layer)
+                continue
+            if rank == receiver:
+                layer.to_empty(device="cpu")
+                for tensor in _own_tensors(layer):
+                    on_device = device.type != "cpu"
+                    buffer = torch.empty_like(tensor, device=device) if on_device else tensor
+                    dist.recv(buffer, src=owner, group=group)
+                    tensor.copy_(buffer)
+            elif rank == owner:
+                for tensor in _own_tensors(layer):
+                    dist.send(tensor.to(device), dst=receiver, group=group)
+            else:
+                elsewhere.append(layer)
     mark_held_elsewhere(elsewhere)
 
 

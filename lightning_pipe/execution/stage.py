@@ -116,14 +116,14 @@ class StageBlocks:
         self._nested_tensor_setting = _avoid_nested_tensors(self.model, self.region)
         for index, (name, block) in enumerate(zip(self.region.names, self.originals)):
             if index not in self.indices:
-                _replace_submodule(self.model, name, RemoteBlock(index, name, block))
+                replace_submodule(self.model, name, RemoteBlock(index, name, block))
 
     def route(self, answer: Answer) -> None:
         """Answer the model's calls of every block with ``answer``: remote blocks' stand-ins, local blocks' ``forward``
         (a block runs itself only while :meth:`running_blocks` is open)."""
         for index, (name, block) in enumerate(zip(self.region.names, self.originals)):
             if index not in self.indices:
-                _replace_submodule(self.model, name, RemoteBlock(index, name, block, answer))
+                replace_submodule(self.model, name, RemoteBlock(index, name, block, answer))
                 continue
             if index not in self._own_forwards:  # routed for the first time
                 # A forward set on the instance (e.g. by another library) stays the block's own.
@@ -144,7 +144,7 @@ class StageBlocks:
         self._undo = []
         for index, (name, block) in enumerate(zip(self.region.names, self.originals)):
             if index not in self.indices:
-                _replace_submodule(self.model, name, block)
+                replace_submodule(self.model, name, block)
             elif index in self._own_forwards:
                 block.__dict__.pop("forward", None)
                 block._compiled_call_impl = self.compiled_calls[index] if index in self._compiled_in_place else None
@@ -162,13 +162,13 @@ class StageBlocks:
                 original = self.originals[index]
                 # Answered as the stand-in's calls are; its placeholder still runs it.
                 original._compiled_call_impl = self._routed_call(index, original, stand_in.answer)
-                _replace_submodule(self.model, name, original)
+                replace_submodule(self.model, name, original)
         try:
             yield
         finally:
             for index, stand_in in stand_ins.items():
                 self.originals[index]._compiled_call_impl = None
-                _replace_submodule(self.model, self.region.names[index], stand_in)
+                replace_submodule(self.model, self.region.names[index], stand_in)
 
     def on_uninstall(self, undo: Callable[[], None]) -> None:
         """Run ``undo`` when the original blocks are put back (after the run)."""
@@ -319,6 +319,6 @@ def _micro_batch_of(tensor: Tensor, m: int, num: int, batch: int) -> Tensor:
     return torch.tensor_split(tensor, num)[m]
 
 
-def _replace_submodule(model: nn.Module, name: str, replacement: nn.Module) -> None:
+def replace_submodule(model: nn.Module, name: str, replacement: nn.Module) -> None:
     parent_name, _, attribute = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, attribute, replacement)

@@ -8,7 +8,8 @@ back, so the table lists the real types and parameter counts, and a last column 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,12 +36,19 @@ class WholeModelSummary:
         return self.summary_data
 
 
-def summarize_whole_model(callbacks: Sequence[Any], stage: StageBlocks, ranges: Sequence[Sequence[int]]) -> Callable[[], None]:
+def summarize_whole_model(
+    callbacks: Sequence[Any],
+    stage: StageBlocks,
+    ranges: Sequence[Sequence[int]],
+    outside: Mapping[str, str] = {},
+    showing_outside: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> Callable[[], None]:
     """Make Lightning's model summary callbacks among ``callbacks`` summarise the whole model, each row with the
-    stages that run it (``ranges``: the blocks of each stage); returns what undoes it."""
+    stages that run it (``ranges``: the blocks of each stage; ``outside``: where each module outside them lives,
+    ``showing_outside`` puts back those this stage does not hold); returns what undoes it."""
     wrapped = [callback for callback in callbacks if _is_model_summary(callback)]
     for callback in wrapped:
-        callback._summary = _whole_model_summary(callback._summary, stage, ranges)
+        callback._summary = _whole_model_summary(callback._summary, stage, ranges, outside, showing_outside)
 
     def undo() -> None:
         for callback in wrapped:
@@ -49,13 +57,19 @@ def summarize_whole_model(callbacks: Sequence[Any], stage: StageBlocks, ranges: 
     return undo
 
 
-def _whole_model_summary(summary: Callable[..., Any], stage: StageBlocks, ranges: Sequence[Sequence[int]]) -> Callable[..., Any]:
+def _whole_model_summary(
+    summary: Callable[..., Any],
+    stage: StageBlocks,
+    ranges: Sequence[Sequence[int]],
+    outside: Mapping[str, str],
+    showing_outside: Callable[[], contextlib.AbstractContextManager],
+) -> Callable[..., Any]:
     def whole(trainer: Any, module: nn.Module) -> WholeModelSummary:
-        with stage.showing_whole_model():
+        with stage.showing_whole_model(), showing_outside():
             lightning_summary = summary(trainer, module)
             data = lightning_summary._get_summary_data()
             names = dict(data)["Name"]
-            data.append((STAGE_COLUMN, [where_it_runs(module, name, stage, ranges) for name in names]))
+            data.append((STAGE_COLUMN, [where_it_runs(module, name, stage, ranges, outside) for name in names]))
             return WholeModelSummary(
                 data,
                 lightning_summary.total_parameters,
@@ -68,9 +82,15 @@ def _whole_model_summary(summary: Callable[..., Any], stage: StageBlocks, ranges
     return whole
 
 
-def where_it_runs(model: nn.Module, name: str, stage: StageBlocks, ranges: Sequence[Sequence[int]]) -> str:
+def where_it_runs(
+    model: nn.Module, name: str, stage: StageBlocks, ranges: Sequence[Sequence[int]], outside: Mapping[str, str] = {}
+) -> str:
     """``"stage 1"`` for a pipelined block and what it holds, ``"stages 0-1"`` for a module made of the blocks of
-    several stages, and ``"every stage"`` for what every stage holds (the modules outside the pipelined blocks)."""
+    several stages, where an outside module lives (``outside``: ``"stage 0"``, ``"stages 0, 3"``) and ``"every
+    stage"`` for what every stage holds."""
+    for module_name, where in outside.items():
+        if name == module_name or name.startswith(module_name + "."):
+            return where
     stage_of = {block: s for s, blocks in enumerate(ranges) for block in (stage.region.names[i] for i in blocks)}
     for block, s in stage_of.items():
         if name == block or name.startswith(block + "."):

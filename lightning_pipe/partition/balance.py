@@ -154,6 +154,30 @@ def imbalance(stage_totals: Sequence[float]) -> float:
     return max(stage_totals) / mean if mean > 0 else 1.0
 
 
+def charged(
+    costs: Sequence[float], unit: str, charges: Sequence[tuple[int, nn.Module]], layer_parameters: Sequence[int] = ()
+) -> list[float]:
+    """``costs`` with each module of ``charges`` added to the layer whose stage holds it (the embedding to the first
+    layer, the head and the loss to the last), in the same unit: its parameters, its parameter bytes, or for
+    seconds its parameters at the layers' seconds per parameter (``layer_parameters``: each layer's count; an
+    embedding, a lookup, costs no time).
+    torchtitan's ``first_stage_less_layers`` and ``last_stage_less_layers``, chosen by the costs themselves."""
+    costs = [float(c) for c in costs]
+    if unit not in ("parameters", "bytes", "seconds") or not charges:
+        return costs
+    seconds_per_parameter = sum(costs) / max(1, sum(layer_parameters))
+    for index, module in charges:
+        parameters = list(module.parameters())
+        if unit == "parameters":
+            costs[index] += sum(p.numel() for p in parameters)
+        elif unit == "bytes":
+            costs[index] += sum(p.numel() * p.element_size() for p in parameters)
+        else:
+            computing = [m for m in module.modules() if not isinstance(m, nn.Embedding)]
+            costs[index] += sum(p.numel() for m in computing for p in m.parameters(recurse=False)) * seconds_per_parameter
+    return costs
+
+
 # ---- the plan every rank applies -------------------------------------------------------------------------------------
 
 
@@ -217,8 +241,10 @@ def plan_partition(
     sample: Any = None,
     device: torch.device | None = None,
     recompute_fraction: float = 0.0,
+    charges: Sequence[tuple[int, nn.Module]] = (),
 ) -> PartitionPlan:
-    """The split of ``sequential``'s layers for ``balance``.
+    """The split of ``sequential``'s layers for ``balance``; ``charges``: modules outside the layers that the stage
+    of a layer holds (see :func:`charged`).
 
     ``None`` and ``"uniform"`` split the layers evenly; a list gives layers per stage; ``"parameters"`` balances
     parameter counts; ``"time"`` and ``"memory"`` profile every layer on ``device`` with ``sample`` (an input of
@@ -256,6 +282,7 @@ def plan_partition(
             unit = "seconds"
         else:
             costs, unit = [float(p.memory_bytes) for p in profiles], "bytes"
+    costs = charged(costs, unit, charges, [layer.parameters for layer in layers])
     if sum(costs) > 0:
         ranges = ranges_from_sizes(min_max_partition(costs, config.num_stages))
     else:  # nothing to balance (e.g. no layer has parameters): fall back to an even split

@@ -219,17 +219,11 @@ def observed_chains(model: nn.Module, calling: Callable[[nn.Module], Any]) -> li
             others = {id(value) for value in [*args[1:], *kwargs.values()] if isinstance(value, torch.Tensor)}
             calls.append(_ObservedCall(names[module], args[0], output, others))
 
-    with hooks_set_aside(model.modules()), _attributes_kept(model), _MetaScalars():
+    with hooks_set_aside(model.modules()):
         for module in names:
             handles.append(module.register_forward_hook(record, with_kwargs=True))
         try:
-            # Each tensor once (a tied weight under one of its names), buffers the state dict leaves out too.
-            state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-            meta_state = {f"model.{name}": torch.empty_like(t, device="meta") for name, t in state.items()}
-            with torch.no_grad():
-                torch.func.functional_call(_Calling(model, calling), meta_state, (), strict=False)
-        except Exception:  # the calls made so far still count
-            pass
+            run_on_meta(model, calling)
         finally:
             for handle in handles:
                 handle.remove()
@@ -252,6 +246,28 @@ def observed_chains(model: nn.Module, calling: Callable[[nn.Module], Any]) -> li
         if len(run) >= 2:
             chains.append(Region(tuple(name for name, _, _ in run), None))
     return chains + _encoder_decoder_chains(model, calls)
+
+
+def run_on_meta(
+    model: nn.Module, calling: Callable[[nn.Module], Any], extra_modes: Sequence[TorchDispatchMode] = ()
+) -> Any:
+    """``calling(model)`` on the meta device, without gradients: no memory, the model's attributes as they were after,
+    ``extra_modes`` entered around it. Its output, or ``None`` when it fails part-way (code that cannot run on the
+    meta device): what observers saw until then still counts. The caller sets the user's hooks aside
+    (:func:`~lightning_pipe.partition.hooks.hooks_set_aside`) before registering its own."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_attributes_kept(model))
+        stack.enter_context(_MetaScalars())
+        for mode in extra_modes:
+            stack.enter_context(mode)
+        # Each tensor once (a tied weight under one of its names), buffers the state dict leaves out too.
+        state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        meta_state = {f"model.{name}": torch.empty_like(t, device="meta") for name, t in state.items()}
+        try:
+            with torch.no_grad():
+                return torch.func.functional_call(_Calling(model, calling), meta_state, (), strict=False)
+        except Exception:
+            return None
 
 
 @dataclass

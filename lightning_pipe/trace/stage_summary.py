@@ -60,9 +60,8 @@ class StageSummary:
     # Parameter bytes of other stages' layers that the rank with the smallest stage holds because the model was built
     # whole on every rank; building it in configure_model() would save them (see docs/memory.md). 0 when it was.
     deferred_saving_bytes: int = 0
-    # What runs whole on every stage: the modules (or loose parameters) outside the pipelined region, with their
-    # parameter counts.
-    outside: tuple[tuple[str, int], ...] = ()
+    # The modules (or loose parameters) outside the pipelined region: their parameter counts, which stages hold them.
+    outside: tuple[tuple[str, int, str], ...] = ()
     schedule: str = "gpipe"
     ideal_bubble: float | None = None  # the schedule's idle share of a step with equal chunks
 
@@ -112,15 +111,28 @@ class StageSummary:
             f"Imbalance (slowest stage / mean): {self.imbalance:.2f} by {self.imbalance_basis}",
         ]
         if self.outside:
-            total = sum(row.parameters for row in self.rows) + self.replicated_parameters
-            parts = [f"{name} {get_human_readable_count(n).strip()} ({n / total:.0%})" for name, n in self.outside]
-            lines.append(f"Runs whole on every stage ({self.outside_share:.0%} of the parameters): {', '.join(parts)}")
+            lines += _outside_table(self.outside, self.outside_share)
         if self.deferred_saving_bytes:
             lines.append(
                 f"Every rank built all of '{self.module_name}': building it in configure_model() would save up to"
                 f" {_bytes(self.deferred_saving_bytes)} of parameters per rank (docs/memory.md)"
             )
         return "\n".join(line.rstrip() for line in lines)
+
+
+def _outside_table(outside: Sequence[tuple[str, int, str]], share: float) -> list[str]:
+    """Where each module outside the blocks lives; a tied one shows its parameters where they first appear."""
+    columns = [
+        ("Outside the blocks", [name for name, _, _ in outside]),
+        ("Params", [get_human_readable_count(n).strip() if n else "tied" for _, n, _ in outside]),
+        ("Held by", [where for _, _, where in outside]),
+    ]
+    widths = [max(len(name), *(len(cell) for cell in cells)) for name, cells in columns]
+    lines = [" | ".join(name.ljust(width) for (name, _), width in zip(columns, widths))]
+    for i in range(len(outside)):
+        lines.append(" | ".join(cells[i].ljust(width) for (_, cells), width in zip(columns, widths)))
+    lines.append(f"Held by every stage: {share:.0%} of the parameters")
+    return lines
 
 
 def build_stage_summary(
@@ -133,7 +145,7 @@ def build_stage_summary(
     recompute: str,
     busy_seconds: Sequence[float] | None = None,
     built_whole: bool = False,
-    outside: Sequence[tuple[str, int]] = (),
+    outside: Sequence[tuple[str, int, str]] = (),
     owners: Sequence[int] | None = None,
     schedule: str = "gpipe",
     ideal_bubble: float | None = None,
@@ -142,7 +154,7 @@ def build_stage_summary(
     ``s`` on stage ``s``); ``ranks[s]`` and ``devices[s]`` say where stage ``s`` runs; ``recompute`` is the
     re-computation mode, whose repeated forwards count in the profiled time. ``built_whole``: every rank built the
     whole pipelined module (no deferred construction). ``outside``: the modules outside the pipelined region that hold
-    parameters, with their counts (:func:`lightning_pipe.partition.region.outside_parameters`)."""
+    parameters, with their counts and which stages hold them."""
     repeated = recompute_fraction(recompute, num_micro_batches)
     owners = list(owners) if owners is not None else list(range(len(plan.ranges)))
     rows = []
@@ -202,7 +214,8 @@ def outside_warning(summary: StageSummary, suggestion: Sequence[str] | None = No
     (:func:`lightning_pipe.partition.region.suggested_chain`)."""
     if summary.outside_share <= MAX_OUTSIDE_SHARE:
         return None
-    largest = max(summary.outside, key=lambda item: item[1])[0] if summary.outside else "the rest of the model"
+    everywhere = [row for row in summary.outside if row[2] == "every stage"]
+    largest = max(everywhere, key=lambda row: row[1])[0] if everywhere else "the rest of the model"
     if suggestion:
         fix = (
             f" Pipeline them with the region: GPipeStrategy(module_name={list(suggestion)!r}) pipelines the most"

@@ -1,0 +1,160 @@
+"""The modules outside the pipelined blocks, held by the stages that run them (see
+:mod:`lightning_pipe.partition.placement`): the embeddings by the first stage, the head by the loss stage.
+
+On a stage that does not hold one, an :class:`AbsentModule` stands in its place: no parameters, no gradient, no
+optimizer state. Its call answers zeros shaped as the module's output (computed on the meta device): on that stage
+nothing reads the values, only the shapes flow on to blocks that run elsewhere. What a parameter's holders do
+together (:class:`OutsideOwnership`): start from the same values, sum their gradients, count them once in the
+gradient norm. A parameter held by every stage stays one of the pipeline's replicated parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_pipe.execution.call_order import map_tensors
+from lightning_pipe.execution.gradients import reduce_gradients
+from lightning_pipe.execution.stage import replace_submodule
+from lightning_pipe.partition.hooks import hooks_set_aside
+from lightning_pipe.partition.topology import PipelineLayout
+from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog
+
+
+class AbsentModule(nn.Module):
+    """Stands where an outside module that other stages hold was (``where``: which, in words). A call answers zeros
+    with the shapes and dtypes of the module's output, on ``device``."""
+
+    def __init__(self, name: str, original: nn.Module, where: str, device: torch.device) -> None:
+        super().__init__()
+        self.module_name = name
+        self.where = where
+        self.device = device
+        object.__setattr__(self, "_original", original)  # not a submodule: no parameters, no state here
+        # The original's tensors as meta tensors, following the dtype casts the model gets (`.to(torch.bfloat16)`).
+        state = {**dict(original.named_parameters()), **dict(original.named_buffers())}
+        object.__setattr__(self, "_meta_state", {k: torch.empty_like(t, device="meta") for k, t in state.items()})
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad(), hooks_set_aside(self._original.modules()):
+            output = torch.func.functional_call(
+                self._original, self._meta_state, map_tensors(args, _to_meta), map_tensors(kwargs, _to_meta),
+                strict=False,
+            )
+        return map_tensors(output, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.device))
+
+    forward = __call__
+
+    def _apply(self, fn: Any, recurse: bool = True) -> AbsentModule:
+        """A cast of the model (its dtype, its device) reaches the meta state's dtypes and the answers' device."""
+        probe = fn(torch.empty(0, device=self.device))
+        self.device = probe.device
+        for key, tensor in self._meta_state.items():
+            if tensor.is_floating_point():
+                cast = fn(torch.empty(0, dtype=tensor.dtype, device=self.device))
+                self._meta_state[key] = torch.empty_like(tensor, dtype=cast.dtype)
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        """The original module's attribute (its config, ``embedding_dim``), not its tensors, which another stage
+        holds."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in ("_original", "_meta_state"):
+                raise
+            original = self._original
+            if name in original._parameters or name in original._buffers:
+                raise AttributeError(f"{self.module_name}.{name} is held by {self.where}, not this stage") from None
+            return getattr(original, name)
+
+    def extra_repr(self) -> str:
+        return f"{self.module_name}, held by {self.where}"
+
+
+class OutsideModules:
+    """The outside modules this stage does not hold, each replaced by an :class:`AbsentModule` in ``model``."""
+
+    def __init__(self, model: nn.Module, absent: Mapping[str, str], device: torch.device) -> None:
+        self.model = model
+        self.originals = {name: model.get_submodule(name) for name in absent}
+        self.stand_ins = {
+            name: AbsentModule(name, original, absent[name], device) for name, original in self.originals.items()
+        }
+
+    def install(self) -> None:
+        for name, stand_in in self.stand_ins.items():
+            replace_submodule(self.model, name, stand_in)
+
+    def uninstall(self) -> None:
+        for name, original in self.originals.items():
+            replace_submodule(self.model, name, original)
+
+    @contextlib.contextmanager
+    def showing_whole_model(self) -> Iterator[None]:
+        """While open, the model holds every outside module again (Lightning's model summary reads them)."""
+        self.uninstall()
+        try:
+            yield
+        finally:
+            self.install()
+
+
+class OutsideOwnership:
+    """This rank's share of the parameters held by some stages but not all (an embedding tied to the head: the first
+    and the loss stage): one value, the gradients summed over their holders, counted once in the norm.
+
+    ``holders`` maps each such parameter's name (its first name in the whole model) to its holding stages, and
+    ``source`` to the stage whose value they all start from (the one whose module initialises it last on one
+    device). Built on every rank: creating the holders' process groups is collective.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        holders: Mapping[str, Sequence[int]],
+        source: Mapping[str, int],
+        aliases: Mapping[str, Sequence[str]],
+        stage: int,
+        layout: PipelineLayout,
+        timeout: timedelta | None,
+    ) -> None:
+        local = dict(model.named_parameters(remove_duplicate=False))
+        replica = layout.replica(dist.get_rank())
+        self._held: list[tuple[nn.Parameter, dist.ProcessGroup, int]] = []  # parameter, its holders' group, source
+        self.counted_elsewhere: list[nn.Parameter] = []
+        groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        for name, stages in holders.items():
+            key = tuple(sorted(stages))
+            if key not in groups:  # one group per set of stages, created in the same order on every rank
+                rank_sets = [[layout.rank(s, r) for s in key] for r in range(layout.num_replicas)]
+                groups[key], _ = dist.new_subgroups_by_enumeration(rank_sets, timeout=timeout)
+            if stage not in key:
+                continue
+            parameter = next(local[alias] for alias in aliases[name] if alias in local)
+            self._held.append((parameter, groups[key], layout.rank(source[name], replica)))  # type: ignore[arg-type]
+            if stage != key[0]:
+                self.counted_elsewhere.append(parameter)
+
+    def start_identical(self) -> None:
+        with torch.no_grad():
+            for parameter, group, source in self._held:
+                dist.broadcast(parameter.data, src=source, group=group)
+
+    def sum_gradients(self, watchdog: StallWatchdog = UNWATCHED) -> None:
+        by_group: dict[int, tuple[dist.ProcessGroup, list[nn.Parameter]]] = {}
+        for parameter, group, _ in self._held:
+            by_group.setdefault(id(group), (group, []))[1].append(parameter)
+        for group, parameters in by_group.values():
+            reduce_gradients(parameters, group, average=False, watchdog=watchdog)
+
+
+def _to_meta(tensor: Tensor) -> Tensor:
+    return tensor if tensor.is_meta else torch.empty_like(tensor, device="meta")
+
