@@ -25,8 +25,8 @@ def summary_of(name: str):
     region = find_region(model, None, getattr(model, "example_input_array", None))
     blocks = nn.Sequential(*region.blocks(model))
     plan = plan_partition(model, blocks, PipelineParallelConfig(2, 2), None)
-    outside = outside_parameters(model, region)
-    replicated = sum(n for _, n in outside)
+    outside = [(name, n, "every stage") for name, n in outside_parameters(model, region)]
+    replicated = sum(n for _, n, _ in outside)
     return build_stage_summary(plan, region.label, [1, 0], ["cpu", "cpu"], replicated, 2, "never", outside=outside)
 
 
@@ -35,8 +35,13 @@ def test_summary_says_what_runs_whole_on_every_stage_with_its_share():
     text = str(summary)
     assert "GPipe: pipelining 'model.transformer.h' (4 layers) over 2 stages" in text
     # the embeddings and the final norm; the head's weight is the embedding's (tied), counted once
-    assert ("Runs whole on every stage (6% of the parameters): model.transformer.wte 2.0 K (4%),"
-            " model.transformer.wpe 1.0 K (2%), model.transformer.ln_f 64 (0%)") in text
+    assert [line.split(" | ") for line in text.splitlines()[-5:]] == [
+        ["Outside the blocks    ", "Params", "Held by"],
+        ["model.transformer.wte ", "2.0 K ", "every stage"],
+        ["model.transformer.wpe ", "1.0 K ", "every stage"],
+        ["model.transformer.ln_f", "64    ", "every stage"],
+        ["Held by every stage: 6% of the parameters"],
+    ]
     assert summary.replicated_parameters == 2048 + 1024 + 64
     assert outside_warning(summary) is None
 
@@ -58,7 +63,7 @@ def test_more_than_a_fifth_of_the_parameters_outside_the_pipeline_warns_naming_t
 def test_a_resnet_pipelines_its_chain_of_children_and_keeps_only_the_head_whole():
     summary = summary_of("resnet18")
     assert summary.module_name == "model.conv1 .. model.avgpool"
-    assert summary.outside == (("model.fc", 650),)
+    assert summary.outside == (("model.fc", 650, "every stage"),)
     assert outside_warning(summary) is None
 
 
@@ -107,9 +112,9 @@ def test_the_warning_names_the_module_name_that_would_pipeline_the_most_paramete
     region = find_region(model, num_stages=2)
     assert suggested_chain(model, region) == ["encoder", "decoder"]
     plan = plan_partition(model, nn.Sequential(*region.blocks(model)), PipelineParallelConfig(2, 2), None)
-    outside = outside_parameters(model, region)
-    summary = build_stage_summary(plan, region.label, [1, 0], ["cpu", "cpu"], sum(n for _, n in outside), 2, "never",
-                                  outside=outside)
+    outside = [(name, n, "every stage") for name, n in outside_parameters(model, region)]
+    summary = build_stage_summary(plan, region.label, [1, 0], ["cpu", "cpu"], sum(n for _, n, _ in outside), 2,
+                                  "never", outside=outside)
     warning = outside_warning(summary, suggested_chain(model, region))
     assert warning.startswith("50% of the model's parameters (100867) are outside the pipelined 'decoder'")
     assert "GPipeStrategy(module_name=['encoder', 'decoder']) pipelines the most parameters" in warning

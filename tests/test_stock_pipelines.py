@@ -70,6 +70,13 @@ RUNS = {
         "llama_interleaved": ("llama", {"num_micro_batches": 2, "schedule": "interleaved_1f1b"}),
         "llama_zero_bubble": ("llama", {"num_micro_batches": 4, "schedule": "zero_bubble"}),
         "gpt2_zbv": ("gpt2", {"num_micro_batches": 2, "schedule": "zbv"}),
+        # Each model under gpipe and a per-micro-batch schedule, its embedding on the first stage, its head on the last.
+        "qwen2": ("qwen2", {"num_micro_batches": 2}),
+        "qwen2_1f1b": ("qwen2", {"num_micro_batches": 4, "schedule": "1f1b"}),
+        "bert": ("bert", {"num_micro_batches": 2}),
+        "bert_zero_bubble": ("bert", {"num_micro_batches": 4, "schedule": "zero_bubble"}),
+        "vit_1f1b": ("vit", {"num_micro_batches": 4, "schedule": "1f1b"}, {"options": {"checkpointing": "loop"}}),
+        "t5_1f1b": ("t5", {"num_micro_batches": 4, "schedule": "1f1b"}),
     },
     4: {
         "gpt2": ("gpt2", {"num_micro_batches": 4}),
@@ -85,9 +92,19 @@ RUNS = {
                                                                  "hooks": True}),
         "vit_sequential": ("vit", {"num_micro_batches": 4}, {"options": {"checkpointing": "sequential"}}),
         "gpt2_hooks": ("gpt2", {"num_micro_batches": 4, "checkpoint": "never"}, {"hooks": True}),
+        "qwen2": ("qwen2", {"num_micro_batches": 4}),
+        "bert": ("bert", {"num_micro_batches": 4}),
+        "gpt2_1f1b": ("gpt2", {"num_micro_batches": 4, "schedule": "1f1b"}),
+        "llama_zero_bubble": ("llama", {"num_micro_batches": 4, "schedule": "zero_bubble"}),
+        "qwen2_1f1b": ("qwen2", {"num_micro_batches": 4, "schedule": "1f1b"}),
+        "bert_1f1b": ("bert", {"num_micro_batches": 4, "schedule": "1f1b"}),
+        "vit_zero_bubble": ("vit", {"num_micro_batches": 4, "schedule": "zero_bubble"}, {"options": {"checkpointing": "loop"}}),
+        "t5_1f1b": ("t5", {"num_micro_batches": 4, "schedule": "1f1b"}),
+        "bart_1f1b": ("bart", {"num_micro_batches": 4, "schedule": "1f1b"}),
     },
 }
 NEGATIVE_CONTROL = "vgg11_dropped_gradient"
+UNSUMMED_TIE = "gpt2_unsummed_tie"  # the embedding's and the head's parts of their shared weight's gradient not summed
 # NOTE: the attention's key bias gets a gradient that is zero in exact arithmetic (softmax ignores a constant added
 # to every score), so it is round-off; Adam divides it by its own size and moves the bias by the full learning rate
 # in a direction that any change of summation order flips (measured: 3e-4 of the weights' change with one
@@ -107,6 +124,8 @@ def pipelined(request, tmp_path_factory):
         runs[[run["name"] for run in runs].index("gpt2")].update(save=True, validate=True)
         runs.append({"name": NEGATIVE_CONTROL, "model": "vgg11", "strategy": {"num_micro_batches": 2},
                      "drop_gradient_of": 0})
+        runs.append({"name": UNSUMMED_TIE, "model": "gpt2", "strategy": {"num_micro_batches": 2},
+                     "unsummed_outside": True})
     launch("stock_pipelines_worker.py", {"devices": devices, "out": str(tmp), "steps": STEPS, "runs": runs}, tmp,
            timeout=900)
     return devices, tmp
@@ -263,8 +282,8 @@ def test_an_encoder_decoders_two_stacks_are_one_chain_of_stages_with_under_a_ten
     for model, (stack, blocks) in ENCODER_DECODERS.items():
         stages = json.loads((tmp / model / "stages.json").read_text())
         assert stages["module_name"] == f"{stack}.encoder.{blocks}.0 .. {stack}.decoder.{blocks}.1"
-        assert 0 < stages["replicated_share"] < 0.1
-        assert f"Runs whole on every stage ({stages['replicated_share']:.0%} of the parameters)" in output
+        assert stages["replicated_share"] < 0.1
+        assert f"Held by every stage: {stages['replicated_share']:.0%} of the parameters" in output
 
 
 def test_lightnings_model_summary_lists_the_model_as_built_with_the_stage_of_each_layer(pipelined):
@@ -318,6 +337,52 @@ def test_a_trained_model_predicts_as_on_one_device(pipelined, name):
         expected = torch.cat([model.predict_step(batch, i) for i, batch in enumerate(model.predict_dataloader())])
     assert predictions.shape == expected.shape == PREDICTED[name]
     assert torch.allclose(predictions, expected, atol=1e-5), (predictions - expected).abs().max()
+
+
+# Where the modules outside the blocks live: (module prefix, "first" or "loss"); a tied weight shows on both.
+HELD_BY = {
+    "gpt2": [("model.transformer.wte.", "first"), ("model.transformer.wpe.", "first"), ("model.transformer.ln_f.", "loss"),
+             ("model.lm_head.", "loss")],
+    "llama": [("model.model.embed_tokens.", "first"), ("model.model.norm.", "loss"), ("model.lm_head.", "loss")],
+    "qwen2": [("model.model.embed_tokens.", "first"), ("model.model.norm.", "loss"), ("model.lm_head.", "loss")],
+    "bert": [("model.bert.embeddings.", "first"), ("model.bert.pooler.", "loss"), ("model.classifier.", "loss")],
+    "vit_loop": [("model.patch_embed.", "first"), ("model.head.", "loss")],
+    "t5": [("model.encoder.embed_tokens.", "first"), ("model.lm_head.", "loss")],
+    "bart": [("model.model.encoder.embed_positions.", "first"), ("model.lm_head.", "loss")],
+}
+
+
+@pytest.mark.parametrize("name", sorted(HELD_BY))
+def test_each_rank_holds_only_what_its_stage_runs(pipelined, name):
+    """The embeddings live on the first stage only, the head and the final norm on the loss stage only (a weight tied
+    between them on both): each rank's parameters during training, and the start-up table's "Held by" column."""
+    devices, tmp = pipelined
+    stages = json.loads((tmp / name / "stages.json").read_text())
+    ranks = {int(stage): rank for stage, rank in stages["ranks"].items()}
+    first, loss = ranks[0], ranks[devices - 1]
+    held = {rank: json.loads((tmp / name / f"held{rank}.json").read_text()) for rank in range(devices)}
+    table = {module: where for module, _, where in stages["outside"]}
+    for prefix, place in HELD_BY[name]:
+        holder = first if place == "first" else loss
+        stage = 0 if place == "first" else devices - 1
+        assert table[prefix[:-1]].startswith("stage") and str(stage) in table[prefix[:-1]], (prefix, table)
+        for rank, names in held.items():
+            mine = [n for n in names if n.startswith(prefix)]
+            if rank == holder:
+                assert mine, f"{name}: rank {rank} runs {prefix[:-1]} but holds none of it"
+            else:
+                assert not mine, f"{name}: rank {rank} holds {mine}, which stage {stage} runs"
+    # Nothing outside the blocks is held by every stage but what the step uses everywhere (none in these models).
+    assert stages["replicated_share"] < 0.01, stages["outside"]
+
+
+def test_comparison_detects_an_unsummed_tied_gradient_of_the_embedding_and_the_head(pipelined):
+    """The negative control of the embedding tied to the head on two stages: without the sum, the comparison fails."""
+    devices, tmp = pipelined
+    if devices != 2:
+        pytest.skip("the negative control runs on 2 stages")
+    _, weight_error = differences(tmp, UNSUMMED_TIE, "gpt2")
+    assert weight_error > 100 * TOLERANCE
 
 
 def test_comparison_detects_a_dropped_micro_batch_gradient(pipelined):

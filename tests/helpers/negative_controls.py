@@ -34,3 +34,13 @@ def clip_one_ulp_apart() -> Callable[[], None]:
 
     torch.nn.utils.clip_grads_with_norm_ = clip
     return lambda: setattr(torch.nn.utils, "clip_grads_with_norm_", original)
+
+
+def leave_outside_gradients_unsummed() -> Callable[[], None]:
+    """The stages holding a parameter outside the blocks (GPT-2's embedding, tied to its head on the loss stage) keep
+    their own part of its gradient instead of the sum; returns what undoes it."""
+    from lightning_pipe.execution.outside import OutsideOwnership
+
+    original = OutsideOwnership.sum_gradients
+    OutsideOwnership.sum_gradients = lambda self, watchdog=None: None
+    return lambda: setattr(OutsideOwnership, "sum_gradients", original)

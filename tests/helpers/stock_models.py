@@ -172,6 +172,18 @@ class LlamaModule(CausalLM):
         super().__init__(LlamaForCausalLM(llama_config(layers)), **kwargs)
 
 
+class Qwen2Module(CausalLM):
+    """``Qwen2ForCausalLM`` with its head tied to the input embedding, as the small Qwen2 checkpoints have it."""
+
+    def __init__(self, layers: int = 4, **kwargs) -> None:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                             tie_word_embeddings=True)
+        super().__init__(Qwen2ForCausalLM(config), **kwargs)
+
+
 class TokenMeanLlama(LlamaModule):
     """``LlamaModule`` whose LightningModule says what its loss averages over (``items_in_loss``): the label tokens
     the model's own loss counts, after its shift by one (labels -100 on padding are not counted)."""
@@ -317,6 +329,35 @@ class BertClassifier(TinyData, LightningModule):
         tokens, labels = batch
         pooled = self.encoder(input_ids=tokens, attention_mask=(tokens != 0).long()).pooler_output
         loss = F.cross_entropy(self.classifier(pooled), labels)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.training_step(batch, batch_idx))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+
+class BertSequenceClassifier(TinyData, LightningModule):
+    """``BertForSequenceClassification``: blocks in ``model.bert.encoder.layer``, the embeddings before them, the
+    pooler and the classifier after; right-padded token classes."""
+
+    def __init__(self, layers: int = 4, classes: int = 3, lr: float = 3e-3, batch_size: int = 8, samples: int = 32) -> None:
+        from transformers import BertForSequenceClassification
+
+        super().__init__()
+        config = bert_config(layers)
+        config.num_labels = classes
+        self.model = BertForSequenceClassification(config)
+        self.classes, self.lr, self.batch_size, self.samples = classes, lr, batch_size, samples
+
+    def dataset(self, seed: int) -> Dataset:
+        return padded_token_classes(self.samples, seed=seed, classes=self.classes)
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        loss = self.model(input_ids=tokens, attention_mask=(tokens != 0).long(), labels=labels).loss
         self.log("train_loss", loss)
         return loss
 
@@ -710,6 +751,8 @@ class ViTClassifier(ImageClassifier):
 STOCK_MODELS: dict[str, type[LightningModule]] = {
     "gpt2": GPT2Module,
     "llama": LlamaModule,
+    "qwen2": Qwen2Module,
+    "bert": BertSequenceClassifier,
     "bart": BartModule,
     "t5": T5Module,
     "encoder": EncoderClassifier,
@@ -724,6 +767,8 @@ STOCK_MODELS: dict[str, type[LightningModule]] = {
 BLOCKS: dict[str, list[str]] = {
     "gpt2": ["model.transformer.h"],
     "llama": ["model.model.layers"],
+    "qwen2": ["model.model.layers"],
+    "bert": ["model.bert.encoder.layer"],
     "bart": ["model.model.encoder.layers", "model.model.decoder.layers"],
     "t5": ["model.encoder.block", "model.decoder.block"],
     "encoder": ["encoder.layers"],

@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
 from torch import nn
 
 import lightning_pipe
-from helpers.negative_controls import drop_gradient_of
+from helpers.negative_controls import drop_gradient_of, leave_outside_gradients_unsummed
 from helpers.recording import StepLossRecording
 from helpers.stock_models import BLOCKS, STOCK_MODELS
 
@@ -67,6 +67,19 @@ def value_reading_hooks(model: nn.Module, containers: list[str]) -> tuple[dict[s
     return seen, torch.nn.modules.module.register_module_forward_hook(global_hook).remove
 
 
+class HeldParameters(Callback):
+    """Writes the names of the parameters this rank holds during training (after the first step) to
+    DIR/held{rank}.json."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == 0:
+            names = [name for name, _ in pl_module.named_parameters(remove_duplicate=False)]
+            (self.directory / f"held{trainer.global_rank}.json").write_text(json.dumps(names))
+
+
 class PrintedSummary(logging.Handler):
     """What Lightning's ModelSummary callback logs (RichModelSummary prints to rich's console, recorded instead)."""
 
@@ -96,7 +109,7 @@ def main(spec_path):
         out.mkdir(parents=True, exist_ok=True)
         losses = StepLosses()
         summary = run.get("summary")
-        callbacks = [losses]
+        callbacks = [losses, HeldParameters(out)]
         if summary:
             printed = PrintedSummary(summary["rich"])
             callbacks.append((RichModelSummary if summary["rich"] else ModelSummary)(max_depth=summary["max_depth"]))
@@ -110,6 +123,8 @@ def main(spec_path):
         model = STOCK_MODELS[run["model"]](**run.get("options", {}))
         hooks, remove_global_hook = value_reading_hooks(model, BLOCKS[run["model"]]) if run.get("hooks") else (None, None)
         restore = drop_gradient_of(run["drop_gradient_of"]) if run.get("drop_gradient_of") is not None else None
+        if run.get("unsummed_outside"):
+            restore = leave_outside_gradients_unsummed()
         trainer.fit(model)
         if restore:
             restore()
@@ -122,7 +137,9 @@ def main(spec_path):
             stages = trainer.strategy.stage_summary()
             (out / "stages.json").write_text(json.dumps({"module_name": stages.module_name,
                                                          "replicated": stages.replicated_parameters,
-                                                         "replicated_share": stages.outside_share}))
+                                                         "replicated_share": stages.outside_share,
+                                                         "outside": stages.outside,
+                                                         "ranks": {row.stage: row.rank for row in stages.rows}}))
         torch.save(model.state_dict(), out / f"rank{rank}.pt")
         if run.get("save"):  # every rank takes part; global rank 0 writes the whole model as one file
             trainer.save_checkpoint(out / "model.ckpt")
