@@ -119,6 +119,7 @@ class BuiltPipeline:
         self.start_identical()
         self.sync_metrics_within_replicas(module)
         undo = [
+            self.share_outside_call_outputs(module),
             self.run_epoch_end_hooks_on_last_stage(module),
             summarize_whole_model(
                 callbacks, self.runtime.stage, self.pipelined.ranges,  # type: ignore[union-attr]
@@ -259,6 +260,14 @@ class BuiltPipeline:
         if self.tracer is None:
             return None
         return observe_step(self.tracer, trainer, self.settings.log_bubble_fraction)
+
+    def share_outside_call_outputs(self, module: LightningModule) -> Callable[[], None]:
+        """Where the loss stage alone holds the head, a call of the model outside a step (a callback's ``pl_module(x)``)
+        gets the loss stage's output on every stage at the end of the model's ``forward``; what removes the hook."""
+        if not any(0 < len(stages) < self.config.num_stages for _, stages, _ in self.pipelined.outside.values()):  # type: ignore[union-attr]
+            return lambda: None
+        handle = module.register_forward_hook(lambda _, args, output: self.runtime.share_outside_call_output(output))
+        return handle.remove
 
     def run_epoch_end_hooks_on_last_stage(self, module: LightningModule) -> Callable[[], None]:
         """Run the user's epoch-end hooks on the last stage only, replaying what they log on the other stages; what

@@ -102,6 +102,7 @@ class StageRuntime:
         self.requeues_asked = 0  # SLURM's requeue signals this rank got (a signal handler counts; the last stage's count)
         self._requeues_shared = 0  # of those, the ones the last stage's outcomes have told the pipeline about
         self.requeue_due = False  # an outcome said so: every stage requeues before its next training step
+        self._outside_call = False  # a call outside a step reached the blocks; its output not yet shared
         self.calls = BlockCalls(
             stage, self._run_chunk, self._outside_step_starts, self._share_last_output, on_model_checkpoint
         )
@@ -236,6 +237,7 @@ class StageRuntime:
         """The model's code reached the pipelined blocks outside a step: every stage must, see below."""
         if self.groups.num_stages > 1:
             self._all_stages_call_the_model()
+            self._outside_call = True
         self.engine.begin_step()
 
     def _run_chunk_outside_step(self, call: ChunkCall) -> Any:
@@ -265,6 +267,16 @@ class StageRuntime:
                 " step the call runs through the whole pipeline, so call the model on every rank (not only under"
                 f" `trainer.is_global_zero`), or call it inside a step. ({error})"
             ) from error
+
+    def share_outside_call_output(self, output: Any) -> Any:
+        """At the end of the model's call (its ``forward``): after a call outside a step that reached the blocks,
+        every stage gets the last stage's output, which the head and the code after the blocks computed there (the
+        other stages do not hold the head: see :mod:`lightning_pipe.execution.outside`). Any other call's output is
+        left as it is."""
+        if not self._outside_call:
+            return output
+        self._outside_call = False
+        return self._share_last_output(output)
 
     def _share_last_output(self, output: Any) -> Any:
         """Broadcast the last stage's output of a call made outside a step to every stage of its pipeline."""
