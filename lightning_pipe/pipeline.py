@@ -325,6 +325,7 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
         groups.device,
     )
     outside_modules.install()  # before materialising: what other stages hold is never allocated here
+    check_every_stage_holds_parameters(module, stage, groups)
     # Built on the meta device: only what this rank runs becomes real (the stage, the replicated modules).
     deferred = decide_over_world(holds_meta_tensors(layers), every=False, device=groups.device,
                                  watchdog=groups.watchdog)
@@ -368,6 +369,29 @@ def check_partition_before_launch(
     balance = settings.balance if isinstance(settings.balance, list) else None
     stage_ranges(settings.chunk_config(num_processes), len(region), balance)
     profiling_sample(settings.balance, settings.sample, model)
+
+
+def check_every_stage_holds_parameters(module: LightningModule, stage: StageBlocks, groups: PipelineGroups) -> None:
+    """Raise on every rank, before the optimizers are built, if a stage of a fit holds no parameter: its optimizer
+    would be built from none."""
+    trainer = module._trainer
+    if groups.num_stages == 1 or trainer is None or trainer.state.fn != TrainerFn.FITTING:
+        return
+    empty = next(module.parameters(), None) is None
+    if not decide_over_world(empty, every=False, device=groups.device, watchdog=groups.watchdog):
+        return
+    found: list[Any] = [None] * dist.get_world_size()
+    blocks = ", ".join(stage.region.names[i] for i in stage.indices)
+    dist.all_gather_object(found, (groups.stage, blocks) if empty else None)
+    stages = sorted({item for item in found if item is not None})
+    described = "; ".join(f"stage {s} ({blocks})" for s, blocks in stages)
+    raise ValueError(
+        f"pipeline {'stages hold' if len(stages) > 1 else 'stage holds'} no parameters to train: {described}. Its"
+        " blocks have none, and the modules outside the blocks live on the stages that run them (the embeddings on"
+        " the first, the head on the last), so its optimizer would be built from no parameters. Give every stage a"
+        " block with parameters: fewer stages, GPipeStrategy(balance=[...]) with layers per stage, or a module_name"
+        " naming blocks that all hold parameters."
+    )
 
 
 def require_automatic_optimization(module: LightningModule) -> None:

@@ -86,7 +86,9 @@ RUNS = {
         "bart": ("bart", {"num_micro_batches": 4}),
         "t5": ("t5", {"num_micro_batches": 4}),
         "resnet18": ("resnet18", {"num_micro_batches": 1}),
-        "vgg11": ("vgg11", {"num_micro_batches": 4}),
+        # (The classifier's blocks, the region found, are 3 Linears among ReLUs and Dropouts: 4 stages cannot each
+        # hold one; see test_a_stage_without_parameters_is_refused_before_training_with_the_fix.)
+        "vgg11_features": ("vgg11", {"num_micro_batches": 4, "module_name": "model.features"}),
         "vit_loop": ("vit", {"num_micro_batches": 4}, {"options": {"checkpointing": "loop"}}),
         "vit_loop_reentrant": ("vit", {"num_micro_batches": 4}, {"options": {"checkpointing": "loop_reentrant"},
                                                                  "hooks": True}),
@@ -110,6 +112,9 @@ UNSUMMED_TIE = "gpt2_unsummed_tie"  # the embedding's and the head's parts of th
 # in a direction that any change of summation order flips (measured: 3e-4 of the weights' change with one
 # micro-batch, 5e-4 with two, while the losses agree to 1e-6). The encoder is compared by its losses.
 LOSSES_ONLY = {"encoder"}
+# T5 under a per-micro-batch schedule: one weight element off by 2e-4 of the change under Adam, its cause (and the
+# comparison with SGD) in tests/test_pretrained.py's T5 runs (issue 35); compared by its losses here.
+LOSSES_ONLY |= {"t5_1f1b"}
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
@@ -124,8 +129,12 @@ def pipelined(request, tmp_path_factory):
         runs[[run["name"] for run in runs].index("gpt2")].update(save=True, validate=True)
         runs.append({"name": NEGATIVE_CONTROL, "model": "vgg11", "strategy": {"num_micro_batches": 2},
                      "drop_gradient_of": 0})
-        runs.append({"name": UNSUMMED_TIE, "model": "gpt2", "strategy": {"num_micro_batches": 2},
+
+    if devices == 4:  # GPT-2's embedding and head on two of the four stages: their tie summed between those two
+        runs.append({"name": UNSUMMED_TIE, "model": "gpt2", "strategy": {"num_micro_batches": 4},
                      "unsummed_outside": True})
+        runs.append({"name": "vgg11_empty_stage", "model": "vgg11", "strategy": {"num_micro_batches": 4},
+                     "expect_error": True})
     launch("stock_pipelines_worker.py", {"devices": devices, "out": str(tmp), "steps": STEPS, "runs": runs}, tmp,
            timeout=900)
     return devices, tmp
@@ -267,7 +276,7 @@ def test_lightnings_readme_autoencoder_is_pipelined_whole_from_what_its_training
     if devices != 2:
         pytest.skip("two blocks: two stages")
     stages = json.loads((tmp / "autoencoder" / "stages.json").read_text())
-    assert stages == {"module_name": "encoder .. decoder", "replicated": 0, "replicated_share": 0.0}
+    assert (stages["module_name"], stages["replicated"], stages["outside"]) == ("encoder .. decoder", 0, [])
 
 
 ENCODER_DECODERS = {"demo": ("model.transformer", "layers"), "bart": ("model.model", "layers"), "t5": ("model", "block")}
@@ -372,17 +381,32 @@ def test_each_rank_holds_only_what_its_stage_runs(pipelined, name):
                 assert mine, f"{name}: rank {rank} runs {prefix[:-1]} but holds none of it"
             else:
                 assert not mine, f"{name}: rank {rank} holds {mine}, which stage {stage} runs"
-    # Nothing outside the blocks is held by every stage but what the step uses everywhere (none in these models).
-    assert stages["replicated_share"] < 0.01, stages["outside"]
+    # Held by every stage: only ViT's loose parameters (class token, position embedding) and, on 2 stages, the
+    # encoder-decoders' shared embedding, which both stages use.
+    everywhere = {module for module, _, where in stages["outside"] if where == "every stage"}
+    allowed = {"vit_loop": {"model.cls_token", "model.pos_embed"}, "t5": {"model.shared"}, "bart": {"model.model.shared"}}
+    assert everywhere <= (allowed.get(name, set()) if devices == 2 or name == "vit_loop" else set()), stages["outside"]
 
 
 def test_comparison_detects_an_unsummed_tied_gradient_of_the_embedding_and_the_head(pipelined):
     """The negative control of the embedding tied to the head on two stages: without the sum, the comparison fails."""
     devices, tmp = pipelined
-    if devices != 2:
-        pytest.skip("the negative control runs on 2 stages")
-    _, weight_error = differences(tmp, UNSUMMED_TIE, "gpt2")
+    if devices != 4:
+        pytest.skip("the negative control runs on 4 stages")
+    _, weight_error = differences(tmp, UNSUMMED_TIE, "gpt2", settings={"num_micro_batches": 4})
     assert weight_error > 100 * TOLERANCE
+
+
+def test_a_stage_without_parameters_is_refused_before_training_with_the_fix(pipelined):
+    """VGG-11's classifier pipelined over 4 stages: a stage of a ReLU and a Dropout would build its optimizer from no
+    parameters."""
+    devices, tmp = pipelined
+    if devices != 4:
+        pytest.skip("runs on 4 stages")
+    error = (tmp / "vgg11_empty_stage" / "error.txt").read_text()
+    assert error.startswith("ValueError: pipeline stage holds no parameters to train: stage 2 (model.classifier.4,"
+                            " model.classifier.5).")
+    assert "GPipeStrategy(balance=[...])" in error
 
 
 def test_comparison_detects_a_dropped_micro_batch_gradient(pipelined):

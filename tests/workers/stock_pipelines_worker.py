@@ -125,6 +125,13 @@ def main(spec_path):
         restore = drop_gradient_of(run["drop_gradient_of"]) if run.get("drop_gradient_of") is not None else None
         if run.get("unsummed_outside"):
             restore = leave_outside_gradients_unsummed()
+        if run.get("expect_error"):  # a run that must fail at set-up, on every rank: the error's first line
+            try:
+                trainer.fit(model)
+            except Exception as error:  # noqa: BLE001
+                (out / "error.txt").write_text(f"{type(error).__name__}: {error}")
+                continue
+            raise AssertionError(f"{run['name']} trained; it should have been refused")
         trainer.fit(model)
         if restore:
             restore()
