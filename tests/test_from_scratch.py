@@ -226,3 +226,24 @@ def test_training_from_scratch_matches_one_device(four_stages, tmp_path_factory,
 
 def test_the_comparison_detects_a_dropped_micro_batch_gradient(four_stages, tmp_path_factory):
     assert training_error(four_stages[NEGATIVE_CONTROL], one_device("llama", tmp_path_factory)) > 100 * TOLERANCE
+
+
+def test_init_module_under_hydra_is_a_node_naming_the_function():
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from lightning_pipe.integration.hydra_schema import GPipeStrategyConfig, validate_config
+
+    def config(init_module):
+        return OmegaConf.merge(OmegaConf.structured(GPipeStrategyConfig), {"init_module": init_module})
+
+    node = {"_target_": "helpers.from_scratch.init_gain", "_partial_": True}
+    validate_config({"strategy": config(node)})
+    strategy = instantiate(config(node), _convert_="all")
+    deferred = on_meta(lambda: nn.Sequential(nn.Linear(4, 4), Gain(4)))
+    materialize(deferred, torch.device("cpu"), seed=0, init_module=strategy._settings.init_module)
+    assert not torch.equal(deferred[1].gain, torch.ones(4))
+    for bad in ({"_target_": "helpers.from_scratch.no_such_function", "_partial_": True},
+                {"_target_": "helpers.from_scratch.init_gain"}):  # without _partial_, Hydra would call it
+        with pytest.raises(ValueError, match=r"strategy\.init_module=.* is invalid; use \{_target_: "):
+            validate_config({"strategy": config(bad)})
