@@ -6,7 +6,7 @@ which layers are this rank's, :func:`materialize` allocates exactly those on the
 them; the other stages' layers never take memory here.
 
 Initial weights must not depend on how the model is split, so that runs on 1, 2 or 4 stages start alike. The rule:
-every module that holds parameters or buffers of its own is initialised by its ``reset_parameters()``, with the
+every module that holds parameters or buffers of its own is initialised by its initialiser (below), with the
 random generators seeded by :func:`layer_seed` from the global seed and the module's qualified name in the
 LightningModule (``"net.model.5"``). The name, unlike the order of construction or the stage, is the same whatever
 the split. :func:`init_weights` applies the same rule to a model built with real tensors, which is how a run
