@@ -40,7 +40,7 @@ from lightning_pipe.execution.gradients import (
     reduce_gradients,
     swap_gradients,
 )
-from lightning_pipe.execution.materialize import global_seed, holds_meta_tensors, materialize
+from lightning_pipe.execution.materialize import ModuleInit, global_seed, holds_meta_tensors, materialize
 from lightning_pipe.execution.outside import OutsideModules, OutsideOwnership
 from lightning_pipe.execution.process_groups import PipelineGroups, broadcast_object, decide_over_world
 from lightning_pipe.execution.random_streams import StageRandomStreams
@@ -329,7 +329,7 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
     # Built on the meta device: only what this rank runs becomes real (the stage, the replicated modules).
     deferred = decide_over_world(holds_meta_tensors(layers), every=False, device=groups.device,
                                  watchdog=groups.watchdog)
-    _make_real(module, pretrained, precision, groups)
+    _make_real(module, pretrained, precision, groups, settings.init_module)
     if settings.deferred_batch_norm:
         for block in stage.blocks:
             defer_batch_norms(block)
@@ -595,11 +595,15 @@ def _install_stage(
     return stage
 
 
-def _make_real(module: LightningModule, pretrained: PretrainedLoad | None, precision: Any, groups: PipelineGroups) -> None:
+def _make_real(
+    module: LightningModule, pretrained: PretrainedLoad | None, precision: Any, groups: PipelineGroups,
+    init_module: ModuleInit | None,
+) -> None:
     """Allocate and initialise what this rank runs that was built on the meta device, then read the pretrained
     weights into it."""
     filled = pretrained.mapping.filled if pretrained is not None else ()
-    materialize(module, groups.device, broadcast_object(global_seed(), 0, groups.rank, groups.watchdog), filled)
+    seed = broadcast_object(global_seed(), 0, groups.rank, groups.watchdog)
+    materialize(module, groups.device, seed, filled, init_module)
     if pretrained is not None:
         with precision.tensor_init_context():  # sets the precision's dtype as torch's default
             precision_dtype = torch.get_default_dtype()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import InitVar, dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -132,6 +132,15 @@ class PipelineSettings:
     one). Checked against the whole model on every rank before the first step (see
     :mod:`lightning_pipe.checkpoints.pretrained`); a model object loads them once (a later ``trainer.test`` keeps
     what ``fit`` trained). A path or a mapping enters; :class:`PretrainedWeights` once checked."""
+    init_module: Callable[[str, torch.nn.Module], None] | None = field(default=None, compare=False, repr=False)
+    """How to initialise a model built on the meta device (in ``configure_model()`` or under
+    ``init_module(empty_init=True)``) once its tensors are allocated on their stage: a function ``fn(name, module)``
+    called for every module holding parameters or buffers of its own (``name``: its qualified name in the
+    LightningModule), the random generators seeded by the name, that fills them in place. It replaces the built-in
+    rule (``reset_parameters()``; inside a Hugging Face model, the model's ``_init_weights``), for models whose
+    modules have neither; ``lightning_pipe.init_weights(model, init_module=fn)`` starts a one-device run alike (see
+    :mod:`lightning_pipe.execution.materialize`). Under ``start_method="spawn"`` it must be importable (a
+    module-level function)."""
     stall_watchdog: bool = True
     """End the run on every rank when, in a training step, a wait on another rank (activations, gradients, the
     step's results, the gradient reductions and barriers) lasts longer than ``max(stall_floor, stall_multiple * the
@@ -172,6 +181,7 @@ class PipelineSettings:
             "virtual_stages": virtual_stages,
             "compile": _checked_compile(self.compile, key),
             "pretrained": checked_pretrained(self.pretrained, key),
+            "init_module": _checked_init_module(self.init_module, key),
             "stall_multiple": _checked_stall_multiple(self.stall_multiple, key),
             "stall_floor": _checked_stall_floor(self.stall_floor, key),
             "stall_first_step": _checked_stall_first_step(self.stall_first_step, key),
@@ -397,6 +407,17 @@ def _checked_start_method(start_method: Any, key: str) -> str:
             f" {', '.join(map(repr, START_METHODS))}, or leave it out for the default."
         )
     return start_method  # type: ignore[no-any-return]
+
+
+def _checked_init_module(init_module: Any, key: str) -> Any:
+    """``None`` or a function of ``(name, module)``."""
+    if init_module is None or callable(init_module):
+        return init_module
+    raise ValueError(
+        f"{key}init_module={init_module!r} is invalid; use a function fn(name, module) that initialises the"
+        " module's parameters and buffers in place, or None (the modules' reset_parameters(), or their Hugging Face"
+        " model's _init_weights)."
+    )
 
 
 def _checked_compile(compile: Any, key: str) -> bool | dict[str, Any]:

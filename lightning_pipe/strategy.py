@@ -192,6 +192,7 @@ class GPipeStrategyMixin(PipelineView):
         schedule: str | PipelineSchedule | StageActions = "gpipe", virtual_stages: int | None = None,
         compile: bool | Mapping[str, Any] = False,
         pretrained: str | Path | PretrainedWeights | Mapping[str, Any] | None = None,
+        init_module: Callable[[str, nn.Module], None] | None = None,
         stall_watchdog: bool = True, stall_multiple: float = 10.0, stall_floor: float | timedelta = 30.0,
         stall_first_step: float | timedelta = 600.0,
     ) -> None:

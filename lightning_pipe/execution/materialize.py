@@ -6,19 +6,46 @@ which layers are this rank's, :func:`materialize` allocates exactly those on the
 them; the other stages' layers never take memory here.
 
 Initial weights must not depend on how the model is split, so that runs on 1, 2 or 4 stages start alike. The rule:
-every module that holds parameters or buffers of its own is initialised by its ``reset_parameters()``, with the
+every module that holds parameters or buffers of its own is initialised by its initialiser (below), with the
 random generators seeded by :func:`layer_seed` from the global seed and the module's qualified name in the
 LightningModule (``"net.model.5"``). The name, unlike the order of construction or the stage, is the same whatever
 the split. :func:`init_weights` applies the same rule to a model built with real tensors, which is how a run
 without this strategy (one device, ``strategy="auto"``) starts from the same weights.
+
+Which initialiser fills a module, the first that applies:
+
+1. the user's ``init_module(name, module)`` (``GPipeStrategy(init_module=...)``), for every module, when given: the
+   user's whole rule, replacing the two below;
+2. inside a Hugging Face ``PreTrainedModel``: ``reset_parameters()`` if the module has one (what its constructor
+   ran), then the nearest enclosing ``PreTrainedModel``'s ``_init_weights(module)`` (what ``post_init`` applies when
+   transformers builds the model with real tensors: normal(0, ``initializer_range``) for linear layers and
+   embeddings, padding rows zeroed, norms to one, rotary frequencies computed). That holds for modules that have a
+   ``reset_parameters()`` too (``nn.Linear``): the model's own initialisation is what a user building it on the
+   CPU gets, and what its training recipe assumes. As transformers does (children first), every module of the model
+   is visited after its children, those without tensors of their own too: GPT-2's attention rescales its output
+   projection's weight there. Its ``_init_weights`` writes only the tensors this call initialises (the others,
+   pretrained or real, are marked as transformers marks loaded weights);
+3. ``reset_parameters()``.
+
+A module with none of them is refused, naming the ways out. Tensors allocated here that no initialiser wrote are
+refused too (they would hold whatever the memory held). Assumed, as of every model of transformers: one module's
+``_init_weights`` draws for the tensors of one block at most, never across blocks (which would make the values
+depend on which blocks are on the rank). A parameter shared by several modules takes the values the last of them
+(in the model's order) gives it, as with real tensors the last module to initialise it decides: for an embedding
+tied to the output projection that is the projection's initialisation (transformers ties after initialising, so the
+embedding's decides there: the two differ in the padding row, which transformers zeroes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import sys
 from collections.abc import Callable, Collection, Generator, Iterator
 from contextlib import contextmanager
+from functools import partial
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -43,7 +70,16 @@ def holds_meta_tensors(module: nn.Module, recurse: bool = True) -> bool:
     return any(t.is_meta for t in _tensors(module, recurse))
 
 
-def materialize(root: nn.Module, device: torch.device, seed: int, filled: Collection[str] = ()) -> list[str]:
+ModuleInit = Callable[[str, nn.Module], None]
+"""A user's initialiser (``GPipeStrategy(init_module=...)``): called as ``init_module(name, module)`` for every module
+holding parameters or buffers of its own, ``name`` its qualified name in the LightningModule, it fills them in place
+(the random generators already seeded by the name)."""
+
+
+def materialize(
+    root: nn.Module, device: torch.device, seed: int, filled: Collection[str] = (),
+    init_module: ModuleInit | None = None,
+) -> list[str]:
     """Allocate every meta tensor of ``root`` on ``device`` and initialise it by the rule in this module's docstring.
 
     ``root`` is the LightningModule after the strategy replaced the pipelined ``nn.Sequential`` by this rank's stage,
@@ -52,11 +88,14 @@ def materialize(root: nn.Module, device: torch.device, seed: int, filled: Collec
     names (state-dict keys, ``"blocks.3.weight"``) of tensors the caller fills next from pretrained weights; they
     are allocated and not initialised, so a module all of whose meta tensors are filled needs no initialiser, and a
     module whose parameters are filled but whose buffers are not (rotary frequencies, computed when the model is
-    built) may have them filled by its Hugging Face model's ``_init_weights``, as ``from_pretrained`` fills them.
-    Returns the qualified names of the modules it initialised, in order.
+    built) has them filled by its Hugging Face model's ``_init_weights``, as ``from_pretrained`` fills them.
+    ``init_module``: the user's initialiser (:data:`ModuleInit`), which then replaces the built-in rule.
+    Returns the qualified names of the modules whose tensors it initialised, each after its children.
     """
     holders = _meta_parameter_holders(root)
-    initialised = []
+    owners = _pretrained_owners(root)
+    initialisers: dict[str, _Initialiser] = {}
+    fresh: list[tuple[str, nn.Module, str]] = []  # (module name, module, tensor name): allocated here, to initialise
     for name, module in root.named_modules():
         if not holds_meta_tensors(module, recurse=False):
             continue
@@ -70,20 +109,24 @@ def materialize(root: nn.Module, device: torch.device, seed: int, filled: Collec
                 " ckpt_path=path)` with a model built in configure_model)."
             )
         prefix = f"{name}." if name else ""
-        unfilled = {n for n, t in _named_tensors(module) if t.is_meta and f"{prefix}{n}" not in filled}
-        buffers_only = bool(filled) and not unfilled & {n for n, _ in module.named_parameters(recurse=False)}
-        initialise = _initialiser(root, name, module, buffers_only) if unfilled else None
+        unfilled = [n for n, t in _named_tensors(module) if t.is_meta and f"{prefix}{n}" not in filled]
+        if unfilled:
+            initialisers[name] = _initialiser(name, module, owners.get(name), init_module, "on the meta device")
         module.to_empty(device=device, recurse=False)
-        if initialise is not None:
-            with seeded(device, layer_seed(seed, name)):
-                initialise()
-            initialised.append(name)
+        fresh += [(name, module, tensor_name) for tensor_name in unfilled]
+    tensors = [getattr(module, tensor_name) for _, module, tensor_name in fresh]
+    with torch.no_grad():
+        for tensor in tensors:
+            if _checkable(tensor):
+                tensor.fill_(float("nan"))  # what no initialiser writes shows (see `_check_written`)
+    initialised = _initialise(root, initialisers, {id(t) for t in tensors}, seed, owners, init_module is None)
     _retie(holders)
+    _check_written(fresh, initialisers)
     _check_metrics(root)
     return initialised
 
 
-def init_weights(module: nn.Module, seed: int | None = None) -> list[str]:
+def init_weights(module: nn.Module, seed: int | None = None, init_module: ModuleInit | None = None) -> list[str]:
     """Initialise ``module``'s weights by the stage-count-independent rule, as the gpipe strategy does on its own.
 
     Call it with the LightningModule at the end of ``configure_model()`` to start a run without the gpipe strategy
@@ -95,23 +138,28 @@ def init_weights(module: nn.Module, seed: int | None = None) -> list[str]:
             self.blocks = nn.Sequential(*[Block(d) for _ in range(n)])
             lightning_pipe.init_weights(self)
 
-    Every module holding parameters or buffers of its own and a ``reset_parameters()`` is reset, with the random
-    generators of its tensors' device seeded by ``layer_seed(seed, name)`` (``name`` relative to ``module``, so pass
-    the LightningModule); the global random state is left as it was. Modules without ``reset_parameters()`` keep the
-    values they were built with. Tensors still on the meta device (under the gpipe strategy) are skipped: the
-    strategy initialises them by the same rule when it materialises them on their stage. ``seed`` defaults to
-    :func:`global_seed`. Returns the qualified names of the modules it reset.
+    Every module holding parameters or buffers of its own is initialised by the rule in this module's docstring
+    (``init_module``, else its Hugging Face model's ``_init_weights`` after its ``reset_parameters()``, else its
+    ``reset_parameters()``), with the random generators of its tensors' device seeded by ``layer_seed(seed, name)``
+    (``name`` relative to ``module``, so pass the LightningModule); the global random state is left as it was.
+    Modules with no initialiser keep the values they were built with. Tensors still on the meta device (under the
+    gpipe strategy) are skipped: the strategy initialises them by the same rule when it materialises them on their
+    stage. ``seed`` defaults to :func:`global_seed`; pass the strategy's ``init_module``, if any, here too. Returns
+    the qualified names of the modules it initialised, each after its children.
     """
     seed = global_seed() if seed is None else seed
-    reset = []
+    owners = _pretrained_owners(module)
+    initialisers: dict[str, _Initialiser] = {}
+    fresh: set[int] = set()
     for name, submodule in module.named_modules():
         own = list(_tensors(submodule, recurse=False))
-        if not own or any(t.is_meta for t in own) or not callable(getattr(submodule, "reset_parameters", None)):
+        if not own or any(t.is_meta for t in own):
             continue
-        with seeded(own[0].device, layer_seed(seed, name)):
-            submodule.reset_parameters()
-        reset.append(name)
-    return reset
+        initialiser = _initialiser(name, submodule, owners.get(name), init_module, None)
+        if initialiser is not None:
+            initialisers[name] = initialiser
+            fresh.update(id(t) for t in own)
+    return _initialise(module, initialisers, fresh, seed, owners, init_module is None)
 
 
 def mark_held_elsewhere(modules: list[nn.Module]) -> None:
@@ -132,26 +180,152 @@ def _named_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
     return itertools.chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False))
 
 
-def _initialiser(root: nn.Module, name: str, module: nn.Module, buffers_only: bool) -> Callable[[], None]:
-    """What fills ``module``'s tensors: its ``reset_parameters()``; when only buffers are left to fill (the
-    parameters come from pretrained weights), the ``_init_weights(module)`` of the Hugging Face model around it,
-    which computes buffers such as rotary frequencies; else a ``TypeError`` naming the fix."""
+class _Initialiser(NamedTuple):
+    run: Callable[[], None]
+    described: str  # for messages: "Scale.reset_parameters()"
+
+
+def _initialiser(
+    name: str, module: nn.Module, owner: nn.Module | None, init_module: ModuleInit | None, required: str | None
+) -> _Initialiser | None:
+    """What fills ``module``'s tensors (the rule in this module's docstring). When nothing applies: ``None``, or,
+    where it is ``required`` (``"on the meta device"``: where its tensors are), a ``TypeError`` naming the ways out."""
+    kind = type(module).__name__
+    if init_module is not None:
+        return _Initialiser(partial(init_module, name, module), f"init_module({name!r}, {kind})")
     reset = getattr(module, "reset_parameters", None)
+    if owner is not None:
+        def initialise() -> None:
+            if callable(reset):
+                reset()
+            owner._init_weights(module)
+        return _Initialiser(initialise, f"{type(owner).__name__}._init_weights({kind})")
     if callable(reset):
-        return reset
-    if buffers_only:
-        parts = name.split(".")
-        for depth in range(len(parts) - 1, -1, -1):  # the innermost enclosing model first
-            owner = root.get_submodule(".".join(parts[:depth]))
-            if callable(getattr(owner, "_init_weights", None)):
-                return lambda: owner._init_weights(module)
+        return _Initialiser(reset, f"{kind}.reset_parameters()")
+    if required is None:
+        return None
     tensors = [tensor_name for tensor_name, _ in _named_tensors(module)]
     raise TypeError(
-        f"module {name or '(the LightningModule)'!r} ({type(module).__name__}) holds tensors {tensors} on the meta"
-        " device but has no reset_parameters() to initialise them after they are allocated on their stage;"
-        f" define `{type(module).__name__}.reset_parameters(self)` that fills them (as nn.Linear's does), or"
-        " create them outside configure_model()."
+        f"module {name or '(the LightningModule)'!r} ({kind}) holds tensors {tensors} {required} but nothing"
+        " initialises them once they are allocated on their stage: it has no reset_parameters() and is not part of"
+        f" a Hugging Face PreTrainedModel. Either define `{kind}.reset_parameters(self)` that fills them (as"
+        " nn.Linear's does); or pass `GPipeStrategy(init_module=fn)`, where `fn(name, module)` initialises every"
+        " module holding tensors (and `lightning_pipe.init_weights(model, init_module=fn)` starts one device"
+        " alike; docs/memory.md); or create the module outside configure_model()."
     )
+
+
+def _initialise(
+    root: nn.Module, initialisers: dict[str, _Initialiser], fresh: set[int], seed: int,
+    owners: dict[str, nn.Module], hf_parents: bool,
+) -> list[str]:
+    """Run the initialisers, each module's after its children's (the order transformers initialises in), each with
+    the random generators seeded by the module's name. With ``hf_parents``, a module of a Hugging Face model that
+    has none of its own but whose children were initialised runs its model's ``_init_weights`` too, as transformers
+    does (GPT-2's attention and MLP rescale their output projection there). Inside Hugging Face models only the
+    ``fresh`` tensors (by id) are written; the others are marked as transformers marks the weights it loaded."""
+    above = {name.rpartition(".")[0] for name in initialisers}  # parents, then theirs: those of initialised modules
+    for name in list(above):
+        while name:
+            name = name.rpartition(".")[0]
+            above.add(name)
+    initialised = []
+    with _writing_only(root, fresh) if owners else contextlib.nullcontext():
+        for name, module in _post_order(root):
+            initialiser = initialisers.get(name)
+            if initialiser is not None:
+                initialised.append(name)
+                run = initialiser.run
+            elif hf_parents and name in owners and name in above:
+                run = partial(owners[name]._init_weights, module)
+            else:
+                continue
+            device = next((t.device for t in _tensors(module, recurse=True) if not t.is_meta), torch.device("cpu"))
+            with seeded(device, layer_seed(seed, name)), torch.no_grad():
+                run()
+    return initialised
+
+
+def _post_order(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every module of ``root``, named as ``named_modules`` names it, each after its children."""
+    order: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+
+    def visit(name: str, module: nn.Module) -> None:
+        seen.add(id(module))
+        for child_name, child in module._modules.items():
+            if child is not None and id(child) not in seen:
+                visit(f"{name}.{child_name}" if name else child_name, child)
+        order.append((name, module))
+
+    visit("", root)
+    return order
+
+
+def _pretrained_owners(root: nn.Module) -> dict[str, nn.Module]:
+    """For each module (by qualified name) inside a Hugging Face ``PreTrainedModel``, the innermost one around it
+    (itself, if it is one): whose ``_init_weights`` initialises it, as transformers dispatches it."""
+    transformers_models = sys.modules.get("transformers.modeling_utils")  # no model of it without it imported
+    pretrained_class = getattr(transformers_models, "PreTrainedModel", None)
+    if pretrained_class is None:
+        return {}
+    owners: dict[str, nn.Module] = {}
+    for name, module in root.named_modules():
+        if isinstance(module, pretrained_class):
+            owner = module
+        else:
+            parent = name.rpartition(".")[0] if name else None
+            owner = owners.get(parent) if parent is not None else None  # type: ignore[assignment]
+        if owner is not None:
+            owners[name] = owner
+    return owners
+
+
+@contextmanager
+def _writing_only(root: nn.Module, fresh: set[int]) -> Generator[None, None, None]:
+    """transformers' init functions skip a tensor marked ``_is_hf_initialized`` (how ``from_pretrained`` keeps the
+    weights it loaded): every tensor of ``root`` but the ``fresh`` ones is marked meanwhile, and torch's init
+    functions guarded alike, as transformers guards them while it initialises."""
+    try:
+        from transformers.initialization import guard_torch_init_functions
+    except ImportError:  # pragma: no cover (transformers < 5: its _init_weights writes through .data)
+        guard_torch_init_functions = contextlib.nullcontext
+    marked = [t for t in _tensors(root, recurse=True) if id(t) not in fresh and not getattr(t, _HF_MARK, False)]
+    for tensor in marked:
+        setattr(tensor, _HF_MARK, True)
+    try:
+        with guard_torch_init_functions():
+            yield
+    finally:
+        for tensor in marked:
+            delattr(tensor, _HF_MARK)
+
+
+_HF_MARK = "_is_hf_initialized"
+
+
+def _checkable(tensor: Tensor) -> bool:
+    """Whether a NaN in ``tensor`` can show that nothing wrote it (integer tensors hold no NaN)."""
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _check_written(fresh: list[tuple[str, nn.Module, str]], initialisers: dict[str, _Initialiser]) -> None:
+    """Every allocated tensor left NaN (as `materialize` filled it) was written by no initialiser: refused by name."""
+    checked = [(name, tensor_name, getattr(module, tensor_name)) for name, module, tensor_name in fresh]
+    checked = [(name, tensor_name, t) for name, tensor_name, t in checked if _checkable(t) and t.numel()]
+    if not checked:
+        return
+    unwritten = torch.stack([t.isnan().any() for _, _, t in checked]).tolist()  # one synchronisation
+    left = [(name, tensor_name) for (name, tensor_name, _), nan in zip(checked, unwritten) if nan]
+    if left:
+        name, _ = left[0]
+        tensors = [tensor_name for module_name, tensor_name in left if module_name == name]
+        raise TypeError(
+            f"module {name!r}: its tensors {tensors}, allocated on their stage, hold NaN after"
+            f" {initialisers[name].described}: it did not write them (or wrote NaN), and they would hold whatever the"
+            f" memory held. Make the initialiser fill every tensor of the module (or pass `GPipeStrategy(init_module=fn)`"
+            f" with `fn(name, module)` that does; docs/memory.md), or create the module outside configure_model()."
+        )
 
 
 # Set on modules left on the meta device after a run because another rank holds their trained weights (see

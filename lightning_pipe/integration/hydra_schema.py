@@ -23,6 +23,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from hydra.utils import get_method
 from lightning.fabric.plugins.environments import (
     LSFEnvironment,
     MPIEnvironment,
@@ -91,6 +92,11 @@ class GPipeStrategyConfig:
     """Start from stored weights, each rank reading only its stage's: the path of a Hugging Face model directory
     or weights file, or ``{path: ..., prefix: model., dtype: checkpoint}`` (see ``lightning_pipe.PretrainedWeights``).
     (``Any``: a string or a mapping; :func:`validate_config` checks it.)"""
+    init_module: Any = None
+    """How to initialise a model built on the meta device, for models whose modules have no ``reset_parameters()``
+    and are not Hugging Face models: a function ``fn(name, module)``, given as a node that Hydra instantiates to it,
+    ``{_target_: my_project.init_module, _partial_: true}``; null: the built-in rule. (``Any``: a node;
+    :func:`validate_config` checks that its target imports as a function.)"""
     stall_watchdog: bool = True
     """End the run when a wait on another rank in a training step lasts longer than ``max(stall_floor, stall_multiple
     * the slowest recent step)`` (``stall_first_step`` in a first step), naming the rank that stopped and writing
@@ -150,10 +156,29 @@ def validate_strategy_config(strategy: Mapping[str, Any], key: str = "strategy")
         raise ValueError(
             f"{key}.{unknown[0]} is not a GPipeStrategy setting; the settings are {', '.join(known[1:])}."
         )
-    settings = PipelineSettings.from_options(strategy, key=f"{key}.")
+    settings = PipelineSettings.from_options(_with_init_module_resolved(strategy, key), key=f"{key}.")
     if settings.num_stages is None:  # the schema's default is 2; only a node made by hand can lack it
         raise ValueError(f"{key}.num_stages is missing; set it to the number of pipeline stages.")
     return settings.pipeline_config(num_processes=settings.num_stages)
+
+
+def _with_init_module_resolved(strategy: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """The node with ``init_module``, a ``{_target_: ..., _partial_: true}`` node, replaced by the function that
+    ``_target_`` names (as ``instantiate`` will make it), so that the settings check a function."""
+    node = strategy.get("init_module")
+    if not isinstance(node, Mapping):
+        return strategy
+    target = node.get("_target_")
+    try:
+        function = get_method(target) if isinstance(target, str) else None
+    except Exception:  # Hydra raises its own error for a path that does not import
+        function = None
+    if function is None or not node.get("_partial_", False):
+        raise ValueError(
+            f"{key}.init_module={dict(node)!r} is invalid; use {{_target_: my_project.init_module, _partial_: true}},"
+            " naming an importable function fn(name, module), or null."
+        )
+    return {**strategy, "init_module": function}
 
 
 def _check_process_count(trainer: Mapping[str, Any], num_stages: int) -> None:
