@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from lightning_pipe.partition import microbatch
 from lightning_pipe.partition.microbatch import Activation
+from lightning_pipe.schedules.choice import BlockCosts, CostModel
 
 
 @dataclass(frozen=True)
@@ -222,3 +223,46 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
 
 def _rng_devices(device: torch.device) -> list[int]:
     return [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+
+
+def block_cost_model(
+    module: nn.Module, sequential: nn.Sequential, sample: Any, device: torch.device, sizes: tuple[int, int],
+    min_repeats: int = 5,
+) -> CostModel:
+    """Every block's costs on micro-batches of the two sample counts ``sizes`` (the smallest and the largest a
+    choice will use), each block's input gradient timed apart from its weight gradients: what
+    :mod:`lightning_pipe.schedules.choice` predicts every configuration from. ``sample`` is an input of
+    ``module``'s forward, tiled or cut along dim 0 to each size. The fastest of ``min_repeats`` runs counts: a
+    choice compares the blocks' costs, so a run slowed by another process must not decide it."""
+    value = pipelined_input(module, sequential, sample)
+    measured = []
+    for samples in sizes:
+        profiles = profile_layers(
+            sequential, _resized(value, samples), device, min_repeats=min_repeats, split_backward=True
+        )
+        measured.append([
+            BlockCosts(
+                samples, p.forward_seconds, p.input_gradient_seconds or 0.0,
+                max(0.0, p.backward_seconds - (p.input_gradient_seconds or 0.0)),
+                p.activation_bytes, p.input_bytes, p.parameter_bytes,
+            )
+            for p in profiles
+        ])
+    return CostModel.measured(*measured)
+
+
+def _resized(value: Activation, samples: int) -> Activation:
+    """``value`` with ``samples`` rows: every tensor of the sample's batch size repeated along dim 0 and cut."""
+    tensors = microbatch.as_tensors(value, "the input of the pipelined module")
+    batch = tensors[0].shape[0] if tensors and tensors[0].dim() else 0
+    if batch == 0:
+        raise ValueError("the pipelined module's input has no batch dimension to profile micro-batches of")
+
+    def resized(t: Tensor) -> Tensor:
+        if t.dim() == 0 or t.shape[0] != batch:
+            return t
+        repeats = -(-samples // batch)
+        return t.repeat(repeats, *([1] * (t.dim() - 1)))[:samples]
+
+    sized = tuple(resized(t) for t in tensors)
+    return sized if isinstance(value, tuple) else sized[0]
