@@ -24,14 +24,16 @@ from dataclasses import dataclass, fields, replace
 from typing import get_args
 
 from lightning_pipe.config import split_evenly
-from lightning_pipe.schedules.actions import RecomputeMode
-from lightning_pipe.schedules.builtin import SCHEDULES
+from lightning_pipe.schedules.actions import PipelineSchedule, RecomputeMode
+from lightning_pipe.schedules.builtin import SCHEDULES, gpipe
 from lightning_pipe.schedules.planner import ComputeCosts, predict
 
 RECOMPUTE_MODES: tuple[RecomputeMode, ...] = get_args(RecomputeMode)
 # The schedules `schedule="auto"` may choose: those whose loss is on the last stage, as the rank layout fixed when the
 # processes start assumes before the choice is made (zbv puts it on stage 0).
 AUTO_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+# `schedule="auto"` until the choice: GPipe's layout (the loss on the last stage) for any chunk count.
+AUTO = PipelineSchedule("auto", gpipe, per_micro_batch=False, max_virtual_stages=None)
 INTERLEAVED_VIRTUAL_STAGES = (2, 4)
 # Splits per-block costs into contiguous parts: (costs, parts) -> the blocks of each part.
 Partition = Callable[[Sequence[float], int], list[range]]
