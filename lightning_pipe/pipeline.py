@@ -47,6 +47,7 @@ from lightning_pipe.execution.runtime import StageRuntime
 from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.execution.tied import TiedParameters, parameters_shared_across_stages, replicated_parameters
 from lightning_pipe.execution.replayed_logs import StepOutcome
+from lightning_pipe.auto_schedule import ScheduleChoice, decide_schedule
 from lightning_pipe.integration.lightning_packages import overrides
 from lightning_pipe.integration.model_summary import summarize_whole_model
 from lightning_pipe.partition.balance import (
@@ -105,6 +106,7 @@ class BuiltPipeline:
     pretrained_prefix: str | None = None  # where the pretrained model sits, once its weights were mapped
     # A per-micro-batch step's gradients, from its `training_step` to Lightning's `backward` (see `swap_gradients`).
     step_gradients: list[tuple[list[nn.Parameter], list[Tensor | None]]] = field(default_factory=list)
+    schedule_choice: ScheduleChoice | None = None  # with schedule="auto": the choice, why, the predicted table
 
     # ---- set-up ------------------------------------------------------------------------------------------------
 
@@ -218,6 +220,8 @@ class BuiltPipeline:
     def announce(self, module: LightningModule, summary: StageSummary, category: type[Warning]) -> None:
         """Print the stage summary, and warn of much of the model left outside the pipeline and of layers that
         re-compute their activations themselves on top of the pipeline's re-computation."""
+        if self.schedule_choice is not None:
+            rank_zero_info(self.schedule_choice.message)
         rank_zero_info(str(summary))
         if (warning := outside_warning(summary, suggested_chain(module, self.region))) is not None:
             rank_zero_warn(warning, category=category)
@@ -284,6 +288,10 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
     check_compiled(module, region)
     blocks = region.blocks(module)
     layers = nn.Sequential(*blocks)  # the blocks in order, for the partition plan and the whole model
+    choice = None
+    if settings.is_auto:  # the configuration chosen now, before the chunks are cut (lightning_pipe.auto_schedule)
+        settings, choice = decide_schedule(module, layers, settings, groups)
+        config = settings.pipeline_config(groups.num_stages)
     plan = decide_partition(module, layers, settings, groups)
     outside = outside_parameters(module, region)  # before this rank's stage takes the blocks' place
     held = _blocks_held_by_stage(plan, settings, config.num_stages)
@@ -311,6 +319,7 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
         tracer=_tracer(module, settings, config, groups, timeline),
         deferred=deferred,
         pretrained_prefix=pretrained.mapping.prefix if pretrained is not None else None,
+        schedule_choice=choice,
     )
 
 

@@ -20,13 +20,14 @@ parameter bytes) plus its peak activations; the optimizer's state is not counted
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import get_args
 
 from lightning_pipe.config import split_evenly
 from lightning_pipe.schedules.actions import PipelineSchedule, RecomputeMode
 from lightning_pipe.schedules.builtin import SCHEDULES, gpipe
 from lightning_pipe.schedules.planner import ComputeCosts, predict
+from lightning_pipe.schedules.simulator import Simulation
 
 RECOMPUTE_MODES: tuple[RecomputeMode, ...] = get_args(RecomputeMode)
 # The schedules `schedule="auto"` may choose: those whose loss is on the last stage, as the rank layout fixed when the
@@ -119,6 +120,7 @@ class PlannedConfiguration:
     peak_activation_bytes: tuple[float, ...]
     stage_memory_bytes: tuple[float, ...]
     fits: bool = True
+    simulation: Simulation | None = field(default=None, compare=False, repr=False)  # the predicted timeline
 
     @property
     def memory_bytes(self) -> float:
@@ -191,7 +193,10 @@ def plan_configuration(
     for k, r in enumerate(ranges):
         parameters[schedule.owner(k, num_stages)] += sum(blocks[i].parameter_bytes for i in r)
     memory = tuple(2 * p + a for p, a in zip(parameters, prediction.peak_activation_bytes))
-    return PlannedConfiguration(configuration, prediction.step, prediction.bubble, prediction.peak_activation_bytes, memory)
+    return PlannedConfiguration(
+        configuration, prediction.step, prediction.bubble, prediction.peak_activation_bytes, memory,
+        simulation=prediction.simulation,
+    )
 
 
 def rank_configurations(
