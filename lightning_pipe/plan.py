@@ -111,7 +111,9 @@ def _module(args: argparse.Namespace) -> tuple[Any, int | None, int | None, Any]
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    import lightning_pipe.integration.hydra_schema  # noqa: F401  (registers the strategy's schema)
+    from lightning_pipe.integration import hydra_schema
+
+    hydra_schema.register_configs()  # the strategy group's schema, which conf/strategy/gpipe.yaml extends
 
     with initialize_config_dir(config_dir=str(args.config_dir.resolve()), version_base="1.3"):
         cfg = compose(args.config_name, overrides=list(args.target))
