@@ -115,7 +115,8 @@ def main(spec_path):
             )
 
         if run.get("memory_budget_below"):  # schedule="auto" under a budget just below an earlier run's choice
-            earlier = json.loads((Path(spec["out"]) / run["memory_budget_below"] / "rank0.json").read_text())
+            own = f"rank{os.environ.get('LOCAL_RANK', 0)}.json"  # every rank recorded the same choice, itself
+            earlier = json.loads((Path(spec["out"]) / run["memory_budget_below"] / own).read_text())
             run.setdefault("strategy", {})["memory_budget"] = int(earlier["choice"]["memory_bytes"]) - 1
         checkpoint_path = None
         if run.get("resume_after_epoch"):  # train one epoch, writing a checkpoint; the run resumes from it below
