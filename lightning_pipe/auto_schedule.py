@@ -39,6 +39,7 @@ from lightning_pipe.schedules.choice import (
     configurations,
     plan_table,
     rank_configurations,
+    size_text,
     why,
 )
 from lightning_pipe.settings import PipelineSettings
@@ -137,7 +138,7 @@ def ranked_choice(
     """The candidates ranked for ``model``'s costs, the fastest that fits, and the message saying both."""
     rows = rank_configurations(model, num_stages, batch_size, memory_budget, candidates, partition_for(settings))
     chosen = choose(rows)
-    budget = "no memory budget" if memory_budget is None else f"a memory budget of {memory_budget / 2**30:.2f} GiB"
+    budget = "no memory budget" if memory_budget is None else f"a memory budget of {size_text(memory_budget)}"
     text = (
         f"Schedule chosen for {num_stages} stages, batches of {batch_size} samples and {budget} (costs {source}):"
         f" {why(rows, chosen)}\n{plan_table(rows, shown)}"

@@ -226,7 +226,7 @@ def choose(rows: Sequence[PlannedConfiguration]) -> PlannedConfiguration:
     smallest = min(rows, key=lambda r: r.memory_bytes)
     raise ValueError(
         f"no schedule fits the memory budget: the least memory any of the {len(rows)} configurations needs is"
-        f" {_size(smallest.memory_bytes)} per stage ({smallest.configuration}); raise memory_budget, use more stages,"
+        f" {size_text(smallest.memory_bytes)} per stage ({smallest.configuration}); raise memory_budget, use more stages,"
         " or a smaller batch."
     )
 
@@ -236,7 +236,7 @@ def why(rows: Sequence[PlannedConfiguration], chosen: PlannedConfiguration) -> s
     which faster ones the budget excludes, and its memory."""
     fitting = [r for r in rows if r.fits and r is not chosen]
     lines = [f"{chosen.configuration}: predicted step {_seconds(chosen.step)}, bubble {chosen.bubble:.3f},"
-             f" at most {_size(chosen.memory_bytes)} per stage."]
+             f" at most {size_text(chosen.memory_bytes)} per stage."]
     if fitting:
         nearest = fitting[0]
         lines.append(f"The next best, {nearest.configuration}, is {_slower(nearest.step, chosen.step)}.")
@@ -249,7 +249,7 @@ def why(rows: Sequence[PlannedConfiguration], chosen: PlannedConfiguration) -> s
     if excluded:
         lines.append(
             f"{len(excluded)} faster configuration{'s' if len(excluded) > 1 else ''} exceed the memory budget (the"
-            f" fastest, {excluded[0].configuration}, needs {_size(excluded[0].memory_bytes)} per stage)."
+            f" fastest, {excluded[0].configuration}, needs {size_text(excluded[0].memory_bytes)} per stage)."
         )
     return " ".join(lines)
 
@@ -258,13 +258,15 @@ def plan_table(rows: Sequence[PlannedConfiguration], limit: int | None = None) -
     """The ranked configurations as a text table: rank, schedule, M, v, checkpoint, predicted step, bubble, peak
     activations of each stage and the most memory any stage needs (``*``: over the budget)."""
     shown = list(rows)[:limit] if limit else list(rows)
-    header = ["#", "schedule", "M", "v", "checkpoint", "step", "bubble", "peak activations per stage (MiB)", "memory"]
+    largest = max((a for r in shown for a in r.peak_activation_bytes), default=0.0)
+    unit, scale = next(((u, f) for u, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if largest >= f), ("B", 1))
+    header = ["#", "schedule", "M", "v", "checkpoint", "step", "bubble", f"peak activations per stage ({unit})", "memory"]
     body = [
         [
             str(i + 1), r.configuration.schedule, str(r.configuration.num_micro_batches),
             str(r.configuration.virtual_stages), r.configuration.recompute, _seconds(r.step), f"{r.bubble:.3f}",
-            " ".join(f"{a / 2**20:.1f}" for a in r.peak_activation_bytes),
-            _size(r.memory_bytes) + ("" if r.fits else " *"),
+            " ".join(f"{a / scale:.1f}" for a in r.peak_activation_bytes),
+            size_text(r.memory_bytes) + ("" if r.fits else " *"),
         ]
         for i, r in enumerate(shown)
     ]
@@ -283,7 +285,8 @@ def _seconds(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms" if seconds < 10 else f"{seconds:.2f} s"
 
 
-def _size(size: float) -> str:
+def size_text(size: float) -> str:
+    """Bytes as GiB, MiB, KiB or B."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if size >= scale:
             return f"{size / scale:.2f} {unit}"
