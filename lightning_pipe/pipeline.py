@@ -48,6 +48,7 @@ from lightning_pipe.execution.runtime import StageRuntime
 from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.execution.tied import TiedParameters, parameters_shared_across_stages, replicated_parameters
 from lightning_pipe.execution.replayed_logs import StepOutcome
+from lightning_pipe.auto_schedule import ScheduleChoice, decide_schedule
 from lightning_pipe.integration.lightning_packages import overrides
 from lightning_pipe.integration.model_summary import summarize_whole_model
 from lightning_pipe.partition.balance import (
@@ -109,6 +110,7 @@ class BuiltPipeline:
     pretrained_prefix: str | None = None  # where the pretrained model sits, once its weights were mapped
     # A per-micro-batch step's gradients, from its `training_step` to Lightning's `backward` (see `swap_gradients`).
     step_gradients: list[tuple[list[nn.Parameter], list[Tensor | None]]] = field(default_factory=list)
+    schedule_choice: ScheduleChoice | None = None  # with schedule="auto": the choice, why, the predicted table
 
     # ---- set-up ------------------------------------------------------------------------------------------------
 
@@ -235,6 +237,8 @@ class BuiltPipeline:
     def announce(self, module: LightningModule, summary: StageSummary, category: type[Warning]) -> None:
         """Print the stage summary, and warn of much of the model left outside the pipeline and of layers that
         re-compute their activations themselves on top of the pipeline's re-computation."""
+        if self.schedule_choice is not None:
+            rank_zero_info(self.schedule_choice.message)
         rank_zero_info(str(summary))
         if (warning := outside_warning(summary, suggested_chain(module, self.region))) is not None:
             rank_zero_warn(warning, category=category)
@@ -309,6 +313,10 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
     check_compiled(module, region)
     blocks = region.blocks(module)
     layers = nn.Sequential(*blocks)  # the blocks in order, for the partition plan and the whole model
+    choice = None
+    if settings.is_auto:  # the configuration chosen now, before the chunks are cut (lightning_pipe.auto_schedule)
+        settings, choice = decide_schedule(module, layers, settings, groups)
+        config = settings.pipeline_config(groups.num_stages)
     places = _outside_places(module, region, groups)
     plan = decide_partition(module, layers, settings, groups, _charges(module, region, places))
     held = _blocks_held_by_stage(plan, settings, config.num_stages)
@@ -353,6 +361,7 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
         tracer=_tracer(module, settings, config, groups, timeline),
         deferred=deferred,
         pretrained_prefix=pretrained.mapping.prefix if pretrained is not None else None,
+        schedule_choice=choice,
     )
 
 

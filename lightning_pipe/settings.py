@@ -20,6 +20,7 @@ from typing import Any, get_args
 
 import torch
 
+from lightning_pipe.checkpoints.export import parse_size
 from lightning_pipe.checkpoints.pretrained import PretrainedWeights, checked_pretrained
 from lightning_pipe.config import PipelineParallelConfig, require_positive_int
 from lightning_pipe.partition.balance import (
@@ -32,6 +33,7 @@ from lightning_pipe.partition.topology import PipelineLayout
 from lightning_pipe.reliability.stall_rule import StallRule
 from lightning_pipe.schedules.actions import PipelineSchedule, RecomputeMode, StageActions, custom_schedule
 from lightning_pipe.schedules.builtin import SCHEDULES
+from lightning_pipe.schedules.choice import AUTO
 from lightning_pipe.schedules.simulator import check_schedule
 
 # Which forwards run again in backward instead of keeping their activations (the public option ``checkpoint``;
@@ -114,7 +116,10 @@ class PipelineSettings:
     ``"interleaved_1f1b"`` (``virtual_stages`` model chunks per stage: a smaller bubble), ``"zero_bubble"`` (backward
     split into input and weight gradients, the latter filling the bubble) or ``"zbv"`` (two chunks per stage in a
     V). Or a function ``(stage, num_stages, num_micro_batches, virtual_stages) -> list[Action]`` (see
-    :mod:`lightning_pipe.schedules`). Once checked, a :class:`PipelineSchedule`."""
+    :mod:`lightning_pipe.schedules`). Or ``"auto"``: at set-up, global rank 0 profiles the blocks and every rank
+    takes the configuration predicted fastest within ``memory_budget`` (schedule among ``gpipe``, ``1f1b``,
+    ``interleaved_1f1b`` and ``zero_bubble``; ``num_micro_batches``, ``virtual_stages`` and ``checkpoint`` where
+    they are left unset); docs/schedules.md "Choosing a schedule". Once checked, a :class:`PipelineSchedule`."""
     virtual_stages: int | None = None
     """Model chunks per stage for the schedules that interleave them (``"interleaved_1f1b"``: 2 by default;
     ``"zbv"``: 2); the pipelined blocks are split into ``num_stages * virtual_stages`` chunks. Once checked, the
@@ -141,6 +146,11 @@ class PipelineSettings:
     modules have neither; ``lightning_pipe.init_weights(model, init_module=fn)`` starts a one-device run alike (see
     :mod:`lightning_pipe.execution.materialize`). Under ``start_method="spawn"`` it must be importable (a
     module-level function)."""
+    memory_budget: int | str | None = None
+    """With ``schedule="auto"``: the bytes each device may spend on its stage's parameters, their gradients and its
+    peak activations (``"40GB"``, ``"512MiB"`` or a byte count); by default what the device has (a GPU's total
+    memory; on the CPU the machine's physical memory over the local processes). The optimizer's state is not
+    counted: leave room for it."""
     stall_watchdog: bool = True
     """End the run on every rank when, in a training step, a wait on another rank (activations, gradients, the
     step's results, the gradient reductions and barriers) lasts longer than ``max(stall_floor, stall_multiple * the
@@ -167,11 +177,17 @@ class PipelineSettings:
                 require_positive_int(f"{key}{name}", count)
         schedule = _checked_schedule(self.schedule, key, num_stages, num_micro_batches, self.virtual_stages)
         virtual_stages = schedule.checked_virtual_stages(self.virtual_stages, key)
+        auto = schedule is AUTO  # what is left unset stays None: the choice at set-up fills it
+        if auto and self.virtual_stages is None:
+            virtual_stages = None  # type: ignore[assignment]
+        recompute = None if auto and self.recompute is None else self.recompute
         checked = {
             "num_stages": num_stages,
             "num_micro_batches": num_micro_batches,
-            "recompute": default_recompute(schedule) if self.recompute is None else validate_recompute_mode(self.recompute, key),
-            "balance": _checked_balance(self.balance, num_stages, key, virtual_stages, schedule.name),
+            "recompute": default_recompute(schedule) if recompute is None and not auto else (
+                recompute if recompute is None else validate_recompute_mode(recompute, key)
+            ),
+            "balance": _checked_balance(self.balance, num_stages, key, virtual_stages or 1, schedule.name),
             "module_name": _checked_module_name(self.module_name, key),
             "trace_steps": _checked_trace_steps(self.trace_steps, key),
             "trace_dir": _checked_trace_dir(self.trace_dir, key),
@@ -185,6 +201,7 @@ class PipelineSettings:
             "stall_multiple": _checked_stall_multiple(self.stall_multiple, key),
             "stall_floor": _checked_stall_floor(self.stall_floor, key),
             "stall_first_step": _checked_stall_first_step(self.stall_first_step, key),
+            "memory_budget": _checked_memory_budget(self.memory_budget, auto, key),
         }
 
         for name in ("log_bubble_fraction", "deferred_batch_norm", "save_distributed_checkpoint",
@@ -206,6 +223,11 @@ class PipelineSettings:
         if "checkpoint" in options:
             options["recompute"] = options.pop("checkpoint")
         return cls(**options, key=key)
+
+    @property
+    def is_auto(self) -> bool:
+        """Whether the schedule is chosen at set-up (``schedule="auto"``), not yet known."""
+        return self.schedule is AUTO
 
     @property
     def compile_options(self) -> dict[str, Any] | None:
@@ -240,7 +262,7 @@ class PipelineSettings:
             check_process_count(self.num_stages, num_processes, num_nodes)
         elif isinstance(self.balance, list):  # with num_stages set, __post_init__ compared the two
             check_one_count_per_stage(self.balance, self.pipeline_config(total).num_stages,
-                                      virtual_stages=self.virtual_stages, schedule=self.schedule.name)  # type: ignore[arg-type, union-attr]
+                                      virtual_stages=self.virtual_stages or 1, schedule=self.schedule.name)  # type: ignore[union-attr]
         config = self.pipeline_config(total)  # validates the resolved counts
         if self.num_stages is None:  # with num_stages set, __post_init__ ran the user's schedule already
             self.check_schedule(config)
@@ -248,7 +270,7 @@ class PipelineSettings:
     def layout(self, num_processes: int) -> PipelineLayout:
         """Which of ``num_processes`` ranks holds which stage of which replica (``num_stages * replicas``)."""
         num_stages = self.pipeline_config(num_processes).num_stages
-        loss_stage = self.schedule.loss_stage(num_stages, self.virtual_stages)  # type: ignore[union-attr]
+        loss_stage = self.schedule.loss_stage(num_stages, self.virtual_stages or 1)  # type: ignore[union-attr]
         return PipelineLayout(
             num_stages, max(1, num_processes // num_stages), pipeline_outermost=self.mesh_order[0] == "pp",
             loss_on_first_stage=num_stages > 1 and loss_stage == 0,
@@ -257,7 +279,7 @@ class PipelineSettings:
     def chunk_config(self, num_processes: int) -> PipelineParallelConfig:
         """The counts the partition splits the blocks by: one part per model chunk (``virtual_stages`` per stage)."""
         config = self.pipeline_config(num_processes)
-        return PipelineParallelConfig(config.num_stages * self.virtual_stages, config.num_micro_batches)  # type: ignore[operator]
+        return PipelineParallelConfig(config.num_stages * (self.virtual_stages or 1), config.num_micro_batches)
 
 
 def _checked_schedule(
@@ -268,11 +290,14 @@ def _checked_schedule(
     micro-batches when they are not set)."""
     if isinstance(schedule, str) and schedule in SCHEDULES:
         return SCHEDULES[schedule]
+    if schedule == "auto":
+        return AUTO
     if isinstance(schedule, PipelineSchedule):
         return schedule
     if isinstance(schedule, str) or not callable(schedule):
         raise ValueError(
-            f"{key}schedule={schedule!r} is not a schedule; use one of {', '.join(map(repr, SCHEDULES))} or a function"
+            f"{key}schedule={schedule!r} is not a schedule; use one of {', '.join(map(repr, SCHEDULES))}, 'auto' or a"
+            " function"
             " (stage, num_stages, num_micro_batches, virtual_stages) -> list[Action] (see lightning_pipe.schedules)."
         )
     chunks = virtual_stages if isinstance(virtual_stages, int) and not isinstance(virtual_stages, bool) else 1
@@ -280,7 +305,28 @@ def _checked_schedule(
 
 
 def _is_built_in(schedule: PipelineSchedule) -> bool:
-    return SCHEDULES.get(schedule.name) is schedule
+    return SCHEDULES.get(schedule.name) is schedule or schedule is AUTO
+
+
+def _checked_memory_budget(budget: Any, auto: bool, key: str) -> int | None:
+    """Bytes from a count or a size (``"40GB"``); only ``schedule="auto"`` uses it."""
+    if budget is None:
+        return None
+    if not auto:
+        raise ValueError(
+            f"{key}memory_budget={budget!r} is set but {key}schedule is not 'auto': only the automatic choice reads"
+            f" the budget; set {key}schedule='auto', or leave {key}memory_budget unset."
+        )
+    try:
+        size = parse_size(budget) if isinstance(budget, (str, int)) and not isinstance(budget, bool) else None
+    except ValueError:
+        size = None
+    if size is None or size <= 0:
+        raise ValueError(
+            f"{key}memory_budget={budget!r} is invalid; give the bytes each device may hold as a positive count or a"
+            " size such as '40GB' or '512MiB', or leave it unset for what the device has."
+        )
+    return size
 
 
 def default_recompute(schedule: PipelineSchedule) -> RecomputeMode:

@@ -194,7 +194,7 @@ class GPipeStrategyMixin(PipelineView):
         pretrained: str | Path | PretrainedWeights | Mapping[str, Any] | None = None,
         init_module: Callable[[str, nn.Module], None] | None = None,
         stall_watchdog: bool = True, stall_multiple: float = 10.0, stall_floor: float | timedelta = 30.0,
-        stall_first_step: float | timedelta = 600.0,
+        stall_first_step: float | timedelta = 600.0, memory_budget: int | str | None = None,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -337,6 +337,7 @@ class GPipeStrategyMixin(PipelineView):
         if fitting:
             require_automatic_optimization(module)
         self._pipeline = pipeline = build_pipeline(module, self._settings, self.groups, self.precision_plugin)
+        self._settings = pipeline.settings  # with schedule="auto", the configuration chosen
         pipeline.announce(module, self.stage_summary(), self.lightning_package.possible_user_warning)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()

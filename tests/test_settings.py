@@ -79,8 +79,8 @@ INVALID = {
     ),
     "schedule": (
         {"schedule": "2f2b"},
-        "{key}schedule='2f2b' is not a schedule; use one of 'gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble', 'zbv'"
-        " or a function (stage, num_stages, num_micro_batches, virtual_stages) -> list[Action]",
+        "{key}schedule='2f2b' is not a schedule; use one of 'gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble', 'zbv',"
+        " 'auto' or a function (stage, num_stages, num_micro_batches, virtual_stages) -> list[Action]",
     ),
     "virtual_stages": (
         {"virtual_stages": 2},

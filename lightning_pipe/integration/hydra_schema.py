@@ -80,7 +80,12 @@ class GPipeStrategyConfig:
     model in host memory); by default each rank keeps its own stage."""
     schedule: str = "gpipe"
     """The order of each stage's forwards, backwards, sends and receives in a step: ``gpipe``, ``1f1b``,
-    ``interleaved_1f1b``, ``zero_bubble`` or ``zbv`` (``lightning_pipe.schedules``; docs/schedules.md compares them)."""
+    ``interleaved_1f1b``, ``zero_bubble`` or ``zbv`` (``lightning_pipe.schedules``; docs/schedules.md compares them),
+    or ``auto``: the configuration predicted fastest within ``memory_budget``, chosen at set-up from the profiled
+    blocks."""
+    memory_budget: Any = None
+    """With ``schedule: auto``, the bytes per device for a stage's parameters, gradients and peak activations:
+    ``40GB``, ``512MiB`` or a count; null: what the device has. (``Any``: a string or an integer.)"""
     virtual_stages: Optional[int] = None
     """Model chunks per stage, for schedules that run several (``interleaved_1f1b``: 2 or more); null: the
     schedule's default (2 for ``interleaved_1f1b`` and ``zbv``, 1 for the others)."""

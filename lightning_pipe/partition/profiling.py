@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from lightning_pipe.partition import microbatch
 from lightning_pipe.partition.microbatch import Activation
+from lightning_pipe.schedules.choice import BlockCosts, CostModel
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,10 @@ class LayerProfile:
     backward_seconds: float  # back-propagation through the layer, re-computation not included
     parameter_bytes: int
     activation_bytes: int  # tensors autograd saves for the layer's backward (its parameters not counted)
+    # The gradient of the layer's input alone (what the stage before waits for), when asked for; the weight
+    # gradients take the rest of ``backward_seconds``.
+    input_gradient_seconds: float | None = None
+    input_bytes: int = 0  # the layer's input: what a re-computed forward keeps until its backward
 
     @property
     def memory_bytes(self) -> int:
@@ -89,25 +94,31 @@ def profile_layers(
     num_micro_batches: int = 1,
     seconds_per_layer: float = 0.05,
     min_repeats: int = 3,
+    split_backward: bool = False,
 ) -> list[LayerProfile]:
     """Forward and backward time and memory of every layer of ``sequential`` on ``device``.
 
     ``sample`` is the input of ``sequential`` (see :func:`pipelined_input`); each layer runs on the first of its
     ``num_micro_batches`` micro-batches, as a stage would. Each layer is timed ``min_repeats`` times or for about
     ``seconds_per_layer``, whichever takes longer, after one warm-up run; the fastest run counts, since other
-    processes on the machine only ever add time (as ``timeit`` reasons).
+    processes on the machine only ever add time (as ``timeit`` reasons). With ``split_backward`` each run also times
+    the input gradient alone first (``torch.autograd.grad`` to the layer's input), which the split backward of the
+    zero-bubble schedules runs apart from the weight gradients.
     """
     value = microbatch.split(move_data_to_device(_real(sample, device), device), num_micro_batches)[0]
     profiles = []
     with torch.random.fork_rng(devices=_rng_devices(device)):
         for index, layer in enumerate(sequential):
-            profile, value = _profile_layer(layer, value, device, seconds_per_layer, min_repeats, index)
+            profile, value = _profile_layer(
+                layer, value, device, seconds_per_layer, min_repeats, index, split_backward
+            )
             profiles.append(profile)
     return profiles
 
 
 def _profile_layer(
-    layer: nn.Module, value: Activation, device: torch.device, budget: float, min_repeats: int, index: int
+    layer: nn.Module, value: Activation, device: torch.device, budget: float, min_repeats: int, index: int,
+    split_backward: bool = False,
 ) -> tuple[LayerProfile, Activation]:
     """The profile of one layer and its output (the next layer's input), detached."""
     layer = _materialized(copy.deepcopy(layer), device)
@@ -120,6 +131,8 @@ def _profile_layer(
 
     forwards: list[float] = []
     backwards: list[float] = []
+    input_gradients: list[float] = []
+    differentiable = [t for t in inputs if t.requires_grad]
     activation_bytes = 0
     output: Activation = value
     spent, run = 0.0, 0
@@ -142,13 +155,21 @@ def _profile_layer(
         middle = time.perf_counter()
         outputs = microbatch.as_tensors(output, f"the output of layer {index} of the pipelined module")
         needing = [t for t in outputs if t.requires_grad]
+        ones = [torch.ones_like(t) for t in needing]
+        input_gradient, backward_start = 0.0, middle
+        if split_backward and needing and differentiable:  # the input's gradient alone, the graph kept
+            torch.autograd.grad(needing, differentiable, ones, retain_graph=True, allow_unused=True)
+            sync()
+            backward_start = time.perf_counter()
+            input_gradient = backward_start - middle
         if needing:
-            torch.autograd.backward(needing, [torch.ones_like(t) for t in needing])
+            torch.autograd.backward(needing, ones)
         sync()
         end = time.perf_counter()
         if run > 0:
             forwards.append(middle - start)
-            backwards.append(end - middle)
+            backwards.append(end - backward_start)
+            input_gradients.append(input_gradient)
             spent += end - start
         activation_bytes = sum(saved.values())
         layer.zero_grad(set_to_none=True)
@@ -156,7 +177,11 @@ def _profile_layer(
             tensor.grad = None
         run += 1
     detached = tuple(t.detach() for t in microbatch.as_tensors(output, "the output"))
-    profile = LayerProfile(min(forwards), min(backwards), parameter_bytes, activation_bytes)
+    input_bytes = sum(t.numel() * t.element_size() for t in inputs)
+    profile = LayerProfile(
+        min(forwards), min(backwards), parameter_bytes, activation_bytes,
+        min(input_gradients) if split_backward else None, input_bytes,
+    )
     return profile, detached if isinstance(output, tuple) else detached[0]
 
 
@@ -198,3 +223,46 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
 
 def _rng_devices(device: torch.device) -> list[int]:
     return [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+
+
+def block_cost_model(
+    module: nn.Module, sequential: nn.Sequential, sample: Any, device: torch.device, sizes: tuple[int, int],
+    min_repeats: int = 5,
+) -> CostModel:
+    """Every block's costs on micro-batches of the two sample counts ``sizes`` (the smallest and the largest a
+    choice will use), each block's input gradient timed apart from its weight gradients: what
+    :mod:`lightning_pipe.schedules.choice` predicts every configuration from. ``sample`` is an input of
+    ``module``'s forward, tiled or cut along dim 0 to each size. The fastest of ``min_repeats`` runs counts: a
+    choice compares the blocks' costs, so a run slowed by another process must not decide it."""
+    value = pipelined_input(module, sequential, sample)
+    measured = []
+    for samples in sizes:
+        profiles = profile_layers(
+            sequential, _resized(value, samples), device, min_repeats=min_repeats, split_backward=True
+        )
+        measured.append([
+            BlockCosts(
+                samples, p.forward_seconds, p.input_gradient_seconds or 0.0,
+                max(0.0, p.backward_seconds - (p.input_gradient_seconds or 0.0)),
+                p.activation_bytes, p.input_bytes, p.parameter_bytes,
+            )
+            for p in profiles
+        ])
+    return CostModel.measured(*measured)
+
+
+def _resized(value: Activation, samples: int) -> Activation:
+    """``value`` with ``samples`` rows: every tensor of the sample's batch size repeated along dim 0 and cut."""
+    tensors = microbatch.as_tensors(value, "the input of the pipelined module")
+    batch = tensors[0].shape[0] if tensors and tensors[0].dim() else 0
+    if batch == 0:
+        raise ValueError("the pipelined module's input has no batch dimension to profile micro-batches of")
+
+    def resized(t: Tensor) -> Tensor:
+        if t.dim() == 0 or t.shape[0] != batch:
+            return t
+        repeats = -(-samples // batch)
+        return t.repeat(repeats, *([1] * (t.dim() - 1)))[:samples]
+
+    sized = tuple(resized(t) for t in tensors)
+    return sized if isinstance(value, tuple) else sized[0]

@@ -18,9 +18,9 @@ order: the way to say that the last blocks, the head and the loss, are heavy wha
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
-from lightning_pipe.schedules.actions import PipelineSchedule
+from lightning_pipe.schedules.actions import PipelineSchedule, RecomputeMode, with_recompute
 from lightning_pipe.schedules.builtin import SCHEDULES
 from lightning_pipe.schedules.simulator import Simulation, clock_cycles, peak_held
 
@@ -28,12 +28,14 @@ from lightning_pipe.schedules.simulator import Simulation, clock_cycles, peak_he
 @dataclass(frozen=True)
 class ComputeCosts:
     """What one micro-batch costs a stage (or a chunk): seconds of forward, input gradient and weight gradient, and
-    the bytes of activations it holds from its forward until its backward."""
+    the bytes of activations it holds from its forward until its backward (``input_bytes`` of them when its forward
+    is re-computed in backward: its input)."""
 
     forward: float
     input_gradient: float
     weight_gradient: float
     activation_bytes: float = 0.0
+    input_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -65,10 +67,15 @@ def predict(
     costs: ComputeCosts | Sequence[ComputeCosts],
     virtual_stages: int | None = None,
     send_time: float = 0.0,
+    recompute: RecomputeMode = "never",
 ) -> Prediction:
     """The step of ``schedule`` with ``costs`` (one for every stage, one per stage, or one per chunk) and messages
-    that take ``send_time`` seconds to arrive."""
+    that take ``send_time`` seconds to arrive. With ``recompute`` (the ``checkpoint`` option) a re-computed forward
+    runs again before its (input-gradient) backward and holds only its input until then."""
     schedule = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
+    if recompute != "never":
+        plain = schedule.actions
+        schedule = replace(schedule, actions=lambda s, n, m, v: with_recompute(plain(s, n, m, v), recompute))
     v = schedule.checked_virtual_stages(virtual_stages)
     chunks = num_stages * v
     if isinstance(costs, ComputeCosts):
@@ -97,6 +104,9 @@ def predict(
         step=step,
         bubble=simulation.bubble_fraction,
         stage_bubbles=tuple(1 - b / step if step else 0.0 for b in busy),
-        peak_activation_bytes=tuple(peak_held(actions, lambda k: per_chunk[k].activation_bytes) for actions in lists),
+        peak_activation_bytes=tuple(
+            peak_held(actions, lambda k: per_chunk[k].activation_bytes, lambda k: per_chunk[k].input_bytes)
+            for actions in lists
+        ),
         simulation=simulation,
     )

@@ -290,6 +290,7 @@ def _run(
     sent_at: dict[tuple[int, int, str], list[float]] = {}
     taken: dict[tuple[int, int, str], int] = {}
     intervals: list[list[ScheduledAction]] = [[] for _ in lists]
+    recomputed: set[tuple[int, int]] = set()  # a re-computed forward runs again inside its (input-gradient) backward
     progress = True
     while progress:
         progress = False
@@ -298,8 +299,12 @@ def _run(
                 action = actions[position[stage]]
                 found = grid.message(stage, action)
                 if action.kind in COMPUTE_KINDS:
-                    start = clock[stage]
+                    start, pair = clock[stage], (action.chunk, action.micro_batch)
                     clock[stage] += costs[action.chunk][action.kind]
+                    if action.kind == "forward" and action.recompute:
+                        recomputed.add(pair)
+                    elif action.kind in INPUT_GRADIENT_KINDS and pair in recomputed:
+                        clock[stage] += costs[action.chunk]["forward"]
                     intervals[stage].append(ScheduledAction(start, clock[stage], action))
                 elif action.kind in ("send", "send_grad"):
                     assert found is not None
@@ -325,16 +330,33 @@ def _run(
     return tuple(tuple(stage) for stage in intervals)
 
 
-def peak_held(actions: list[Action], size: Callable[[int], float] = lambda chunk: 1) -> float:
+def peak_held(
+    actions: list[Action],
+    size: Callable[[int], float] = lambda chunk: 1,
+    recomputed_size: Callable[[int], float] | None = None,
+) -> float:
     """The most a stage holds at once of what each forward keeps until its (weight) backward: by default the count of
-    (chunk, micro-batch) pairs in flight; ``size(chunk)`` of each (its activation bytes, say) when given."""
+    (chunk, micro-batch) pairs in flight; ``size(chunk)`` of each (its activation bytes, say) when given.
+
+    A re-computed forward (``recompute``) keeps only ``recomputed_size(chunk)`` (its input) when that is given; its
+    activations come back in its backward (from the input gradient to the weight gradient when split)."""
     held = peak = 0.0
+    kept: dict[tuple[int, int], float] = {}
     for action in actions:
+        pair = (action.chunk, action.micro_batch)
         if action.kind == "forward":
-            held += size(action.chunk)
-            peak = max(peak, held)
-        elif action.kind in ("backward", "backward_weight"):
-            held -= size(action.chunk)
+            recomputed = action.recompute and recomputed_size is not None
+            kept[pair] = recomputed_size(action.chunk) if recomputed else size(action.chunk)  # type: ignore[misc]
+            held += kept[pair]
+        elif action.kind in INPUT_GRADIENT_KINDS and pair in kept:
+            held += size(action.chunk) - kept[pair]  # a re-computed forward's activations, back for its backward
+            kept[pair] = size(action.chunk)
+            if action.kind == "backward":
+                peak = max(peak, held)
+                held -= kept.pop(pair)
+        elif action.kind == "backward_weight" and pair in kept:
+            held -= kept.pop(pair)
+        peak = max(peak, held)
     return peak
 
 

@@ -379,6 +379,26 @@ class EmulatedClassifier(PipeClassifier):
         self.net.model = nn.Sequential(nn.Linear(12, 16), *emulated_blocks(16, [times] * 6 + [times.scaled(2)]))
 
 
+class AutoEmulatedClassifier(EmulatedClassifier):
+    """The emulated classifier with an example input, which ``schedule="auto"`` profiles its blocks on."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        self.example_input_array = torch.zeros(4, 3, 4)
+
+
+class BatchNormBeforeTheBlocks(PipeClassifier):
+    """BatchNorm outside the pipelined Sequential, on the input: what ``schedule="auto"`` refuses."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        self.norm = nn.BatchNorm1d(3)
+        self.example_input_array = torch.zeros(4, 3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.net(self.norm(x * self.input_scale)))
+
+
 SEQUENCE_LENGTHS = (5, 2, 9, 3, 7)
 
 
@@ -398,7 +418,7 @@ def sequence_loaders(train_samples: int, val_samples: int, batch_size: int) -> t
             DataLoader(batches(val_samples, 1), batch_size=None))
 
 
-MODELS = {"dropout": DropoutClassifier, "two_dropouts": TwoDropoutsClassifier, "synced": SyncedLogging, "batchnorm": BatchNormClassifier, "one_batchnorm": OneBatchNormClassifier, "classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "skips_before": SkipsBeforeTheModel, "skips_some": SkipsSomeMicroBatches, "poisoned": PoisonedGradient, "deferred": DeferredPipeClassifier, "resettable": ResettablePipeClassifier,
+MODELS = {"auto_emulated": AutoEmulatedClassifier, "batchnorm_before": BatchNormBeforeTheBlocks, "dropout": DropoutClassifier, "two_dropouts": TwoDropoutsClassifier, "synced": SyncedLogging, "batchnorm": BatchNormClassifier, "one_batchnorm": OneBatchNormClassifier, "classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "skips_before": SkipsBeforeTheModel, "skips_some": SkipsSomeMicroBatches, "poisoned": PoisonedGradient, "deferred": DeferredPipeClassifier, "resettable": ResettablePipeClassifier,
           "tied": TiedAcrossStages, "tied_momentum": TiedWithMomentum,
           "tied_deferred": DeferredTiedAcrossStages, "tied_outside": TiedToOutside, "tied_outside_only": TiedOutsideOnly,
           "tied_everywhere": TiedEverywhere,

@@ -96,7 +96,7 @@ def main(spec_path):
         def trainer_for(max_epochs: int, checkpoints: bool, strategy: dict) -> Trainer:
             return Trainer(
                 strategy=lightning_pipe.GPipeStrategy(
-                    num_micro_batches=run["num_micro_batches"],
+                    num_micro_batches=run.get("num_micro_batches"),
                     checkpoint=run.get("checkpoint", "except_last"),
                     start_method=run.get("start_method", "popen"),
                     **strategy,
@@ -114,6 +114,10 @@ def main(spec_path):
                 plugins=[MixedPrecision("16-mixed", "cpu")] if run.get("fp16") else None,
             )
 
+        if run.get("memory_budget_below"):  # schedule="auto" under a budget just below an earlier run's choice
+            own = f"rank{os.environ.get('LOCAL_RANK', 0)}.json"  # every rank recorded the same choice, itself
+            earlier = json.loads((Path(spec["out"]) / run["memory_budget_below"] / own).read_text())
+            run.setdefault("strategy", {})["memory_budget"] = int(earlier["choice"]["memory_bytes"]) - 1
         checkpoint_path = None
         if run.get("resume_after_epoch"):  # train one epoch, writing a checkpoint; the run resumes from it below
             seed_everything(0)
@@ -126,8 +130,9 @@ def main(spec_path):
         seed_everything(0 if checkpoint_path is None else 1)  # a resumed run must take its weights from the file
         with trainer.init_module(empty_init=True) if run.get("empty_init") else nullcontext():
             model = MODELS[run.get("model", "classifier")](lr=run.get("lr", 0.5))
-        rows = run.get("batch_size", 16) // run["num_micro_batches"]
-        masks = record_dropout_masks(model, rows) if run.get("record_dropout_masks") else None
+        masks = None
+        if run.get("record_dropout_masks"):
+            masks = record_dropout_masks(model, run.get("batch_size", 16) // run["num_micro_batches"])
         # Re-computations then run to the end (not only as far as backward needs), so the hooks record them too.
         with torch.utils.checkpoint.set_checkpoint_early_stop(False) if masks is not None else nullcontext():
             trainer.fit(model, train, val, ckpt_path=checkpoint_path)
@@ -152,6 +157,15 @@ def main(spec_path):
             summary["chunk_ranges"] = [[r.start, r.stop] for r in plan.ranges]
         if hasattr(model, "forward_counts"):
             summary["forward_counts"] = model.forward_counts()
+        choice = pipeline.schedule_choice if pipeline is not None else None
+        if choice is not None:  # schedule="auto": what it chose, as this rank runs it
+            settings = trainer.strategy._settings
+            summary["choice"] = {
+                "schedule": settings.schedule.name, "num_micro_batches": settings.num_micro_batches,
+                "virtual_stages": settings.virtual_stages, "checkpoint": settings.recompute,
+                "chosen": str(choice.configuration), "memory_bytes": choice.memory_bytes,
+                "memory_budget": run.get("strategy", {}).get("memory_budget"), "message": choice.message,
+            }
         (out / f"rank{rank}.json").write_text(json.dumps(summary))
         if rank == 0:  # which of Lightning's cluster environments set up the ranks
             (out / "environment.txt").write_text(type(trainer.strategy.cluster_environment).__name__)

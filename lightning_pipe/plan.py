@@ -1,0 +1,156 @@
+"""The command that says which schedule to use: ``python -m lightning_pipe.plan`` ranks every schedule x micro-batch
+count x virtual stages x checkpoint mode by its predicted step, from block costs profiled on this machine or read
+from a file.
+
+    python -m lightning_pipe.plan --stages 4                                  # the Hydra config in ./conf
+    python -m lightning_pipe.plan --stages 8 model.depth=16 data.batch_size=64  # with overrides
+    python -m lightning_pipe.plan my_project.models:Classifier --batch-size 64 --stages 4
+    python -m lightning_pipe.plan --costs costs.json --stages 8               # costs saved by --save-costs
+
+It profiles each pipelined block's forward, input gradient, weight gradient and activation bytes at the smallest and
+the largest micro-batch the candidates use (:func:`~lightning_pipe.partition.profiling.block_cost_model`), predicts
+every configuration (:mod:`lightning_pipe.schedules.choice`), prints the ranked table and the recommendation with
+why, and, with ``--draw DIR`` where matplotlib is installed, the predicted timelines of the best three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_pipe.auto_schedule import candidates_for, ranked_choice
+from lightning_pipe.partition.profiling import block_cost_model
+from lightning_pipe.pipeline import find_pipelined_region
+from lightning_pipe.schedules.builtin import SCHEDULES
+from lightning_pipe.schedules.choice import AUTO_SCHEDULES, BlockCosts, CostModel, PlannedConfiguration, choose
+from lightning_pipe.settings import PipelineSettings
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the command line (``argv``, else ``sys.argv``), profile or read the costs, print the plan."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_pipe.plan",
+        description="Rank every schedule x micro-batch count x virtual stages x checkpoint mode by its predicted step"
+        " for S stages, from block costs profiled here or read from a file, and recommend one.",
+    )
+    parser.add_argument("target", nargs="*", help="a LightningModule's import path (pkg.module:Class), or Hydra"
+                        " overrides of the config in --config-dir (model.depth=16); nothing: that config as it is")
+    parser.add_argument("--stages", type=int, default=None, help="pipeline stages (default: the config's num_stages)")
+    parser.add_argument("--batch-size", type=int, default=None, help="samples per training batch (default: the"
+                        " config's data.batch_size)")
+    parser.add_argument("--config-dir", type=Path, default=Path("conf"), help="the Hydra config tree (default ./conf)")
+    parser.add_argument("--config-name", default="config")
+    parser.add_argument("--costs", type=Path, default=None, help="read the block costs from this JSON file")
+    parser.add_argument("--save-costs", type=Path, default=None, help="write the profiled block costs here")
+    parser.add_argument("--memory-budget", default=None, help="bytes per device for a stage (e.g. 40GB)")
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    parser.add_argument("--device", default="cpu", help="where to profile (default cpu)")
+    parser.add_argument("--top", type=int, default=15, help="rows of the table shown (default 15)")
+    parser.add_argument("--draw", type=Path, default=None, help="draw the best three's predicted timelines here")
+    args = parser.parse_args(argv)
+    try:
+        model, batch_size, num_stages, module_name = _costs(args)
+        settings = PipelineSettings(schedule="auto", module_name=module_name,
+                                    memory_budget=args.memory_budget)
+        candidates = candidates_for(settings, num_stages, batch_size, model.num_blocks, args.schedules)
+        source = f"read from {args.costs}" if args.costs else f"profiled on {args.device}"
+        rows, chosen, text = ranked_choice(
+            model, settings, num_stages, batch_size, settings.memory_budget, candidates, source, args.top
+        )
+    except ValueError as error:
+        parser.error(str(error))
+    print(text)
+    print(f"\nRecommended: {chosen.configuration}.")
+    auto = [r for r in rows if r.configuration.schedule in AUTO_SCHEDULES]
+    if chosen.configuration.schedule not in AUTO_SCHEDULES and auto:
+        print(f"schedule='auto' would choose {choose(auto).configuration} (it leaves zbv, whose loss is on stage 0,"
+              " to you).")
+    if args.draw is not None:
+        _draw(rows[:3], num_stages, args.draw)
+
+
+def _costs(args: argparse.Namespace) -> tuple[CostModel, int, int, Any]:
+    """The block costs, the batch size, the stage count and the pipelined module's name."""
+    if args.costs is not None:
+        stored = json.loads(args.costs.read_text())
+        model = CostModel.measured([BlockCosts(**b) for b in stored["small"]], [BlockCosts(**b) for b in stored["large"]])
+        if args.stages is None:
+            raise ValueError("--costs needs --stages: the stage count to plan for")
+        return model, args.batch_size or stored["batch_size"], args.stages, None
+    module, batch_size, num_stages, module_name = _module(args)
+    if batch_size is None or num_stages is None:
+        raise ValueError("give --batch-size and --stages (a LightningModule's import path has neither)")
+    settings = PipelineSettings(schedule="auto", module_name=module_name)
+    region = find_pipelined_region(module, settings, num_stages)
+    layers = torch.nn.Sequential(*region.blocks(module))
+    counts = [c.num_micro_batches for c in candidates_for(settings, num_stages, batch_size, len(layers), args.schedules)]
+    sizes = (max(1, batch_size // max(counts)), max(1, batch_size // min(counts)))
+    sample = getattr(module, "example_input_array", None)
+    if sample is None:
+        raise ValueError(f"{type(module).__name__} has no example_input_array to profile its blocks with; set one")
+    model = block_cost_model(module, layers, sample, torch.device(args.device), sizes)
+    if args.save_costs is not None:
+        args.save_costs.write_text(json.dumps({
+            "batch_size": batch_size, "small": [dataclasses.asdict(b) for b in model.small],
+            "large": [dataclasses.asdict(b) for b in model.large],
+        }, indent=1))
+    return model, batch_size, num_stages, module_name
+
+
+def _module(args: argparse.Namespace) -> tuple[Any, int | None, int | None, Any]:
+    """The LightningModule (from its import path or the Hydra config), its batch size, stages and module name."""
+    if len(args.target) == 1 and ":" in args.target[0]:
+        path, _, name = args.target[0].partition(":")
+        return getattr(importlib.import_module(path), name)(), args.batch_size, args.stages, None
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from lightning_pipe.integration import hydra_schema
+
+    hydra_schema.register_configs()  # the strategy group's schema, which conf/strategy/gpipe.yaml extends
+
+    with initialize_config_dir(config_dir=str(args.config_dir.resolve()), version_base="1.3"):
+        cfg = compose(args.config_name, overrides=list(args.target))
+    module = instantiate(cfg.model)
+    batch_size = args.batch_size or cfg.get("data", {}).get("batch_size")
+    strategy = cfg.get("strategy", {})
+    return module, batch_size, args.stages or strategy.get("num_stages"), strategy.get("module_name")
+
+
+def _draw(rows: list[PlannedConfiguration], num_stages: int, where: Path) -> None:
+    """The predicted timelines of ``rows`` as one PNG each, where matplotlib is installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no timelines drawn (pip install matplotlib)")
+        return
+    where.mkdir(parents=True, exist_ok=True)
+    colours = {"forward": "tab:blue", "backward": "tab:red", "backward_input": "tab:orange", "backward_weight": "tab:green"}
+    for rank, row in enumerate(rows, 1):
+        c = row.configuration
+        figure, axes = plt.subplots(figsize=(12, 0.5 + 0.4 * num_stages))
+        for stage, intervals in enumerate(row.simulation.intervals):  # type: ignore[union-attr]
+            for start, end, action in intervals:
+                axes.broken_barh([(start * 1000, (end - start) * 1000)], (stage - 0.4, 0.8),
+                                 color=colours[action.kind])
+        axes.set_yticks(range(num_stages), [f"stage {s}" for s in range(num_stages)])
+        axes.invert_yaxis()
+        axes.set_xlabel("ms")
+        axes.set_title(f"{c}: predicted step {row.step * 1000:.1f} ms, bubble {row.bubble:.3f}")
+        path = where / f"{rank}_{c.schedule}_m{c.num_micro_batches}_v{c.virtual_stages}_{c.recompute}.png"
+        figure.savefig(path, dpi=100, bbox_inches="tight")
+        plt.close(figure)
+        print(f"drew {path}")
+
+
+if __name__ == "__main__":
+    main()
