@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 
 from lightning_pipe.checkpoints.pretrained import PretrainedLoad, PretrainedWeights, holds_pretrained_weights
-from lightning_pipe.checkpoints.whole_model import WholeModelLayout, restore_whole_model
+from lightning_pipe.checkpoints.whole_model import WholeModelLayout, restore_whole_model, tied_aliases
 from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.execution.batchnorm import defer as defer_batch_norms
 from lightning_pipe.execution.compiling import check_compiled, compile_stage, uncompiled_name
@@ -289,6 +289,7 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
     held = _blocks_held_by_stage(plan, settings, config.num_stages)
     ties = parameters_shared_across_stages(blocks, held)  # before materialising replaces parameters
     state_keys, parameter_order = list(module.state_dict().keys()), [name for name, _ in module.named_parameters()]
+    aliases = tied_aliases(module)  # before materialising unties the stages' copies
     pretrained = plan_pretrained_load(module, settings.pretrained)  # checked on the whole model: every rank alike
     stage = _install_stage(module, region, plan, settings, groups)
     # Built on the meta device: only what this rank runs becomes real (the stage, the replicated modules).
@@ -299,7 +300,8 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
         for block in stage.blocks:
             defer_batch_norms(block)
     pipelined = WholeModelLayout(
-        region.label, layers, held, state_keys, parameter_order, put_back=stage.uninstall, block_names=region.names
+        region.label, layers, held, state_keys, parameter_order, put_back=stage.uninstall, block_names=region.names,
+        aliases=aliases,
     )
     replicated = replicated_parameters(module, region.names)
     tied = TiedParameters(ties, stage, groups.layout, replicated, groups.timeout)

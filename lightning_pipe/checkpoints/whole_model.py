@@ -51,14 +51,40 @@ class WholeModelLayout:
     # After a run of a model built the usual way, every rank holds the whole trained model: nothing to gather.
     whole_on_every_rank: bool = False
     block_names: tuple[str, ...] = ()  # each block's qualified name in the LightningModule, in order
+    # Keys whose tensor is an earlier key's on one device (a tied head, a layer sharing another's weight): written
+    # once, under the earlier name, as `save_pretrained` writes them (see `tied_aliases`).
+    aliases: frozenset[str] = frozenset()
+
+    def holders(self, key: str) -> list[int]:
+        """The stages whose ranks hold ``key``'s tensor: the stage of its block; every stage for a key outside the
+        pipelined blocks (embeddings, head)."""
+        for index, name in enumerate(self.block_names):
+            if key.startswith(f"{name}."):
+                return [stage for stage, held in enumerate(self.ranges) if index in held]
+        return list(range(len(self.ranges)))
+
+    def writer(self, key: str) -> int | None:
+        """The one stage that writes ``key`` when each stage writes its own share: the first stage that holds it;
+        None for an alias of an earlier key, which that key's writer writes once."""
+        if key in self.aliases:
+            return None
+        return min(self.holders(key))
 
     def stage_keys(self, stage: int) -> list[str]:
-        """The state-dict keys that stage ``stage`` writes when each stage writes its own: its blocks' keys, and on
-        the first stage the keys outside the pipelined blocks (which every stage holds), in the whole model's
-        order."""
-        inside = tuple(f"{name}." for name in self.block_names)
-        mine = tuple(f"{self.block_names[i]}." for i in self.ranges[stage])
-        return [key for key in self.state_keys if key.startswith(mine) or (stage == 0 and not key.startswith(inside))]
+        """The state-dict keys that stage ``stage`` writes (:meth:`writer`), in the whole model's order."""
+        return [key for key in self.state_keys if self.writer(key) == stage]
+
+
+def tied_aliases(module: nn.Module) -> frozenset[str]:
+    """The keys of ``module``'s state dict whose tensor an earlier key already holds (``lm_head.weight`` tied to
+    ``transformer.wte.weight``): read on the whole model before it is split, where every tie is one tensor."""
+    seen: set[int] = set()
+    aliases = set()
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            aliases.add(key)
+        seen.add(id(tensor))
+    return frozenset(aliases)
 
 
 # ---- saving: the whole model on the loss stage -------------------------------------------------------------------
