@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.utils.data import DataLoader
 
 from helpers.compare import relative_weight_error
 from helpers.launch import launch
@@ -314,9 +315,12 @@ def test_with_replicas_one_replica_writes_each_tensor_once(pipelined):
     assert len([file for file in written if file.startswith("exported/")]) == 2  # a shard per stage
 
 
-def test_the_export_of_two_replicas_equals_the_export_of_one(pipelined, saved):
-    """The same samples per step (2 x 8 or 1 x 16, one length): the same trained model, exported alike, in shards
-    of at most 40KB numbered across the stages, with the index save_pretrained writes."""
+def test_the_export_of_two_replicas_equals_the_export_of_one(pipelined, saved, tmp_path):
+    """2 stages x 2 replicas write what one replica writes (the same files, shards of at most 40KB numbered across
+    the stages, the same index), and the model one device trains on the same samples and writes with
+    save_pretrained: each replica reads every other sample of Lightning's shuffled DistributedSampler (seed 0, a
+    new permutation each epoch), one device the step's 16 together; sequences of one length, so a token mean is a
+    sample mean and the replicas' average is the whole step's."""
     replicas, one = pipelined[4] / "gpt2_replicas", pipelined[2] / "gpt2_one_replica"
     for directory in ("exported", "exported_shards"):
         names = sorted(path.name for path in (replicas / directory).glob("*.safetensors"))
@@ -328,13 +332,22 @@ def test_the_export_of_two_replicas_equals_the_export_of_one(pipelined, saved):
     for path in shards:  # cut at 40KB, except a tensor larger than that alone
         sizes = [value.numel() * value.element_size() for value in load_file(path).values()]
         assert sum(sizes) <= 40 * 1024 or len(sizes) == 1, path.name
-    start = transformers.AutoModelForCausalLM.from_pretrained(saved["gpt2"]).state_dict()
-    trained = {}
-    for run in (replicas, one):
-        trained[run] = transformers.AutoModelForCausalLM.from_pretrained(run / "exported_shards").state_dict()
-        whole = transformers.AutoModelForCausalLM.from_pretrained(run / "exported").state_dict()
-        assert all(torch.equal(whole[key], value) for key, value in trained[run].items())
-    assert relative_weight_error(start, trained[one], trained[replicas]) < TOLERANCE
+    seed_everything(0, verbose=False)
+    model = stock_models.PretrainedCausalLM(str(saved["gpt2"]), from_pretrained=True, batch_size=16, padded=False)
+    start = {key: value.clone() for key, value in model.model.state_dict().items()}
+    order = [i for epoch in (0, 1) for i in torch.randperm(32, generator=torch.Generator().manual_seed(epoch)).tolist()]
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(model, DataLoader(model.dataset(seed=0), batch_size=16, sampler=order))
+    model.model.save_pretrained(tmp_path)
+    expected, exported = stored_tensors(tmp_path), stored_tensors(replicas / "exported_shards")
+    assert exported.keys() == expected.keys()
+    for name, value in stored_tensors(replicas / "exported").items():  # the shards hold what one per stage holds
+        assert torch.equal(exported[name], value), name
+    start = {key: start[key] for key in expected}
+    assert relative_weight_error(start, expected, exported) < TOLERANCE
+    # Negative control: one device reading the samples in order (what no replica read) ends elsewhere.
+    assert relative_weight_error(start, expected, stored_tensors(one / "exported")) > 100 * TOLERANCE
 
 
 def test_a_later_run_of_the_same_model_object_keeps_the_weights_it_trained(pipelined):
