@@ -333,7 +333,7 @@ def test_the_export_of_two_replicas_equals_the_export_of_one(pipelined, saved, t
         sizes = [value.numel() * value.element_size() for value in load_file(path).values()]
         assert sum(sizes) <= 40 * 1024 or len(sizes) == 1, path.name
     seed_everything(0, verbose=False)
-    model = stock_models.PretrainedCausalLM(str(saved["gpt2"]), from_pretrained=True, batch_size=16, padded=False)
+    model = PretrainedCausalLM(str(saved["gpt2"]), from_pretrained=True, batch_size=16, padded=False)
     start = {key: value.clone() for key, value in model.model.state_dict().items()}
     order = [i for epoch in (0, 1) for i in torch.randperm(32, generator=torch.Generator().manual_seed(epoch)).tolist()]
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,

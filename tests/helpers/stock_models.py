@@ -110,11 +110,15 @@ class CausalLM(TinyData, LightningModule):
     """A Hugging Face causal LM in a LightningModule: the loss is the model's own, from ``labels=``."""
 
     def __init__(
-        self, model: nn.Module, lr: float = 3e-3, batch_size: int = 8, samples: int = 32, padded: bool = True
+        self, model: nn.Module, lr: float = 3e-3, batch_size: int = 8, samples: int = 32, padded: bool = True,
+        sgd_lr: float | None = None, weight_by_samples: bool = False,
     ) -> None:
         super().__init__()
         self.model = model
         self.lr, self.batch_size, self.samples, self.padded = lr, batch_size, samples, padded
+        self.sgd_lr = sgd_lr  # SGD instead of AdamW: for comparing weights where Adam amplifies round-off
+        if weight_by_samples:  # micro-batches weighted by their samples, not the label tokens the loss counts
+            self.items_in_loss = lambda batch: len(batch["labels"])
 
     def dataset(self, seed: int) -> Dataset:
         return CountingSequences(self.samples, seed=seed, padded=self.padded)
@@ -134,6 +138,8 @@ class CausalLM(TinyData, LightningModule):
         return self(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
     def configure_optimizers(self):
+        if self.sgd_lr is not None:
+            return torch.optim.SGD(self.parameters(), lr=self.sgd_lr)
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
 
 
