@@ -13,7 +13,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from lightning.pytorch import seed_everything
 from torch import nn
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
@@ -404,6 +406,7 @@ MODELS = {"dropout": DropoutClassifier, "two_dropouts": TwoDropoutsClassifier, "
           "tied_everywhere": TiedEverywhere,
           "compiled": CompiledPipelined, "compiled_layers": CompiledLayers, "counts": CountsForwards,
           "sequences": SequenceClassifier, "llama": stock_models.LlamaModule, "token_mean_llama": stock_models.TokenMeanLlama,
+          "sample_weighted_llama": partial(stock_models.LlamaModule, weight_by_samples=True),
           "emulated": EmulatedClassifier}
 
 
