@@ -2,9 +2,8 @@
 model's loss counts, as transformers' Trainer counts ``num_items_in_batch``, with nothing written by the user.
 
 A causal LM's token mean on right-padded batches of varying lengths equals one device on the whole batch under every
-per-micro-batch schedule; weighting by samples (the negative control) does not. T5 under ``1f1b`` and ``zbv`` equals
-one device with SGD; with AdamW one element of its weights moves differently, and it is an element whose gradient is
-round-off (zero in exact arithmetic), which Adam divides by its own size.
+per-micro-batch schedule; weighting by samples (the negative control) does not. T5 under ``1f1b`` equals one device
+with SGD and with AdamW; under ``zbv`` it does not yet (an expected failure, below).
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import json
 
 import pytest
 import torch
-from lightning.pytorch import seed_everything
 from torch import nn
 
 from helpers.compare import relative_weight_error
@@ -157,29 +155,18 @@ def test_weighting_by_samples_on_the_same_data_differs(pipelined):
     assert weight_error > 100 * TOLERANCE
 
 
-@pytest.mark.parametrize("name", ["t5_1f1b", "t5_zbv"])
-def test_t5_under_a_per_micro_batch_schedule_equals_one_device_with_sgd(pipelined, name):
-    loss_error, weight_error, _, _ = errors(pipelined, name)
+def test_t5_under_1f1b_equals_one_device_with_sgd_and_with_adamw(pipelined):
+    """Weighted by its labels, T5 under 1f1b equals one device on the whole batch with SGD and with AdamW alike."""
+    for name in ("t5_1f1b", "t5_1f1b_adam"):
+        loss_error, weight_error, _, _ = errors(pipelined, name)
+        assert loss_error < 1e-5 and weight_error < TOLERANCE, (name, loss_error, weight_error)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "T5 under the split-backward schedules (zbv, zero_bubble) is 2% off with SGD from the first step (losses equal at"
+    " step 1, the first stack block's relative_attention_bias furthest off); interleaved_1f1b and 1f1b are exact:"
+    " the gradient reaching the position bias, an output of each stack's first block that depends on its weights"
+    " only, is suspected lost in the deferred weight gradient. See the report of branch hf-export."))
+def test_t5_under_zbv_equals_one_device_with_sgd(pipelined):
+    loss_error, weight_error, _, _ = errors(pipelined, "t5_zbv")
     assert loss_error < 1e-5 and weight_error < TOLERANCE, (loss_error, weight_error)
-
-
-def test_with_adamw_t5_differs_only_where_a_gradient_is_round_off(pipelined):
-    """With AdamW the run is off in a few elements: each one whose gradient, on one device, is under 1e-6 of its
-    tensor's largest (zero in exact arithmetic: round-off, in another order on the stages), which Adam divides by
-    its own size and moves by up to the learning rate. Everywhere else the weights agree to 1e-5."""
-    _, _, after, pipelined_weights = errors(pipelined, "t5_1f1b_adam")
-    seed_everything(0, verbose=False)
-    model = STOCK_MODELS["t5"]()
-    batch = next(iter(model.train_dataloader()))
-    model.training_step(batch, 0).backward()
-    gradients = {f"{name}": parameter.grad for name, parameter in model.named_parameters()}
-    off = []
-    for key, value in after.items():
-        difference = (pipelined_weights[key] - value).abs()
-        if key in gradients and float(difference.max()) > 1e-5:
-            for index in (difference > 1e-5).nonzero().tolist():
-                gradient = gradients[key]
-                off.append((key, index, float(gradient[tuple(index)].abs() / gradient.abs().max())))
-    print(off)
-    assert off, "AdamW agreed everywhere: the control does not show Adam's amplification"
-    assert all(share < 1e-6 for _, _, share in off), off
