@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 
 from lightning_pipe.checkpoints.pretrained import PretrainedLoad, PretrainedWeights, holds_pretrained_weights
-from lightning_pipe.checkpoints.whole_model import WholeModelLayout, restore_whole_model
+from lightning_pipe.checkpoints.whole_model import WholeModelLayout, restore_whole_model, tied_aliases
 from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.execution.batchnorm import defer as defer_batch_norms
 from lightning_pipe.execution.compiling import check_compiled, compile_stage, uncompiled_name
@@ -323,9 +323,10 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
     module_stages = _outside_module_stages(places, held, groups)
     outside = _outside_summary(module, region, module_stages, config.num_stages)
     ties = parameters_shared_across_stages(blocks, held)  # before materialising replaces parameters
-    holders, sources, aliases = parameter_holders(module, module_stages)
+    holders, sources, names_of = parameter_holders(module, module_stages)
     built_real = {name: not holds_meta_tensors(module.get_submodule(name)) for name in module_stages}
     state_keys, parameter_order = list(module.state_dict().keys()), [name for name, _ in module.named_parameters()]
+    aliases = tied_aliases(module)  # before materialising unties the stages' copies
     pretrained = plan_pretrained_load(module, settings.pretrained)  # checked on the whole model: every rank alike
     stage = _install_stage(module, region, plan, settings, groups)
     outside_modules = OutsideModules(
@@ -343,15 +344,15 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
             defer_batch_norms(block)
     pipelined = WholeModelLayout(
         region.label, layers, held, state_keys, parameter_order, put_back=partial(_put_back, stage, outside_modules),
-        block_names=region.names,
+        block_names=region.names, aliases=aliases,
         outside={
             name: (outside_modules.originals.get(name) or module.get_submodule(name), tuple(sorted(stages)), built_real[name])
             for name, stages in module_stages.items() if len(stages) < config.num_stages
         },
     )
-    replicated = _replicated_parameters(module, region, holders, aliases, config.num_stages)
+    replicated = _replicated_parameters(module, region, holders, names_of, config.num_stages)
     shared = {name: stages for name, stages in holders.items() if 1 < len(stages) < config.num_stages}
-    ownership = OutsideOwnership(module, shared, sources, aliases, groups.stage, groups.layout, groups.timeout)
+    ownership = OutsideOwnership(module, shared, sources, names_of, groups.stage, groups.layout, groups.timeout)
     tied = TiedParameters(ties, stage, groups.layout, replicated, groups.timeout)
     compile_stage(module, region, stage, settings.compile_options)
     timeline = StepTimeline(groups.device, enabled=settings.log_bubble_fraction or bool(settings.trace_steps))
@@ -571,11 +572,11 @@ def _where(stages: frozenset[int], num_stages: int) -> str:
 
 
 def _replicated_parameters(
-    module: LightningModule, region: Region, holders: dict[str, frozenset[int]], aliases: dict[str, list[str]],
+    module: LightningModule, region: Region, holders: dict[str, frozenset[int]], names_of: dict[str, list[str]],
     num_stages: int,
 ) -> list[nn.Parameter]:
     """The parameters outside the blocks that every stage holds: in no outside module held by fewer stages."""
-    first_name = {alias: first for first, names in aliases.items() for alias in names}
+    first_name = {alias: first for first, names in names_of.items() for alias in names}
     fewer = {first for first, stages in holders.items() if len(stages) < num_stages}
     return [p for name, p in _named_outside(module, region) if first_name.get(name, name) not in fewer]
 

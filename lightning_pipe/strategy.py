@@ -514,11 +514,16 @@ class GPipeStrategyMixin(PipelineView):
             super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0 writes the whole model
 
     def save_pretrained(
-        self, directory: str | Path, prefix: str | None = None, dtype: torch.dtype | str | None = None
+        self,
+        directory: str | Path,
+        prefix: str | None = None,
+        dtype: torch.dtype | str | None = None,
+        max_shard_size: str | int | None = None,
     ) -> None:
-        """Write the model as a Hugging Face directory that ``from_pretrained`` loads, each stage its own shard; call
-        it on every rank (see :meth:`~lightning_pipe.checkpoints.strategy_io.StageCheckpoints.save_pretrained`)."""
-        self._checkpoints().save_pretrained(directory, prefix, dtype)
+        """Write the model as a Hugging Face directory that ``from_pretrained`` loads, each stage its own shard (cut
+        at ``max_shard_size`` if given); call it on every rank (see
+        :meth:`~lightning_pipe.checkpoints.strategy_io.StageCheckpoints.save_pretrained`)."""
+        self._checkpoints().save_pretrained(directory, prefix, dtype, max_shard_size)
         self.barrier()  # every rank returns once the directory is complete
 
     @override

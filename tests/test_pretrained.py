@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.utils.data import DataLoader
 
 from helpers.compare import relative_weight_error
 from helpers.launch import launch
@@ -31,6 +32,7 @@ from lightning_pipe.checkpoints.export import library_model_prefix
 from lightning_pipe.checkpoints.pretrained import PretrainedLoad, PretrainedMismatchError, checked_pretrained
 from lightning_pipe.checkpoints.sharded import consolidate
 from lightning_pipe.checkpoints.stored_weights import open_stored_weights, read_tensors
+from lightning_pipe.checkpoints.whole_model import WholeModelLayout, tied_aliases
 from lightning_pipe.execution.materialize import materialize
 from lightning_pipe.export_pretrained import main as export_command
 
@@ -116,12 +118,18 @@ def pipelined(saved, tmp_path_factory) -> dict[int, Path]:
         {"name": "gpt2_bf16", "path": str(saved["gpt2_bf16"]), "precision": "bf16-true"},
         *({"name": run, "path": str(saved[weights]), "module": module, "config": str(saved[config]),
            "strategy": {"num_micro_batches": 2}} for run, (weights, module, config, _) in ANOTHER_SHAPE.items()),
+        # Sequences of one length (a token mean is a sample mean) in batches of 16 on one replica: what 2 replicas
+        # of 8 compute together (`gpt2_replicas` below); both exported, also cut into shards.
+        {"name": "gpt2_one_replica", "path": str(saved["gpt2"]), "strategy": {"num_micro_batches": 2},
+         "module_options": {"batch_size": 16, "padded": False}, "save_pretrained": True, "max_shard_size": "40KB"},
         {"name": "mismatch", "path": str(saved["gpt2_mismatch"]), "fails": True},
     ]
     four = [
         {"name": "gpt2", "path": str(saved["gpt2_sharded"]), "strategy": {"num_micro_batches": 4},
          "save_pretrained": True},
         {"name": "llama", "path": str(saved["llama_sharded"]), "strategy": {"num_micro_batches": 4}},
+        {"name": "gpt2_replicas", "path": str(saved["gpt2"]), "strategy": {"num_stages": 2, "num_micro_batches": 2},
+         "module_options": {"batch_size": 8, "padded": False}, "save_pretrained": True, "max_shard_size": "40KB"},
     ]
     for devices, runs in ((2, two), (4, four)):
         out = root / str(devices)
@@ -260,6 +268,86 @@ def test_the_exported_directory_loads_with_from_pretrained_and_equals_the_traine
     cast = transformers.AutoModelForCausalLM.from_pretrained(run / "exported_bf16", dtype="auto").state_dict()
     for key, value in cast.items():
         assert value.dtype == torch.bfloat16 and torch.equal(value, trained[f"model.{key}"].bfloat16()), key
+
+
+def stored_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a directory's safetensors files, by name (a name in two files fails)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        shard = load_file(path)
+        assert not tensors.keys() & shard.keys(), f"{sorted(tensors.keys() & shard.keys())} written twice"
+        tensors.update(shard)
+    return tensors
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_the_export_holds_the_names_and_size_that_save_pretrained_writes(pipelined, devices, tmp_path):
+    """Each tensor once, under save_pretrained's name: the head tied to the embedding is not written (it is re-tied
+    on load, as the test above shows); the files' total size is within 1% of save_pretrained's."""
+    exported = pipelined[devices] / "gpt2" / "exported"
+    transformers.AutoModelForCausalLM.from_pretrained(exported).save_pretrained(tmp_path)
+    ours, theirs = stored_tensors(exported), stored_tensors(tmp_path)
+    assert "lm_head.weight" not in ours and ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        assert torch.equal(ours[name], value), name
+    size = sum(path.stat().st_size for path in exported.glob("*.safetensors"))
+    expected = sum(path.stat().st_size for path in tmp_path.glob("*.safetensors"))
+    assert abs(size - expected) < 0.01 * expected, (size, expected)
+    index = json.loads((exported / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(theirs)
+
+
+def test_with_replicas_one_replica_writes_each_tensor_once(pipelined):
+    """2 stages x 2 replicas: the ranks of replica 0 write every file, each tensor in one file; replica 1 writes
+    nothing (counted at the export's own safetensors writes)."""
+    results = rank_results(pipelined[4] / "gpt2_replicas")
+    assert sorted(result["replica"] for result in results) == [0, 0, 1, 1]
+    written: dict[str, list[str]] = {}
+    for result in results:
+        if result["replica"] == 1:
+            assert result["wrote"] == {}
+        for file, names in result["wrote"].items():
+            assert file not in written, f"{file} written twice"
+            written[file] = names
+    for directory in ("exported", "exported_bf16", "exported_shards"):
+        names = [name for file, tensors in written.items() if file.startswith(f"{directory}/") for name in tensors]
+        assert len(names) == len(set(names)) == len(pretrained_model("gpt2").state_dict()) - 1  # less the head
+    assert len([file for file in written if file.startswith("exported/")]) == 2  # a shard per stage
+
+
+def test_the_export_of_two_replicas_equals_the_export_of_one(pipelined, saved, tmp_path):
+    """2 stages x 2 replicas write what one replica writes (the same files, shards of at most 40KB numbered across
+    the stages, the same index), and the model one device trains on the same samples and writes with
+    save_pretrained: each replica reads every other sample of Lightning's shuffled DistributedSampler (seed 0, a
+    new permutation each epoch), one device the step's 16 together; sequences of one length, so a token mean is a
+    sample mean and the replicas' average is the whole step's."""
+    replicas, one = pipelined[4] / "gpt2_replicas", pipelined[2] / "gpt2_one_replica"
+    for directory in ("exported", "exported_shards"):
+        names = sorted(path.name for path in (replicas / directory).glob("*.safetensors"))
+        assert names == sorted(path.name for path in (one / directory).glob("*.safetensors"))
+        index = json.loads((replicas / directory / "model.safetensors.index.json").read_text())
+        assert index == json.loads((one / directory / "model.safetensors.index.json").read_text())
+    shards = sorted((replicas / "exported_shards").glob("*.safetensors"))
+    assert len(shards) > 2 and shards[-1].name.endswith(f"-of-{len(shards):05d}.safetensors")
+    for path in shards:  # cut at 40KB, except a tensor larger than that alone
+        sizes = [value.numel() * value.element_size() for value in load_file(path).values()]
+        assert sum(sizes) <= 40 * 1024 or len(sizes) == 1, path.name
+    seed_everything(0, verbose=False)
+    model = PretrainedCausalLM(str(saved["gpt2"]), from_pretrained=True, batch_size=16, padded=False)
+    start = {key: value.clone() for key, value in model.model.state_dict().items()}
+    order = [i for epoch in (0, 1) for i in torch.randperm(32, generator=torch.Generator().manual_seed(epoch)).tolist()]
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(model, DataLoader(model.dataset(seed=0), batch_size=16, sampler=order))
+    model.model.save_pretrained(tmp_path)
+    expected, exported = stored_tensors(tmp_path), stored_tensors(replicas / "exported_shards")
+    assert exported.keys() == expected.keys()
+    for name, value in stored_tensors(replicas / "exported").items():  # the shards hold what one per stage holds
+        assert torch.equal(exported[name], value), name
+    start = {key: start[key] for key in expected}
+    assert relative_weight_error(start, expected, exported) < TOLERANCE
+    # Negative control: one device reading the samples in order (what no replica read) ends elsewhere.
+    assert relative_weight_error(start, expected, stored_tensors(one / "exported")) > 100 * TOLERANCE
 
 
 def test_a_later_run_of_the_same_model_object_keeps_the_weights_it_trained(pipelined):
@@ -492,6 +580,23 @@ def test_weights_of_another_model_are_refused_naming_the_prefixes_tried(saved):
     with pytest.raises(PretrainedMismatchError, match=r"no prefix makes a stored name a key of the model\. Stored"
                        r" names: \['h\.0\.attn\.c_attn\.bias'.*prefixes tried .*\[''"):
         PretrainedLoad.plan(module, PretrainedWeights(saved["gpt2_base"]))
+
+
+def test_a_tensor_tied_across_stages_is_written_once_by_the_first_stage_that_holds_it():
+    """A block sharing an earlier block's weight on another stage, a head sharing the embedding's: each written
+    once, under the first name (save_pretrained's), by the first stage holding that name."""
+    model = nn.Module()
+    model.embed, model.head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+    model.net = nn.Sequential(*(nn.Linear(4, 4) for _ in range(4)))
+    model.net[3].weight, model.head.weight = model.net[0].weight, model.embed.weight
+    keys = list(model.state_dict())
+    layout = WholeModelLayout("net", model.net, [[0, 1], [2, 3]], keys, [name for name, _ in model.named_parameters()],
+                              put_back=lambda: None, block_names=tuple(f"net.{i}" for i in range(4)),
+                              aliases=tied_aliases(model))
+    assert layout.aliases == {"net.3.weight", "head.weight"}
+    assert layout.holders("net.3.bias") == [1] and layout.holders("embed.weight") == [0, 1]
+    assert layout.stage_keys(0) == ["embed.weight", "net.0.weight", "net.0.bias", "net.1.weight", "net.1.bias"]
+    assert layout.stage_keys(1) == ["net.2.weight", "net.2.bias", "net.3.bias"]
 
 
 def test_the_export_finds_where_the_library_model_sits(saved):

@@ -58,12 +58,15 @@ def runs_for(devices: int) -> list[dict]:
             {"name": "dropped", "num_micro_batches": 4, "drop_gradient_of": 1, "strategy": {"schedule": "zero_bubble"}},
         ]
         # A Llama's token mean on right-padded batches of varying lengths: every schedule, its LightningModule
-        # saying what the loss averages over (items_in_loss); the negative control weights by samples.
+        # saying what the loss averages over (items_in_loss); the negative control weights by samples (its
+        # items_in_loss counting them: without one, the strategy counts the Hugging Face model's labels, see
+        # tests/test_micro_batch_weights.py).
         token_mean = {"model": "token_mean_llama", "data": "padded_tokens", "num_micro_batches": 4, "lr": 3e-3,
                       "train_samples": 48, "val_samples": 16}
         runs += [{**token_mean, "name": f"{schedule}_token_mean", "strategy": {"schedule": schedule}}
                  for schedule in ("gpipe", *PER_MICRO_BATCH)]
-        runs.append({**token_mean, "model": "llama", "name": "1f1b_sample_weighted", "strategy": one_f_one_b})
+        runs.append({**token_mean, "model": "sample_weighted_llama", "name": "1f1b_sample_weighted",
+                     "strategy": one_f_one_b})
     return runs
 
 
@@ -128,7 +131,7 @@ def test_a_token_mean_on_padded_batches_equals_one_device_on_the_whole_batch(pip
 
 
 def test_sample_weighting_of_a_token_mean_on_padded_batches_differs_from_one_device(pipelined):
-    """Negative control: the same model and data without ``items_in_loss``, weighted by samples."""
+    """Negative control: the same model and data, its ``items_in_loss`` counting samples."""
     devices, tmp, runs = pipelined
     if devices != 2:
         pytest.skip("run on 2 stages")

@@ -118,21 +118,30 @@ def export_pretrained_by_stage(
     rank: int,
     group: dist.ProcessGroup | None,
     writes: bool,
+    max_shard_bytes: int | None = None,
 ) -> str:
-    """Every stage of this rank's pipeline writes its shard of ``module`` (when ``writes``: the first data-parallel
-    replica), then the last stage (global rank 0 in the first replica) the index and the model's config, from the
-    shards' names and sizes alone. Returns the keys left out (outside ``prefix``), described for a message, or
+    """Every stage of this rank's pipeline writes its share of ``module`` (when ``writes``: the first data-parallel
+    replica), then the loss stage (global rank 0 in the first replica) the index and the model's config, from the
+    shards' names and sizes alone. Each key is written once, by :meth:`WholeModelLayout.writer`'s stage (a tied
+    tensor under its first name); a stage's share is one shard, or shards of at most ``max_shard_bytes``, numbered
+    across the stages in stage order. Returns the keys left out (outside ``prefix``), described for a message, or
     ``""``."""
-    written = None
     cast = export_dtype(dtype)
-    if writes:
-        state = module.state_dict(keep_vars=True)
-        keys = [key for key in pipelined.stage_keys(stage) if key.startswith(prefix)]
-        name = shard_name(stage, len(stage_ranks))
-        written = (name, write_shard(directory, name, exported_tensors(state, keys, prefix, cast)))
+    state = module.state_dict(keep_vars=True)
+    keys = [key for key in pipelined.stage_keys(stage) if key.startswith(prefix)] if writes else []
+    sizes = {key: state[key].numel() * (cast or state[key].dtype).itemsize for key in keys}
+    chunks = _cut(keys, sizes, max_shard_bytes) if max_shard_bytes is not None else [keys] if keys else []
+    counts: list[Any] = [None] * len(stage_ranks)
+    dist.all_gather_object(counts, (stage, len(chunks)), group=group)  # shards are numbered across the stages
+    by_stage = dict(counts)
+    first, total = sum(by_stage[s] for s in range(stage)), sum(by_stage.values())
+    written = {}
+    for index, chunk in enumerate(chunks):
+        name = shard_name(first + index, total)
+        written[name] = write_shard(directory, name, exported_tensors(state, chunk, prefix, cast))
     shards = gather_to_loss_stage(written, stage_ranks, rank, group)
     if shards is not None and writes:
-        write_index(directory, dict(shards))
+        write_index(directory, {name: sizes for shard in shards for name, sizes in shard.items()})
         write_model_config(module.get_submodule(prefix[:-1]) if prefix else module, directory, cast)
     left_out = [key for key in pipelined.state_keys if not key.startswith(prefix)]
     return describe_names(left_out) if left_out else ""
@@ -211,17 +220,23 @@ def _shared_first_component(names: list[str]) -> str:
 
 def _chunks(names: list[str], stored: StoredWeights, dtype: torch.dtype | None, limit: int) -> list[list[str]]:
     """``names`` in order, cut into runs of at most ``limit`` bytes (a tensor larger than that alone)."""
+    sizes = {name: math.prod(stored.entries[name].shape) * (dtype or stored.entries[name].dtype).itemsize
+             for name in names}
+    return _cut(names, sizes, limit)
+
+
+def _cut(names: list[str], sizes: Mapping[str, int], limit: int) -> list[list[str]]:
+    """``names`` in order, cut into runs of at most ``limit`` bytes by ``sizes`` (a tensor larger than that alone),
+    as ``save_pretrained(max_shard_size=...)`` cuts them."""
     chunks: list[list[str]] = []
     size = 0
     for name in names:
-        entry = stored.entries[name]
-        nbytes = math.prod(entry.shape) * (dtype or entry.dtype).itemsize
-        if not chunks or (size + nbytes > limit and chunks[-1]):
+        if not chunks or (size + sizes[name] > limit and chunks[-1]):
             chunks.append([])
             size = 0
         chunks[-1].append(name)
-        size += nbytes
-    return [chunk for chunk in chunks if chunk]
+        size += sizes[name]
+    return chunks
 
 
 def export_dtype(value: Any) -> torch.dtype | None:

@@ -22,7 +22,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
-from lightning_pipe.checkpoints.export import export_pretrained_by_stage, library_model_prefix
+from lightning_pipe.checkpoints.export import export_pretrained_by_stage, library_model_prefix, parse_size
 from lightning_pipe.checkpoints.optimizer_states import name_optimizer_state
 from lightning_pipe.checkpoints.sharded import SHARDED, is_sharded_checkpoint
 from lightning_pipe.checkpoints.sharded import load as load_sharded
@@ -146,10 +146,18 @@ class StageCheckpoints:
             )
         return True
 
-    def save_pretrained(self, directory: str | Path, prefix: str | None, dtype: torch.dtype | str | None) -> None:
+    def save_pretrained(
+        self,
+        directory: str | Path,
+        prefix: str | None,
+        dtype: torch.dtype | str | None,
+        max_shard_size: str | int | None = None,
+    ) -> None:
         """Write the model as a Hugging Face directory that ``from_pretrained`` loads: one safetensors shard per
-        stage, written by the stage that holds it (nothing is gathered), the index and the model's config written
-        by global rank 0. Called on every rank, as ``trainer.save_checkpoint``, after ``fit`` or in a callback (the
+        stage (or, with ``max_shard_size`` such as ``"2GB"``, shards of at most that size), written by the stage
+        that holds it (nothing is gathered), the index and the model's config written by global rank 0. Each
+        tensor is written once, by one replica: a tensor tied across stages (a head sharing the embedding's weight)
+        under the name ``save_pretrained`` gives it, and ``from_pretrained`` ties it again. Called on every rank, as ``trainer.save_checkpoint``, after ``fit`` or in a callback (the
         strategy's ``save_pretrained``, which then waits for every rank).
 
         ``prefix``: where the library's model sits in the LightningModule (``"model."``), whose keys lose it; by
@@ -177,6 +185,7 @@ class StageCheckpoints:
         left_out = export_pretrained_by_stage(
             module, self.pipelined, Path(directory), prefix, dtype, groups.stage, groups.stage_ranks, groups.rank,
             groups.meta, writes=groups.replica == 0,
+            max_shard_bytes=parse_size(max_shard_size) if max_shard_size is not None else None,
         )
         if left_out:
             rank_zero_warn(f"save_pretrained left out the keys outside the prefix {prefix!r}: {left_out}")

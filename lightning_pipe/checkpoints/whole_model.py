@@ -55,22 +55,43 @@ class WholeModelLayout:
     # and whether it was built with real tensors (not on the meta device) on every rank.
     outside: dict[str, tuple[nn.Module, tuple[int, ...], bool]] = field(default_factory=dict)
 
-    def stage_keys(self, stage: int) -> list[str]:
-        """The state-dict keys that stage ``stage`` writes when each stage writes its own, in the whole model's
-        order: its blocks' keys, and each key outside the blocks on the first stage holding it."""
-        inside = tuple(f"{name}." for name in self.block_names)
-        mine = tuple(f"{self.block_names[i]}." for i in self.ranges[stage])
-        return [
-            key for key in self.state_keys
-            if key.startswith(mine) or (not key.startswith(inside) and self.writer_of(key) == stage)
-        ]
+    # Keys whose tensor is an earlier key's on one device (a tied head, a layer sharing another's weight): written
+    # once, under the earlier name, as `save_pretrained` writes them (see `tied_aliases`).
+    aliases: frozenset[str] = frozenset()
 
-    def writer_of(self, key: str) -> int:
-        """The stage that writes ``key``, a key outside the blocks: the first stage holding it."""
+    def holders(self, key: str) -> list[int]:
+        """The stages whose ranks hold ``key``'s tensor: the stage of its block; for a key outside the pipelined
+        blocks, the stages holding its module (the embeddings the first, the head the last), else every stage."""
+        for index, name in enumerate(self.block_names):
+            if key.startswith(f"{name}."):
+                return [stage for stage, held in enumerate(self.ranges) if index in held]
         for name, (_, stages, _) in self.outside.items():
             if key.startswith(f"{name}."):
-                return stages[0]
-        return 0
+                return list(stages)
+        return list(range(len(self.ranges)))
+
+    def writer(self, key: str) -> int | None:
+        """The one stage that writes ``key`` when each stage writes its own share: the first stage that holds it;
+        None for an alias of an earlier key, which that key's writer writes once."""
+        if key in self.aliases:
+            return None
+        return min(self.holders(key))
+
+    def stage_keys(self, stage: int) -> list[str]:
+        """The state-dict keys that stage ``stage`` writes (:meth:`writer`), in the whole model's order."""
+        return [key for key in self.state_keys if self.writer(key) == stage]
+
+
+def tied_aliases(module: nn.Module) -> frozenset[str]:
+    """The keys of ``module``'s state dict whose tensor an earlier key already holds (``lm_head.weight`` tied to
+    ``transformer.wte.weight``): read on the whole model before it is split, where every tie is one tensor."""
+    seen: set[int] = set()
+    aliases = set()
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            aliases.add(key)
+        seen.add(id(tensor))
+    return frozenset(aliases)
 
 
 # ---- saving: the whole model on the loss stage -------------------------------------------------------------------

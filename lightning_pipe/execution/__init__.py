@@ -7,7 +7,8 @@ per kind; messages taken from ``inboxes``, each chunk's graph cut at ``chunk_gra
 ``recomputation``) -> ``stage`` (the blocks this rank holds, run on a micro-batch). Beside them: messages between
 stages (``p2p``), the process groups (``process_groups``), gradients across processes (``gradients``, ``tied``), the
 split backward, random streams, BatchNorm over the whole batch, ``torch.compile`` per stage (``compiling``), a
-meta-device model made real (``materialize``) and the last stage's logs replayed on the others (``replayed_logs``).
+meta-device model made real (``materialize``), the last stage's logs replayed on the others (``replayed_logs``) and what
+a micro-batch's loss averages over (``loss_items``).
 
 May import: ``config``, ``schedules``, ``partition``, ``reliability``, ``trace``. Imported by ``checkpoints``,
 ``integration`` and the strategy.

@@ -11,8 +11,9 @@ blocks before it answer placeholders, see :mod:`lightning_pipe.execution.stage`)
   (:meth:`PipelineEngine.backward_phase`);
 * **per-micro-batch steps** (1F1B, interleaved, zero bubble): the user's ``training_step`` runs once for each
   forward of the schedule, on that micro-batch, up to that chunk; on the last chunk it runs to its end and its
-  loss, weighted by the micro-batch's share of the batch's samples (or of the items its loss averages over, by the
-  LightningModule's ``items_in_loss(batch)``), is back-propagated when the schedule says
+  loss, weighted by the micro-batch's share of the batch's samples (or of the items its loss averages over: the
+  LightningModule's ``items_in_loss(batch)``, a Hugging Face model's label tokens, see
+  :mod:`lightning_pipe.execution.loss_items`), is back-propagated when the schedule says
   (:meth:`PipelineEngine.run_schedule`).
 
 Either way the step's outcome (skipped or not, the loss, the logs, metric and random states) is then shared by the
@@ -36,6 +37,7 @@ from torch import Tensor
 from lightning_pipe.execution.block_calls import BlockCalls
 from lightning_pipe.execution.call_order import ChunkCall
 from lightning_pipe.execution.engine import PipelineEngine
+from lightning_pipe.execution.loss_items import LossItems, announce, unequal_label_shares, warn_weighted_by_samples
 from lightning_pipe.execution.p2p import failed_wait
 from lightning_pipe.execution.process_groups import PipelineGroups
 from lightning_pipe.execution.replayed_logs import (
@@ -98,6 +100,7 @@ class StageRuntime:
         self._micro_batch: int | None = None  # in a per-micro-batch step: the micro-batch the user's step runs on
         self._batch_sizes_checked: set[tuple[int, int | None]] = set()  # (chunk, batch size): see `_run_chunk`
         self._batch_size = 0  # in a per-micro-batch step: the whole batch's
+        self._loss_items: LossItems | None = None  # what a per-micro-batch step's loss averages over, decided once
         self.epoch_last_batch: int | None = None  # the training DataLoader's smaller last batch, if it has one
         self.requeues_asked = 0  # SLURM's requeue signals this rank got (a signal handler counts; the last stage's count)
         self._requeues_shared = 0  # of those, the ones the last stage's outcomes have told the pipeline about
@@ -174,7 +177,7 @@ class StageRuntime:
         parts = microbatch.split_batch(batch, self.engine.num_micro_batches)
         sizes = [microbatch.batch_size_of(part) for part in parts]
         self._batch_size = sum(sizes)
-        items = _items_in_loss(module, parts) or [float(size) for size in sizes]
+        items = self._items_per_micro_batch(module, parts, sizes)
         weights = [item / sum(items) for item in items]  # each micro-batch's share of what the loss averages over
         results: dict[int, Any] = {}
         records: dict[int, list[LogRecord]] = {}
@@ -208,6 +211,18 @@ class StageRuntime:
             output = merged_output(results, ran)
             outcome = StepOutcome(output is None, _loss_value(output), logs, logged_metric_states(module, logs))
         return self.share_outcome(module, outcome), output
+
+    def _items_per_micro_batch(self, module: LightningModule, parts: list[Any], sizes: list[int]) -> list[float]:
+        """What each micro-batch's loss averages over (:mod:`lightning_pipe.execution.loss_items`), known before the
+        first micro-batch runs, so that the first backward already has its weight. Said once at the first step;
+        weighting by samples where the labels say it is wrong for a token mean is warned of, once."""
+        if self._loss_items is None:
+            self._loss_items = LossItems.of(module, parts[0])
+            announce(self._loss_items, module)
+            shares = unequal_label_shares(parts, sizes) if self._loss_items.count is None else None
+            if shares is not None:
+                warn_weighted_by_samples(module, shares)
+        return self._loss_items.per_micro_batch(parts, sizes)
 
     def _run_chunk(self, chunk: int) -> Any:
         """At the last block of a chunk this call runs: run the chunk in this stage's role. The last chunk returns
@@ -347,23 +362,6 @@ class StageRuntime:
         user's ``loss.backward()`` left on the leaves of the blocks' output, elsewhere from those the next stage
         sends."""
         self.engine.backward_phase()
-
-
-def _items_in_loss(module: LightningModule, parts: list[Any]) -> list[float] | None:
-    """What the step's loss averages over in each micro-batch (label tokens, say), by the LightningModule's
-    ``items_in_loss(batch)`` when it defines one; ``None`` when it does not (the samples are the items). The whole
-    batch's count is known before the first micro-batch runs, so the first backward already has its weight."""
-    count = getattr(module, "items_in_loss", None)
-    if not callable(count):
-        return None
-    items = [float(count(part)) for part in parts]
-    if any(item < 0 for item in items) or sum(items) == 0:
-        raise ValueError(
-            f"{type(module).__name__}.items_in_loss gave {items} for the batch's {len(parts)} micro-batches; it must"
-            " count what the training step's loss averages over (the label tokens not -100, say), at least one in"
-            " the batch."
-        )
-    return items
 
 
 def _loss_tensor(output: Any) -> Tensor | None:

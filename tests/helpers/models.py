@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
@@ -424,6 +426,7 @@ MODELS = {"auto_emulated": AutoEmulatedClassifier, "batchnorm_before": BatchNorm
           "tied_everywhere": TiedEverywhere,
           "compiled": CompiledPipelined, "compiled_layers": CompiledLayers, "counts": CountsForwards,
           "sequences": SequenceClassifier, "llama": stock_models.LlamaModule, "token_mean_llama": stock_models.TokenMeanLlama,
+          "sample_weighted_llama": partial(stock_models.LlamaModule, weight_by_samples=True),
           "emulated": EmulatedClassifier}
 
 

@@ -34,11 +34,13 @@ class CountingSequences(Dataset):
     (0 on padding) and ``labels`` (-100 on padding, the value Hugging Face's loss ignores). Token 0 is padding.
     """
 
-    def __init__(self, samples: int = 32, length: int = 12, seed: int = 0) -> None:
+    def __init__(self, samples: int = 32, length: int = 12, seed: int = 0, padded: bool = True) -> None:
         generator = torch.Generator().manual_seed(seed)
         starts = torch.randint(1, VOCAB, (samples, 1), generator=generator)
         self.input_ids = (starts + torch.arange(length)) % (VOCAB - 1) + 1
         lengths = torch.randint(length // 2, length + 1, (samples,), generator=generator)
+        if not padded:  # every sequence of the full length: a token mean is then a mean over samples too
+            lengths[:] = length
         lengths[0] = length  # at least one full sequence: the padded batch is never all padding at the end
         self.attention_mask = (torch.arange(length) < lengths[:, None]).long()
         self.input_ids = self.input_ids * self.attention_mask
@@ -107,13 +109,19 @@ class TinyData:
 class CausalLM(TinyData, LightningModule):
     """A Hugging Face causal LM in a LightningModule: the loss is the model's own, from ``labels=``."""
 
-    def __init__(self, model: nn.Module, lr: float = 3e-3, batch_size: int = 8, samples: int = 32) -> None:
+    def __init__(
+        self, model: nn.Module, lr: float = 3e-3, batch_size: int = 8, samples: int = 32, padded: bool = True,
+        sgd_lr: float | None = None, weight_by_samples: bool = False,
+    ) -> None:
         super().__init__()
         self.model = model
-        self.lr, self.batch_size, self.samples = lr, batch_size, samples
+        self.lr, self.batch_size, self.samples, self.padded = lr, batch_size, samples, padded
+        self.sgd_lr = sgd_lr  # SGD instead of AdamW: for comparing weights where Adam amplifies round-off
+        if weight_by_samples:  # micro-batches weighted by their samples, not the label tokens the loss counts
+            self.items_in_loss = lambda batch: len(batch["labels"])
 
     def dataset(self, seed: int) -> Dataset:
-        return CountingSequences(self.samples, seed=seed)
+        return CountingSequences(self.samples, seed=seed, padded=self.padded)
 
     def forward(self, **inputs):
         return self.model(**inputs)
@@ -130,6 +138,8 @@ class CausalLM(TinyData, LightningModule):
         return self(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
     def configure_optimizers(self):
+        if self.sgd_lr is not None:
+            return torch.optim.SGD(self.parameters(), lr=self.sgd_lr)
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
 
 

@@ -1,15 +1,17 @@
 """Worker: causal LMs fine-tuned from pretrained weights with the gpipe strategy, several runs in one launch.
 
 Usage: python pretrained_worker.py SPEC.json   (SPEC: {"devices": N, "out": DIR, "steps": S, "runs": [...]})
-A run is ``{"name", "path", "config", "module", "key_mapping", "strategy": {GPipeStrategy options}, "precision",
-"validate_only", "validate_after_fit", "save_pretrained", "save_checkpoint", "fails"}``: the LightningModule
-``module`` of :mod:`helpers.stock_models` (by default ``PretrainedCausalLM``) built in ``configure_model`` from the
-config in ``config`` (by default ``path``), ``GPipeStrategy(pretrained=PretrainedWeights(path,
+A run is ``{"name", "path", "config", "module", "module_options", "key_mapping", "strategy": {GPipeStrategy
+options}, "precision", "validate_only", "validate_after_fit", "save_pretrained", "max_shard_size", "save_checkpoint",
+"fails"}``: the LightningModule ``module`` of :mod:`helpers.stock_models` (by default ``PretrainedCausalLM``, with
+``module_options``) built in ``configure_model`` from the config in ``config`` (by default ``path``), ``GPipeStrategy(pretrained=PretrainedWeights(path,
 key_mapping=key_mapping), ...)``, then ``trainer.fit`` for S
 steps (or only ``trainer.validate``). Each rank writes DIR/NAME/rank{R}.pt: the tensors it holds when the run starts
 (``initial``) and ends (``final``), the stored names it read through ``safetensors.safe_open(...).get_tensor``
 (``read``), the training steps run, and with ``validate_after_fit`` what it holds after a validate that follows.
-``save_pretrained`` writes DIR/NAME/exported (and ``exported_bf16``, cast); ``save_checkpoint`` DIR/NAME/sharded.ckpt.
+``save_pretrained`` writes DIR/NAME/exported (and ``exported_bf16``, cast; with ``max_shard_size``, also
+``exported_shards`` cut at it); the rank's replica and the files it wrote with the tensors in each (``wrote``, counted
+at the export's own ``save_file``) go into its result. ``save_checkpoint`` writes DIR/NAME/sharded.ckpt.
 A run with ``fails`` (the last of its launch) must raise; each rank saves the message instead.
 """
 
@@ -23,7 +25,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 
 import lightning_pipe
 from helpers import stock_models
-from lightning_pipe.checkpoints import stored_weights
+from lightning_pipe.checkpoints import export, stored_weights
 
 
 class CountedSafeOpen:
@@ -55,6 +57,21 @@ class _CountedFile:
         return getattr(self._opened, name)
 
 
+SAVE_FILE = export.save_file
+
+
+class CountedSaveFile:
+    """safetensors' own ``save_file``; every file written is recorded in ``wrote`` (its name -> its tensors' names)."""
+
+    def __init__(self, wrote: dict[str, list[str]]) -> None:
+        self.wrote = wrote
+
+    def __call__(self, tensors, filename, metadata=None):
+        path = Path(filename)
+        self.wrote[f"{path.parent.name}/{path.name.removesuffix('.partial')}"] = sorted(tensors)
+        return SAVE_FILE(tensors, filename, metadata=metadata)
+
+
 def held(module) -> dict[str, torch.Tensor]:
     """The tensors this rank holds (not the other stages' layers, left on the meta device)."""
     return {key: value.detach().clone() for key, value in module.state_dict().items() if not value.is_meta}
@@ -84,6 +101,8 @@ def main(spec_path):
         out.mkdir(parents=True, exist_ok=True)
         reads: list[str] = []
         stored_weights.safe_open = CountedSafeOpen(reads)
+        wrote: dict[str, list[str]] = {}
+        export.save_file = CountedSaveFile(wrote)
         recorder = Held()
         weights = lightning_pipe.PretrainedWeights(run["path"], key_mapping=run.get("key_mapping"))
         strategy = lightning_pipe.GPipeStrategy(pretrained=weights, **run.get("strategy", {}))
@@ -94,7 +113,8 @@ def main(spec_path):
             precision=run.get("precision", "32-true"), callbacks=[recorder],
         )
         seed_everything(0, verbose=False)
-        model = getattr(stock_models, run.get("module", "PretrainedCausalLM"))(run.get("config", run["path"]))
+        module = getattr(stock_models, run.get("module", "PretrainedCausalLM"))
+        model = module(run.get("config", run["path"]), **run.get("module_options", {}))
         try:
             if run.get("validate_only"):
                 trainer.validate(model, verbose=False)
@@ -114,6 +134,9 @@ def main(spec_path):
         if run.get("save_pretrained"):
             trainer.strategy.save_pretrained(out / "exported")
             trainer.strategy.save_pretrained(out / "exported_bf16", dtype="bfloat16")
+            if run.get("max_shard_size"):
+                trainer.strategy.save_pretrained(out / "exported_shards", max_shard_size=run["max_shard_size"])
+            result.update(replica=trainer.strategy.groups.replica, wrote=wrote)
         if run.get("save_checkpoint"):  # sharded: each rank writes its stage
             trainer.save_checkpoint(out / "sharded.ckpt")
         torch.save(result, out / f"rank{trainer.global_rank}.pt")
