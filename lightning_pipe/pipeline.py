@@ -86,6 +86,8 @@ from lightning_pipe.trace.tracer import TRACE_FILE_NAME, PipelineTracer, StepObs
 # LightningModule hooks whose user code consumes step results, so they run where those results are: on the last
 # stage. Whatever they log is replayed on the other stages.
 _EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
+# Where the modules outside the blocks were placed in this model's last run (see `_outside_places`).
+_OUTSIDE_PLACES = "_lightning_pipe_outside_places"
 
 
 @dataclass(frozen=True)
@@ -324,7 +326,7 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
     outside = _outside_summary(module, region, module_stages, config.num_stages)
     ties = parameters_shared_across_stages(blocks, held)  # before materialising replaces parameters
     holders, sources, names_of = parameter_holders(module, module_stages)
-    built_real = {name: not holds_meta_tensors(module.get_submodule(name)) for name in module_stages}
+    built_real = _built_real(module, list(module_stages), groups)
     state_keys, parameter_order = list(module.state_dict().keys()), [name for name, _ in module.named_parameters()]
     aliases = tied_aliases(module)  # before materialising unties the stages' copies
     pretrained = plan_pretrained_load(module, settings.pretrained)  # checked on the whole model: every rank alike
@@ -343,7 +345,8 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
         for block in stage.blocks:
             defer_batch_norms(block)
     pipelined = WholeModelLayout(
-        region.label, layers, held, state_keys, parameter_order, put_back=partial(_put_back, stage, outside_modules),
+        region.label, layers, held, state_keys, parameter_order,
+        put_back=partial(_put_back, module, stage, outside_modules, names_of),
         block_names=region.names, aliases=aliases,
         outside={
             name: (outside_modules.originals.get(name) or module.get_submodule(name), tuple(sorted(stages)), built_real[name])
@@ -511,10 +514,17 @@ def _outside_places(module: LightningModule, region: Region, groups: PipelineGro
     rank 0 in the training step on the first batch's shapes and broadcast; on every stage when there is no training
     step to observe (validate, test, predict) or the step cannot run on the meta device."""
     names = outside_modules(module, region)
-    places = OutsidePlaces({name: frozenset({EVERY}) for name in names})
+    # A later run of the same model (validate, test or predict after fit) keeps the places the fit observed: a model
+    # built on the meta device stays distributed after fit, each module where it was trained.
+    earlier = module.__dict__.get(_OUTSIDE_PLACES)
+    places = earlier if earlier is not None and set(earlier.places) == set(names) else OutsidePlaces(
+        {name: frozenset({EVERY}) for name in names}
+    )
     if groups.rank == 0 and groups.num_stages > 1:
         places = _observed_places(module, region, names) or places
-    return broadcast_object(places, 0, groups.rank, groups.watchdog)
+    places = broadcast_object(places, 0, groups.rank, groups.watchdog)
+    module.__dict__[_OUTSIDE_PLACES] = places
+    return places
 
 
 def _outside_module_stages(places: OutsidePlaces, held: list[list[int]], groups: PipelineGroups) -> dict[str, frozenset[int]]:
@@ -588,9 +598,33 @@ def _named_outside(module: nn.Module, region: Region) -> list[tuple[str, nn.Para
     return [(names[id(p)], p) for p in replicated_parameters(module, region.names)]
 
 
-def _put_back(stage: StageBlocks, outside_modules: OutsideModules) -> None:
+def _put_back(
+    module: LightningModule, stage: StageBlocks, outside_modules: OutsideModules, names_of: dict[str, list[str]]
+) -> None:
+    """The user's modules back in place after the run, a parameter shared by outside modules one tensor again (each
+    stage held its own copy: the one it holds, real, is kept)."""
     outside_modules.uninstall()
     stage.uninstall()
+    with torch.no_grad():
+        for names in names_of.values():
+            if len(names) > 1:
+                copies = [module.get_parameter(name) for name in names]
+                kept = next((p for p in copies if not p.is_meta), copies[0])
+                for name in names:
+                    owner, _, attribute = name.rpartition(".")
+                    setattr(module.get_submodule(owner) if owner else module, attribute, kept)
+
+
+def _built_real(module: LightningModule, names: list[str], groups: PipelineGroups) -> dict[str, bool]:
+    """Whether each outside module was built with real tensors on every rank (not on the meta device, nor left there
+    by an earlier run that trained it elsewhere): decided over the world, so that every rank agrees."""
+    flags = torch.tensor([int(not holds_meta_tensors(module.get_submodule(name))) for name in names] or [1],
+                         device=groups.device)
+    if dist.get_world_size() > 1:
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MIN, async_op=True)
+        groups.watchdog.wait([work], groups.watchdog.collective("a decision of every rank", dist.group.WORLD),
+                             dist.group.WORLD)
+    return {name: bool(flag) for name, flag in zip(names, flags.tolist())}
 
 
 def _install_stage(
