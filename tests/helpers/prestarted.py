@@ -44,6 +44,8 @@ class Prestarted:
         while not os.path.exists(self.path) and self.server.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         if not os.path.exists(self.path):
+            self.server.kill()
+            self.server.wait()
             raise RuntimeError("the prestarted Python did not start")
 
     def serves(self, environment: dict[str, str], ignored: tuple[str, ...]) -> bool:
