@@ -6,20 +6,28 @@ The child gets this repository and ``tests/`` on ``PYTHONPATH`` (so it imports t
 the test helpers, whichever copy of the package is installed) and none of a rank's distributed variables.
 
 A worker can be run by hand the same way: ``PYTHONPATH=.:tests python tests/workers/NAME_worker.py SPEC.json``.
+:func:`launch` starts it as a fork of a Python that has already imported ``lightning_pipe`` (``helpers/prestarted.py``:
+the same as a fresh one, without its start-up), unless ``LIGHTNING_PIPE_TESTS_FRESH=1`` or the launch asks for an
+environment of its own; the ranks it starts are fresh processes either way.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from helpers.prestarted import Prestarted
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
@@ -44,7 +52,7 @@ def launch(worker: str, spec: dict, cwd: Path, timeout: float = 300, check: bool
     cwd.mkdir(parents=True, exist_ok=True)
     spec_path = cwd / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    return run_python(WORKERS / worker, spec_path, cwd=cwd, timeout=timeout, check=check, **options)
+    return run_python(WORKERS / worker, spec_path, cwd=cwd, timeout=timeout, check=check, prestarted=True, **options)
 
 
 def run_python(
@@ -55,13 +63,15 @@ def run_python(
     check: bool = True,
     torchrun_processes: int | None = None,
     marker_variable: str | None = None,
+    prestarted: bool = False,
 ) -> Finished:
     """``python ARGUMENTS`` in ``cwd`` (under ``torchrun`` with that many processes, if given), until it ends.
 
     Its output goes to ``cwd/stdout.txt`` and ``cwd/stderr.txt`` (files, not pipes: ranks that outlive the script
     must not keep the reader waiting). ``env`` is added to the clean environment. With ``marker_variable``, every
     process of the run carries that variable with a value of its own (the launchers pass the environment on), and
-    the call waits until none is left. Whatever still runs at ``timeout`` seconds is killed; ``check`` then raises,
+    the call waits until none is left. ``prestarted``: the script (not ``-c`` or ``-m``) may start as a fork of
+    the prestarted Python (see the module's docstring). Whatever still runs at ``timeout`` seconds is killed; ``check`` then raises,
     as it does for a non-zero exit status.
 
     A launch whose rendezvous port was taken between Lightning choosing it and binding it (other launches run at the
@@ -70,12 +80,12 @@ def run_python(
     """
     cwd.mkdir(parents=True, exist_ok=True)
     before = set(cwd.rglob("*"))
-    finished = _run_once(arguments, cwd, env, timeout, torchrun_processes, marker_variable)
+    finished = _run_once(arguments, cwd, env, timeout, torchrun_processes, marker_variable, prestarted)
     if finished.returncode != 0 and "EADDRINUSE" in finished.stderr:
         for path in set(cwd.rglob("*")) - before:
             if path.is_file() and path.name not in ("stdout.txt", "stderr.txt"):
                 path.unlink()
-        finished = _run_once(arguments, cwd, env, timeout, torchrun_processes, marker_variable)
+        finished = _run_once(arguments, cwd, env, timeout, torchrun_processes, marker_variable, prestarted)
     if check and finished.returncode != 0:
         raise AssertionError(
             f"{' '.join(map(str, arguments))} failed ({finished.returncode}):\n"
@@ -106,20 +116,45 @@ def marked_processes(variable: str, marker: str) -> list[int]:
     return found
 
 
+_prestarted: Prestarted | None = None
+_prestarted_lock = threading.Lock()
+
+
+def _prestarted_server() -> Prestarted | None:
+    """This process's prestarted Python, started at the first launch (None if it could not start, or is turned off)."""
+    global _prestarted
+    if os.environ.get("LIGHTNING_PIPE_TESTS_FRESH") == "1":
+        return None
+    with _prestarted_lock:
+        if _prestarted is None:
+            try:
+                _prestarted = Prestarted(python_environment(), tempfile.mkdtemp(prefix="prestarted-"))
+            except (OSError, RuntimeError):
+                _prestarted = False  # fresh Pythons from now on
+            else:
+                atexit.register(_prestarted.close)
+    return _prestarted or None
+
+
 def _run_once(
     arguments: tuple[str | Path, ...], cwd: Path, env: dict[str, str] | None, timeout: float,
-    torchrun_processes: int | None, marker_variable: str | None,
+    torchrun_processes: int | None, marker_variable: str | None, prestarted: bool,
 ) -> Finished:
     marker = uuid.uuid4().hex
     environment = python_environment({**(env or {}), **({marker_variable: marker} if marker_variable else {})})
     command = [sys.executable, *map(str, arguments)]
     if torchrun_processes is not None:
         command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun_processes}"]
+    server = _prestarted_server() if prestarted and torchrun_processes is None else None
+    if server is not None and not server.serves(environment, (marker_variable,) if marker_variable else ()):
+        server = None
     deadline = time.monotonic() + timeout
     with open(cwd / "stdout.txt", "w") as stdout, open(cwd / "stderr.txt", "w") as stderr:
-        # A session of its own: what it starts can be killed with it, and the terminal's signals stay with pytest.
-        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=environment, cwd=cwd,
-                                   start_new_session=True)
+        if server is not None:
+            process = server.start(command[1:], str(cwd), environment, stdout.name, stderr.name)
+        else:  # a session of its own: what it starts can be killed with it, and the terminal's signals stay with pytest
+            process = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=environment, cwd=cwd,
+                                       start_new_session=True)
         try:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=timeout)  # then the processes it started, which may outlive it

@@ -19,6 +19,9 @@ from lightning.pytorch.loggers import CSVLogger
 import lightning_pipe
 from helpers.models import PipeClassifier, loaders
 from lightning_pipe.trace import tracer
+from helpers.process_exit import skip_the_last_collection
+
+skip_the_last_collection()  # in every process that runs this script, ranks included
 
 
 class BubbleRecorder(Callback):

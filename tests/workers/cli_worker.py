@@ -5,6 +5,9 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 
 from helpers.models import PipeClassifier, loaders
+from helpers.process_exit import skip_the_last_collection
+
+skip_the_last_collection()  # in every process that runs this script, ranks included
 
 
 class ClassificationData(LightningDataModule):

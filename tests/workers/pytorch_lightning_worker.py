@@ -18,6 +18,9 @@ import torch
 
 from helpers.recording import StepLossRecording
 from helpers.stock_models import lit_autoencoder_class
+from helpers.process_exit import skip_the_last_collection
+
+skip_the_last_collection()  # in every process that runs this script, ranks included
 
 LitAutoEncoder = lit_autoencoder_class(pl.LightningModule)
 
