@@ -53,10 +53,14 @@ def backward_input(
     output_edges = [_edge(output) for output in outputs]
     graph = _Graph([edge.node for edge in output_edges])
     on_input_path = graph.reaching({get_gradient_edge(t).node for t in inputs})
-    # A weight whose branch meets no input path starts from an output: its gradient is the output's.
-    stops = on_input_path | {edge.node for edge in output_edges}
+    # A weight whose branch meets an output off the input path starts there too, with the output's gradient; the
+    # branch goes on up from it, as the output may also feed the chunk's later layers (T5's position bias: carried
+    # out, and added in every later block), whose share reaches it only through the nodes further up.
+    outputs_off_path = {edge.node for edge in output_edges} - on_input_path
     reached = [w for w in weights if w.requires_grad and get_gradient_edge(w).node in graph.parents]
-    intermediates = {id(w): graph.where_paths_leave(get_gradient_edge(w).node, stops) for w in reached}
+    intermediates = {
+        id(w): graph.where_paths_leave(get_gradient_edge(w).node, on_input_path, outputs_off_path) for w in reached
+    }
     groups: list[tuple[set[Node], list[Tensor]]] = []
     now: list[Tensor] = []
     for nodes, members in _groups(reached, intermediates):
@@ -177,8 +181,9 @@ class _Graph:
                     stack.extend(child for child, _ in node.next_functions if child in within)
         return False
 
-    def where_paths_leave(self, weight_node: Node, stops: set[Node]) -> set[Node]:
-        """The first nodes of ``stops`` met going up from ``weight_node`` (each path up ends at the first)."""
+    def where_paths_leave(self, weight_node: Node, stops: set[Node], passed: set[Node]) -> set[Node]:
+        """The first nodes of ``stops`` met going up from ``weight_node`` (each path up ends at the first), and the
+        nodes of ``passed`` met on the way (a path goes on up through them)."""
         leaving, stack, seen = set(), [weight_node], set()
         while stack:
             node = stack.pop()
@@ -189,6 +194,8 @@ class _Graph:
                 if parent in stops:
                     leaving.add(parent)
                 else:
+                    if parent in passed:
+                        leaving.add(parent)
                     stack.append(parent)
         return leaving
 
