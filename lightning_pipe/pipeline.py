@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import Metric
 
+from lightning_pipe.auto_schedule import ScheduleChoice, decide_schedule
 from lightning_pipe.checkpoints.pretrained import PretrainedLoad, PretrainedWeights, holds_pretrained_weights
 from lightning_pipe.checkpoints.whole_model import WholeModelLayout, restore_whole_model, tied_aliases
 from lightning_pipe.config import PipelineParallelConfig
@@ -41,14 +42,19 @@ from lightning_pipe.execution.gradients import (
     swap_gradients,
 )
 from lightning_pipe.execution.materialize import ModuleInit, global_seed, holds_meta_tensors, materialize
-from lightning_pipe.execution.outside import OutsideModules, OutsideOwnership
+from lightning_pipe.execution.outside import (
+    OutsideModules,
+    OutsideOwnership,
+    built_real_everywhere,
+    decide_outside_places,
+    outside_module_stages,
+)
 from lightning_pipe.execution.process_groups import PipelineGroups, broadcast_object, decide_over_world
 from lightning_pipe.execution.random_streams import StageRandomStreams
+from lightning_pipe.execution.replayed_logs import StepOutcome
 from lightning_pipe.execution.runtime import StageRuntime
 from lightning_pipe.execution.stage import StageBlocks
-from lightning_pipe.execution.tied import TiedParameters, parameters_shared_across_stages, replicated_parameters
-from lightning_pipe.execution.replayed_logs import StepOutcome
-from lightning_pipe.auto_schedule import ScheduleChoice, decide_schedule
+from lightning_pipe.execution.tied import TiedParameters, parameters_shared_across_stages
 from lightning_pipe.integration.lightning_packages import overrides
 from lightning_pipe.integration.model_summary import summarize_whole_model
 from lightning_pipe.partition.balance import (
@@ -59,13 +65,18 @@ from lightning_pipe.partition.balance import (
     recompute_fraction,
     stage_ranges,
 )
-from lightning_pipe.partition.placement import EVERY, LOSS, OutsidePlaces, observe_places, outside_modules, parameter_holders
 from lightning_pipe.partition.fingerprint import different_models_message, fingerprint_digest, model_fingerprint
+from lightning_pipe.partition.placement import (
+    balance_charges,
+    outside_rows,
+    parameter_holders,
+    replicated_outside_parameters,
+    where_held,
+)
 from lightning_pipe.partition.region import (
     MAX_OUTSIDE_SHARE,
     Region,
     find_region,
-    outside_parameters,
     outside_share,
     suggested_chain,
 )
@@ -86,8 +97,6 @@ from lightning_pipe.trace.tracer import TRACE_FILE_NAME, PipelineTracer, StepObs
 # LightningModule hooks whose user code consumes step results, so they run where those results are: on the last
 # stage. Whatever they log is replayed on the other stages.
 _EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
-# Where the modules outside the blocks were placed in this model's last run (see `_outside_places`).
-_OUTSIDE_PLACES = "_lightning_pipe_outside_places"
 
 
 @dataclass(frozen=True)
@@ -319,20 +328,20 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
     if settings.is_auto:  # the configuration chosen now, before the chunks are cut (lightning_pipe.auto_schedule)
         settings, choice = decide_schedule(module, layers, settings, groups)
         config = settings.pipeline_config(groups.num_stages)
-    places = _outside_places(module, region, groups)
-    plan = decide_partition(module, layers, settings, groups, _charges(module, region, places))
+    places = decide_outside_places(module, region, groups)
+    plan = decide_partition(module, layers, settings, groups, balance_charges(module, region, places))
     held = _blocks_held_by_stage(plan, settings, config.num_stages)
-    module_stages = _outside_module_stages(places, held, groups)
-    outside = _outside_summary(module, region, module_stages, config.num_stages)
+    module_stages = outside_module_stages(places, held, groups)
+    outside = outside_rows(module, region, module_stages, config.num_stages)
     ties = parameters_shared_across_stages(blocks, held)  # before materialising replaces parameters
     holders, sources, names_of = parameter_holders(module, module_stages)
-    built_real = _built_real(module, list(module_stages), groups)
+    built_real = built_real_everywhere(module, list(module_stages), groups)
     state_keys, parameter_order = list(module.state_dict().keys()), [name for name, _ in module.named_parameters()]
     aliases = tied_aliases(module)  # before materialising unties the stages' copies
     pretrained = plan_pretrained_load(module, settings.pretrained)  # checked on the whole model: every rank alike
     stage = _install_stage(module, region, plan, settings, groups)
     outside_modules = OutsideModules(
-        module, {name: _where(stages, config.num_stages) for name, stages in module_stages.items() if groups.stage not in stages},
+        module, {name: where_held(stages, config.num_stages) for name, stages in module_stages.items() if groups.stage not in stages},
         groups.device,
     )
     outside_modules.install()  # before materialising: what other stages hold is never allocated here
@@ -353,7 +362,7 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
             for name, stages in module_stages.items() if len(stages) < config.num_stages
         },
     )
-    replicated = _replicated_parameters(module, region, holders, names_of, config.num_stages)
+    replicated = replicated_outside_parameters(module, region, holders, names_of, config.num_stages)
     shared = {name: stages for name, stages in holders.items() if 1 < len(stages) < config.num_stages}
     ownership = OutsideOwnership(module, shared, sources, names_of, groups.stage, groups.layout, groups.timeout)
     tied = TiedParameters(ties, stage, groups.layout, replicated, groups.timeout)
@@ -509,95 +518,6 @@ def _blocks_held_by_stage(plan: PartitionPlan, settings: PipelineSettings, num_s
     ]
 
 
-def _outside_places(module: LightningModule, region: Region, groups: PipelineGroups) -> OutsidePlaces:
-    """Where each module outside the blocks runs (see :mod:`lightning_pipe.partition.placement`), observed on global
-    rank 0 in the training step on the first batch's shapes and broadcast; on every stage when there is no training
-    step to observe (validate, test, predict) or the step cannot run on the meta device."""
-    names = outside_modules(module, region)
-    # A later run of the same model (validate, test or predict after fit) keeps the places the fit observed: a model
-    # built on the meta device stays distributed after fit, each module where it was trained.
-    earlier = module.__dict__.get(_OUTSIDE_PLACES)
-    places = earlier if earlier is not None and set(earlier.places) == set(names) else OutsidePlaces(
-        {name: frozenset({EVERY}) for name in names}
-    )
-    if groups.rank == 0 and groups.num_stages > 1:
-        places = _observed_places(module, region, names) or places
-    places = broadcast_object(places, 0, groups.rank, groups.watchdog)
-    module.__dict__[_OUTSIDE_PLACES] = places
-    return places
-
-
-def _outside_module_stages(places: OutsidePlaces, held: list[list[int]], groups: PipelineGroups) -> dict[str, frozenset[int]]:
-    """The stages holding each module outside the blocks, once each stage's blocks are known."""
-    block_stage = {index: stage for stage, indices in enumerate(held) for index in indices}
-    loss_stage, num_stages = groups.layout.loss_stage, groups.num_stages
-    return {name: places.stages(name, block_stage.__getitem__, loss_stage, num_stages) for name in places.places}
-
-
-def _charges(module: LightningModule, region: Region, places: OutsidePlaces) -> list[tuple[int, nn.Module]]:
-    """The outside modules the balance charges to a block's stage: each module held by some stages only, at the
-    block it runs with (the last block for the loss stage's)."""
-    charges = []
-    for name, where in places.places.items():
-        if EVERY not in where:
-            for place in where:
-                charges.append((len(region) - 1 if place == LOSS else int(place), module.get_submodule(name)))
-    return charges
-
-
-def _observed_places(module: LightningModule, region: Region, names: list[str]) -> OutsidePlaces | None:
-    trainer = module._trainer
-    if trainer is None or trainer.state.fn != TrainerFn.FITTING:
-        return None
-    try:
-        with random_state_kept():
-            batch = first_training_batch(trainer, module)
-            return None if batch is None else observe_places(module, region, training_step_on(batch), names)
-    except Exception:  # an unusual step: every stage holds every module, as the model was built
-        return None
-
-
-def _outside_summary(
-    module: LightningModule, region: Region, module_stages: dict[str, frozenset[int]], num_stages: int
-) -> list[tuple[str, int, str]]:
-    """The stage table's rows for what is outside the blocks: each module (or loose parameter), its parameters (a
-    tied one counted where it first appears) and which stages hold it."""
-    seen = {id(p) for block in region.blocks(module) for p in block.parameters()}
-    rows = []
-    for name, stages in module_stages.items():
-        new = [p for p in module.get_submodule(name).parameters() if id(p) not in seen]
-        seen.update(id(p) for p in new)
-        rows.append((name, sum(p.numel() for p in new), _where(stages, num_stages)))
-    listed = tuple(f"{name}." for name in module_stages)
-    for name, count in outside_parameters(module, region):
-        if name not in module_stages and not name.startswith(listed):
-            rows.append((name, count, "every stage"))
-    return rows
-
-
-def _where(stages: frozenset[int], num_stages: int) -> str:
-    if len(stages) == num_stages:
-        return "every stage"
-    return f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, sorted(stages)))}"
-
-
-def _replicated_parameters(
-    module: LightningModule, region: Region, holders: dict[str, frozenset[int]], names_of: dict[str, list[str]],
-    num_stages: int,
-) -> list[nn.Parameter]:
-    """The parameters outside the blocks that every stage holds: in no outside module held by fewer stages."""
-    first_name = {alias: first for first, names in names_of.items() for alias in names}
-    fewer = {first for first, stages in holders.items() if len(stages) < num_stages}
-    return [p for name, p in _named_outside(module, region) if first_name.get(name, name) not in fewer]
-
-
-def _named_outside(module: nn.Module, region: Region) -> list[tuple[str, nn.Parameter]]:
-    names: dict[int, str] = {}
-    for name, parameter in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(parameter), name)
-    return [(names[id(p)], p) for p in replicated_parameters(module, region.names)]
-
-
 def _put_back(
     module: LightningModule, stage: StageBlocks, outside_modules: OutsideModules, names_of: dict[str, list[str]]
 ) -> None:
@@ -613,18 +533,6 @@ def _put_back(
                 for name in names:
                     owner, _, attribute = name.rpartition(".")
                     setattr(module.get_submodule(owner) if owner else module, attribute, kept)
-
-
-def _built_real(module: LightningModule, names: list[str], groups: PipelineGroups) -> dict[str, bool]:
-    """Whether each outside module was built with real tensors on every rank (not on the meta device, nor left there
-    by an earlier run that trained it elsewhere): decided over the world, so that every rank agrees."""
-    flags = torch.tensor([int(not holds_meta_tensors(module.get_submodule(name))) for name in names] or [1],
-                         device=groups.device)
-    if dist.get_world_size() > 1:
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MIN, async_op=True)
-        groups.watchdog.wait([work], groups.watchdog.collective("a decision of every rank", dist.group.WORLD),
-                             dist.group.WORLD)
-    return {name: bool(flag) for name, flag in zip(names, flags.tolist())}
 
 
 def _install_stage(

@@ -17,12 +17,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 
 from lightning_pipe.execution.call_order import map_tensors
 from lightning_pipe.execution.gradients import reduce_gradients
+from lightning_pipe.execution.materialize import holds_meta_tensors
+from lightning_pipe.execution.process_groups import PipelineGroups, broadcast_object
 from lightning_pipe.execution.stage import replace_submodule
 from lightning_pipe.partition.hooks import hooks_set_aside
+from lightning_pipe.partition.placement import EVERY, OutsidePlaces, observe_places, outside_modules
+from lightning_pipe.partition.region import Region
+from lightning_pipe.partition.step_probe import first_training_batch, random_state_kept, training_step_on
 from lightning_pipe.partition.topology import PipelineLayout
 from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog
 
@@ -158,3 +165,57 @@ class OutsideOwnership:
 def _to_meta(tensor: Tensor) -> Tensor:
     return tensor if tensor.is_meta else torch.empty_like(tensor, device="meta")
 
+
+# ---- deciding at set-up ----------------------------------------------------------------------------------------
+
+# Where the modules outside the blocks were placed in this model's last run (see `decide_outside_places`).
+_OUTSIDE_PLACES = "_lightning_pipe_outside_places"
+
+
+def decide_outside_places(module: LightningModule, region: Region, groups: PipelineGroups) -> OutsidePlaces:
+    """Where each module outside the blocks runs (see :mod:`lightning_pipe.partition.placement`), observed on global
+    rank 0 in the training step on the first batch's shapes and broadcast; on every stage when there is no training
+    step to observe (validate, test, predict) or the step cannot run on the meta device."""
+    names = outside_modules(module, region)
+    # A later run of the same model (validate, test or predict after fit) keeps the places the fit observed: a model
+    # built on the meta device stays distributed after fit, each module where it was trained.
+    earlier = module.__dict__.get(_OUTSIDE_PLACES)
+    places = earlier if earlier is not None and set(earlier.places) == set(names) else OutsidePlaces(
+        {name: frozenset({EVERY}) for name in names}
+    )
+    if groups.rank == 0 and groups.num_stages > 1:
+        places = _observed_places(module, region, names) or places
+    places = broadcast_object(places, 0, groups.rank, groups.watchdog)
+    module.__dict__[_OUTSIDE_PLACES] = places
+    return places
+
+
+def outside_module_stages(places: OutsidePlaces, held: list[list[int]], groups: PipelineGroups) -> dict[str, frozenset[int]]:
+    """The stages holding each module outside the blocks, once each stage's blocks are known."""
+    block_stage = {index: stage for stage, indices in enumerate(held) for index in indices}
+    loss_stage, num_stages = groups.layout.loss_stage, groups.num_stages
+    return {name: places.stages(name, block_stage.__getitem__, loss_stage, num_stages) for name in places.places}
+
+
+def _observed_places(module: LightningModule, region: Region, names: list[str]) -> OutsidePlaces | None:
+    trainer = module._trainer
+    if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+        return None
+    try:
+        with random_state_kept():
+            batch = first_training_batch(trainer, module)
+            return None if batch is None else observe_places(module, region, training_step_on(batch), names)
+    except Exception:  # an unusual step: every stage holds every module, as the model was built
+        return None
+
+
+def built_real_everywhere(module: LightningModule, names: list[str], groups: PipelineGroups) -> dict[str, bool]:
+    """Whether each outside module was built with real tensors on every rank (not on the meta device, nor left there
+    by an earlier run that trained it elsewhere): decided over the world, so that every rank agrees."""
+    flags = torch.tensor([int(not holds_meta_tensors(module.get_submodule(name))) for name in names] or [1],
+                         device=groups.device)
+    if dist.get_world_size() > 1:
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MIN, async_op=True)
+        groups.watchdog.wait([work], groups.watchdog.collective("a decision of every rank", dist.group.WORLD),
+                             dist.group.WORLD)
+    return {name: bool(flag) for name, flag in zip(names, flags.tolist())}

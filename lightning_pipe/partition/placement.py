@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_pipe.partition.hooks import hooks_set_aside
-from lightning_pipe.partition.region import Region, run_on_meta
+from lightning_pipe.partition.region import Region, outside_parameters, run_on_meta
 
 EVERY = "every"  # runs on every stage
 LOSS = "loss"  # runs on the loss stage only
@@ -274,3 +274,59 @@ class _Propagation(TorchDispatchMode):
                     observer.labels[tensor] = observer.labels.get(tensor, frozenset()) | labels
         return output
 
+
+def balance_charges(module: nn.Module, region: Region, places: OutsidePlaces) -> list[tuple[int, nn.Module]]:
+    """The outside modules the balance charges to a block's stage: each module held by some stages only, at the
+    block it runs with (the last block for the loss stage's)."""
+    charges = []
+    for name, where in places.places.items():
+        if EVERY not in where:
+            for place in where:
+                charges.append((len(region) - 1 if place == LOSS else int(place), module.get_submodule(name)))
+    return charges
+
+
+def outside_rows(
+    module: nn.Module, region: Region, module_stages: dict[str, frozenset[int]], num_stages: int
+) -> list[tuple[str, int, str]]:
+    """The stage table's rows for what is outside the blocks: each module (or loose parameter), its parameters (a
+    tied one counted where it first appears) and which stages hold it."""
+    seen = {id(p) for block in region.blocks(module) for p in block.parameters()}
+    rows = []
+    for name, stages in module_stages.items():
+        new = [p for p in module.get_submodule(name).parameters() if id(p) not in seen]
+        seen.update(id(p) for p in new)
+        rows.append((name, sum(p.numel() for p in new), where_held(stages, num_stages)))
+    listed = tuple(f"{name}." for name in module_stages)
+    for name, count in outside_parameters(module, region):
+        if name not in module_stages and not name.startswith(listed):
+            rows.append((name, count, "every stage"))
+    return rows
+
+
+def where_held(stages: frozenset[int], num_stages: int) -> str:
+    if len(stages) == num_stages:
+        return "every stage"
+    return f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, sorted(stages)))}"
+
+
+def replicated_outside_parameters(
+    module: nn.Module, region: Region, holders: dict[str, frozenset[int]], names_of: dict[str, list[str]],
+    num_stages: int,
+) -> list[nn.Parameter]:
+    """The parameters outside the blocks that every stage holds: in no outside module held by fewer stages."""
+    first_name = {alias: first for first, names in names_of.items() for alias in names}
+    fewer = {first for first, stages in holders.items() if len(stages) < num_stages}
+    return [p for name, p in _named_outside_parameters(module, region) if first_name.get(name, name) not in fewer]
+
+
+def _named_outside_parameters(module: nn.Module, region: Region) -> list[tuple[str, nn.Parameter]]:
+    """Each parameter outside the region's blocks once, under its first name outside them."""
+    inside = tuple(f"{name}." for name in region.names)
+    seen: set[int] = set()
+    found = []
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        if not name.startswith(inside) and id(parameter) not in seen:
+            seen.add(id(parameter))
+            found.append((name, parameter))
+    return found
