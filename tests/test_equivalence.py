@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 
 import pytest
 import torch
@@ -113,6 +114,10 @@ def test_the_gradient_scaler_lets_go_of_the_pipeline_group_when_the_strategy_rel
 def test_every_rank_destroys_its_process_groups_at_exit(pipelined):
     """A group left to the interpreter's final clean-up can abort a finished run (exit code -6)."""
     devices, tmp, _ = pipelined
+    # The launch returns when the launching process (rank 0) has ended; the ranks it started may still be exiting.
+    deadline = time.monotonic() + 60
+    while len(list((tmp / "exits").iterdir())) < devices and time.monotonic() < deadline:
+        time.sleep(0.2)
     states = [json.loads(path.read_text()) for path in (tmp / "exits").iterdir()]
     assert states == [{"initialized": False, "gloo_threads": 0}] * devices
 
