@@ -340,13 +340,13 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
     aliases = tied_aliases(module)  # before materialising unties the stages' copies
     pretrained = plan_pretrained_load(module, settings.pretrained)  # checked on the whole model: every rank alike
     stage = _install_stage(module, region, plan, settings, groups)
+    held_elsewhere = {name: stages for name, stages in module_stages.items() if groups.stage not in stages}
     outside_modules = OutsideModules(
-        module, {name: where_held(stages, config.num_stages) for name, stages in module_stages.items() if groups.stage not in stages},
-        groups.device,
+        module, {name: where_held(stages, config.num_stages) for name, stages in held_elsewhere.items()}, groups.device
     )
     outside_modules.install()  # before materialising: what other stages hold is never allocated here
     check_every_stage_holds_parameters(module, stage, groups)
-    # Built on the meta device: only what this rank runs becomes real (the stage, the replicated modules).
+    # Built on the meta device: only what this rank runs becomes real (its stage, the outside modules it holds).
     deferred = decide_over_world(holds_meta_tensors(layers), every=False, device=groups.device,
                                  watchdog=groups.watchdog)
     _make_real(module, pretrained, precision, groups, settings.init_module)
@@ -357,7 +357,7 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
         region.label, layers, held, state_keys, parameter_order,
         put_back=partial(_put_back, module, stage, outside_modules, names_of),
         block_names=region.names, aliases=aliases,
-        outside={
+        outside={  # what some stage does not hold: the module as built, its holders, built real everywhere or not
             name: (outside_modules.originals.get(name) or module.get_submodule(name), tuple(sorted(stages)), built_real[name])
             for name, stages in module_stages.items() if len(stages) < config.num_stages
         },
