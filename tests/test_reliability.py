@@ -50,8 +50,12 @@ def launch_marked(worker: str, spec: dict, tmp_path: Path, torchrun_processes: i
     """Run ``workers/WORKER`` on ``spec`` (under torchrun with that many processes, if given) until every process
     it started has ended; the processes still alive at the deadline are killed then (and reported), so that a failing
     test leaves nothing behind. Its terminal output is in ``tmp_path/stderr.txt``."""
+    # NOTE: a launching process that the test signals starts fresh, not as a fork of the prestarted Python: in the
+    # full suite (-n 2) its SIGINT run took 32 s to end instead of under 10, twice; alone, or with one other file, it
+    # ends in time. Not understood yet.
+    signalled = any(f["kind"].endswith("_launcher") for f in spec.get("faults", []))
     return launch(worker, spec, tmp_path, check=False, torchrun_processes=torchrun_processes,
-                  marker_variable=MARKER_VARIABLE)
+                  marker_variable=MARKER_VARIABLE, prestarted=not signalled)
 
 
 @dataclass

@@ -47,12 +47,15 @@ class Finished:
     leftovers: list[int] = field(default_factory=list)  # marked processes still alive at the deadline (then killed)
 
 
-def launch(worker: str, spec: dict, cwd: Path, timeout: float = 300, check: bool = True, **options) -> Finished:
-    """Run ``tests/workers/WORKER`` on ``spec`` (written to ``cwd/spec.json``); see :func:`run_python`."""
+def launch(
+    worker: str, spec: dict, cwd: Path, timeout: float = 300, check: bool = True, prestarted: bool = True, **options
+) -> Finished:
+    """Run ``tests/workers/WORKER`` on ``spec`` (written to ``cwd/spec.json``); see :func:`run_python`. A fork of the
+    prestarted Python unless ``prestarted=False`` (a launch whose launching process the test signals)."""
     cwd.mkdir(parents=True, exist_ok=True)
     spec_path = cwd / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    return run_python(WORKERS / worker, spec_path, cwd=cwd, timeout=timeout, check=check, prestarted=True, **options)
+    return run_python(WORKERS / worker, spec_path, cwd=cwd, timeout=timeout, check=check, prestarted=prestarted, **options)
 
 
 def run_python(
