@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_pipe.config import ranges_from_sizes, split_evenly
-from lightning_pipe.execution.process_groups import PipelineGroups, broadcast_object
+from lightning_pipe.execution.process_groups import PipelineGroups, decided_on_rank_zero
 from lightning_pipe.partition.balance import min_max_partition
 from lightning_pipe.partition.microbatch import batch_size_of
 from lightning_pipe.partition.profiling import block_cost_model
@@ -72,30 +72,22 @@ def decide_schedule(
             v, settings.recompute or "except_last",
         )
         return settled(settings, fallback), None
-    decided: ScheduleChoice | str | None = None
-    error: Exception | None = None
-    if groups.rank == 0:
-        try:
-            with random_state_kept():
-                batch = first_training_batch(trainer, module)
-            if batch is None:
-                raise ValueError(
-                    "schedule='auto' chooses for the training batch, but the training DataLoader's first batch could"
-                    " not be read at set-up; choose the schedule yourself (schedule='gpipe', ...)."
-                )
-            rows, chosen, text = plan_schedule(
-                module, layers, settings, groups.num_stages, batch_size_of(batch), groups.device,
-                settings.memory_budget or device_memory(groups.device, groups.layout.world_size),
+
+    def decide() -> ScheduleChoice:
+        with random_state_kept():
+            batch = first_training_batch(trainer, module)
+        if batch is None:
+            raise ValueError(
+                "schedule='auto' chooses for the training batch, but the training DataLoader's first batch could"
+                " not be read at set-up; choose the schedule yourself (schedule='gpipe', ...)."
             )
-            decided = ScheduleChoice(chosen.configuration, chosen.step, chosen.memory_bytes, text)
-        except Exception as exception:  # the other ranks wait in the broadcast: tell them, then raise
-            error, decided = exception, f"{type(exception).__name__}: {exception}"
-    decided = broadcast_object(decided, 0, groups.rank, groups.watchdog)
-    if error is not None:
-        raise error
-    if isinstance(decided, str):
-        raise RuntimeError(f"global rank 0 failed to choose the schedule: {decided}")
-    assert decided is not None
+        rows, chosen, text = plan_schedule(
+            module, layers, settings, groups.num_stages, batch_size_of(batch), groups.device,
+            settings.memory_budget or device_memory(groups.device, groups.layout.world_size),
+        )
+        return ScheduleChoice(chosen.configuration, chosen.step, chosen.memory_bytes, text)
+
+    decided = decided_on_rank_zero(decide, "choose the schedule", groups.rank, groups.watchdog)
     return settled(settings, decided.configuration), decided
 
 

@@ -49,7 +49,12 @@ from lightning_pipe.execution.outside import (
     decide_outside_places,
     outside_module_stages,
 )
-from lightning_pipe.execution.process_groups import PipelineGroups, broadcast_object, decide_over_world
+from lightning_pipe.execution.process_groups import (
+    PipelineGroups,
+    broadcast_object,
+    decide_over_world,
+    decided_on_rank_zero,
+)
 from lightning_pipe.execution.random_streams import StageRandomStreams
 from lightning_pipe.execution.replayed_logs import StepOutcome
 from lightning_pipe.execution.runtime import StageRuntime
@@ -467,30 +472,21 @@ def decide_partition(
     """The split, decided on global rank 0 (profiling there when ``balance`` asks) and broadcast, so that every
     rank applies the same split even where measurements differ between ranks."""
     config = settings.chunk_config(groups.num_stages)
-    decided: PartitionPlan | str | None = None
-    error: Exception | None = None
-    if groups.rank == 0:
-        fraction = recompute_fraction(settings.recompute, config.num_micro_batches)  # type: ignore[arg-type]
-        try:
-            if needs_sample(settings.balance) and holds_meta_tensors(sequential):
-                raise ValueError(
-                    f"balance={settings.balance!r} profiles every layer with its weights, but the pipelined module"
-                    " was built on the meta device (in configure_model() or under init_module(empty_init=True)),"
-                    " where it has none yet; use balance='parameters' or a list of layers per stage, or build"
-                    " the model in __init__."
-                )
-            decided = plan_partition(
-                module, sequential, config, settings.balance, settings.sample, groups.device, fraction, charges
+
+    def decide() -> PartitionPlan:
+        if needs_sample(settings.balance) and holds_meta_tensors(sequential):
+            raise ValueError(
+                f"balance={settings.balance!r} profiles every layer with its weights, but the pipelined module"
+                " was built on the meta device (in configure_model() or under init_module(empty_init=True)),"
+                " where it has none yet; use balance='parameters' or a list of layers per stage, or build"
+                " the model in __init__."
             )
-        except Exception as exception:  # the other ranks wait in the broadcast: tell them, then raise
-            error, decided = exception, f"{type(exception).__name__}: {exception}"
-    decided = broadcast_object(decided, 0, groups.rank, groups.watchdog)
-    if error is not None:
-        raise error
-    if isinstance(decided, str):
-        raise RuntimeError(f"global rank 0 failed to partition the model: {decided}")
-    assert decided is not None
-    return decided
+        fraction = recompute_fraction(settings.recompute, config.num_micro_batches)  # type: ignore[arg-type]
+        return plan_partition(
+            module, sequential, config, settings.balance, settings.sample, groups.device, fraction, charges
+        )
+
+    return decided_on_rank_zero(decide, "partition the model", groups.rank, groups.watchdog)
 
 
 def plan_pretrained_load(module: LightningModule, weights: PretrainedWeights | None) -> PretrainedLoad | None:

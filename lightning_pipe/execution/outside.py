@@ -24,8 +24,9 @@ from torch import Tensor, nn
 from lightning_pipe.execution.call_order import map_tensors
 from lightning_pipe.execution.gradients import reduce_gradients
 from lightning_pipe.execution.materialize import holds_meta_tensors
+from lightning_pipe.execution.placeholders import SIGNATURES_KEPT, signature
 from lightning_pipe.execution.process_groups import PipelineGroups, broadcast_object
-from lightning_pipe.execution.stage import replace_submodule
+from lightning_pipe.execution.stage import StandIn, replace_submodule
 from lightning_pipe.partition.hooks import hooks_set_aside
 from lightning_pipe.partition.placement import EVERY, OutsidePlaces, observe_places, outside_modules
 from lightning_pipe.partition.region import Region
@@ -34,26 +35,37 @@ from lightning_pipe.partition.topology import PipelineLayout
 from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog
 
 
-class AbsentModule(nn.Module):
+class AbsentModule(StandIn):
     """Stands where an outside module that other stages hold was (``where``: which, in words). A call answers zeros
-    with the shapes and dtypes of the module's output, on ``device``."""
+    with the shapes and dtypes of the module's output, on ``device``: computed on the meta device once per input
+    signature (it is called once per micro-batch under the per-micro-batch schedules)."""
+
+    _own_attributes = ("_original", "_meta_state", "_outputs")
 
     def __init__(self, name: str, original: nn.Module, where: str, device: torch.device) -> None:
         super().__init__()
         self.module_name = name
         self.where = where
         self.device = device
-        object.__setattr__(self, "_original", original)  # not a submodule: no parameters, no state here
+        object.__setattr__(self, "_original", original)
         # The original's tensors as meta tensors, following the dtype casts the model gets (`.to(torch.bfloat16)`).
         state = {**dict(original.named_parameters()), **dict(original.named_buffers())}
         object.__setattr__(self, "_meta_state", {k: torch.empty_like(t, device="meta") for k, t in state.items()})
+        object.__setattr__(self, "_outputs", {})  # input signature -> the meta output
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.no_grad(), hooks_set_aside(self._original.modules()):
-            output = torch.func.functional_call(
-                self._original, self._meta_state, map_tensors(args, _to_meta), map_tensors(kwargs, _to_meta),
-                strict=False,
-            )
+        key = signature((self._original.training, args, kwargs))
+        output = self._outputs.get(key) if key is not None else None
+        if output is None:
+            with torch.no_grad(), hooks_set_aside(self._original.modules()):
+                output = torch.func.functional_call(
+                    self._original, self._meta_state, map_tensors(args, _to_meta), map_tensors(kwargs, _to_meta),
+                    strict=False,
+                )
+            if key is not None:
+                if len(self._outputs) >= SIGNATURES_KEPT:
+                    self._outputs.clear()  # signatures that change every step (a growing sequence) must not pile up
+                self._outputs[key] = output
         return map_tensors(output, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.device))
 
     forward = __call__
@@ -62,24 +74,15 @@ class AbsentModule(nn.Module):
         """A cast of the model (its dtype, its device) reaches the meta state's dtypes and the answers' device."""
         probe = fn(torch.empty(0, device=self.device))
         self.device = probe.device
+        self._outputs.clear()
         for key, tensor in self._meta_state.items():
             if tensor.is_floating_point():
                 cast = fn(torch.empty(0, dtype=tensor.dtype, device=self.device))
                 self._meta_state[key] = torch.empty_like(tensor, dtype=cast.dtype)
         return self
 
-    def __getattr__(self, name: str) -> Any:
-        """The original module's attribute (its config, ``embedding_dim``), not its tensors, which another stage
-        holds."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name in ("_original", "_meta_state"):
-                raise
-            original = self._original
-            if name in original._parameters or name in original._buffers:
-                raise AttributeError(f"{self.module_name}.{name} is held by {self.where}, not this stage") from None
-            return getattr(original, name)
+    def _held_elsewhere(self, name: str) -> str:
+        return f"{self.module_name}.{name} is held by {self.where}, not this stage"
 
     def extra_repr(self) -> str:
         return f"{self.module_name}, held by {self.where}"

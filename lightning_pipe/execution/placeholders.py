@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from lightning_pipe.execution.call_order import map_tensors
 from lightning_pipe.partition.hooks import hooks_set_aside
 
-_SIGNATURES_KEPT = 8
+SIGNATURES_KEPT = 8
 _PLAIN = (bool, int, float, str, torch.dtype, torch.device, type(None))
 
 
@@ -39,7 +39,7 @@ class Placeholders:
         """
         block = self.originals[index]
         known = self._meta_outputs.setdefault(index, {})
-        key = _signature((block.training, args, kwargs)) if reuse else None
+        key = signature((block.training, args, kwargs)) if reuse else None
         if key is not None and key in known:
             return map_tensors(known[key], fresh_meta)
         if index not in self._meta_states:
@@ -51,8 +51,8 @@ class Placeholders:
                 block, self._meta_states[index], map_tensors(args, _to_meta), map_tensors(kwargs, _to_meta),
                 strict=False,
             )
-        if key is not None and _signature(output) is not None:
-            if len(known) >= _SIGNATURES_KEPT:
+        if key is not None and signature(output) is not None:
+            if len(known) >= SIGNATURES_KEPT:
                 known.clear()  # signatures that change every step (a growing sequence) must not pile up
             known[key] = map_tensors(output, fresh_meta)
         return output
@@ -67,7 +67,7 @@ def _to_meta(tensor: Tensor) -> Tensor:
     return tensor if tensor.is_meta else tensor.to("meta")
 
 
-def _signature(value: Any) -> Hashable | None:
+def signature(value: Any) -> Hashable | None:
     """What a block's meta output can depend on in ``value``, as a hashable key: each tensor's shape, strides and
     dtype, plain values as they are, containers as ``map_tensors`` walks them; ``None`` if ``value`` holds anything
     else."""
@@ -77,7 +77,7 @@ def _signature(value: Any) -> Hashable | None:
         return (type(value).__name__, value)
     if (isinstance(value, (tuple, list)) and not hasattr(value, "_fields")) or type(value) is dict:
         items = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
-        keys = [(key, _signature(item)) for key, item in items]
+        keys = [(key, signature(item)) for key, item in items]
         if any(key is None for _, key in keys):
             return None
         return (type(value).__name__, tuple(keys))

@@ -3,6 +3,7 @@ collectives over every rank (a broadcast, a decision, a barrier) whose waits the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -125,6 +126,29 @@ def broadcast_object(obj: Any, src: int, rank: int, watchdog: StallWatchdog = UN
     with watchdog.waiting(waited):
         dist.broadcast_object_list(holder, src)
     return holder[0]
+
+
+def decided_on_rank_zero(decide: Callable[[], Any], what: str, rank: int, watchdog: StallWatchdog = UNWATCHED) -> Any:
+    """``decide()`` run on global rank 0 and its result broadcast to every rank. If it raises there, rank 0 raises
+    that error and every other rank raises one that says ``what`` failed on rank 0 (they were waiting for it)."""
+    decided: Any = None
+    error: Exception | None = None
+    if rank == 0:
+        try:
+            decided = decide()
+        except Exception as exception:  # the other ranks wait in the broadcast: tell them, then raise
+            error, decided = exception, _Failed(f"{type(exception).__name__}: {exception}")
+    decided = broadcast_object(decided, 0, rank, watchdog)
+    if error is not None:
+        raise error
+    if isinstance(decided, _Failed):
+        raise RuntimeError(f"global rank 0 failed to {what}: {decided.message}")
+    return decided
+
+
+@dataclass(frozen=True)
+class _Failed:
+    message: str
 
 
 def decide_over_world(decision: bool, every: bool, device: torch.device, watchdog: StallWatchdog = UNWATCHED) -> bool:

@@ -38,7 +38,29 @@ from lightning_pipe.partition.region import Region
 Answer = Callable[[int, tuple, dict], Any]  # (block index, args, kwargs) -> what the model's call of the block gets
 
 
-class RemoteBlock(nn.Module):
+class StandIn(nn.Module):
+    """Stands where a module that another stage holds was: the original's attributes read through it (code that
+    reads ``layers[0].self_attn.batch_first`` or an embedding's ``embedding_dim``), never its tensors.
+    ``_original`` is the module as built (not a submodule: no parameters, no state here)."""
+
+    _own_attributes: tuple[str, ...] = ("_original",)  # set on the instance; absent only while it is built
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in self._own_attributes:
+                raise
+            original = self._original
+            if name in original._parameters or name in original._buffers:
+                raise AttributeError(self._held_elsewhere(name)) from None
+            return getattr(original, name)
+
+    def _held_elsewhere(self, name: str) -> str:
+        raise NotImplementedError
+
+
+class RemoteBlock(StandIn):
     """Stands where a block of another stage was; its call is answered by ``answer`` (a placeholder of that block's
     output). Before the stage's calls are routed (:meth:`StageBlocks.route`) it only holds the block's place."""
 
@@ -53,21 +75,13 @@ class RemoteBlock(nn.Module):
         # Not through nn.Module's call: hooks on a stand-in never fire, for the block runs on another rank.
         return self.answer(self.index, args, kwargs)
 
+    _own_attributes = ("_original", "answer")
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.answer(self.index, args, kwargs)
 
-    def __getattr__(self, name: str) -> Any:
-        """The original block's attribute, for code that reads one (``nn.TransformerEncoder`` reads
-        ``layers[0].self_attn.batch_first``); not its own parameters and buffers, which another stage holds."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name in ("_original", "answer"):
-                raise
-            original = self._original
-            if name in original._parameters or name in original._buffers:
-                raise AttributeError(f"{self.block_name}.{name} is held by another pipeline stage") from None
-            return getattr(original, name)
+    def _held_elsewhere(self, name: str) -> str:
+        return f"{self.block_name}.{name} is held by another pipeline stage"
 
     def extra_repr(self) -> str:
         return f"{self.block_name}, on another pipeline stage"
