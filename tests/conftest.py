@@ -8,6 +8,7 @@ cores; the ranks that launches start set their own threads, as Lightning's launc
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -40,5 +41,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # A shell without job control starts a background command (`pytest ... &`, some CI runners) with SIGINT ignored,
+    # and every process it starts inherits that: the launches of the stop-signal tests could not hear their SIGINT.
+    # The tests run as from a terminal, where Ctrl-C is heard.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
