@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import json
 
+from functools import partial
+from pathlib import Path
+
 import pytest
 
-from helpers.launch import launch
+from helpers.launch import launch, selected_tests_use, started_together
 
 MICRO_BATCHES = 8  # as tests/workers/activation_memory_worker.py
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}procs")
-def peaks(request, tmp_path_factory):
-    devices = request.param
-    tmp = tmp_path_factory.mktemp(f"activations{devices}")
+def launched(devices: int, tmp: Path):
     runs = [{"name": schedule, "schedule": schedule} for schedule in ("gpipe", "1f1b")]
     launch("activation_memory_worker.py", {"devices": devices, "out": str(tmp), "runs": runs}, tmp)
     found = {}
@@ -28,6 +28,19 @@ def peaks(request, tmp_path_factory):
             result = json.loads(path.read_text())
             found[(run["name"], result["stage"])] = result["peak_bytes"]
     return devices, found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def launches(request, tmp_path_factory):
+    """Every launch of this file, started together with its first test."""
+    if not selected_tests_use(request, "peaks"):
+        return {}
+    return started_together({n: partial(launched, n, tmp_path_factory.mktemp(f"activations{n}")) for n in (2, 4)})
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}procs")
+def peaks(request, launches):
+    return launches[request.param].result()
 
 
 def test_gpipe_holds_every_micro_batch_and_1f1b_at_most_s_minus_stage(peaks):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from functools import partial
+from pathlib import Path
+
 import pytest
 import torch
 
-from helpers.launch import launch, run_python
+from helpers.launch import launch, run_python, selected_tests_use, started_together
 from helpers.models import ProjectModule
 from helpers.scenarios import fit_epochs
 
@@ -16,13 +19,47 @@ def relative_error(expected: dict, initial: dict, actual: dict) -> float:
     return float(error / change)
 
 
-@pytest.fixture(scope="module")
-def four_stage_epoch(tmp_path_factory):
+def four_stages_then_two(out: Path) -> Path:
     """One epoch on 4 stages; ModelCheckpoint saves last.ckpt at its end, and every rank calls
-    ``trainer.save_checkpoint(after_fit.ckpt)`` once fit has returned."""
-    out = tmp_path_factory.mktemp("four")
+    ``trainer.save_checkpoint(after_fit.ckpt)`` once fit has returned. Then 2 stages resume from after_fit.ckpt for a
+    second epoch (into ``out/resumed``). The 4-stage run's last.ckpt."""
     launch("checkpoints_worker.py", {"devices": 4, "out": str(out), "epochs": 1, "save_after_fit": True}, out)
+    resumed = out / "resumed"
+    launch("checkpoints_worker.py", {"devices": 2, "out": str(resumed), "epochs": 2,
+                                     "ckpt_path": str(out / "after_fit.ckpt")}, resumed)
     return out / "ckpt" / "last.ckpt"
+
+
+def two_replicas_then_one(out: Path) -> Path:
+    """One epoch on 2 stages x 2 replicas, then a second epoch resumed from its last.ckpt on 2 stages x 1 replica
+    (into ``out/one_replica``). The replicated run's last.ckpt."""
+    replicated = out / "replicated"
+    launch("checkpoints_worker.py", {"devices": 4, "out": str(replicated), "epochs": 1,
+                                     "strategy": {"num_stages": 2}}, replicated)
+    saved = replicated / "ckpt" / "last.ckpt"
+    one_replica = out / "one_replica"
+    launch("checkpoints_worker.py", {"devices": 2, "out": str(one_replica), "epochs": 2, "ckpt_path": str(saved)},
+           one_replica)
+    return saved
+
+
+@pytest.fixture(scope="module", autouse=True)
+def launches(request, tmp_path_factory):
+    """Both chains of launches, started together with the file's first test: the fits on one device run meanwhile."""
+    if not selected_tests_use(request, "four_stage_epoch", "replicated_checkpoint"):
+        return {}
+    return started_together({"four": partial(four_stages_then_two, tmp_path_factory.mktemp("four")),
+                             "replicas": partial(two_replicas_then_one, tmp_path_factory.mktemp("replicas"))})
+
+
+@pytest.fixture(scope="module")
+def four_stage_epoch(launches) -> Path:
+    return launches["four"].result()
+
+
+@pytest.fixture(scope="module")
+def replicated_checkpoint(launches) -> Path:
+    return launches["replicas"].result()
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +68,7 @@ def single_device(tmp_path_factory):
     return {epochs: fit_epochs(tmp / str(epochs), epochs)["state_dict"] for epochs in (0, 1, 2)}
 
 
-def test_checkpoint_saved_after_fit_holds_every_stage_and_resumes_on_two_stages(four_stage_epoch, single_device,
-                                                                               tmp_path):
+def test_checkpoint_saved_after_fit_holds_every_stage_and_resumes_on_two_stages(single_device, four_stage_epoch):
     """``trainer.save_checkpoint`` after fit: after teardown the optimizers are still per stage, and the file must
     hold all of them (it held rank 0's stage only); it equals the checkpoint ModelCheckpoint wrote at the end of the
     same epoch, and a 2-stage run resumed from it trains as uninterrupted training."""
@@ -48,26 +84,21 @@ def test_checkpoint_saved_after_fit_holds_every_stage_and_resumes_on_two_stages(
     assert saved["state_dict"].keys() == at_epoch_end["state_dict"].keys()
     for key, value in at_epoch_end["state_dict"].items():
         assert torch.equal(saved["state_dict"][key], value), key
-    launch("checkpoints_worker.py", {"devices": 2, "out": str(tmp_path), "epochs": 2, "ckpt_path": str(after_fit)}, tmp_path)
+    resumed = four_stage_epoch.parent.parent / "resumed"
     for rank in range(2):
-        actual = torch.load(tmp_path / f"rank{rank}.pt")["state_dict"]
+        actual = torch.load(resumed / f"rank{rank}.pt")["state_dict"]
         assert relative_error(single_device[2], single_device[0], actual) < 1e-5
 
 
-def test_checkpoint_of_two_replicas_resumes_on_one_replica_as_on_one_device(tmp_path):
+def test_checkpoint_of_two_replicas_resumes_on_one_replica_as_on_one_device(replicated_checkpoint, tmp_path):
     """The consolidated checkpoint does not depend on the replica count: written by 2 stages x 2 replicas, resumed
     on 2 stages x 1 replica, training continues exactly as one device resuming from the same file."""
-    replicated = tmp_path / "replicated"
-    spec = {"devices": 4, "out": str(replicated), "epochs": 1, "strategy": {"num_stages": 2}}
-    launch("checkpoints_worker.py", spec, replicated)
-    saved = replicated / "ckpt" / "last.ckpt"
+    saved = replicated_checkpoint
     checkpoint = torch.load(saved, weights_only=False)
     assert checkpoint["optimizer_states"][0]["state"], "the checkpoint holds the optimizer's momentum"
-    one_replica = tmp_path / "one_replica"
-    launch("checkpoints_worker.py", {"devices": 2, "out": str(one_replica), "epochs": 2, "ckpt_path": str(saved)}, one_replica)
     expected = fit_epochs(tmp_path / "single", 2, str(saved), devices=1)["state_dict"]
     for rank in range(2):
-        actual = torch.load(one_replica / f"rank{rank}.pt")["state_dict"]
+        actual = torch.load(saved.parents[2] / "one_replica" / f"rank{rank}.pt")["state_dict"]
         assert relative_error(expected, checkpoint["state_dict"], actual) < 1e-5
 
 

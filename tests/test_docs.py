@@ -22,9 +22,12 @@ import re
 import subprocess
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
+
+from helpers.launch import started_together
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -96,21 +99,41 @@ def test_docs_mark_runnable_blocks_of_every_kind():
         assert "pip install" not in block.code, f"{block.name}: an install command must not be marked runnable"
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=lambda block: block.name)
-def test_marked_block_runs_as_documented(block: Block, tmp_path):
-    if block.lang == "python" and block.code.lstrip().startswith(">>>"):
-        test = doctest.DocTestParser().get_doctest(block.code, {}, block.name, str(block.page), block.line)
-        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-        runner.run(test)
-        assert runner.failures == 0, f"{block.name}: the doctest's output differs from the page (see above)"
-        return
-    cwd = checkout_like(tmp_path)
+def run_block(block: Block, directory: Path) -> tuple[list[str], subprocess.CompletedProcess]:
+    """Run a marked block that is a script or shell commands, as a user would, in a checkout-like ``directory``."""
+    cwd = checkout_like(directory)
     if block.lang == "python":
         (cwd / "snippet.py").write_text(block.code)
         command = [sys.executable, "snippet.py"]
     else:
         command = ["bash", "-e", "-c", shortened(block.code, block.extra_args)]
-    result = subprocess.run(command, cwd=cwd, env=user_environment(), capture_output=True, text=True, timeout=300)
+    return command, subprocess.run(command, cwd=cwd, env=user_environment(), capture_output=True, text=True,
+                                   timeout=300)
+
+
+def is_doctest(block: Block) -> bool:
+    return block.lang == "python" and block.code.lstrip().startswith(">>>")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def block_runs(request, tmp_path_factory) -> dict:
+    """Every marked script and command, three at a time from the file's first test (each is mostly start-up and
+    waits between the processes it starts)."""
+    selected = [item.callspec.params["block"] for item in request.session.items
+                if item.module is request.module and "block" in getattr(getattr(item, "callspec", None), "params", ())]
+    return started_together({block.name: partial(run_block, block, tmp_path_factory.mktemp("block"))
+                             for block in selected if not is_doctest(block)}, at_most=3)
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda block: block.name)
+def test_marked_block_runs_as_documented(block: Block, block_runs):
+    if is_doctest(block):
+        test = doctest.DocTestParser().get_doctest(block.code, {}, block.name, str(block.page), block.line)
+        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+        runner.run(test)
+        assert runner.failures == 0, f"{block.name}: the doctest's output differs from the page (see above)"
+        return
+    command, result = block_runs[block.name].result()
     assert result.returncode == 0, (
         f"{block.name} failed (exit {result.returncode}):\n{' '.join(command)}\n"
         f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"

@@ -5,12 +5,14 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
 
 from helpers.compare import merged_state_dict, rank_results, relative_weight_error, single_device_run
-from helpers.launch import launch
+from helpers.launch import launch, selected_tests_use, started_together
 from lightning_pipe.schedules.actions import Action
 from lightning_pipe.schedules.builtin import gpipe
 
@@ -80,13 +82,23 @@ def backwards_in_forward_order(
     return forwards + sorted(backwards, key=lambda action: action.micro_batch)  # stable: recv, run, send per m
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}procs")
-def pipelined(request, tmp_path_factory):
-    devices = request.param
-    tmp = tmp_path_factory.mktemp(f"equivalence{devices}")
+def launched(devices: int, tmp: Path) -> tuple[int, Path, dict[str, dict]]:
     runs = runs_for(devices)
     launch("fits_worker.py", {"devices": devices, "out": str(tmp), "runs": runs}, tmp)
     return devices, tmp, {run["name"]: run for run in runs}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def launches(request, tmp_path_factory):
+    """The 2- and 4-process launches, started together with the file's first test."""
+    if not selected_tests_use(request, "pipelined"):
+        return {}
+    return started_together({n: partial(launched, n, tmp_path_factory.mktemp(f"equivalence{n}")) for n in (2, 4)})
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}procs")
+def pipelined(request, launches):
+    return launches[request.param].result()
 
 
 def test_the_gradient_scaler_lets_go_of_the_pipeline_group_when_the_strategy_releases_it():

@@ -16,13 +16,14 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers.launch import REPO, Finished, python_environment, run_python
+from helpers.launch import REPO, Finished, python_environment, run_python, started_together
 
 EXAMPLES = REPO / "examples"
 TINY = [
@@ -67,30 +68,44 @@ def outside_by_stage(width: int = 32, depth: int = 8) -> tuple[int, int]:
     return count(model.token), count(model.norm, model.head)
 
 
-@pytest.fixture(scope="module")
-def single_run(tmp_path_factory):
+SWEEP = [(1, "gpipe"), (1, "1f1b"), (2, "gpipe"), (2, "1f1b")]  # (stages, schedule) of jobs 0..3
+
+
+def single_run(out: Path) -> tuple[Finished, dict]:
     """``python examples/train.py`` with its default 2 stages, as the README runs it (tiny overrides)."""
-    out = tmp_path_factory.mktemp("single")
     result = succeeded(run("train.py", *TINY, f"hydra.run.dir={out}", cwd=out))
     return result, json.loads((out / "report.json").read_text())
 
 
-SWEEP = [(1, "gpipe"), (1, "1f1b"), (2, "gpipe"), (2, "1f1b")]  # (stages, schedule) of jobs 0..3
-
-
-@pytest.fixture(scope="module")
-def sweep(tmp_path_factory):
+def sweep_run(out: Path) -> tuple[Finished, Path, list[dict]]:
     """``python examples/train.py -m strategy.num_stages=1,2 strategy.schedule=gpipe,1f1b``: four jobs, one
     comparison table."""
-    out = tmp_path_factory.mktemp("sweep")
     result = succeeded(run("train.py", "-m", "strategy.num_stages=1,2", "strategy.schedule=gpipe,1f1b", *TINY,
                            f"hydra.sweep.dir={out}", cwd=out, timeout=480))
     reports = [json.loads((out / str(job) / "report.json").read_text()) for job in range(len(SWEEP))]
     return result, out, reports
 
 
-def test_default_run_trains_two_stages_with_progress_bar_and_summary(single_run):
-    result, report = single_run
+@pytest.fixture(scope="module")
+def example_runs(tmp_path_factory) -> dict[str, Future]:
+    """Every example run of this file, started together."""
+    jobs = {"single": single_run, "sweep": sweep_run, "resume": stopped_and_resumed, "existing": existing_project,
+            "invalid": invalid_value}
+    return started_together({name: partial(job, tmp_path_factory.mktemp(name)) for name, job in jobs.items()})
+
+
+@pytest.fixture(scope="module")
+def single(example_runs) -> tuple[Finished, dict]:
+    return example_runs["single"].result()
+
+
+@pytest.fixture(scope="module")
+def sweep(example_runs) -> tuple[Finished, Path, list[dict]]:
+    return example_runs["sweep"].result()
+
+
+def test_default_run_trains_two_stages_with_progress_bar_and_summary(single):
+    result, report = single
     assert report["num_stages"] == 2 and report["num_micro_batches"] == 8 and report["steps"] == 4
     assert report["val_loss"] < math.log(256)  # better than guessing bytes uniformly
     assert report["samples_per_second"] > 0
@@ -101,8 +116,8 @@ def test_default_run_trains_two_stages_with_progress_bar_and_summary(single_run)
     assert "samples/s" in summary and "peak RSS (MB)" in summary
 
 
-def test_stages_hold_disjoint_halves_of_the_pipelined_blocks(single_run):
-    _, report = single_run
+def test_stages_hold_disjoint_halves_of_the_pipelined_blocks(single):
+    _, report = single
     total, blocks = model_parameters()
     first, last = outside_by_stage()
     everywhere = total - blocks - first - last
@@ -120,11 +135,11 @@ def test_single_stage_job_holds_the_whole_model(sweep):
     assert [stage["parameters"] for stage in single["stages"]] == [model_parameters()[0]]
 
 
-def test_pipelined_and_single_stage_training_reach_the_same_loss(single_run, sweep):
+def test_pipelined_and_single_stage_training_reach_the_same_loss(single, sweep):
     """On one or two stages, under GPipe or 1F1B (the language model's loss is a mean over equally many tokens per
     sample, so a loss per micro-batch gives the whole batch's gradient)."""
     _, _, (one_stage, *others) = sweep
-    _, popen_run = single_run
+    _, popen_run = single
     for report in others:
         assert report["val_loss"] == pytest.approx(one_stage["val_loss"], rel=1e-4)
     assert popen_run["val_loss"] == pytest.approx(others[1]["val_loss"], rel=1e-4)  # spawn and popen alike
@@ -182,9 +197,9 @@ def relative_difference(initial: dict, expected: dict, actual: dict) -> float:
     return error / change
 
 
-def test_run_stopped_mid_way_resumes_from_last_to_the_uninterrupted_weights(tmp_path):
-    """`ckpt_path=last` in the stopped run's directory continues from its last checkpoint, mid-epoch (the data
-    order picks up where it stopped), to the weights of the same 12 steps run without a stop."""
+def stopped_and_resumed(tmp_path: Path) -> tuple[int, int, Path]:
+    """A 12-step run SIGKILLed at its first checkpoint, beside the same run uninterrupted, then resumed with
+    ``ckpt_path=last``: the stopped run's exit status, the step it stopped at, and where the runs are."""
     stopped_dir, whole_dir = tmp_path / "stopped" / "run", tmp_path / "whole" / "run"
     stopped_dir.mkdir(parents=True)
     whole_dir.mkdir(parents=True)
@@ -193,11 +208,19 @@ def test_run_stopped_mid_way_resumes_from_last_to_the_uninterrupted_weights(tmp_
         status = pool.submit(run_until_a_checkpoint_then_kill, stopped_dir).result()
         succeeded(whole.result())
     step_stopped, at_stop = weights(stopped_dir / "checkpoints" / "last.ckpt")
+    torch.save(at_stop, tmp_path / "at_stop.pt")
+    if status == -signal.SIGKILL and 0 < step_stopped < 12:
+        succeeded(run("train.py", *RESUMABLE, f"hydra.run.dir={stopped_dir}", "ckpt_path=last", cwd=stopped_dir.parent))
+    return status, step_stopped, tmp_path
+
+
+def test_run_stopped_mid_way_resumes_from_last_to_the_uninterrupted_weights(example_runs):
+    """`ckpt_path=last` in the stopped run's directory continues from its last checkpoint, mid-epoch (the data
+    order picks up where it stopped), to the weights of the same 12 steps run without a stop."""
+    status, step_stopped, root = example_runs["resume"].result()
     assert status == -signal.SIGKILL and 0 < step_stopped < 12, (status, step_stopped)
-    succeeded(run("train.py", *RESUMABLE, f"hydra.run.dir={stopped_dir}", "ckpt_path=last", cwd=stopped_dir.parent))
-    (step, resumed), (whole_step, uninterrupted) = weights(stopped_dir / "checkpoints" / "last.ckpt"), weights(
-        whole_dir / "checkpoints" / "last.ckpt"
-    )
+    (step, resumed), (whole_step, uninterrupted) = weights(root / "stopped" / "run" / "checkpoints" / "last.ckpt"), \
+        weights(root / "whole" / "run" / "checkpoints" / "last.ckpt")
     assert step == whole_step == 12
     sys.path.insert(0, str(EXAMPLES))
     try:
@@ -210,19 +233,27 @@ def test_run_stopped_mid_way_resumes_from_last_to_the_uninterrupted_weights(tmp_
     print(f"resumed from step {step_stopped}: the weights differ from uninterrupted training by {difference:.1e}")
     assert difference < 1e-6
     # The comparison can fail: the weights at the stop are far from the final ones.
-    assert relative_difference(initial, uninterrupted, at_stop) > 0.1
+    assert relative_difference(initial, uninterrupted, torch.load(root / "at_stop.pt")) > 0.1
 
 
-def test_invalid_value_stops_the_run_before_training_naming_the_key(tmp_path):
-    result = run("train.py", "strategy.checkpoint=sometimes", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+def invalid_value(tmp_path: Path) -> tuple[Finished, Path]:
+    return run("train.py", "strategy.checkpoint=sometimes", f"hydra.run.dir={tmp_path}", cwd=tmp_path), tmp_path
+
+
+def test_invalid_value_stops_the_run_before_training_naming_the_key(example_runs):
+    result, run_dir = example_runs["invalid"].result()
     assert result.returncode != 0
     assert "strategy.checkpoint='sometimes' is not a checkpoint mode" in result.stderr
     assert "Initializing distributed" not in result.stdout + result.stderr  # no rank started
-    assert not (tmp_path / "report.json").exists()
+    assert not (run_dir / "report.json").exists()
 
 
-def test_existing_project_trains_on_two_stages_unchanged(tmp_path):
-    result = succeeded(run("existing_project.py", "--max-steps", "4", "--val-every", "4", cwd=tmp_path))
+def existing_project(tmp_path: Path) -> Finished:
+    return run("existing_project.py", "--max-steps", "4", "--val-every", "4", cwd=tmp_path)
+
+
+def test_existing_project_trains_on_two_stages_unchanged(example_runs):
+    result = succeeded(example_runs["existing"].result())
     assert re.search(r"pipelining 'encoder\.model' \(14 layers\) over 2 stages", result.stdout + result.stderr)
     metrics = json.loads(result.stdout.split("final metrics: ", 1)[1].splitlines()[0])
     assert {"train_loss", "val_loss", "val_acc", "train_acc_epoch"} <= metrics.keys()

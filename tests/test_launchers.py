@@ -3,11 +3,13 @@ or for a model built on the meta device, what rank 0 keeps unless the whole mode
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 from helpers.compare import merged_state_dict, relative_weight_error, single_device_run
-from helpers.launch import launch
+from helpers.launch import launch, started_together
 
 # Models whose pipelined layers the launching process never held: built in configure_model, or created on the meta
 # device under init_module(empty_init=True).
@@ -24,15 +26,25 @@ WHOLE = [("spawn", model) for model in MODELS] + [("fork", "classifier")]
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
+    """The spawn runs and the fork runs, two launches started together; each run's files in ``tmp/RUN``, each
+    launch's terminal output in ``tmp/METHOD/stderr.txt``."""
     tmp = tmp_path_factory.mktemp("launchers")
-    launch("fits_worker.py", {"devices": 2, "out": str(tmp), "runs": RUNS}, tmp)  # its output: tmp/stderr.txt
+    launches = started_together({
+        method: partial(launch, "fits_worker.py", {"devices": 2, "out": str(tmp),
+                                                   "runs": [run for run in RUNS if run["start_method"] == method]},
+                        tmp / method)
+        for method in ("spawn", "fork")
+    })
+    for launched in launches.values():
+        launched.result()
     return tmp
 
 
 def test_no_advice_to_synchronise_values_every_stage_already_holds(launched):
     """One pipeline is not data-parallel: Lightning's advice to log epoch values with sync_dist=True is moot (the
     model logs val_loss on epoch level without it) and must not be printed."""
-    assert "sync_dist=True" not in (launched / "stderr.txt").read_text()
+    for method in ("spawn", "fork"):
+        assert "sync_dist=True" not in (launched / method / "stderr.txt").read_text()
 
 
 @pytest.mark.parametrize("method, model", WHOLE)

@@ -6,6 +6,7 @@ needs."""
 from __future__ import annotations
 
 import re
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 
 from helpers.deferred_models import DEPTH, DeferredClassifier, EagerClassifier, fit, layers
-from helpers.launch import launch, run_python
+from helpers.launch import launch, run_python, selected_tests_use, started_together
 from lightning_pipe import GPipeStrategy, PipelineParallelConfig, init_weights
 from lightning_pipe.execution.materialize import holds_meta_tensors, layer_seed, mark_held_elsewhere, materialize
 from lightning_pipe.execution.stage import StageBlocks
@@ -142,9 +143,7 @@ def test_summary_says_what_deferred_construction_would_save():
 # ---- pipelined runs ------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def two_stages(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("memory2")
+def two_stage_runs(tmp) -> dict[str, list[dict]]:
     runs = [{"name": "deferred"}, {"name": "init_module", "model": "init_module"}, {"name": "eager", "model": "eager"},
             {"name": "profiled", "balance": "time", "fails": True}]
     launch("memory_setup_worker.py", {"devices": 2, "out": str(tmp), "runs": runs}, tmp)
@@ -154,15 +153,32 @@ def two_stages(tmp_path_factory):
 WHOLE = {"gather_model_after_run": True, "save_distributed_checkpoint": False}  # the whole model asked for
 
 
-@pytest.fixture(scope="module")
-def four_stages(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("memory4")
+def four_stage_runs(tmp) -> dict:
     last = str(tmp / "gathered" / "ckpt" / "last.ckpt")  # written by the second run, gathered, after its epoch
     runs = [{"name": "deferred", "save_after_fit": True}, {"name": "gathered", "strategy": WHOLE},
             {"name": "resumed", "epochs": 2, "ckpt_path": last},
             {"name": "peaks", "peaks": PEAKS}, {"name": "peaks_gathered", "peaks": PEAKS, "strategy": WHOLE}]
     launch("memory_setup_worker.py", {"devices": 4, "out": str(tmp), "runs": runs}, tmp, timeout=900, env=SMALL_HEAP)
     return {run["name"]: ranks(tmp / run["name"], 4) for run in runs} | {"checkpoint": last, "dir": tmp}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def launches(request, tmp_path_factory):
+    """Both launches, started with the file's first test: the in-process tests and fits run meanwhile."""
+    if not selected_tests_use(request, "two_stages", "four_stages"):
+        return {}
+    return started_together({"two": partial(two_stage_runs, tmp_path_factory.mktemp("memory2")),
+                             "four": partial(four_stage_runs, tmp_path_factory.mktemp("memory4"))})
+
+
+@pytest.fixture(scope="module")
+def two_stages(launches):
+    return launches["two"].result()
+
+
+@pytest.fixture(scope="module")
+def four_stages(launches):
+    return launches["four"].result()
 
 
 @pytest.fixture(scope="module")

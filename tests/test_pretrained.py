@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from helpers.compare import relative_weight_error
-from helpers.launch import launch
+from helpers.launch import launch, started_together
 from helpers import stock_models
 from helpers.stock_models import PretrainedCausalLM, bert_config, gpt2_config, llama_config
 from lightning_pipe import PretrainedWeights, init_weights
@@ -131,10 +132,14 @@ def pipelined(saved, tmp_path_factory) -> dict[int, Path]:
         {"name": "gpt2_replicas", "path": str(saved["gpt2"]), "strategy": {"num_stages": 2, "num_micro_batches": 2},
          "module_options": {"batch_size": 8, "padded": False}, "save_pretrained": True, "max_shard_size": "40KB"},
     ]
-    for devices, runs in ((2, two), (4, four)):
-        out = root / str(devices)
-        launch("pretrained_worker.py", {"devices": devices, "out": str(out), "steps": STEPS, "runs": runs}, out,
-               timeout=600)
+    launches = started_together({
+        devices: partial(launch, "pretrained_worker.py",
+                         {"devices": devices, "out": str(root / str(devices)), "steps": STEPS, "runs": runs},
+                         root / str(devices), timeout=600)
+        for devices, runs in ((2, two), (4, four))
+    })
+    for launched in launches.values():
+        launched.result()
     return {2: root / "2", 4: root / "4"}
 
 

@@ -8,11 +8,14 @@ logs too. GPipe with deferred weight gradients equals one device like GPipe.
 
 from __future__ import annotations
 
+from functools import partial
+from pathlib import Path
+
 import pytest
 import torch
 
 from helpers.compare import merged_state_dict, rank_results, relative_weight_error, single_device_run
-from helpers.launch import launch
+from helpers.launch import launch, selected_tests_use, started_together
 
 TOLERANCE = 1e-5  # of the total weight change during training
 PER_MICRO_BATCH = ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
@@ -70,13 +73,23 @@ def runs_for(devices: int) -> list[dict]:
     return runs
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}procs")
-def pipelined(request, tmp_path_factory):
-    devices = request.param
-    tmp = tmp_path_factory.mktemp(f"schedules{devices}")
+def launched(devices: int, tmp: Path):
     runs = runs_for(devices)
     launch("fits_worker.py", {"devices": devices, "out": str(tmp), "runs": runs}, tmp, timeout=900)
     return devices, tmp, {run["name"]: run for run in runs}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def launches(request, tmp_path_factory):
+    """Every launch of this file, started together with its first test."""
+    if not selected_tests_use(request, "pipelined"):
+        return {}
+    return started_together({n: partial(launched, n, tmp_path_factory.mktemp(f"schedules{n}")) for n in (2, 4)})
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}procs")
+def pipelined(request, launches):
+    return launches[request.param].result()
 
 
 _references: dict[tuple, tuple] = {}

@@ -11,12 +11,15 @@ from __future__ import annotations
 import json
 import re
 
+from functools import partial
+from pathlib import Path
+
 import pytest
 import torch
 from lightning.pytorch import Trainer
 
 from helpers.compare import relative_weight_error
-from helpers.launch import launch
+from helpers.launch import launch, selected_tests_use, started_together
 from helpers.stock_models import BLOCKS, STOCK_MODELS
 from test_stock_models import STEPS, train_on_one_device
 
@@ -114,10 +117,7 @@ UNSUMMED_TIE = "gpt2_unsummed_tie"  # the embedding's and the head's parts of th
 LOSSES_ONLY = {"encoder"}
 
 
-@pytest.fixture(scope="module", params=sorted(RUNS))
-def pipelined(request, tmp_path_factory):
-    devices = request.param
-    tmp = tmp_path_factory.mktemp(f"stock{devices}")
+def launched(devices: int, tmp: Path):
     runs = [{"name": name, "model": model, "strategy": settings, **(other[0] if other else {})}
             for name, (model, settings, *other) in RUNS[devices].items()]
     if devices == 2:
@@ -135,6 +135,19 @@ def pipelined(request, tmp_path_factory):
     launch("stock_pipelines_worker.py", {"devices": devices, "out": str(tmp), "steps": STEPS, "runs": runs}, tmp,
            timeout=900)
     return devices, tmp
+
+
+@pytest.fixture(scope="module", autouse=True)
+def launches(request, tmp_path_factory):
+    """Every launch of this file, started together with its first test."""
+    if not selected_tests_use(request, "pipelined"):
+        return {}
+    return started_together({n: partial(launched, n, tmp_path_factory.mktemp(f"stock{n}")) for n in sorted(RUNS)})
+
+
+@pytest.fixture(scope="module", params=sorted(RUNS))
+def pipelined(request, launches):
+    return launches[request.param].result()
 
 
 _baselines: dict[tuple[str, int], tuple] = {}

@@ -24,8 +24,11 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from helpers.prestarted import Prestarted
 
@@ -95,6 +98,24 @@ def run_python(
             f"{finished.stdout[-4000:]}\n{finished.stderr[-8000:]}"
         )
     return finished
+
+
+def started_together(jobs: Mapping[Any, Callable[[], Any]], at_most: int | None = None) -> dict[Any, Future]:
+    """Start every job (a launch, or launches one after another) at once, each in a thread of its own (``at_most``
+    at a time): most of a launch is its processes' start-up and their waits on each other, so a file's launches
+    together take little more than the longest. A test waits for the result it reads; a failed job fails only the
+    tests that read it."""
+    pool = ThreadPoolExecutor(at_most or max(len(jobs), 1), thread_name_prefix="launch")
+    futures = {name: pool.submit(job) for name, job in jobs.items()}
+    pool.shutdown(wait=False)  # the jobs go on; their threads end with them
+    return futures
+
+
+def selected_tests_use(request: Any, *fixtures: str) -> bool:
+    """Whether a test of ``request``'s module selected for this run reads one of ``fixtures`` (so a fixture that
+    starts launches early, with the module's first test, starts none for a run of its in-process tests alone)."""
+    return any(item.module is request.module and set(fixtures) & set(item.fixturenames)
+               for item in request.session.items)
 
 
 def python_environment(env: dict[str, str] | None = None) -> dict[str, str]:
