@@ -249,11 +249,13 @@ def observed_chains(model: nn.Module, calling: Callable[[nn.Module], Any]) -> li
 
 
 def run_on_meta(
-    model: nn.Module, calling: Callable[[nn.Module], Any], extra_modes: Sequence[TorchDispatchMode] = ()
+    model: nn.Module, calling: Callable[[nn.Module], Any], extra_modes: Sequence[TorchDispatchMode] = (),
+    gradients: bool = False,
 ) -> Any:
-    """``calling(model)`` on the meta device, without gradients: no memory, the model's attributes as they were after,
-    ``extra_modes`` entered around it. Its output, or ``None`` when it fails part-way (code that cannot run on the
-    meta device): what observers saw until then still counts. The caller sets the user's hooks aside
+    """``calling(model)`` on the meta device, without gradients (with them, ``gradients``: autograd records the graph
+    and saves what backward would need, still taking no memory): no memory, the model's attributes as they were
+    after, ``extra_modes`` entered around it. Its output, or ``None`` when it fails part-way (code that cannot run on
+    the meta device): what observers saw until then still counts. The caller sets the user's hooks aside
     (:func:`~lightning_pipe.partition.hooks.hooks_set_aside`) before registering its own."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(_attributes_kept(model))
@@ -262,9 +264,12 @@ def run_on_meta(
             stack.enter_context(mode)
         # Each tensor once (a tied weight under one of its names), buffers the state dict leaves out too.
         state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        meta_state = {f"model.{name}": torch.empty_like(t, device="meta") for name, t in state.items()}
+        meta_state = {
+            f"model.{name}": torch.empty_like(t, device="meta").requires_grad_(gradients and t.requires_grad)
+            for name, t in state.items()
+        }
         try:
-            with torch.no_grad():
+            with torch.set_grad_enabled(gradients):
                 return torch.func.functional_call(_Calling(model, calling), meta_state, (), strict=False)
         except Exception:
             return None
