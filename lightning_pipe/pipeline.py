@@ -478,8 +478,8 @@ def decide_partition(
             raise ValueError(
                 "balance='time' profiles every layer with its weights, but the pipelined module was built on the"
                 " meta device (in configure_model() or under init_module(empty_init=True)), where it has none yet;"
-                " use balance='memory' (estimated from shapes on the meta device), balance='parameters' or a list"
-                " of layers per stage, or build the model in __init__."
+                " use balance='parameters' or balance='memory' (neither needs weights: 'memory' is estimated on the"
+                " meta device), a list of layers per stage, or build the model in __init__."
             )
         fraction = recompute_fraction(settings.recompute, config.num_micro_batches)  # type: ignore[arg-type]
         # Built on the meta device, "memory" is estimated from the training step run there (memory_estimate).
