@@ -7,7 +7,7 @@ A stage's peak holds two kinds of bytes:
   (:data:`OPTIMIZER_STATES` tensors of its size: Adam's two moments; the optimizer is configured after the split, so
   the common case is assumed);
 * **activations**, the tensors autograd saves for backward. The training step runs once on the meta device on the
-  first batch's shapes with gradients on (:func:`lightning_pipe.partition.region.run_on_meta`), and
+  first batch's shapes with gradients on (:func:`lightning_pipe.partition.meta_run.run_on_meta`), and
   ``torch.autograd.graph.saved_tensors_hooks`` counts the bytes of each storage saved while each block runs. What
   the code outside the blocks saves is charged where it is held, as :func:`lightning_pipe.partition.balance.charged`
   charges the outside modules' parameters: the embedding's to the first block, the head's and the loss's (the
@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipe.partition.hooks import hooks_set_aside
+from lightning_pipe.partition.meta_run import run_on_meta
 
 OPTIMIZER_STATES = 2  # tensors of a parameter's size the optimizer keeps: Adam's and AdamW's two moments
 
@@ -108,9 +109,6 @@ def _saved_bytes_on_meta(
     """The bytes autograd saves in ``calling(model)`` on the meta device: while each block runs, and outside the
     blocks charged to the next block called (after the last, to the last). Each storage counts once, whole (a view
     saved twice, an input three projections save), and the parameters' not at all."""
-    # NOTE: imported here, not at the top: region imports balance, which imports this module.
-    from lightning_pipe.partition.region import run_on_meta
-
     inside = [0] * len(blocks)
     outside = [0] * len(blocks)
     pending = [0]  # saved outside the blocks since the last block ended
