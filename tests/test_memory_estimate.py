@@ -152,3 +152,10 @@ def test_a_large_vocabulary_moves_blocks_off_the_loss_stage_where_parameters_wou
     parameters = plan_partition(model, layers, config, "parameters", charges=charges)
     assert [len(r) for r in parameters.ranges] == [4, 4]
     assert len(memory.ranges[1]) < 4, [len(r) for r in memory.ranges]
+
+
+def test_a_model_with_its_weights_keeps_the_measured_path():
+    real = Tokens()
+    config = PipelineParallelConfig(num_stages=2, num_micro_batches=2)
+    plan = plan_partition(real, real.layers, config, "memory", sample=torch.randint(0, 50, (8, 12)))
+    assert plan.profiles is not None and len(plan.profiles) == 6  # profiled layer by layer, as before
