@@ -64,7 +64,6 @@ from lightning_pipe.integration.lightning_packages import overrides
 from lightning_pipe.integration.model_summary import summarize_whole_model
 from lightning_pipe.partition.balance import (
     PartitionPlan,
-    needs_sample,
     plan_partition,
     profiling_sample,
     recompute_fraction,
@@ -474,19 +473,34 @@ def decide_partition(
     config = settings.chunk_config(groups.num_stages)
 
     def decide() -> PartitionPlan:
-        if needs_sample(settings.balance) and holds_meta_tensors(sequential):
+        deferred = holds_meta_tensors(sequential)
+        if settings.balance == "time" and deferred:
             raise ValueError(
-                f"balance={settings.balance!r} profiles every layer with its weights, but the pipelined module"
-                " was built on the meta device (in configure_model() or under init_module(empty_init=True)),"
-                " where it has none yet; use balance='parameters' or a list of layers per stage, or build"
-                " the model in __init__."
+                "balance='time' profiles every layer with its weights, but the pipelined module was built on the"
+                " meta device (in configure_model() or under init_module(empty_init=True)), where it has none yet;"
+                " use balance='parameters' or balance='memory' (neither needs weights: 'memory' is estimated on the"
+                " meta device), a list of layers per stage, or build the model in __init__."
             )
         fraction = recompute_fraction(settings.recompute, config.num_micro_batches)  # type: ignore[arg-type]
-        return plan_partition(
-            module, sequential, config, settings.balance, settings.sample, groups.device, fraction, charges
-        )
+        # Built on the meta device, "memory" is estimated from the training step run there (memory_estimate).
+        step = _meta_training_step(module) if settings.balance == "memory" and deferred else None
+        with random_state_kept():
+            return plan_partition(
+                module, sequential, config, settings.balance, settings.sample, groups.device, fraction, charges,
+                step, settings.schedule.per_micro_batch,  # type: ignore[union-attr]
+            )
 
     return decided_on_rank_zero(decide, "partition the model", groups.rank, groups.watchdog)
+
+
+def _meta_training_step(module: LightningModule) -> Callable[[nn.Module], Any] | None:
+    """The training step on the first batch's shapes (on the meta device) during a fit, else ``None``."""
+    trainer = module._trainer
+    if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+        return None
+    with random_state_kept():
+        batch = first_training_batch(trainer, module)
+    return None if batch is None else training_step_on(batch)
 
 
 def plan_pretrained_load(module: LightningModule, weights: PretrainedWeights | None) -> PretrainedLoad | None:

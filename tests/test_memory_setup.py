@@ -145,7 +145,7 @@ def test_summary_says_what_deferred_construction_would_save():
 
 def two_stage_runs(tmp) -> dict[str, list[dict]]:
     runs = [{"name": "deferred"}, {"name": "init_module", "model": "init_module"}, {"name": "eager", "model": "eager"},
-            {"name": "profiled", "balance": "time", "fails": True}]
+            {"name": "memory", "balance": "memory"}, {"name": "profiled", "balance": "time", "fails": True}]
     launch("memory_setup_worker.py", {"devices": 2, "out": str(tmp), "runs": runs}, tmp)
     return {run["name"]: ranks(tmp / run["name"], 2) for run in runs}
 
@@ -377,6 +377,14 @@ def test_model_built_without_deferred_construction_works_as_before(two_stages, s
         assert result["real_parameters"] > result["local_parameters"]
         assert "building it in configure_model() would save up to" in result["summary"]
     assert "configure_model()" not in two_stages["deferred"][0]["summary"]
+
+
+def test_memory_balance_of_a_model_on_the_meta_device_is_estimated_and_trains_as_one_device(two_stages, single_device):
+    reference = single_device["deferred"]
+    assert relative_error(reference["initial"], reference["final"], merged(two_stages["memory"], "final")) < TOLERANCE
+    for result in two_stages["memory"]:
+        assert "balance='memory'" in result["summary"]
+        assert "by estimated memory (parameters, gradients, optimizer state, activations)" in result["summary"]
 
 
 def test_profiled_balance_of_a_model_on_the_meta_device_is_refused_naming_the_fix(two_stages):

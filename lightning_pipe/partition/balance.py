@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal, Union, get_args
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
 from lightning_pipe.config import PipelineParallelConfig, check_stage_count, ranges_from_sizes, split_evenly
+from lightning_pipe.partition.memory_estimate import estimate_block_memory, held_micro_batches, memory_costs
 from lightning_pipe.partition.profiling import LayerProfile, pipelined_input, profile_layers
 from lightning_pipe.schedules.builtin import SCHEDULES
 
@@ -242,6 +245,8 @@ def plan_partition(
     device: torch.device | None = None,
     recompute_fraction: float = 0.0,
     charges: Sequence[tuple[int, nn.Module]] = (),
+    step: Callable[[nn.Module], Any] | None = None,
+    loss_per_micro_batch: bool = False,
 ) -> PartitionPlan:
     """The split of ``sequential``'s layers for ``balance``; ``charges``: modules outside the layers that the stage
     of a layer holds (see :func:`charged`).
@@ -250,6 +255,11 @@ def plan_partition(
     parameter counts; ``"time"`` and ``"memory"`` profile every layer on ``device`` with ``sample`` (an input of
     ``module``'s forward; by default its ``example_input_array``) and balance forward-plus-backward time (the forward
     counted ``1 + recompute_fraction`` times, as re-computation repeats it) or parameter-plus-activation bytes.
+
+    ``"memory"`` on layers built on the meta device (no weights to profile) estimates instead
+    (:mod:`lightning_pipe.partition.memory_estimate`): state from the parameters' shapes, activations from
+    ``step(module)`` (the training step on the first batch's shapes; else ``module``'s forward on ``sample``) run on
+    the meta device, the loss's held for the whole batch, or one micro-batch with ``loss_per_micro_batch``.
     """
     layers = [
         LayerInfo(
@@ -268,8 +278,16 @@ def plan_partition(
         return PartitionPlan("explicit", ranges, layers, [1.0] * num_layers, "layers")
     check_stage_count(num_layers, config.num_stages)
     profiles = None
-    if balance == "parameters":
-        costs, unit = [float(layer.parameters) for layer in layers], "parameters"
+    if balance == "memory" and any(t.is_meta for t in (*sequential.parameters(), *sequential.buffers())):
+        calling = step if step is not None else None if sample is None else partial(_forward_on_meta, sample)
+        blocks = estimate_block_memory(module, list(sequential), calling, charges)
+        micro_batches = config.num_micro_batches
+        outside_share = 1 / micro_batches if loss_per_micro_batch else 1.0  # the loss on the whole batch, or on one
+        costs = memory_costs(blocks, held_micro_batches(micro_batches, recompute_fraction), outside_share)
+        unit = "bytes"
+    elif balance == "parameters":
+        costs = charged([float(layer.parameters) for layer in layers], "parameters", charges)
+        unit = "parameters"
     else:
         profiles = profile_layers(
             sequential,
@@ -282,9 +300,18 @@ def plan_partition(
             unit = "seconds"
         else:
             costs, unit = [float(p.memory_bytes) for p in profiles], "bytes"
-    costs = charged(costs, unit, charges, [layer.parameters for layer in layers])
+        costs = charged(costs, unit, charges, [layer.parameters for layer in layers])
     if sum(costs) > 0:
         ranges = ranges_from_sizes(min_max_partition(costs, config.num_stages))
     else:  # nothing to balance (e.g. no layer has parameters): fall back to an even split
         ranges = split_evenly(num_layers, config.num_stages)
     return PartitionPlan(balance, ranges, layers, costs, unit, profiles)
+
+
+def _forward_on_meta(sample: Any, module: nn.Module) -> Any:
+    """``module``'s forward on ``sample`` moved to the meta device (a tuple: positional arguments; a dict: keyword
+    arguments)."""
+    sample = move_data_to_device(sample, torch.device("meta"))
+    if isinstance(sample, tuple):
+        return module(*sample)
+    return module(**sample) if isinstance(sample, dict) else module(sample)

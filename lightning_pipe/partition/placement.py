@@ -29,7 +29,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_pipe.partition.hooks import hooks_set_aside
-from lightning_pipe.partition.region import Region, outside_parameters, run_on_meta
+from lightning_pipe.partition.meta_run import run_on_meta
+from lightning_pipe.partition.region import Region, outside_parameters
 
 EVERY = "every"  # runs on every stage
 LOSS = "loss"  # runs on the loss stage only

@@ -29,7 +29,7 @@ class LayerProfile:
     forward_seconds: float
     backward_seconds: float  # back-propagation through the layer, re-computation not included
     parameter_bytes: int
-    activation_bytes: int  # tensors autograd saves for the layer's backward (its parameters not counted)
+    activation_bytes: int  # storages autograd saves for the layer's backward, each once (its parameters not counted)
     # The gradient of the layer's input alone (what the stage before waits for), when asked for; the weight
     # gradients take the rest of ``backward_seconds``.
     input_gradient_seconds: float | None = None
@@ -125,7 +125,7 @@ def _profile_layer(
     is_tuple = isinstance(value, tuple)
     where = f"the input of layer {index} of the pipelined module"
     inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in microbatch.as_tensors(value, where))
-    parameter_pointers = {p.data_ptr() for p in layer.parameters()}
+    parameter_storages = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     parameter_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
     sync = _synchronizer(device)
 
@@ -137,11 +137,13 @@ def _profile_layer(
     output: Activation = value
     spent, run = 0.0, 0
     while run <= min_repeats or spent < budget:  # run 0 is the warm-up
-        saved: dict[tuple[int, tuple[int, ...]], int] = {}
+        saved: dict[int, int] = {}
 
-        def pack(tensor: Tensor, saved: dict[tuple[int, tuple[int, ...]], int] = saved) -> Tensor:
-            if tensor.data_ptr() not in parameter_pointers:
-                saved[(tensor.data_ptr(), tuple(tensor.shape))] = tensor.numel() * tensor.element_size()
+        def pack(tensor: Tensor, saved: dict[int, int] = saved) -> Tensor:
+            # Each storage once, whole: a view saved beside its base (a Linear's input reshaped) holds no more.
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in parameter_storages:
+                saved[storage.data_ptr()] = storage.nbytes()
             return tensor
 
         # A layer that works in place (``nn.ReLU(inplace=True)``) may not modify a leaf that requires grad, and must

@@ -10,20 +10,19 @@ avgpool`` in a ResNet). The region is replaced at set-up by this rank's blocks a
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pipe.partition.balance import min_max_partition, ranges_from_sizes, stage_costs
 from lightning_pipe.partition.hooks import hooks_set_aside
+from lightning_pipe.partition.meta_run import run_on_meta
 
 Container = (nn.Sequential, nn.ModuleList)
 # NOTE: two chained modules are most often a body and its head (`head(net(x))`): pipelined as two blocks, the body
@@ -248,28 +247,6 @@ def observed_chains(model: nn.Module, calling: Callable[[nn.Module], Any]) -> li
     return chains + _encoder_decoder_chains(model, calls)
 
 
-def run_on_meta(
-    model: nn.Module, calling: Callable[[nn.Module], Any], extra_modes: Sequence[TorchDispatchMode] = ()
-) -> Any:
-    """``calling(model)`` on the meta device, without gradients: no memory, the model's attributes as they were after,
-    ``extra_modes`` entered around it. Its output, or ``None`` when it fails part-way (code that cannot run on the
-    meta device): what observers saw until then still counts. The caller sets the user's hooks aside
-    (:func:`~lightning_pipe.partition.hooks.hooks_set_aside`) before registering its own."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(_attributes_kept(model))
-        stack.enter_context(_MetaScalars())
-        for mode in extra_modes:
-            stack.enter_context(mode)
-        # Each tensor once (a tied weight under one of its names), buffers the state dict leaves out too.
-        state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        meta_state = {f"model.{name}": torch.empty_like(t, device="meta") for name, t in state.items()}
-        try:
-            with torch.no_grad():
-                return torch.func.functional_call(_Calling(model, calling), meta_state, (), strict=False)
-        except Exception:
-            return None
-
-
 @dataclass
 class _ObservedCall:
     name: str
@@ -320,42 +297,6 @@ def first_item(value: Any) -> Any:
         items = value.to_tuple()
         return items[0] if items else None
     return None
-
-
-class _MetaScalars(TorchDispatchMode):
-    """A meta tensor read as a Python number answers 1 (``True``): models read masks' values on their way to the blocks
-    (Hugging Face's ``padding_mask.all()``, ``nn.TransformerDecoder``'s causal-mask test), which the meta device
-    cannot answer. Only which modules the run calls, with what, matters here, not the path such a value picks."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
-            return torch.ones((), dtype=args[0].dtype).item()
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def _attributes_kept(model: nn.Module) -> Iterator[None]:
-    """Every module of ``model`` keeps the attributes it had: what code run inside sets or adds is undone."""
-    saved = [(module, dict(module.__dict__)) for module in model.modules()]
-    try:
-        yield
-    finally:
-        for module, attributes in saved:
-            for added in set(module.__dict__) - set(attributes):
-                del module.__dict__[added]
-            module.__dict__.update(attributes)
-
-
-class _Calling(nn.Module):
-    """``calling(model)`` as a module's forward, so that ``torch.func.functional_call`` runs it on the meta state."""
-
-    def __init__(self, model: nn.Module, calling: Callable[[nn.Module], Any]) -> None:
-        super().__init__()
-        self.model = model
-        self.calling = calling
-
-    def forward(self) -> Any:
-        return self.calling(self.model)
 
 
 def _forward(sample: Any, model: nn.Module) -> Any:

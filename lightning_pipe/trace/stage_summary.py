@@ -197,6 +197,10 @@ def build_stage_summary(
         totals, basis = per_stage(lambda row: float(row.memory_bytes)), "profiled memory"
     elif plan.profiles is not None:
         totals, basis = per_stage(lambda row: row.time_seconds or 0.0), "profiled time"
+    elif plan.method == "memory":  # estimated on the meta device: the bytes the split balanced, per stage
+        totals = [sum(plan.costs[i] for chunk, layer_range in enumerate(plan.ranges) if owners[chunk] == stage
+                      for i in layer_range) for stage in range(num_stages)]
+        basis = "estimated memory (parameters, gradients, optimizer state, activations)"
     else:
         totals, basis = per_stage(lambda row: float(row.parameters)), "parameters"
     chunk_bytes = [sum(plan.layers[i].parameter_bytes for i in layer_range) for layer_range in plan.ranges]

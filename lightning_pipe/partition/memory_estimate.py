@@ -1,0 +1,166 @@
+"""What each block costs in memory, estimated without weights: for ``balance="memory"`` on a model built on the meta
+device.
+
+A stage's peak holds two kinds of bytes:
+
+* **state**, known from the parameters' shapes and dtypes: each parameter, its gradient and the optimizer's state
+  (:data:`OPTIMIZER_STATES` tensors of its size: Adam's two moments; the optimizer is configured after the split, so
+  the common case is assumed);
+* **activations**, the tensors autograd saves for backward. The training step runs once on the meta device on the
+  first batch's shapes with gradients on (:func:`lightning_pipe.partition.meta_run.run_on_meta`), and
+  ``torch.autograd.graph.saved_tensors_hooks`` counts the bytes of each storage saved while each block runs. What
+  the code outside the blocks saves is charged where it is held, as :func:`lightning_pipe.partition.balance.charged`
+  charges the outside modules' parameters: the embedding's to the first block, the head's and the loss's (the
+  logits) to the last, what runs between two blocks to the next.
+
+:func:`memory_costs` turns those byte counts into each block's cost at a stage's peak, a pure function whose
+costs :func:`lightning_pipe.partition.balance.min_max_partition` splits. A model built with its weights keeps the measured path
+(:func:`lightning_pipe.partition.profiling.profile_layers`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pipe.partition.hooks import hooks_set_aside
+from lightning_pipe.partition.meta_run import run_on_meta
+
+OPTIMIZER_STATES = 2  # tensors of a parameter's size the optimizer keeps: Adam's and AdamW's two moments
+
+
+@dataclass(frozen=True)
+class BlockMemory:
+    """The bytes one block accounts for, over the whole batch.
+
+    ``state_bytes``: its parameters, their gradients and optimizer state, and those of the outside modules charged
+    to it. ``activation_bytes``: what autograd saves while the block runs. ``outside_activation_bytes``: what the
+    code outside the blocks charged to it saves (the embedding's before the first block, the head's and the loss's
+    after the last)."""
+
+    state_bytes: int
+    activation_bytes: int = 0
+    outside_activation_bytes: int = 0
+
+
+def memory_costs(blocks: Sequence[BlockMemory], blocks_share: float, outside_share: float) -> list[float]:
+    """Each block's bytes at its stage's peak: its state, plus the share of the batch whose activations a stage
+    holds at once: ``blocks_share`` for the blocks' (micro-batches kept whole until their backward, as a share of
+    the batch), ``outside_share`` for the code outside them (1 when the loss runs on the whole batch, ``1/M`` when
+    it runs per micro-batch).
+
+    >>> memory_costs([BlockMemory(100, 40, 0), BlockMemory(100, 40, 80)], 0.25, 1.0)
+    [110.0, 190.0]
+    """
+    return [b.state_bytes + b.activation_bytes * blocks_share + b.outside_activation_bytes * outside_share for b in blocks]
+
+
+def held_micro_batches(num_micro_batches: int, recompute_fraction: float) -> float:
+    """The share of the batch whose block activations a stage holds at its peak: the micro-batches not re-computed
+    keep theirs until their backward; a re-computed one holds its own only during its backward, one at a time."""
+    kept = num_micro_batches * (1.0 - recompute_fraction)
+    return max(1.0, kept) / num_micro_batches
+
+
+def state_bytes(parameters: Sequence[nn.Parameter], training: bool = True) -> int:
+    """A parameter's bytes, and when ``training``, those of its gradient and :data:`OPTIMIZER_STATES` tensors of its
+    size for each one that requires a gradient."""
+    total = 0
+    for p in parameters:
+        size = p.numel() * p.element_size()
+        total += size * (1 + (1 + OPTIMIZER_STATES) * (training and p.requires_grad))
+    return total
+
+
+def estimate_block_memory(
+    model: nn.Module,
+    blocks: Sequence[nn.Module],
+    calling: Callable[[nn.Module], Any] | None,
+    charges: Sequence[tuple[int, nn.Module]] = (),
+) -> list[BlockMemory]:
+    """Each block's :class:`BlockMemory`, without weights: the state from shapes and dtypes (``charges``: outside
+    modules added to the block whose stage holds them), the activations from ``calling(model)`` (the training step
+    on the first batch's shapes) run on the meta device. ``calling`` is ``None`` outside training: no gradient, no
+    optimizer state, nothing saved. Raises, naming the fix, when the step cannot run on the meta device."""
+    training = calling is not None
+    own = [state_bytes(_unique(block.parameters()), training) for block in blocks]
+    for index, module in charges:
+        own[index] += state_bytes(_unique(module.parameters()), training)
+    if calling is None:
+        return [BlockMemory(size) for size in own]
+    inside, outside = _saved_bytes_on_meta(model, blocks, calling)
+    return [BlockMemory(size, saved, extra) for size, saved, extra in zip(own, inside, outside)]
+
+
+def _unique(parameters: Any) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for p in parameters:
+        seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _saved_bytes_on_meta(
+    model: nn.Module, blocks: Sequence[nn.Module], calling: Callable[[nn.Module], Any]
+) -> tuple[list[int], list[int]]:
+    """The bytes autograd saves in ``calling(model)`` on the meta device: while each block runs, and outside the
+    blocks charged to the next block called (after the last, to the last). Each storage counts once, whole (a view
+    saved twice, an input three projections save), and the parameters' not at all."""
+    inside = [0] * len(blocks)
+    outside = [0] * len(blocks)
+    pending = [0]  # saved outside the blocks since the last block ended
+    current: list[int | None] = [None]
+    seen: set[int] = set()
+    kept: list[Tensor] = []  # alive to the end: a storage freed early could come back at the same address
+    parameter_storages: set[int] = set()
+
+    def pack(tensor: Tensor) -> Tensor:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in seen or key in parameter_storages or isinstance(tensor, nn.Parameter):
+            return tensor
+        seen.add(key)
+        kept.append(tensor)
+        if current[0] is None:
+            pending[0] += storage.nbytes()
+        else:
+            inside[current[0]] += storage.nbytes()
+        return tensor
+
+    def before(index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            outside[index] += pending[0]
+            pending[0] = 0
+            current[0] = index
+
+        return hook
+
+    def after(module: nn.Module, args: Any, output: Any) -> None:
+        current[0] = None
+
+    def step(meta_model: nn.Module) -> Any:
+        # The meta copies of the parameters, as functional_call placed them: saved, they are state, not activations.
+        parameter_storages.update(p.untyped_storage()._cdata for p in meta_model.parameters())
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            return calling(meta_model)
+
+    with hooks_set_aside(model.modules()):
+        handles = [h for i, block in enumerate(blocks)
+                   for h in (block.register_forward_pre_hook(before(i)), block.register_forward_hook(after))]
+        try:
+            output = run_on_meta(model, step, gradients=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+    if output is None:
+        raise ValueError(
+            "balance='memory' on a model built on the meta device estimates each block's activations from the"
+            " training step run on the meta device, but the step failed there (code that reads tensor values,"
+            " or calls that need real data); use balance='parameters' or a list of layers per stage, or build"
+            " the model in __init__ so that its layers can be profiled."
+        )
+    outside[-1] += pending[0]
+    return inside, outside
