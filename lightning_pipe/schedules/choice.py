@@ -192,14 +192,7 @@ def plan_configuration(
     blocks = model.at(batch_size / m)
     schedule = SCHEDULES[configuration.schedule]
     ranges = partition([b.forward + b.input_gradient + b.weight_gradient for b in blocks], num_stages * v)
-    chunks = [
-        ComputeCosts(
-            sum(blocks[i].forward for i in r), sum(blocks[i].input_gradient for i in r),
-            sum(blocks[i].weight_gradient for i in r), sum(blocks[i].activation_bytes for i in r),
-            blocks[r[0]].input_bytes,
-        )
-        for r in ranges
-    ]
+    chunks = chunk_costs(blocks, ranges)
     prediction = predict(
         schedule, num_stages, m, chunks, v, runtime.send_time, configuration.recompute, runtime.action_time
     )
@@ -211,6 +204,19 @@ def plan_configuration(
         configuration, prediction.step, prediction.bubble, prediction.peak_activation_bytes, memory,
         simulation=prediction.simulation,
     )
+
+
+def chunk_costs(blocks: Sequence[BlockCosts], ranges: Sequence[range]) -> list[ComputeCosts]:
+    """What each chunk (the blocks of each range) costs a micro-batch: the sums of its blocks' times and activation
+    bytes, and its first block's input bytes (what a re-computed chunk keeps)."""
+    return [
+        ComputeCosts(
+            sum(blocks[i].forward for i in r), sum(blocks[i].input_gradient for i in r),
+            sum(blocks[i].weight_gradient for i in r), sum(blocks[i].activation_bytes for i in r),
+            blocks[r[0]].input_bytes,
+        )
+        for r in ranges
+    ]
 
 
 def rank_configurations(
