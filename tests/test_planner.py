@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_pipe.schedules.choice import BlockCosts, CostModel, configurations, rank_configurations
-from lightning_pipe.schedules.planner import ComputeCosts, RuntimeCosts, fitted_send_time, predict
+from lightning_pipe.schedules.planner import ComputeCosts, MeasuredStep, RuntimeCosts, fitted_runtime_costs, predict
 
 EVEN = ComputeCosts(forward=0.01, input_gradient=0.01, weight_gradient=0.01, activation_bytes=1000)
 
@@ -47,12 +47,19 @@ def test_the_runtimes_cost_per_action_delays_every_compute_on_the_critical_path(
     assert zb_costly - zb_ideal > costly.step - ideal.step
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble", "zbv"])
-def test_the_send_time_fitted_to_a_step_is_the_one_that_gave_it(schedule):
-    measured = predict(schedule, 4, 8, EVEN, send_time=0.003, action_time=0.0005).step
-    assert fitted_send_time(measured, schedule, 4, 8, EVEN, action_time=0.0005) == pytest.approx(0.003, abs=1e-5)
-    # A step no longer than the prediction without messages: they cost nothing visible.
-    assert fitted_send_time(predict(schedule, 4, 8, EVEN).step * 0.9, schedule, 4, 8, EVEN) == 0.0
+def test_the_runtime_costs_fitted_to_measured_steps_are_those_that_gave_them():
+    runtime = RuntimeCosts(action_time=0.0007, send_time=0.002)
+    steps = [
+        MeasuredStep(predict(name, 4, 2, EVEN, v, runtime.send_time, action_time=runtime.action_time).step, name, 4, 2,
+                     EVEN, v)
+        for name, v in (("gpipe", 1), ("interleaved_1f1b", 4), ("zero_bubble", 1))
+    ]
+    fitted = fitted_runtime_costs(steps)
+    assert fitted.action_time == pytest.approx(runtime.action_time, abs=5e-5)
+    assert fitted.send_time == pytest.approx(runtime.send_time, abs=5e-5)
+    # Steps no longer than the ideal ones: the runtime costs nothing visible.
+    ideal = [MeasuredStep(predict("gpipe", 4, 2, EVEN).step * 0.95, "gpipe", 4, 2, EVEN)]
+    assert fitted_runtime_costs(ideal) == RuntimeCosts(0.0, 0.0)
 
 
 def test_a_costly_runtime_turns_the_choice_to_fewer_micro_batches():

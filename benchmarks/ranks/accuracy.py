@@ -8,6 +8,7 @@ splits the training batch it is given. Unlike :mod:`ranks.emulated`, no torch.di
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -63,20 +64,23 @@ def _model(times: list, width: int) -> nn.Sequential:
     return emulated_blocks(width, times)
 
 
-def _own_time(step: EngineStep, timeline: StepTimeline, x: Tensor, target: Tensor) -> tuple[float, int]:
-    """(seconds from this stage's first compute's start to its last one's end, less the time waiting for messages;
-    the number of computes) of one traced step. Less the computes' set times, it is the runtime's own time."""
+def _own_time(step: EngineStep, timeline: StepTimeline, x: Tensor, target: Tensor) -> tuple[float, int, float, float]:
+    """Of one traced step: seconds from this stage's first compute's start to its last one's end, less the time
+    waiting for messages (less the computes' set times, the runtime's own time); the number of computes; and the
+    seconds before the first compute and after the last one (the step's own start and end)."""
     timeline.enabled = True
     dist.barrier()
+    started = time.perf_counter()
     step.step(x, target)
+    ended = time.perf_counter()
     timeline.enabled = False
     intervals = timeline.intervals()
     computes = [i for i in intervals if i.kind in (FORWARD, BACKWARD)]
     if not computes:
-        return 0.0, 0
+        return 0.0, 0, 0.0, 0.0
     begin, end = min(i.start for i in computes), max(i.end for i in computes)
     waited = sum(max(0.0, min(i.end, end) - max(i.start, begin)) for i in intervals if i.kind == WAIT)
-    return end - begin - waited, len(computes)
+    return end - begin - waited, len(computes), begin - started, ended - end
 
 
 def _peak_saved(step: EngineStep, x: Tensor, target: Tensor) -> int:

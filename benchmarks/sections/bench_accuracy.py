@@ -3,13 +3,10 @@ devices at 4 stages; ``schedule="auto"``'s choice measured against the fastest; 
 
 The blocks are :mod:`lightning_pipe.emulate`'s (F, I, W: waits), with :mod:`ranks.emulated`'s three cost profiles.
 Predictions come the way ``schedule="auto"`` makes them: each block profiled by
-:func:`~lightning_pipe.partition.profiling.block_cost_model`, plus the runtime's own costs (per action, per message)
-measured on this machine first, from two small configurations that the tables do not show (calibration):
-
-* ``action_time``: over every stage of one traced step of each, the time from the first compute's start to the last
-  one's end, less the waits for messages and less the computes' profiled times, per compute action;
-* ``send_time``: the message time at which the planner meets each one's measured step
-  (:func:`~lightning_pipe.schedules.planner.fitted_send_time`), their mean.
+:func:`~lightning_pipe.partition.profiling.block_cost_model`, plus the runtime's own costs (per compute action, per
+message) measured on this machine first, from three small configurations that the tables do not show (calibration):
+the costs with which the planner best meets their measured steps
+(:func:`~lightning_pipe.schedules.planner.fitted_runtime_costs`).
 
 Auto's choice is made by :func:`lightning_pipe.auto_schedule.ranked_choice` (the code path of ``schedule="auto"``)
 among the measured configurations it may choose (not ``zbv``, nor ``gpipe_split``, which is no schedule name).
@@ -20,7 +17,6 @@ those the blocks save) alive at once, at their peak, by storage, parameters left
 from __future__ import annotations
 
 import os
-import statistics
 from typing import Any
 
 import torch
@@ -36,7 +32,7 @@ from lightning_pipe.emulate import emulated_blocks
 from lightning_pipe.partition.profiling import block_cost_model
 from lightning_pipe.schedules.builtin import SCHEDULES, gpipe_schedule
 from lightning_pipe.schedules.choice import AUTO_SCHEDULES, Configuration, CostModel, chunk_costs, size_text
-from lightning_pipe.schedules.planner import Prediction, RuntimeCosts, fitted_send_time, predict
+from lightning_pipe.schedules.planner import MeasuredStep, Prediction, RuntimeCosts, fitted_runtime_costs, predict
 from lightning_pipe.settings import PipelineSettings
 from ranks.emulated import CONFIGURATIONS, PROFILES, block_times
 
@@ -44,7 +40,8 @@ FULL = {"stages": 4, "stage_time": 0.016, "profiles": PROFILES, "micro_batches":
         "warmup": 1, "rounds": 5}
 QUICK = {"stages": 2, "stage_time": 0.004, "profiles": ("uniform",), "micro_batches": (2, 4), "calibration_m": 1,
          "warmup": 0, "rounds": 1}
-CALIBRATION = ("gpipe", "zero_bubble")  # on the uniform profile, at calibration_m micro-batches
+# On the uniform profile, at calibration_m micro-batches: few large actions, many small ones, and split backward.
+CALIBRATION = ("gpipe", "interleaved_1f1b_v4", "zero_bubble")
 WIDTH, ROWS = 1024, 128  # the batch, whatever M: ROWS x WIDTH floats (512 KiB); one block's activation is its input
 WITHIN, NEAR = 0.10, 0.03  # the targets: predicted within 10% of measured; auto's choice within 3% of the fastest
 
@@ -92,11 +89,17 @@ def run(quick: bool) -> dict[str, Any]:
 
 
 def _profiled(profile: str, num_stages: int, stage_time: float, counts: list[int]) -> CostModel:
-    """The profile's blocks measured as ``schedule="auto"`` measures them, at the smallest and largest micro-batch."""
+    """The profile's blocks measured as ``schedule="auto"`` measures them, at the smallest and largest micro-batch,
+    on one compute thread as each rank has (several threads on a loaded machine wait for each other's cores)."""
     torch.manual_seed(0)
     module = _Emulated(emulated_blocks(WIDTH, block_times(profile, num_stages, stage_time)))
     sizes = (max(1, ROWS // max(counts)), max(1, ROWS // min(counts)))
-    return block_cost_model(module, module.blocks, torch.randn(ROWS, WIDTH), torch.device("cpu"), sizes)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return block_cost_model(module, module.blocks, torch.randn(ROWS, WIDTH), torch.device("cpu"), sizes)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _prediction(model: CostModel, name: str, num_stages: int, m: int, runtime: RuntimeCosts) -> Prediction:
@@ -118,21 +121,14 @@ def _runtime_per_action(answers: list[dict[str, Any]], key: str, ideal: Predicti
 
 
 def _calibrated(answers: list[dict[str, Any]], model: CostModel, num_stages: int, runs: list[tuple]) -> RuntimeCosts:
-    """The runtime's costs on this machine, from the calibration configurations (see the module's docstring)."""
-    spent = count = 0.0
-    for profile, m, name in runs:
-        ideal = _prediction(model, name, num_stages, m, RuntimeCosts())
-        busy = [sum(a.end - a.start for a in stage) for stage in ideal.simulation.intervals]
-        spent += sum(a["own"][f"{profile}/{m}/{name}"][0] - busy[a["stage"]] for a in answers)
-        count += sum(a["own"][f"{profile}/{m}/{name}"][1] for a in answers)
-    action_time = max(0.0, spent / count) if count else 0.0
-    sends = []
+    """The runtime's costs on this machine: those with which the planner best meets the calibration steps."""
+    steps = []
     for profile, m, name in runs:
         schedule_name, v = CONFIGURATIONS[name]
+        schedule = gpipe_schedule(split_backward=True) if schedule_name == "gpipe_split" else SCHEDULES[schedule_name]
         chunks = chunk_costs(model.at(ROWS / m), split_evenly(model.num_blocks, num_stages * v))
-        measured = median(answers[0]["times"][f"{profile}/{m}/{name}"])
-        sends.append(fitted_send_time(measured, schedule_name, num_stages, m, chunks, v, action_time))
-    return RuntimeCosts(action_time, statistics.mean(sends))
+        steps.append(MeasuredStep(median(answers[0]["times"][f"{profile}/{m}/{name}"]), schedule, num_stages, m, chunks, v))
+    return fitted_runtime_costs(steps)
 
 
 def _auto(
@@ -232,8 +228,9 @@ def _markdown(rows: list[dict[str, Any]], choices: list[dict[str, Any]], runtime
         f" {ROWS} × {WIDTH} floats split into M micro-batches; `checkpoint=\"never\"`; median of {spec['rounds']}"
         f" steps after {spec['warmup']} warm-up, the configurations taking turns step by step. *ideal*: the tick table"
         " with the blocks' profiled costs, messages and runtime free; *predicted*: the same plus the runtime's costs"
-        f" calibrated on this machine first ({runtime}; from {' and '.join(CALIBRATION)} at"
-        f" M={spec['calibration_m']}, uniform, not in the table). *runtime per action*: this row's own, measured"
+        f" calibrated on this machine first ({runtime}; from {', '.join(CALIBRATION)} at"
+        f" M={spec['calibration_m']}, uniform, not in the table: the costs with which the planner best meets their"
+        " measured steps). *runtime per action*: this row's own, measured"
         " from one traced step (busy time outside message waits, less the profiled computes, per compute). *peak"
         " activations*: the most any stage holds, predicted from the profile and measured (tensors the blocks save"
         " for backward, alive at once).\n\n"

@@ -15,8 +15,8 @@ action::
     0.545
 
 Both default to 0: the ideal step of the schedule's own tick table. :class:`RuntimeCosts` carries the two measured on
-a machine (``lightning_pipe.schedules.choice.runtime_costs``), and :func:`fitted_send_time` finds the message time
-that makes a prediction meet a measured step.
+a machine (``lightning_pipe.schedules.choice.runtime_costs``); :func:`fitted_runtime_costs` finds them from a few
+measured steps.
 
 Costs are given per stage (``S`` of them, each stage's chunks sharing its cost evenly) or per chunk (``S·v``, in model
 order: the way to say that the last blocks, the head and the loss, are heavy whatever stage holds them).
@@ -24,7 +24,7 @@ order: the way to say that the last blocks, the head and the loss, are heavy wha
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 
 from lightning_pipe.schedules.actions import PipelineSchedule, RecomputeMode, with_recompute
@@ -142,27 +142,65 @@ def predict(
     )
 
 
-def fitted_send_time(
-    measured_step: float,
-    schedule: str | PipelineSchedule,
-    num_stages: int,
-    num_micro_batches: int,
-    costs: ComputeCosts | Sequence[ComputeCosts],
-    virtual_stages: int | None = None,
-    action_time: float = 0.0,
-    tolerance: float = 1e-6,
-) -> float:
-    """The message time (seconds) at which :func:`predict` gives ``measured_step``: how a machine's ``send_time`` is
-    found from one measured step of a configuration whose compute costs are known. 0 where the prediction without
-    message time already reaches the measured step (the messages cost nothing visible)."""
-    def step(send_time: float) -> float:
-        return predict(schedule, num_stages, num_micro_batches, costs, virtual_stages, send_time,
-                       action_time=action_time).step
 
-    if step(0.0) >= measured_step:
-        return 0.0
-    low, high = 0.0, measured_step  # a message as long as the whole step overshoots it: the step grows with it
-    while high - low > tolerance:
-        middle = (low + high) / 2
-        low, high = (middle, high) if step(middle) < measured_step else (low, middle)
-    return (low + high) / 2
+@dataclass(frozen=True)
+class MeasuredStep:
+    """A step measured on a machine (``seconds``) of a configuration whose compute costs are known: what
+    :func:`fitted_runtime_costs` finds the runtime's own costs from."""
+
+    seconds: float
+    schedule: str | PipelineSchedule
+    num_stages: int
+    num_micro_batches: int
+    costs: ComputeCosts | Sequence[ComputeCosts]
+    virtual_stages: int | None = None
+
+
+def fitted_runtime_costs(steps: Sequence[MeasuredStep], tolerance: float = 1e-5) -> RuntimeCosts:
+    """The runtime's costs (per compute action, per message) with which :func:`predict` comes closest to the measured
+    ``steps``: the least squares of the relative errors. How a machine's costs are measured: a few small
+    configurations, differing in how many actions and how many messages lie on their critical path (a GPipe and an
+    interleaved schedule, say), each timed once its blocks' costs are profiled.
+
+    The predicted step is the longest path through the schedule's actions, linear in both costs along each path, so
+    the fit searches each cost by golden sections between 0 and the shortest measured step."""
+    if not steps:
+        raise ValueError("fitted_runtime_costs(steps=[]): give at least one measured step (two or more, differing in"
+                         " their actions and messages, to tell the two costs apart)")
+
+    def error(action_time: float, send_time: float) -> float:
+        return sum(
+            (predict(m.schedule, m.num_stages, m.num_micro_batches, m.costs, m.virtual_stages, send_time,
+                     action_time=action_time).step / m.seconds - 1) ** 2
+            for m in steps
+        )
+
+    bound = min(m.seconds for m in steps)
+    best_send: dict[float, float] = {}
+
+    def send_for(action_time: float) -> float:
+        if action_time not in best_send:
+            best_send[action_time] = _golden_minimum(lambda s: error(action_time, s), bound, tolerance)
+        return best_send[action_time]
+
+    action_time = _golden_minimum(lambda a: error(a, send_for(a)), bound, tolerance)
+    return RuntimeCosts(action_time, send_for(action_time))
+
+
+def _golden_minimum(function: Callable[[float], float], high: float, tolerance: float) -> float:
+    """Where ``function`` is least on [0, ``high``] (golden-section search; the ends are candidates too)."""
+    ratio = (5 ** 0.5 - 1) / 2
+    low, top = 0.0, high
+    a, b = top - ratio * (top - low), low + ratio * (top - low)
+    fa, fb = function(a), function(b)
+    while top - low > tolerance:
+        if fa <= fb:
+            top, b, fb = b, a, fa
+            a = top - ratio * (top - low)
+            fa = function(a)
+        else:
+            low, a, fa = a, b, fb
+            b = low + ratio * (top - low)
+            fb = function(b)
+    middle = (low + top) / 2
+    return min((0.0, middle, high), key=function)
