@@ -181,7 +181,7 @@ def _markdown(rows: list[dict[str, Any]], choices: list[dict[str, Any]], runtime
             [r["profile"], r["micro_batches"], f"`{r['schedule']}`", f"{1e3 * r['t_ideal_s']:.0f}",
              f"{1e3 * r['t_predicted_s']:.0f}", f"{1e3 * r['t_measured_s']:.0f}", f"{r['ratio']:.3f}",
              "holds" if abs(r["ratio"] - 1) <= WITHIN else "does not hold",
-             "-" if r["own_per_action_s"] is None else f"{1e3 * r['own_per_action_s']:.2f}",
+             _milliseconds(r["own_per_action_s"]),
              f"{r['peak_predicted_bytes'] / 1024:.0f} / {r['peak_measured_bytes'] / 1024:.0f}"]
             for r in rows
         ],
@@ -211,6 +211,17 @@ def _markdown(rows: list[dict[str, Any]], choices: list[dict[str, Any]], runtime
             f" M={worst['micro_batches']}; load average {load:.1f})", abs(worst["ratio"] - 1) <= WITHIN,
             f"{worst['ratio']:.3f}",
         ))
+    missed = [r for r in rows if abs(r["ratio"] - 1) > WITHIN]
+    if missed:
+        lines.append(
+            "Where the prediction misses, the row's own runtime cost per action (from its traced step) beside the"
+            f" calibrated {1e3 * runtime.action_time:.2f} ms: more means the runtime's per-action cost, no more means"
+            " time lost waiting for messages or to the machine's load: " + "; ".join(
+                f"{r['profile']} `{r['schedule']}` M={r['micro_batches']}: {r['ratio']:.3f},"
+                f" {_milliseconds(r['own_per_action_s'])} ms"
+                for r in missed
+            ) + "."
+        )
     for c in choices:
         lines.append(verdict(
             f"{c['profile']}: auto's choice ({c['chosen']}) within 3% of the fastest it may choose, measured (load"
@@ -240,3 +251,7 @@ def _markdown(rows: list[dict[str, Any]], choices: list[dict[str, Any]], runtime
         " least any candidate needs (a stage's parameters and their gradients, and its peak activations), the choice and"
         f" what its most loaded stage held, measured:\n\n{budgets}\n\n" + "\n".join(lines)
     )
+
+
+def _milliseconds(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.2f}"

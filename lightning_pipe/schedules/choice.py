@@ -36,12 +36,14 @@ AUTO_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 # `schedule="auto"` until the choice: GPipe's layout (the loss on the last stage) for any chunk count.
 AUTO = PipelineSchedule("auto", gpipe, per_micro_batch=False, max_virtual_stages=None)
 INTERLEAVED_VIRTUAL_STAGES = (2, 4)
-# The runtime's own cost per compute action and a message's time, by device type, as measured by the benchmark
-# section "Planner accuracy (emulated)" (docs/benchmarks.md; `calibrated` there): what `schedule="auto"` and
-# `python -m lightning_pipe.plan` add to the blocks' profiled costs. CPU: gloo between processes of one machine. No
-# accelerator has been measured yet; a device type without an entry gets the CPU's (the Python around each action is
-# the same code), which `python -m lightning_pipe.plan --action-time/--send-time` overrides.
-MEASURED_RUNTIME_COSTS: dict[str, RuntimeCosts] = {"cpu": RuntimeCosts(action_time=0.0015, send_time=0.002)}
+# The runtime's own cost per compute action and a message's time, by device type, beyond the blocks' profiled costs:
+# what `schedule="auto"` and `python -m lightning_pipe.plan` add to them. Measured by the benchmark section "Planner
+# accuracy (emulated)" (docs/benchmarks.md; `fitted_runtime_costs` on three small configurations, whose result the
+# section states). CPU: gloo between the processes of this project's 2-core machine, at a load average near 8, where
+# the cost per action (2.3 ms) also holds what the busy cores add and a message's own time fitted to 0. No accelerator
+# has been measured yet: a device type without an entry gets the CPU's (the Python around each action is the same
+# code); `python -m lightning_pipe.plan --action-time/--send-time` override them.
+MEASURED_RUNTIME_COSTS: dict[str, RuntimeCosts] = {"cpu": RuntimeCosts(action_time=0.0023, send_time=0.0)}
 # Splits per-block costs into contiguous parts: (costs, parts) -> the blocks of each part.
 Partition = Callable[[Sequence[float], int], list[range]]
 
