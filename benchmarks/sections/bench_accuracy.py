@@ -176,7 +176,7 @@ def _markdown(rows: list[dict[str, Any]], choices: list[dict[str, Any]], runtime
               load: float) -> str:
     table = markdown_table(
         ["profile", "M", "schedule", "ideal (ms)", "predicted (ms)", "measured (ms)", "predicted / measured",
-         "within 10%", "runtime per action (ms)", "peak activations predicted / measured (KiB)"],
+         "within 10%", "runtime's own per action, this row (ms)", "peak activations predicted / measured (KiB)"],
         [
             [r["profile"], r["micro_batches"], f"`{r['schedule']}`", f"{1e3 * r['t_ideal_s']:.0f}",
              f"{1e3 * r['t_predicted_s']:.0f}", f"{1e3 * r['t_measured_s']:.0f}", f"{r['ratio']:.3f}",
@@ -227,6 +227,9 @@ def _markdown(rows: list[dict[str, Any]], choices: list[dict[str, Any]], runtime
             f"{c['profile']}: auto's choice ({c['chosen']}) within 3% of the fastest it may choose, measured (load"
             f" average {load:.1f})", c["chosen_over_fastest"] <= 1 + NEAR, f"{c['chosen_over_fastest']:.3f}",
         ))
+    for c in choices:
+        if "budget_bytes" not in c:
+            lines.append(f"{c['profile']}: auto's choice needs the least memory of any candidate; no budget excludes it.")
     for c in limited:
         lines.append(verdict(
             f"{c['profile']}: under a budget of {size_text(c['budget_bytes'])}, which excludes the fastest, the"
