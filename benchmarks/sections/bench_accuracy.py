@@ -244,7 +244,7 @@ def _markdown(rows: list[dict[str, Any]], choices: list[dict[str, Any]], runtime
         " with the blocks' profiled costs, messages and runtime free; *predicted*: the same plus the runtime's costs"
         f" calibrated on this machine first ({runtime}; from {', '.join(CALIBRATION)} at"
         f" M={spec['calibration_m']}, uniform, not in the table: the costs with which the planner best meets their"
-        " measured steps). *runtime per action*: this row's own, measured"
+        " measured steps). *runtime's own per action, this row*: measured"
         " from one traced step (busy time outside message waits, less the profiled computes, per compute). *peak"
         " activations*: the most any stage holds, predicted from the profile and measured (tensors the blocks save"
         " for backward, alive at once).\n\n"
