@@ -39,9 +39,11 @@ from lightning_pipe.schedules.choice import (
     configurations,
     plan_table,
     rank_configurations,
+    runtime_costs,
     size_text,
     why,
 )
+from lightning_pipe.schedules.planner import RuntimeCosts
 from lightning_pipe.settings import PipelineSettings
 
 SHOWN_ROWS = 10  # of the predicted table, in the start-up's message
@@ -114,7 +116,10 @@ def plan_schedule(
             " forward>` in the module's __init__, pass GPipeStrategy(sample=...), or choose the schedule yourself."
         )
     model = block_cost_model(module, layers, sample, device, sizes)
-    return ranked_choice(model, settings, num_stages, batch_size, memory_budget, candidates, f"profiled on {device}")
+    return ranked_choice(
+        model, settings, num_stages, batch_size, memory_budget, candidates, f"profiled on {device}",
+        runtime=runtime_costs(device.type),
+    )
 
 
 def ranked_choice(
@@ -126,14 +131,18 @@ def ranked_choice(
     candidates: Sequence[Configuration],
     source: str,
     shown: int | None = SHOWN_ROWS,
+    runtime: RuntimeCosts = RuntimeCosts(),
 ) -> tuple[list[PlannedConfiguration], PlannedConfiguration, str]:
-    """The candidates ranked for ``model``'s costs, the fastest that fits, and the message saying both."""
-    rows = rank_configurations(model, num_stages, batch_size, memory_budget, candidates, partition_for(settings))
+    """The candidates ranked for ``model``'s costs plus the runtime's own (``runtime``: per action and per message),
+    the fastest that fits, and the message saying both."""
+    rows = rank_configurations(
+        model, num_stages, batch_size, memory_budget, candidates, partition_for(settings), runtime
+    )
     chosen = choose(rows)
     budget = "no memory budget" if memory_budget is None else f"a memory budget of {size_text(memory_budget)}"
     text = (
-        f"Schedule chosen for {num_stages} stages, batches of {batch_size} samples and {budget} (costs {source}):"
-        f" {why(rows, chosen)}\n{plan_table(rows, shown)}"
+        f"Schedule chosen for {num_stages} stages, batches of {batch_size} samples and {budget} (costs {source};"
+        f" runtime: {runtime}): {why(rows, chosen)}\n{plan_table(rows, shown)}"
     )
     return rows, chosen, text
 

@@ -6,10 +6,13 @@ from a file.
     python -m lightning_pipe.plan --stages 8 model.depth=16 data.batch_size=64  # with overrides
     python -m lightning_pipe.plan my_project.models:Classifier --batch-size 64 --stages 4
     python -m lightning_pipe.plan --costs costs.json --stages 8               # costs saved by --save-costs
+    python -m lightning_pipe.plan --stages 4 --action-time 0.05 --send-time 0.02  # the runtime's costs (ms) on GPUs
 
 It profiles each pipelined block's forward, input gradient, weight gradient and activation bytes at the smallest and
-the largest micro-batch the candidates use (:func:`~lightning_pipe.partition.profiling.block_cost_model`), predicts
-every configuration (:mod:`lightning_pipe.schedules.choice`), prints the ranked table and the recommendation with
+the largest micro-batch the candidates use (:func:`~lightning_pipe.partition.profiling.block_cost_model`), adds the
+runtime's own cost per action and per message (measured per device type,
+:data:`~lightning_pipe.schedules.choice.MEASURED_RUNTIME_COSTS`; ``--action-time``/``--send-time``, or a costs file's
+``runtime``, override them), predicts every configuration (:mod:`lightning_pipe.schedules.choice`), prints the ranked table and the recommendation with
 why, and, with ``--draw DIR`` where matplotlib is installed, the predicted timelines of the best three.
 """
 
@@ -28,7 +31,10 @@ from lightning_pipe.auto_schedule import candidates_for, ranked_choice
 from lightning_pipe.partition.profiling import block_cost_model
 from lightning_pipe.pipeline import find_pipelined_region
 from lightning_pipe.schedules.builtin import SCHEDULES
-from lightning_pipe.schedules.choice import AUTO_SCHEDULES, BlockCosts, CostModel, PlannedConfiguration, choose
+from lightning_pipe.schedules.choice import (
+    AUTO_SCHEDULES, BlockCosts, CostModel, PlannedConfiguration, choose, runtime_costs,
+)
+from lightning_pipe.schedules.planner import RuntimeCosts
 from lightning_pipe.settings import PipelineSettings
 
 
@@ -51,17 +57,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--memory-budget", default=None, help="bytes per device for a stage (e.g. 40GB)")
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     parser.add_argument("--device", default="cpu", help="where to profile (default cpu)")
+    parser.add_argument("--action-time", type=float, default=None, help="the runtime's own milliseconds per compute"
+                        " action (default: the costs file's, else the value measured for the device type)")
+    parser.add_argument("--send-time", type=float, default=None, help="milliseconds a message takes to arrive"
+                        " (default: the costs file's, else the value measured for the device type)")
     parser.add_argument("--top", type=int, default=15, help="rows of the table shown (default 15)")
     parser.add_argument("--draw", type=Path, default=None, help="draw the best three's predicted timelines here")
     args = parser.parse_args(argv)
     try:
-        model, batch_size, num_stages, module_name = _costs(args)
+        model, batch_size, num_stages, module_name, runtime = _costs(args)
         settings = PipelineSettings(schedule="auto", module_name=module_name,
                                     memory_budget=args.memory_budget)
         candidates = candidates_for(settings, num_stages, batch_size, model.num_blocks, args.schedules)
         source = f"read from {args.costs}" if args.costs else f"profiled on {args.device}"
         rows, chosen, text = ranked_choice(
-            model, settings, num_stages, batch_size, settings.memory_budget, candidates, source, args.top
+            model, settings, num_stages, batch_size, settings.memory_budget, candidates, source, args.top,
+            runtime=runtime,
         )
     except ValueError as error:
         parser.error(str(error))
@@ -75,14 +86,15 @@ def main(argv: list[str] | None = None) -> None:
         _draw(rows[:3], num_stages, args.draw)
 
 
-def _costs(args: argparse.Namespace) -> tuple[CostModel, int, int, Any]:
-    """The block costs, the batch size, the stage count and the pipelined module's name."""
+def _costs(args: argparse.Namespace) -> tuple[CostModel, int, int, Any, RuntimeCosts]:
+    """The block costs, the batch size, the stage count, the pipelined module's name and the runtime's costs."""
     if args.costs is not None:
         stored = json.loads(args.costs.read_text())
         model = CostModel.measured([BlockCosts(**b) for b in stored["small"]], [BlockCosts(**b) for b in stored["large"]])
         if args.stages is None:
             raise ValueError("--costs needs --stages: the stage count to plan for")
-        return model, args.batch_size or stored["batch_size"], args.stages, None
+        runtime = RuntimeCosts(**stored["runtime"]) if "runtime" in stored else runtime_costs(args.device.split(":")[0])
+        return model, args.batch_size or stored["batch_size"], args.stages, None, _overridden(runtime, args)
     module, batch_size, num_stages, module_name = _module(args)
     if batch_size is None or num_stages is None:
         raise ValueError("give --batch-size and --stages (a LightningModule's import path has neither)")
@@ -94,13 +106,23 @@ def _costs(args: argparse.Namespace) -> tuple[CostModel, int, int, Any]:
     sample = getattr(module, "example_input_array", None)
     if sample is None:
         raise ValueError(f"{type(module).__name__} has no example_input_array to profile its blocks with; set one")
-    model = block_cost_model(module, layers, sample, torch.device(args.device), sizes)
+    device = torch.device(args.device)
+    model = block_cost_model(module, layers, sample, device, sizes)
+    runtime = _overridden(runtime_costs(device.type), args)
     if args.save_costs is not None:
         args.save_costs.write_text(json.dumps({
             "batch_size": batch_size, "small": [dataclasses.asdict(b) for b in model.small],
-            "large": [dataclasses.asdict(b) for b in model.large],
+            "large": [dataclasses.asdict(b) for b in model.large], "runtime": dataclasses.asdict(runtime),
         }, indent=1))
-    return model, batch_size, num_stages, module_name
+    return model, batch_size, num_stages, module_name, runtime
+
+
+def _overridden(runtime: RuntimeCosts, args: argparse.Namespace) -> RuntimeCosts:
+    """``runtime`` with the times given on the command line (milliseconds) in place of its own."""
+    return RuntimeCosts(
+        runtime.action_time if args.action_time is None else args.action_time / 1e3,
+        runtime.send_time if args.send_time is None else args.send_time / 1e3,
+    )
 
 
 def _module(args: argparse.Namespace) -> tuple[Any, int | None, int | None, Any]:

@@ -21,6 +21,7 @@ from lightning_pipe.integration.hydra_schema import validate_config
 from lightning_pipe.schedules.choice import (
     AUTO_SCHEDULES, BlockCosts, Configuration, CostModel, choose, configurations, plan_table, rank_configurations,
 )
+from lightning_pipe.plan import main as plan_command
 from lightning_pipe.settings import PipelineSettings
 from test_hydra_config import composed
 
@@ -153,13 +154,19 @@ def test_auto_trains_as_one_device_on_the_whole_batch(fitted, name):
 # ---- the command ------------------------------------------------------------------------------------------------
 
 
-def test_plan_command_ranks_the_example_model_from_a_costs_file(tmp_path):
+def test_plan_command_ranks_the_example_model_from_a_costs_file(tmp_path, capsys):
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps({"batch_size": 32, "small": [
-        {**dataclasses.asdict(BLOCK)} for _ in range(8)], "large": [dataclasses.asdict(BLOCK.scaled(16))] * 8}))
+        {**dataclasses.asdict(BLOCK)} for _ in range(8)], "large": [dataclasses.asdict(BLOCK.scaled(16))] * 8,
+        "runtime": {"action_time": 0.0, "send_time": 0.0}}))  # the runtime free: the ideal steps
     result = subprocess.run(
         [sys.executable, "-m", "lightning_pipe.plan", "--costs", str(costs), "--stages", "4"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "Recommended: zbv" in result.stdout and "peak activations per stage" in result.stdout
+    assert "Recommended: zbv (M=16" in result.stdout and "peak activations per stage" in result.stdout
+    # The runtime's own cost per action, as measured on a machine, makes the 3·M actions of 16 micro-batches dear.
+    plan_command(["--costs", str(costs), "--stages", "4", "--action-time", "5"])
+    costly = capsys.readouterr().out
+    assert "runtime: 5.00 ms per action, 0.00 ms per message" in costly
+    assert "Recommended: zero_bubble (M=4" in costly

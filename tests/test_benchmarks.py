@@ -37,6 +37,9 @@ def test_quick_benchmarks_write_every_section(tmp_path):
     emulated = next(s for s in report["sections"] if s["module"] == "bench_emulated")["data"]
     assert {row["schedule"] for row in emulated["rows"]} >= {"gpipe", "gpipe_split", "zbv", "interleaved_1f1b_v4"}
     assert all(row["t_ours_s"] > row["t_ideal_s"] > 0 for row in emulated["rows"])
+    accuracy = next(s for s in report["sections"] if s["module"] == "bench_accuracy")["data"]
+    assert all(row["t_predicted_s"] >= row["t_ideal_s"] > 0 and row["t_measured_s"] > 0 for row in accuracy["rows"])
+    assert all(row["peak_measured_bytes"] > 0 for row in accuracy["rows"]) and accuracy["choices"]
     gpt2 = next(s for s in report["sections"] if s["module"] == "bench_gpt2")["data"]
     assert gpt2["t_pipeline_s"] > 0 and gpt2["efficiency"] > 0 and gpt2["parameters"] > 0
 

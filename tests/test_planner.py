@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_pipe.schedules.planner import ComputeCosts, predict
+from lightning_pipe.schedules.choice import BlockCosts, CostModel, configurations, rank_configurations
+from lightning_pipe.schedules.planner import ComputeCosts, MeasuredStep, RuntimeCosts, fitted_runtime_costs, predict
 
 EVEN = ComputeCosts(forward=0.01, input_gradient=0.01, weight_gradient=0.01, activation_bytes=1000)
 
@@ -35,6 +36,44 @@ def test_each_message_delays_each_stage_boundary_on_the_way_down_and_up():
     assert predict("gpipe", 4, 8, EVEN, send_time=0.002).step == pytest.approx(step + 2 * 3 * 0.002)
 
 
+def test_the_runtimes_cost_per_action_delays_every_compute_on_the_critical_path():
+    # GPipe's critical path is M + S - 1 forwards and as many backwards, each now a runtime cost later.
+    ideal = predict("gpipe", 4, 8, EVEN)
+    costly = predict("gpipe", 4, 8, EVEN, action_time=0.001)
+    assert costly.step == pytest.approx(ideal.step + 2 * (8 + 4 - 1) * 0.001)
+    assert costly.bubble > ideal.bubble  # the runtime's time is not compute
+    # With split backward there are three actions per micro-batch, and zero_bubble's step grows by more.
+    zb_ideal, zb_costly = (predict("zero_bubble", 4, 8, EVEN, action_time=a).step for a in (0.0, 0.001))
+    assert zb_costly - zb_ideal > costly.step - ideal.step
+
+
+def test_the_runtime_costs_fitted_to_measured_steps_are_those_that_gave_them():
+    runtime = RuntimeCosts(action_time=0.0007, send_time=0.002)
+    steps = [
+        MeasuredStep(predict(name, 4, 2, EVEN, v, runtime.send_time, action_time=runtime.action_time).step, name, 4, 2,
+                     EVEN, v)
+        for name, v in (("gpipe", 1), ("interleaved_1f1b", 4), ("zero_bubble", 1))
+    ]
+    fitted = fitted_runtime_costs(steps)
+    assert fitted.action_time == pytest.approx(runtime.action_time, abs=5e-5)
+    assert fitted.send_time == pytest.approx(runtime.send_time, abs=5e-5)
+    # Steps no longer than the ideal ones: the runtime costs nothing visible.
+    ideal = [MeasuredStep(predict("gpipe", 4, 2, EVEN).step * 0.95, "gpipe", 4, 2, EVEN)]
+    assert fitted_runtime_costs(ideal) == RuntimeCosts(0.0, 0.0)
+
+
+def test_a_costly_runtime_turns_the_choice_to_fewer_micro_batches():
+    block = BlockCosts(samples=4, forward=0.002, input_gradient=0.002, weight_gradient=0.002,
+                       activation_bytes=1e6, input_bytes=1e5, parameter_bytes=1e6)
+    model = CostModel.measured([block] * 8, [block.scaled(16)] * 8)  # proportional: more micro-batches, smaller
+    candidates = configurations(4, 64, 8, ("1f1b",), recompute=("never",))
+    ideal = rank_configurations(model, 4, 64, candidates=candidates)
+    costly = rank_configurations(model, 4, 64, candidates=candidates, runtime=RuntimeCosts(0.003, 0.002))
+    assert ideal[0].configuration.num_micro_batches == 16  # the smaller bubble wins when actions are free
+    assert costly[0].configuration.num_micro_batches == 8  # the actions of 16 cost more than their smaller bubble
+    assert all(c.step > i.step for c, i in zip(sorted(costly, key=str), sorted(ideal, key=str)))
+
+
 def test_a_heavy_stage_given_per_stage_or_per_chunk_predicts_the_same():
     heavy = ComputeCosts(0.02, 0.02, 0.02, 2000)
     per_stage = predict("interleaved_1f1b", 4, 8, [EVEN, EVEN, EVEN, heavy], virtual_stages=2)
@@ -52,6 +91,8 @@ def test_a_heavy_stage_given_per_stage_or_per_chunk_predicts_the_same():
         (lambda: predict("gpipe", 4, 8, [EVEN] * 3), r"3 costs given; give one ComputeCosts for all, 4 \(one per stage\)"),
         (lambda: predict("gpipe", 4, 8, EVEN, send_time=-1), r"send_time=-1\): the seconds a message takes"),
         (lambda: ComputeCosts(forward=-0.1, input_gradient=0, weight_gradient=0), r"forward=-0.1\): a cost is a number"),
+        (lambda: predict("gpipe", 4, 8, EVEN, action_time=-1), r"action_time=-1\): the runtime's own seconds"),
+        (lambda: RuntimeCosts(action_time=0.001, send_time=-2), r"RuntimeCosts\(send_time=-2\): seconds, 0 or more"),
     ],
 )
 def test_bad_costs_are_refused_naming_the_fix(call, message):

@@ -26,7 +26,7 @@ from typing import get_args
 from lightning_pipe.config import split_evenly
 from lightning_pipe.schedules.actions import PipelineSchedule, RecomputeMode
 from lightning_pipe.schedules.builtin import SCHEDULES, gpipe
-from lightning_pipe.schedules.planner import ComputeCosts, predict
+from lightning_pipe.schedules.planner import ComputeCosts, RuntimeCosts, predict
 from lightning_pipe.schedules.simulator import Simulation
 
 RECOMPUTE_MODES: tuple[RecomputeMode, ...] = get_args(RecomputeMode)
@@ -36,6 +36,14 @@ AUTO_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 # `schedule="auto"` until the choice: GPipe's layout (the loss on the last stage) for any chunk count.
 AUTO = PipelineSchedule("auto", gpipe, per_micro_batch=False, max_virtual_stages=None)
 INTERLEAVED_VIRTUAL_STAGES = (2, 4)
+# The runtime's own cost per compute action and a message's time, by device type, beyond the blocks' profiled costs:
+# what `schedule="auto"` and `python -m lightning_pipe.plan` add to them. Measured by the benchmark section "Planner
+# accuracy (emulated)" (docs/benchmarks.md; `fitted_runtime_costs` on three small configurations, whose result the
+# section states). CPU: gloo between the processes of this project's 2-core machine, at a load average near 8, where
+# the cost per action (2.3 ms) also holds what the busy cores add and a message's own time fitted to 0. No accelerator
+# has been measured yet: a device type without an entry gets the CPU's (the Python around each action is the same
+# code); `python -m lightning_pipe.plan --action-time/--send-time` override them.
+MEASURED_RUNTIME_COSTS: dict[str, RuntimeCosts] = {"cpu": RuntimeCosts(action_time=0.0023, send_time=0.0)}
 # Splits per-block costs into contiguous parts: (costs, parts) -> the blocks of each part.
 Partition = Callable[[Sequence[float], int], list[range]]
 
@@ -162,6 +170,11 @@ def configurations(
     return found
 
 
+def runtime_costs(device_type: str) -> RuntimeCosts:
+    """The runtime's own costs measured on devices of ``device_type`` (:data:`MEASURED_RUNTIME_COSTS`)."""
+    return MEASURED_RUNTIME_COSTS.get(device_type, MEASURED_RUNTIME_COSTS["cpu"])
+
+
 def _allowed(low: int, high: int | None, v: int) -> bool:
     return v >= low and (high is None or v <= high)
 
@@ -172,23 +185,19 @@ def plan_configuration(
     num_stages: int,
     batch_size: int,
     partition: Partition = lambda costs, parts: split_evenly(len(costs), parts),
-    send_time: float = 0.0,
+    runtime: RuntimeCosts = RuntimeCosts(),
 ) -> PlannedConfiguration:
     """The prediction for one configuration: the blocks split into ``S·v`` chunks by ``partition`` (of each block's
-    forward plus backward time), each chunk's costs the sum of its blocks'."""
+    forward plus backward time), each chunk's costs the sum of its blocks', the runtime adding ``runtime``'s costs
+    (none by default: the ideal step)."""
     m, v = configuration.num_micro_batches, configuration.virtual_stages
     blocks = model.at(batch_size / m)
     schedule = SCHEDULES[configuration.schedule]
     ranges = partition([b.forward + b.input_gradient + b.weight_gradient for b in blocks], num_stages * v)
-    chunks = [
-        ComputeCosts(
-            sum(blocks[i].forward for i in r), sum(blocks[i].input_gradient for i in r),
-            sum(blocks[i].weight_gradient for i in r), sum(blocks[i].activation_bytes for i in r),
-            blocks[r[0]].input_bytes,
-        )
-        for r in ranges
-    ]
-    prediction = predict(schedule, num_stages, m, chunks, v, send_time, configuration.recompute)
+    chunks = chunk_costs(blocks, ranges)
+    prediction = predict(
+        schedule, num_stages, m, chunks, v, runtime.send_time, configuration.recompute, runtime.action_time
+    )
     parameters = [0.0] * num_stages
     for k, r in enumerate(ranges):
         parameters[schedule.owner(k, num_stages)] += sum(blocks[i].parameter_bytes for i in r)
@@ -199,6 +208,19 @@ def plan_configuration(
     )
 
 
+def chunk_costs(blocks: Sequence[BlockCosts], ranges: Sequence[range]) -> list[ComputeCosts]:
+    """What each chunk (the blocks of each range) costs a micro-batch: the sums of its blocks' times and activation
+    bytes, and its first block's input bytes (what a re-computed chunk keeps)."""
+    return [
+        ComputeCosts(
+            sum(blocks[i].forward for i in r), sum(blocks[i].input_gradient for i in r),
+            sum(blocks[i].weight_gradient for i in r), sum(blocks[i].activation_bytes for i in r),
+            blocks[r[0]].input_bytes,
+        )
+        for r in ranges
+    ]
+
+
 def rank_configurations(
     model: CostModel,
     num_stages: int,
@@ -206,14 +228,14 @@ def rank_configurations(
     memory_budget: float | None = None,
     candidates: Sequence[Configuration] | None = None,
     partition: Partition = lambda costs, parts: split_evenly(len(costs), parts),
-    send_time: float = 0.0,
+    runtime: RuntimeCosts = RuntimeCosts(),
 ) -> list[PlannedConfiguration]:
     """Every candidate (by default :func:`configurations` of every schedule) predicted, fastest first; ``fits``
     says whether its most loaded stage stays within ``memory_budget`` bytes (``None``: no limit). Ties go to the
     less memory."""
     if candidates is None:
         candidates = configurations(num_stages, batch_size, model.num_blocks)
-    rows = [plan_configuration(c, model, num_stages, batch_size, partition, send_time) for c in candidates]
+    rows = [plan_configuration(c, model, num_stages, batch_size, partition, runtime) for c in candidates]
     rows = [replace(r, fits=memory_budget is None or r.memory_bytes <= memory_budget) for r in rows]
     return sorted(rows, key=lambda r: (round(r.step, 9), r.memory_bytes))
 

@@ -76,9 +76,11 @@ def clock_cycles(
     virtual_stages: int | None = None,
     costs: Costs = DEFAULT_COSTS,
     send_time: float = 0,
+    action_time: float = 0,
 ) -> Simulation:
     """Check ``schedule``'s lists and execute them with ``costs`` ticks per compute action (:data:`DEFAULT_COSTS`;
-    or one mapping per chunk, :data:`Costs`), a message arriving ``send_time`` after it is sent.
+    or one mapping per chunk, :data:`Costs`), a message arriving ``send_time`` after it is sent, and the runtime
+    spending ``action_time`` before each compute action (its own cost: dispatching the action, posting its messages).
 
     Each stage runs its list strictly in order; a send never blocks, a receive waits until the matching send has run
     and ``send_time`` has passed. A ``ValueError`` names the stage, the action and the rule for: a (chunk, micro-batch)
@@ -96,9 +98,8 @@ def clock_cycles(
     for stage, actions in enumerate(lists):
         grid.check_stage(stage, actions)
     grid.check_message_order(lists)
-    return Simulation(
-        _run(lists, grid, _per_chunk(costs, grid), send_time), tuple(int(peak_held(actions)) for actions in lists)
-    )
+    intervals = _run(lists, grid, _per_chunk(costs, grid), send_time, action_time)
+    return Simulation(intervals, tuple(int(peak_held(actions)) for actions in lists))
 
 
 def _per_chunk(costs: Costs, grid: _Grid) -> list[Mapping[str, float]]:
@@ -282,7 +283,7 @@ class _Grid:
 
 
 def _run(
-    lists: list[list[Action]], grid: _Grid, costs: list[Mapping[str, float]], send_time: float
+    lists: list[list[Action]], grid: _Grid, costs: list[Mapping[str, float]], send_time: float, action_time: float
 ) -> tuple[tuple[ScheduledAction, ...], ...]:
     """Each stage's compute actions at the ticks they run, each stage going as far as its receives allow; a
     ``ValueError`` if every unfinished stage waits for a message that will never be sent."""
@@ -299,8 +300,8 @@ def _run(
                 action = actions[position[stage]]
                 found = grid.message(stage, action)
                 if action.kind in COMPUTE_KINDS:
-                    start, pair = clock[stage], (action.chunk, action.micro_batch)
-                    clock[stage] += costs[action.chunk][action.kind]
+                    start, pair = clock[stage] + action_time, (action.chunk, action.micro_batch)
+                    clock[stage] = start + costs[action.chunk][action.kind]
                     if action.kind == "forward" and action.recompute:
                         recomputed.add(pair)
                     elif action.kind in INPUT_GRADIENT_KINDS and pair in recomputed:
