@@ -39,11 +39,11 @@ INTERLEAVED_VIRTUAL_STAGES = (2, 4)
 # The runtime's own cost per compute action and a message's time, by device type, beyond the blocks' profiled costs:
 # what `schedule="auto"` and `python -m lightning_pipe.plan` add to them. Measured by the benchmark section "Planner
 # accuracy (emulated)" (docs/benchmarks.md; `fitted_runtime_costs` on three small configurations, whose result the
-# section states). CPU: gloo between the processes of this project's 2-core machine, at a load average near 8, where
-# the cost per action (2.3 ms) also holds what the busy cores add and a message's own time fitted to 0. No accelerator
-# has been measured yet: a device type without an entry gets the CPU's (the Python around each action is the same
-# code); `python -m lightning_pipe.plan --action-time/--send-time` override them.
-MEASURED_RUNTIME_COSTS: dict[str, RuntimeCosts] = {"cpu": RuntimeCosts(action_time=0.0023, send_time=0.0)}
+# section states). CPU: gloo between the processes of this project's 2-core machine (measured 2026-12-03 18:07 UTC,
+# load average 0.7 before, 6.8 after): 1.98 ms per action, which holds what the shared cores add, and a message's own
+# time fitted to 0. No accelerator has been measured yet: a device type without an entry gets the CPU's (the Python
+# around each action is the same code); `python -m lightning_pipe.plan --action-time/--send-time` override them.
+MEASURED_RUNTIME_COSTS: dict[str, RuntimeCosts] = {"cpu": RuntimeCosts(action_time=0.00198, send_time=0.0)}
 # Splits per-block costs into contiguous parts: (costs, parts) -> the blocks of each part.
 Partition = Callable[[Sequence[float], int], list[range]]
 
