@@ -175,7 +175,8 @@ def _run_once(
     deadline = time.monotonic() + timeout
     with open(cwd / "stdout.txt", "w") as stdout, open(cwd / "stderr.txt", "w") as stderr:
         if server is not None:
-            process = server.start(command[1:], str(cwd), environment, stdout.name, stderr.name)
+            process = server.start(command[1:], str(cwd), environment, stdout.name, stderr.name,
+                                   (marker_variable,) if marker_variable else ())
         else:  # a session of its own: what it starts can be killed with it, and the terminal's signals stay with pytest
             process = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=environment, cwd=cwd,
                                        start_new_session=True)
@@ -192,5 +193,8 @@ def _run_once(
             if process.poll() is None:  # past the timeout, or interrupted: the script and its session go
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
+                for pid in server.leftovers(process) if server is not None else ():  # ranks forked by the server
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
         returncode = process.wait()
     return Finished(returncode, (cwd / "stdout.txt").read_text(), (cwd / "stderr.txt").read_text(), gone, leftovers)

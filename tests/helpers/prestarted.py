@@ -1,21 +1,27 @@
 """A Python that has already imported ``lightning_pipe`` (and with it torch and Lightning) and starts worker scripts
 as forks of itself: a launch's first process then costs no start-up (about 7 CPU-seconds a process on 2 cores).
 
-:func:`helpers.launch.launch` starts ``tests/workers`` scripts this way; the ranks those start (Lightning's launchers,
-torchrun) are fresh processes as always. A fork is the same as a fresh ``python SCRIPT ARGS`` started with the
-environment the server was started with: the same path, the same modules found, nothing run but the imports. So a
-launch is only served when the environment it asks for equals the server's, apart from the variables that nothing
-reads while importing (:data:`IGNORED`); any other launch starts a fresh Python.
+:func:`helpers.launch.launch` starts ``tests/workers`` scripts this way, and so does such a script's default launcher
+for its further ranks (Lightning's ``python SCRIPT ARGS`` per rank: :func:`become` points the launcher at the
+server, whose socket a served script finds in its environment, :data:`SERVED`). Ranks of the spawn and fork launchers
+and of torchrun start as always. A fork is the same as a fresh ``python SCRIPT ARGS`` started with the environment
+the server was started with: the same path, the same modules found, nothing run but the imports. So a script is
+only served when the environment it asks for equals the server's, apart from the variables that nothing reads while
+importing (:data:`IGNORED`, a launch's marker variable, a rank's :data:`RANK_VARIABLES`); any other starts a fresh
+Python. One difference stays: a served rank is the server's child, in a session of its own, not the launching
+script's child (:meth:`Prestarted.leftovers` finds it).
 
 Run as a script, this file is the server: it listens on the Unix socket named by its argument, one connection per
-launch. A request is one JSON line ``{"argv", "cwd", "env", "stdout", "stderr"}``; the reply is the child's pid on one
-line and, once the child has ended, its wait status on another. The server ends when its standard input closes (the
+launch. A request is one JSON line ``{"argv", "cwd", "env", "stdout", "stderr", "ignored"}``; the reply is the child's
+pid on one line and, once the child has ended, its wait status on another (or a refusal, where the environment
+differs from the server's in more than the ``ignored`` variables). The server ends when its standard input closes (the
 process that started it has gone).
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import gc
 import importlib
 import importlib.machinery
@@ -26,10 +32,19 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
+import uuid
 
-IGNORED = ("PYTEST_CURRENT_TEST",)  # set per test by pytest; a launch's marker variable is also ignored
+# In a served script's environment: the server's socket, the variables the server ignored for it, and an id of the
+# launch (which the ranks it starts carry too).
+SERVED = "LIGHTNING_PIPE_TESTS_PRESTARTED"
+IGNORED = ("PYTEST_CURRENT_TEST", SERVED)  # set per test by pytest; a launch's marker variable is also ignored
+# What Lightning's launcher sets for the ranks it starts. Nothing reads them while importing but Lightning's
+# `rank_zero_only`, which a served rank sets again (:func:`become`).
+RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED",
+                  "PL_SEED_WORKERS")
 
 
 class Prestarted:
@@ -49,31 +64,88 @@ class Prestarted:
             raise RuntimeError("the prestarted Python did not start")
 
     def serves(self, environment: dict[str, str], ignored: tuple[str, ...]) -> bool:
-        def relevant(env: dict[str, str]) -> dict[str, str]:
-            return {key: value for key, value in env.items() if key not in IGNORED + ignored}
+        return self.server.poll() is None and same_imports(environment, self.environment, ignored)
 
-        return self.server.poll() is None and relevant(environment) == relevant(self.environment)
+    def start(self, argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: str,
+              ignored: tuple[str, ...] = ()) -> Forked:
+        """``python ARGV`` as a fork of the server; what it starts the same way is killed by :meth:`leftovers`."""
+        served = {"socket": self.path, "ignored": list(ignored), "launch": uuid.uuid4().hex}
+        return start(self.path, argv, cwd, {**env, SERVED: json.dumps(served)}, stdout, stderr, ignored)
 
-    def start(self, argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: str) -> Forked:
-        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        connection.connect(self.path)
-        request = {"argv": argv, "cwd": cwd, "env": env, "stdout": stdout, "stderr": stderr}
-        connection.sendall(json.dumps(request).encode() + b"\n")
-        return Forked(connection)
+    @staticmethod
+    def leftovers(process: Forked) -> list[int]:
+        """The live processes of the launch that started ``process`` (the ranks it started as forks of the server are
+        in sessions of their own: killing the launch's session does not end them)."""
+        return [pid for pid in _pids_with(SERVED, process.served) if pid != process.pid]
 
     def close(self) -> None:
         self.server.stdin.close()  # the server ends; its children run on
         self.server.wait()
 
 
-class Forked:
-    """A script the server forked: what ``subprocess.Popen`` offers ``helpers.launch`` (pid, wait, poll)."""
+class Refused(Exception):
+    """The server would not fork a script asking for another environment (it starts as a fresh Python instead)."""
 
-    def __init__(self, connection: socket.socket):
+
+def same_imports(environment: dict[str, str], server: dict[str, str], ignored: tuple[str, ...]) -> bool:
+    """Whether a script with ``environment`` imports what the server (with ``server``) imported."""
+    def relevant(env: dict[str, str]) -> dict[str, str]:
+        return {key: value for key, value in env.items() if key not in IGNORED + tuple(ignored)}
+
+    return relevant(environment) == relevant(server)
+
+
+def start(path: str, argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: str,
+          ignored: tuple[str, ...] | list[str]) -> Forked:
+    """Ask the server at ``path`` to fork ``python ARGV``; :class:`Refused` if its environment differs."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection.connect(path)
+    request = {"argv": argv, "cwd": cwd, "env": env, "stdout": stdout, "stderr": stderr, "ignored": list(ignored)}
+    connection.sendall(json.dumps(request).encode() + b"\n")
+    return Forked(connection, env.get(SERVED, ""), argv)
+
+
+def _pids_with(variable: str, value: str) -> list[int]:
+    """The live processes whose environment has ``variable=value`` (zombies have an empty environment)."""
+    needle = f"{variable}={value}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as environ:
+                    if needle in environ.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:  # gone meanwhile, or not ours
+                continue
+    return found
+
+
+class Forked:
+    """A script the server forked: what ``subprocess.Popen`` offers ``helpers.launch`` and Lightning's launcher (pid,
+    wait, poll, send_signal, kill, terminate)."""
+
+    def __init__(self, connection: socket.socket, served: str, argv: list[str]):
         self.connection = connection
+        self.served, self.args = served, argv
         self.received = b""
-        self.pid = int(self._line(None))
         self.returncode: int | None = None
+        self._reading = threading.Lock()
+        answer = self._line(None)
+        if not answer.isdigit():
+            connection.close()
+            raise Refused(answer.decode())
+        self.pid = int(answer)
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
 
     def _line(self, timeout: float | None) -> bytes:
         """The next line from the server (b"" if it closed the connection); TimeoutExpired after ``timeout`` s."""
@@ -90,12 +162,18 @@ class Forked:
         return line
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            status = self._line(timeout)
-            # No status: the server went first (it is not left running while pytest runs); the child is lost to us.
-            self.returncode = os.waitstatus_to_exitcode(int(status)) if status else -signal.SIGKILL
-            self.connection.close()
-        return self.returncode
+        # Several threads may ask (Lightning's child-process observer, the launcher's own): one reads at a time.
+        if not self._reading.acquire(timeout=-1 if timeout is None else timeout):
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+        try:
+            if self.returncode is None:
+                status = self._line(timeout)
+                # No status: the server went first (it is not left running while pytest runs); the child is lost.
+                self.returncode = os.waitstatus_to_exitcode(int(status)) if status else -signal.SIGKILL
+                self.connection.close()
+            return self.returncode
+        finally:
+            self._reading.release()
 
     def poll(self) -> int | None:
         try:
@@ -111,6 +189,7 @@ def serve(path: str) -> dict:
     listener.listen(64)
     os.rename(path + ".tmp", path)  # the client waits for the path: ready once it exists
     children: dict[int, socket.socket] = {}
+    own_environment = dict(os.environ)
     while True:
         readable, _, _ = select.select([listener, sys.stdin], [], [], 0.05)
         if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):
@@ -120,11 +199,16 @@ def serve(path: str) -> dict:
             request = b""
             while not request.endswith(b"\n"):
                 request += connection.recv(65536)
+            asked = json.loads(request)
+            if not same_imports(asked["env"], own_environment, tuple(asked.get("ignored", ()))):
+                connection.sendall(b"refused: another environment\n")
+                connection.close()
+                continue
             pid = os.fork()
             if pid == 0:
                 for open_socket in (listener, connection, *children.values()):
                     open_socket.close()
-                return json.loads(request)
+                return asked
             connection.sendall(f"{pid}\n".encode())
             children[pid] = connection
         for pid in list(children):
@@ -153,6 +237,39 @@ def become(request: dict) -> None:
     script, *arguments = request["argv"]
     sys.argv = [script, *arguments]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
+    from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
+
+    rank_zero_only.rank = _get_rank() or 0  # what importing Lightning in this environment would have set
+    if SERVED in os.environ:
+        _start_ranks_as_forks(json.loads(os.environ[SERVED]))
+
+
+def _start_ranks_as_forks(served: dict) -> None:
+    """Lightning's default launcher starts each further rank as ``python SCRIPT ARGS`` with the rank's variables:
+    here, as a fork of the server (a fresh Python where the server cannot serve it: another environment, or an
+    output that is no file)."""
+    import lightning.fabric.strategies.launchers.subprocess_script as fabric_launcher
+    import lightning.pytorch.strategies.launchers.subprocess_script as trainer_launcher
+
+    class ForkingSubprocess:
+        """The ``subprocess`` module as Lightning's launcher module sees it, with ``Popen`` asking the server first."""
+
+        def __getattr__(self, name: str):
+            return getattr(subprocess, name)
+
+        @staticmethod
+        def Popen(command: list[str], env: dict[str, str] | None = None, cwd: str | None = None, **options):  # noqa: N802
+            outputs = [os.readlink(f"/proc/self/fd/{fd}") for fd in (1, 2)]
+            if (not options and len(command) >= 2 and command[0] == sys.executable and command[1].endswith(".py")
+                    and all(os.path.isfile(output) for output in outputs)):
+                with contextlib.suppress(OSError, Refused):
+                    return start(served["socket"], command[1:], cwd or os.getcwd(),
+                                 dict(os.environ) if env is None else env, *outputs,
+                                 (*served["ignored"], *RANK_VARIABLES))
+            return subprocess.Popen(command, env=env, cwd=cwd, **options)
+
+    for module in (fabric_launcher, trainer_launcher):
+        module.subprocess = ForkingSubprocess()
 
 
 def run_as_main(path: str) -> None:
