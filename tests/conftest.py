@@ -13,22 +13,27 @@ import signal
 import pytest
 import torch
 
-# Longest first (measured alone on 2 cores, 2026-12-03): each starts several multi-process launches.
+# Longest first (measured in a full run on 2 cores, 2026-12-03): each starts several multi-process launches.
 LONGEST_FILES = (
     "test_reliability.py",
-    "test_stock_pipelines.py",
     "test_examples.py",
-    "test_stall_watchdog.py",
     "test_memory_setup.py",
+    "test_launchers.py",
+    "test_stock_pipelines.py",
     "test_checkpoints.py",
+    "test_exactness.py",
+    "test_equivalence.py",
+    "test_benchmarks.py",
+    "test_stall_watchdog.py",
     "test_data_parallel.py",
     "test_schedules_fit.py",
-    "test_equivalence.py",
-    "test_docs.py",
     "test_pretrained.py",
-    "test_exactness.py",
-    "test_benchmarks.py",
-    "test_launchers.py",
+    "test_docs.py",
+    "test_micro_batch_weights.py",
+    "test_from_scratch.py",
+    "test_trace.py",
+    "test_outside_step.py",
+    "test_activation_memory.py",
 )
 
 

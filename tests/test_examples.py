@@ -36,7 +36,7 @@ TINY = [
 
 
 def run(script: str, *args: str, cwd: Path, timeout: float = 240) -> Finished:
-    return run_python(EXAMPLES / script, *args, cwd=cwd, timeout=timeout, check=False)
+    return run_python(EXAMPLES / script, *args, cwd=cwd, timeout=timeout, check=False, prestarted=True)
 
 
 def succeeded(result: Finished) -> Finished:

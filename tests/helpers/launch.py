@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from helpers.prestarted import Prestarted
+from helpers.prestarted import Prestarted, Refused
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
@@ -170,14 +170,16 @@ def _run_once(
     if torchrun_processes is not None:
         command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun_processes}"]
     server = _prestarted_server() if prestarted and torchrun_processes is None else None
-    if server is not None and not server.serves(environment, (marker_variable,) if marker_variable else ()):
-        server = None
     deadline = time.monotonic() + timeout
     with open(cwd / "stdout.txt", "w") as stdout, open(cwd / "stderr.txt", "w") as stderr:
+        process = None
         if server is not None:
-            process = server.start(command[1:], str(cwd), environment, stdout.name, stderr.name,
-                                   (marker_variable,) if marker_variable else ())
-        else:  # a session of its own: what it starts can be killed with it, and the terminal's signals stay with pytest
+            with contextlib.suppress(Refused):  # another environment: a fresh Python
+                process = server.start(command[1:], str(cwd), environment, stdout.name, stderr.name,
+                                       (marker_variable,) if marker_variable else ())
+        if process is None:
+            server = None
+            # A session of its own: what it starts can be killed with it, and the terminal's signals stay with pytest.
             process = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=environment, cwd=cwd,
                                        start_new_session=True)
         try:

@@ -40,18 +40,18 @@ import uuid
 # In a served script's environment: the server's socket, the variables the server ignored for it, and an id of the
 # launch (which the ranks it starts carry too).
 SERVED = "LIGHTNING_PIPE_TESTS_PRESTARTED"
-IGNORED = ("PYTEST_CURRENT_TEST", SERVED)  # set per test by pytest; a launch's marker variable is also ignored
+# Variables nothing reads while importing: set per test by pytest, and by Lightning's seed_everything in the tests'
+# own process (read when a run seeds). A launch's marker variable is ignored too.
+IGNORED = ("PYTEST_CURRENT_TEST", SERVED, "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 # What Lightning's launcher sets for the ranks it starts. Nothing reads them while importing but Lightning's
 # `rank_zero_only`, which a served rank sets again (:func:`become`).
-RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED",
-                  "PL_SEED_WORKERS")
+RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
 class Prestarted:
     """The server, started at the first request (``sys.executable`` with ``environment``); None if it cannot start."""
 
     def __init__(self, environment: dict[str, str], directory: str):
-        self.environment = environment
         self.path = os.path.join(directory, "prestarted.sock")
         self.server = subprocess.Popen([sys.executable, __file__, self.path], env=environment, stdin=subprocess.PIPE,
                                        stdout=subprocess.DEVNULL, cwd=directory)
@@ -63,12 +63,10 @@ class Prestarted:
             self.server.wait()
             raise RuntimeError("the prestarted Python did not start")
 
-    def serves(self, environment: dict[str, str], ignored: tuple[str, ...]) -> bool:
-        return self.server.poll() is None and same_imports(environment, self.environment, ignored)
-
     def start(self, argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: str,
               ignored: tuple[str, ...] = ()) -> Forked:
-        """``python ARGV`` as a fork of the server; what it starts the same way is killed by :meth:`leftovers`."""
+        """``python ARGV`` as a fork of the server (:class:`Refused` if the server would not: another environment, or
+        the server gone); what it starts the same way is found by :meth:`leftovers`."""
         served = {"socket": self.path, "ignored": list(ignored), "launch": uuid.uuid4().hex}
         return start(self.path, argv, cwd, {**env, SERVED: json.dumps(served)}, stdout, stderr, ignored)
 
@@ -99,7 +97,11 @@ def start(path: str, argv: list[str], cwd: str, env: dict[str, str], stdout: str
           ignored: tuple[str, ...] | list[str]) -> Forked:
     """Ask the server at ``path`` to fork ``python ARGV``; :class:`Refused` if its environment differs."""
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    connection.connect(path)
+    try:
+        connection.connect(path)
+    except OSError as error:  # the server has gone
+        connection.close()
+        raise Refused(str(error)) from None
     request = {"argv": argv, "cwd": cwd, "env": env, "stdout": stdout, "stderr": stderr, "ignored": list(ignored)}
     connection.sendall(json.dumps(request).encode() + b"\n")
     return Forked(connection, env.get(SERVED, ""), argv)
@@ -182,14 +184,15 @@ class Forked:
             return None
 
 
-def serve(path: str) -> dict:
-    """Fork a child per request until standard input closes; return the request the caller (a child) must run."""
+def serve(path: str, started_with: dict[str, str], set_by_imports: dict[str, str]) -> dict:
+    """Fork a child per request until standard input closes; return the request the caller (a child) must run.
+    A request is served if its environment is the one the server started with, but for variables nothing reads while
+    importing and those the imports themselves set (a served child gets them as its imports would have set them)."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     listener.listen(64)
     os.rename(path + ".tmp", path)  # the client waits for the path: ready once it exists
     children: dict[int, socket.socket] = {}
-    own_environment = dict(os.environ)
     while True:
         readable, _, _ = select.select([listener, sys.stdin], [], [], 0.05)
         if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):
@@ -200,10 +203,14 @@ def serve(path: str) -> dict:
             while not request.endswith(b"\n"):
                 request += connection.recv(65536)
             asked = json.loads(request)
-            if not same_imports(asked["env"], own_environment, tuple(asked.get("ignored", ()))):
-                connection.sendall(b"refused: another environment\n")
+            ignored = (*asked.get("ignored", ()), *set_by_imports)
+            if not same_imports(asked["env"], started_with, ignored):
+                differing = sorted(key for key in {*asked["env"], *started_with} - {*IGNORED, *ignored}
+                                   if asked["env"].get(key) != started_with.get(key))
+                connection.sendall(f"refused: another environment ({', '.join(differing)})\n".encode())
                 connection.close()
                 continue
+            asked["set_by_imports"] = set_by_imports
             pid = os.fork()
             if pid == 0:
                 for open_socket in (listener, connection, *children.values()):
@@ -234,6 +241,8 @@ def become(request: dict) -> None:
         os.close(target)
     os.environ.clear()
     os.environ.update(request["env"])
+    for key, value in request["set_by_imports"].items():  # as the imports of a fresh Python would set them
+        os.environ.setdefault(key, value)
     script, *arguments = request["argv"]
     sys.argv = [script, *arguments]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
@@ -284,9 +293,11 @@ def run_as_main(path: str) -> None:
 
 
 if __name__ == "__main__":
+    started_with = dict(os.environ)
     for module in ("lightning.pytorch", "lightning_pipe"):  # what every worker imports first
         importlib.import_module(module)
+    set_by_imports = {key: value for key, value in os.environ.items() if started_with.get(key) != value}
     sys.path[0] = ""  # replaced by the script's directory in each child
     gc.freeze()  # the children's collections (and their last one, at exit) leave the imported objects alone
-    become(serve(sys.argv[1]))
+    become(serve(sys.argv[1], started_with, set_by_imports))
     run_as_main(sys.argv[0])  # an exception or exit status ends the child as it would end `python SCRIPT`
