@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from helpers.prestarted import Prestarted, Refused
+from helpers.prestarted import Prestarted, Refused, processes_with
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
@@ -125,21 +125,6 @@ def python_environment(env: dict[str, str] | None = None) -> dict[str, str]:
     return {**environment, "PYTHONPATH": path, **(env or {})}
 
 
-def marked_processes(variable: str, marker: str) -> list[int]:
-    """Pids of the live processes whose environment has ``variable=marker`` (zombies have an empty environment)."""
-    needle = f"{variable}={marker}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                environment = Path(f"/proc/{entry}/environ").read_bytes()
-            except OSError:  # gone meanwhile, or not ours
-                continue
-            if needle in environment.split(b"\0"):
-                found.append(int(entry))
-    return found
-
-
 _prestarted: Prestarted | None = None
 _prestarted_lock = threading.Lock()
 
@@ -185,10 +170,10 @@ def _run_once(
         try:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=timeout)  # then the processes it started, which may outlive it
-            while marker_variable and marked_processes(marker_variable, marker) and time.monotonic() < deadline:
+            while marker_variable and processes_with(marker_variable, marker) and time.monotonic() < deadline:
                 time.sleep(0.1)
             gone = time.time()
-            leftovers = marked_processes(marker_variable, marker) if marker_variable else []
+            leftovers = processes_with(marker_variable, marker) if marker_variable else []
             for pid in leftovers:
                 os.kill(pid, signal.SIGKILL)
         finally:

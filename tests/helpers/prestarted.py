@@ -74,7 +74,7 @@ class Prestarted:
     def leftovers(process: Forked) -> list[int]:
         """The live processes of the launch that started ``process`` (the ranks it started as forks of the server are
         in sessions of their own: killing the launch's session does not end them)."""
-        return [pid for pid in _pids_with(SERVED, process.served) if pid != process.pid]
+        return [pid for pid in processes_with(SERVED, process.served) if pid != process.pid]
 
     def close(self) -> None:
         self.server.stdin.close()  # the server ends; its children run on
@@ -107,7 +107,7 @@ def start(path: str, argv: list[str], cwd: str, env: dict[str, str], stdout: str
     return Forked(connection, env.get(SERVED, ""), argv)
 
 
-def _pids_with(variable: str, value: str) -> list[int]:
+def processes_with(variable: str, value: str) -> list[int]:
     """The live processes whose environment has ``variable=value`` (zombies have an empty environment)."""
     needle = f"{variable}={value}".encode()
     found = []
