@@ -84,7 +84,12 @@ from lightning_pipe.partition.region import (
     outside_share,
     suggested_chain,
 )
-from lightning_pipe.partition.step_probe import first_training_batch, random_state_kept, training_step_on
+from lightning_pipe.partition.step_probe import (
+    first_training_batch,
+    fit_training_step,
+    random_state_kept,
+    training_step_on,
+)
 from lightning_pipe.partition.topology import PipelineLayout
 from lightning_pipe.schedules.simulator import ideal_bubble
 from lightning_pipe.settings import PipelineSettings
@@ -483,7 +488,7 @@ def decide_partition(
             )
         fraction = recompute_fraction(settings.recompute, config.num_micro_batches)  # type: ignore[arg-type]
         # Built on the meta device, "memory" is estimated from the training step run there (memory_estimate).
-        step = _meta_training_step(module) if settings.balance == "memory" and deferred else None
+        step = fit_training_step(module) if settings.balance == "memory" and deferred else None
         with random_state_kept():
             return plan_partition(
                 module, sequential, config, settings.balance, settings.sample, groups.device, fraction, charges,
@@ -491,16 +496,6 @@ def decide_partition(
             )
 
     return decided_on_rank_zero(decide, "partition the model", groups.rank, groups.watchdog)
-
-
-def _meta_training_step(module: LightningModule) -> Callable[[nn.Module], Any] | None:
-    """The training step on the first batch's shapes (on the meta device) during a fit, else ``None``."""
-    trainer = module._trainer
-    if trainer is None or trainer.state.fn != TrainerFn.FITTING:
-        return None
-    with random_state_kept():
-        batch = first_training_batch(trainer, module)
-    return None if batch is None else training_step_on(batch)
 
 
 def plan_pretrained_load(module: LightningModule, weights: PretrainedWeights | None) -> PretrainedLoad | None:

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 
 from lightning_pipe.execution.call_order import map_tensors
@@ -30,7 +29,7 @@ from lightning_pipe.execution.stage import StandIn, replace_submodule
 from lightning_pipe.partition.hooks import hooks_set_aside
 from lightning_pipe.partition.placement import EVERY, OutsidePlaces, observe_places, outside_modules
 from lightning_pipe.partition.region import Region
-from lightning_pipe.partition.step_probe import first_training_batch, random_state_kept, training_step_on
+from lightning_pipe.partition.step_probe import fit_training_step, random_state_kept
 from lightning_pipe.partition.topology import PipelineLayout
 from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog
 
@@ -201,13 +200,12 @@ def outside_module_stages(places: OutsidePlaces, held: list[list[int]], groups: 
 
 
 def _observed_places(module: LightningModule, region: Region, names: list[str]) -> OutsidePlaces | None:
-    trainer = module._trainer
-    if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+    step = fit_training_step(module)
+    if step is None:
         return None
     try:
         with random_state_kept():
-            batch = first_training_batch(trainer, module)
-            return None if batch is None else observe_places(module, region, training_step_on(batch), names)
+            return observe_places(module, region, step, names)
     except Exception:  # an unusual step: every stage holds every module, as the model was built
         return None
 

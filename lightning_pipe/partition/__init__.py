@@ -2,8 +2,8 @@
 
 Holds: finding the region (``region``, ``step_probe``, ``hooks``, ``meta_run``), where the outside modules run
 (``placement``), the split into stages (``balance``, measured by ``profiling`` or, without weights, estimated by
-``memory_estimate``), the batch into micro-batches (``microbatch``), which rank runs which stage (``topology``) and the check
-that every rank built the same model (``fingerprint``). Pure logic and meta-device runs: nothing here needs a process
+``memory_estimate``), the batch into micro-batches (``microbatch``), which rank runs which stage (``topology``) and
+the check that every rank built the same model (``fingerprint``). Pure logic and meta-device runs: nothing here needs a process
 group.
 
 May import: ``lightning_pipe.config`` and ``schedules``. Imported by everything above it (docs/architecture.md).

@@ -87,20 +87,13 @@ def estimate_block_memory(
     on the first batch's shapes) run on the meta device. ``calling`` is ``None`` outside training: no gradient, no
     optimizer state, nothing saved. Raises, naming the fix, when the step cannot run on the meta device."""
     training = calling is not None
-    own = [state_bytes(_unique(block.parameters()), training) for block in blocks]
+    own = [state_bytes(list(block.parameters()), training) for block in blocks]
     for index, module in charges:
-        own[index] += state_bytes(_unique(module.parameters()), training)
+        own[index] += state_bytes(list(module.parameters()), training)
     if calling is None:
         return [BlockMemory(size) for size in own]
     inside, outside = _saved_bytes_on_meta(model, blocks, calling)
     return [BlockMemory(size, saved, extra) for size, saved, extra in zip(own, inside, outside)]
-
-
-def _unique(parameters: Any) -> list[nn.Parameter]:
-    seen: dict[int, nn.Parameter] = {}
-    for p in parameters:
-        seen.setdefault(id(p), p)
-    return list(seen.values())
 
 
 def _saved_bytes_on_meta(

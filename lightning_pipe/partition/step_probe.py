@@ -47,6 +47,17 @@ def first_training_batch(trainer: Any, module: nn.Module) -> Any | None:
         return None
 
 
+def fit_training_step(module: nn.Module) -> Callable[[nn.Module], Any] | None:
+    """During a fit, the training step on the first training batch's shapes (:func:`training_step_on`), the batch read
+    with the random state kept; ``None`` outside a fit (``TrainerFn.FITTING``) or where the batch cannot be read."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None or trainer.state.fn != "fit":
+        return None
+    with random_state_kept():
+        batch = first_training_batch(trainer, module)
+    return None if batch is None else training_step_on(batch)
+
+
 def training_step_on(batch: Any) -> Callable[[nn.Module], Any]:
     """What runs ``module.training_step(batch, 0)`` with logging turned off."""
 

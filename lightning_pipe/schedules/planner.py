@@ -45,10 +45,7 @@ class ComputeCosts:
     input_bytes: float = 0.0
 
     def __post_init__(self) -> None:
-        for field in fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"ComputeCosts({field.name}={value!r}): a cost is a number, 0 or more")
+        _check_not_negative(self, "a cost is a number, 0 or more")
 
     def share(self, parts: int) -> ComputeCosts:
         """One of ``parts`` equal shares: what each chunk of a stage of ``parts`` chunks costs."""
@@ -65,13 +62,17 @@ class RuntimeCosts:
     send_time: float = 0.0
 
     def __post_init__(self) -> None:
-        for field in fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"RuntimeCosts({field.name}={value!r}): seconds, 0 or more")
+        _check_not_negative(self, "seconds, 0 or more")
 
     def __str__(self) -> str:
         return f"{self.action_time * 1e3:.2f} ms per action, {self.send_time * 1e3:.2f} ms per message"
+
+
+def _check_not_negative(costs: ComputeCosts | RuntimeCosts, what: str) -> None:
+    for field in fields(costs):
+        value = getattr(costs, field.name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"{type(costs).__name__}({field.name}={value!r}): {what}")
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,6 @@ def predict(
         ),
         simulation=simulation,
     )
-
 
 
 @dataclass(frozen=True)
