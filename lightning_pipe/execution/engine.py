@@ -25,6 +25,7 @@ may be split into the two (:mod:`lightning_pipe.execution.split_backward`).
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -136,19 +137,44 @@ class _StepState:
     calls: dict[int, CallState] = field(default_factory=dict)  # id(call) -> its micro-batches in this step
     inboxes: dict[int, ActivationInbox] = field(default_factory=dict)  # per stage sending activations here
     gradient_inboxes: dict[int, GradientInbox] = field(default_factory=dict)
-    sends: list[tuple[Link, list[dist.Work], str]] = field(default_factory=list)  # kept until they complete
+    sends: _SendsInFlight = field(default_factory=lambda: _SendsInFlight())  # kept until they complete
     sent_metas: dict[int, tuple[TensorMeta, ...]] = field(default_factory=dict)  # per peer: the last activation's
 
     def wait_sends(self, done_only: bool = False) -> None:
         """Wait for this step's sends to complete (``done_only``: release the completed ones, wait for none), each
         named if it fails."""
-        waiting = []
-        for link, works, what in self.sends:
-            if done_only and not all(work.is_completed() for work in works):
-                waiting.append((link, works, what))
-            else:
+        if done_only:
+            self.sends.release_completed()
+        else:
+            self.sends.wait_all()
+
+
+class _SendsInFlight:
+    """A step's sends that have not completed, oldest first for each neighbour; their tensors are held until then.
+
+    A neighbour takes the activations (or the gradients) sent to it in the order they were sent, so releasing the
+    completed ones of each neighbour and kind from the oldest until the first still in flight costs a check or two
+    per neighbour, however many sends a schedule keeps in flight.
+    """
+
+    def __init__(self) -> None:
+        self._by_link: dict[tuple[int, str], deque[tuple[Link, list[dist.Work], str]]] = {}
+
+    def append(self, send: tuple[Link, list[dist.Work], str]) -> None:
+        link, _, what = send
+        self._by_link.setdefault((id(link), what), deque()).append(send)
+
+    def release_completed(self) -> None:
+        for queue in self._by_link.values():
+            while queue and all(work.is_completed() for work in queue[0][1]):
+                link, works, what = queue.popleft()
+                link.wait(works, what, sending=True)  # completed: raises only if the send failed
+
+    def wait_all(self) -> None:
+        for queue in self._by_link.values():
+            while queue:
+                link, works, what = queue.popleft()
                 link.wait(works, what, sending=True)
-        self.sends = waiting
 
 
 class PipelineEngine:

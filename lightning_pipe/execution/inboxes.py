@@ -22,8 +22,8 @@ class ActivationInbox:
 
     The next message's header and tensors are received while this stage computes: their receives are posted when
     the current one is taken, the tensors' with its shapes (the sender corrects a wrong guess, see
-    :meth:`Link.send_activation`). Each (chunk, micro-batch) is received into buffers of its own, reused from step
-    to step.
+    :meth:`Link.send_activation`), as one packed message where the link packs them. Each (chunk, micro-batch) is
+    received into buffers of its own, reused from step to step.
     """
 
     def __init__(self, link: Link, expected: Callable[[], list[Key]]) -> None:
@@ -66,9 +66,15 @@ class ActivationInbox:
         self._pending = self._posted = None
         if self._index < len(self._order):
             following = self._order[self._index]
+            guess = header.tensors if header is not None else None
+            if self.link.packs(guess):
+                assert guess is not None
+                self._pending = self.link.post_packed(guess, following, following[1])
+                self._posted = self._pending.posted
+                return
             self._pending = self.link.post_header(following[1])
-            if header is not None:
-                self._posted = self.link.post_activation(header.tensors, following)
+            if guess is not None:
+                self._posted = self.link.post_activation(guess, following)
 
     def _check(self, header: Header, k: int, m: int) -> None:
         if (header.chunk, header.micro_batch) != (k, m):

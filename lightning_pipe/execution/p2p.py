@@ -2,11 +2,15 @@
 
 An activation message is a small header (shapes, dtypes, which tensors need gradients) followed by the tensors, so
 micro-batches of any shape can flow. Headers travel on a CPU (gloo) group: reading one on the host must not wait on
-a GPU stream. A gradient message needs no header: the receiver sent the matching activation and knows its shapes.
+a GPU stream. Where the tensors travel on that group too (CPU training), the header and the tensors of a micro-batch
+whose shapes the receiver could guess go as one message: each message costs both processes CPU time, which the
+stage's compute would otherwise have. A gradient message needs no header: the receiver sent the matching activation
+and knows its shapes.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,6 +28,9 @@ _DATA_TAG = 0
 _HEADER_TAG = 1
 _RESHAPED_TAG = 2  # a micro-batch's tensors whose shapes differ from the previous micro-batch's (see send_activation)
 _GRADIENT_TAG = 3  # gradients flow against the activations, on the same pair of stages with interleaved chunks
+_PACKED_TAG = 4  # on a CPU link: a header and its micro-batch's tensors in one message (see `packed_layout`)
+PACKED_LIMIT = 1 << 20  # bytes: above, copying the tensors into one message would cost more than a message saves
+_ALIGNMENT = 16  # every tensor of a packed message starts at a multiple of this (the largest element size)
 
 # Message kinds (the header's first entry).
 ACTIVATION = 1
@@ -105,19 +112,42 @@ class Header:
         return Header(kind, micro_batch, num_micro_batches, tuple(metas), bool(is_tuple), chunk, carried)
 
 
+def packed_layout(metas: tuple[TensorMeta, ...]) -> tuple[list[int], int]:
+    """Where each tensor of ``metas`` starts in a packed message (in bytes, after the header), and its size."""
+    offsets, end = [], HEADER_LENGTH * 8
+    for meta in metas:
+        end = -(-end // _ALIGNMENT) * _ALIGNMENT
+        offsets.append(end)
+        end += math.prod(meta.shape) * meta.dtype.itemsize
+    return offsets, end
+
+
+def _packed_views(message: Tensor, metas: tuple[TensorMeta, ...]) -> tuple[Tensor, ...]:
+    """The tensors of ``metas`` as views into the bytes of a packed ``message``."""
+    offsets, _ = packed_layout(metas)
+    return tuple(
+        message[offset : offset + math.prod(meta.shape) * meta.dtype.itemsize].view(meta.dtype).view(meta.shape)
+        for offset, meta in zip(offsets, metas)
+    )
+
+
 def _same_shapes(a: tuple[TensorMeta, ...], b: tuple[TensorMeta, ...]) -> bool:
     """Whether two messages need the same receive buffers (whether their tensors need gradients does not matter)."""
     return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
 
 
 class PendingHeader:
-    """A header receive posted ahead of time, so that the header arrives while the stage computes."""
+    """A header receive posted ahead of time, so that the header arrives while the stage computes. ``posted``: the
+    receive of its tensors, where they come in the same message (a packed one, see :meth:`Link.post_packed`)."""
 
-    def __init__(self, buffer: Tensor, work: dist.Work, link: Link, micro_batch: int) -> None:
+    def __init__(
+        self, buffer: Tensor, work: dist.Work, link: Link, micro_batch: int, posted: PostedTensors | None = None
+    ) -> None:
         self.buffer = buffer
         self.work = work
         self.link = link
         self.micro_batch = micro_batch
+        self.posted = posted
 
     def wait(self) -> Header:
         link = self.link
@@ -125,7 +155,7 @@ class PendingHeader:
             link.watchdog.wait([self.work], link.awaited("the activation", self.micro_batch), link.meta_group)
         except RuntimeError as error:
             raise link.failure("the activation", self.micro_batch, False, error) from error
-        return Header.decode(self.buffer)
+        return Header.decode(self.buffer[: HEADER_LENGTH * 8].view(torch.int64) if self.posted else self.buffer)
 
 
 @dataclass
@@ -148,7 +178,8 @@ class Link:
     Activations: a receive posted before the sender sends completes as the data arrives, one posted after costs a
     round trip first (gloo hands a message over only once its receive is posted). So the receiver posts micro-batch
     ``m + 1``'s receive before computing ``m``, guessing the shapes of ``m`` (see :meth:`send_activation` for a wrong
-    guess).
+    guess). Where headers and tensors share the group (CPU) and the guess is small, that receive is one packed
+    message, the header with the tensors (:meth:`packs`).
     """
 
     def __init__(
@@ -172,6 +203,12 @@ class Link:
         self.watchdog = watchdog  # bounds every wait on the neighbour during regular training steps
         self._buffers: dict[tuple[Hashable, int], Tensor] = {}  # (slot, position in the message) -> receive buffer
         self._placeholder_cache: dict[tuple[tuple[int, ...], torch.dtype], Tensor] = {}
+        self._shares_group = data_group is meta_group and device.type == "cpu"
+
+    def packs(self, expected: tuple[TensorMeta, ...] | None) -> bool:
+        """Whether the next activation, whose shapes the receiver guessed as ``expected``, travels as one packed
+        message: both ends decide alike from the guess."""
+        return self._shares_group and expected is not None and packed_layout(expected)[1] <= PACKED_LIMIT
 
     def send_header(self, header: Header) -> dist.Work:
         return dist.isend(header.encode(), self.peer, group=self.meta_group, tag=_HEADER_TAG)
@@ -208,17 +245,41 @@ class Link:
         receive. Otherwise placeholders of the expected shapes fill it, and the tensors follow under their own tag,
         into a receive the header lets the receiver post (once per change of shapes, e.g. a smaller last micro-batch).
         """
+        same = expected is None or _same_shapes(expected, header.tensors)
+        if self.packs(expected):  # the receive posted for the guess takes the header and (if it guessed right) the tensors
+            works = [self._send_packed(header, tensors if same else (), expected)]
+            return works if same else works + self.send_tensors(tensors, _RESHAPED_TAG)
         works = [self.send_header(header)]
-        if expected is None or _same_shapes(expected, header.tensors):
+        if same:
             return works + self.send_tensors(tensors)
         return works + self.send_tensors(self._placeholders(expected)) + self.send_tensors(tensors, _RESHAPED_TAG)
+
+    def _send_packed(self, header: Header, tensors: tuple[Tensor, ...], expected: tuple[TensorMeta, ...]) -> dist.Work:
+        """One message of the layout the receiver posted for ``expected``: the header, then ``tensors`` (none: the
+        header alone, the rest of the message unread)."""
+        message = torch.empty(packed_layout(expected)[1], dtype=torch.uint8)
+        message[: HEADER_LENGTH * 8].view(torch.int64).copy_(header.encode())
+        for view, tensor in zip(_packed_views(message, expected), tensors):
+            view.copy_(tensor)
+        return dist.isend(message, self.peer, group=self.data_group, tag=_PACKED_TAG)
 
     def send_skip(self, header: Header, expected: tuple[TensorMeta, ...] | None) -> list[dist.Work]:
         """Send a micro-batch's SKIP header. The receiver posted a receive of its tensors ahead of the header, shaped
         as the previous micro-batch's (``expected``): placeholders fill it, so that no receive is left posted to
         catch a later message's tensors."""
+        if self.packs(expected):
+            assert expected is not None
+            return [self._send_packed(header, (), expected)]
         works = [self.send_header(header)]
         return works if expected is None else works + self.send_tensors(self._placeholders(expected))
+
+    def post_packed(self, metas: tuple[TensorMeta, ...], slot: Hashable, micro_batch: int) -> PendingHeader:
+        """Post the receive of the next micro-batch as one packed message (see :meth:`packs`), guessing its tensors'
+        shapes: its header's receive, whose ``posted`` tensors are valid once the header is."""
+        _, size = packed_layout(metas)
+        message = self._buffer(slot, -1, TensorMeta((size,), torch.uint8, False))
+        work = dist.irecv(message, self.peer, group=self.data_group, tag=_PACKED_TAG)
+        return PendingHeader(message, work, self, micro_batch, PostedTensors(metas, _packed_views(message, metas), []))
 
     def post_activation(self, metas: tuple[TensorMeta, ...], slot: Hashable) -> PostedTensors:
         """Post the receive of the next micro-batch's tensors ahead of its header, guessing their shapes."""
