@@ -10,6 +10,7 @@ runtime's too: every stage takes part, and every stage gets the last stage's out
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Iterable
 from types import FrameType
@@ -201,7 +202,12 @@ def _same(value: Any) -> Any:
 
 def _is_cache(value: Any) -> bool:
     """A Hugging Face key/value cache (``transformers.cache_utils.Cache`` and its subclasses)."""
-    return any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers") for cls in type(value).__mro__)
+    return _is_cache_type(type(value))
+
+
+@functools.cache
+def _is_cache_type(kind: type) -> bool:  # asked for every argument of every block call: once per type
+    return any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers") for cls in kind.__mro__)
 
 
 def _no_cache(value: Any) -> Any:

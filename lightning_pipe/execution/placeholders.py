@@ -72,7 +72,7 @@ def signature(value: Any) -> Hashable | None:
     dtype, plain values as they are, containers as ``map_tensors`` walks them; ``None`` if ``value`` holds anything
     else."""
     if isinstance(value, Tensor):
-        return ("tensor", tuple(value.shape), value.stride(), value.dtype)
+        return (value.shape, value.stride(), value.dtype)  # torch.Size is a tuple: hashable as it is
     if isinstance(value, _PLAIN):
         return (type(value).__name__, value)
     if (isinstance(value, (tuple, list)) and not hasattr(value, "_fields")) or type(value) is dict:
