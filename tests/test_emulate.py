@@ -1,13 +1,14 @@
 """Emulated devices (``lightning_pipe.emulate``): each part of a block's work takes its set time on almost no CPU, the
 weight gradients' time goes where a split backward puts them, and the block computes ``x * weight + bias`` exactly.
 
-Times are checked as the shortest of a few repetitions (a wait can only be late, and a busy machine makes it late
-now and then, never early), within 10% of the set time. Training through the strategy is checked in
+Times are checked as the median of a few repetitions (a wait ends at its set time on average: it asks the operating
+system for its usual lateness less), within 10% of the set time. Training through the strategy is checked in
 tests/test_schedules_fit.py (runs ``emulated_*``).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -21,8 +22,8 @@ REPEATS = 7
 WIDTH, ROWS = 64, 32
 
 
-def shortest(run: Callable[[], object], prepare: Callable[[], object] = lambda: None) -> tuple[float, float]:
-    """The shortest wall time of ``REPEATS`` calls of ``run`` (each after ``prepare``), and the CPU time of them all
+def typical(run: Callable[[], object], prepare: Callable[[], object] = lambda: None) -> tuple[float, float]:
+    """The median wall time of ``REPEATS`` calls of ``run`` (each after ``prepare``), and the CPU time of them all
     over their wall time."""
     walls, cpu, wall_total = [], 0.0, 0.0
     for _ in range(REPEATS):
@@ -32,7 +33,7 @@ def shortest(run: Callable[[], object], prepare: Callable[[], object] = lambda: 
         walls.append(time.perf_counter() - start)
         cpu += time.process_time() - cpu_start
         wall_total += walls[-1]
-    return min(walls), cpu / wall_total
+    return statistics.median(walls), cpu / wall_total
 
 
 def test_forward_input_and_weight_gradients_each_take_their_set_time_on_little_cpu():
@@ -40,19 +41,19 @@ def test_forward_input_and_weight_gradients_each_take_their_set_time_on_little_c
     block = EmulatedBlock(WIDTH, times)
     x = torch.randn(ROWS, WIDTH, requires_grad=True)
 
-    forward, forward_cpu = shortest(lambda: block(x))
+    forward, forward_cpu = typical(lambda: block(x))
     # Input gradient alone: autograd.grad with respect to the input runs the input path only.
-    input_half, input_cpu = shortest(lambda y: torch.autograd.grad(y, x, torch.ones_like(y)), lambda: block(x))
-    weight_half, weight_cpu = shortest(
+    input_half, input_cpu = typical(lambda y: torch.autograd.grad(y, x, torch.ones_like(y)), lambda: block(x))
+    weight_half, weight_cpu = typical(
         lambda y: torch.autograd.grad(y, [block.weight, block.bias], torch.ones_like(y)), lambda: block(x)
     )
-    full, _ = shortest(lambda y: y.backward(torch.ones_like(y)), lambda: block(x))
+    full, _ = typical(lambda y: y.backward(torch.ones_like(y)), lambda: block(x))
 
-    assert times.forward <= forward <= 1.1 * times.forward
-    assert times.input_gradient <= input_half <= 1.1 * times.input_gradient
-    assert times.weight_gradient <= weight_half <= 1.1 * times.weight_gradient
+    assert 0.9 * times.forward <= forward <= 1.1 * times.forward
+    assert 0.9 * times.input_gradient <= input_half <= 1.1 * times.input_gradient
+    assert 0.9 * times.weight_gradient <= weight_half <= 1.1 * times.weight_gradient
     both = times.input_gradient + times.weight_gradient
-    assert both <= full <= 1.1 * both
+    assert 0.9 * both <= full <= 1.1 * both
     # The waits leave the core free (as a kernel on an accelerator leaves the host): a fraction of the wall time.
     assert max(forward_cpu, input_cpu, weight_cpu) < 0.3
 
@@ -66,10 +67,10 @@ def test_split_backward_runs_the_input_gradients_first_and_defers_the_weight_gra
     def input_half(y):
         return backward_input([y], [torch.ones_like(y)], [x], weights)[1]
 
-    input_time, _ = shortest(input_half, lambda: chunk(x))
-    weight_time, _ = shortest(lambda later: later.compute(), lambda: input_half(chunk(x)))
-    assert 3 * times.input_gradient <= input_time <= 1.1 * 3 * times.input_gradient  # no weight gradient in it
-    assert 3 * times.weight_gradient <= weight_time <= 1.1 * 3 * times.weight_gradient
+    input_time, _ = typical(input_half, lambda: chunk(x))
+    weight_time, _ = typical(lambda later: later.compute(), lambda: input_half(chunk(x)))
+    assert 0.9 * 3 * times.input_gradient <= input_time <= 1.1 * 3 * times.input_gradient  # no weight gradient in it
+    assert 0.9 * 3 * times.weight_gradient <= weight_time <= 1.1 * 3 * times.weight_gradient
 
 
 def test_the_block_computes_a_scale_and_shift_with_exact_gradients_through_a_split_backward():
