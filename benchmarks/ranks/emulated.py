@@ -7,6 +7,8 @@ each of our configurations runs one more step with its timeline on, for the runt
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -72,6 +74,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     num_stages = dist.get_world_size()
     timers: dict[str, Callable[[], float]] = {}
     traced: dict[str, Callable[[], list[float]]] = {}
+    cpu: dict[str, list[float]] = defaultdict(list)  # this rank's CPU seconds per step, by timer
     for profile in spec["profiles"]:
         times = block_times(profile, num_stages, spec["stage_time"])
         for m in spec["micro_batches"]:
@@ -86,13 +89,29 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                     schedule=gpipe_schedule(split_backward=True) if schedule == "gpipe_split" else schedule,
                     virtual_stages=v, timeline=timeline,
                 )
-                timers[f"ours/{key}"] = lambda step=ours.step: timed(lambda: step(x, target), world)
+                timers[f"ours/{key}"] = _timer(lambda step=ours.step: step(x, target), world, cpu[f"ours/{key}"])
                 traced[key] = lambda step=ours.step, timeline=timeline: _traced(step, timeline, x, target)
                 if schedule in PEERS:
                     theirs = PeerSchedule(schedule, _model(times, spec["width"]), m, world, virtual_stages=v)
-                    timers[f"peer/{key}"] = lambda step=theirs.step: timed(lambda: step(x, target), world)
+                    timers[f"peer/{key}"] = _timer(lambda step=theirs.step: step(x, target), world, cpu[f"peer/{key}"])
     samples = in_turns(timers, spec["warmup"], spec["rounds"])
-    return {"times": samples, "gaps": {key: trace() for key, trace in traced.items()}}
+    return {
+        "times": samples, "gaps": {key: trace() for key, trace in traced.items()},
+        "cpu": {key: seconds[spec["warmup"]:] for key, seconds in cpu.items()},
+    }
+
+
+def _timer(step: Callable[[], None], group: dist.ProcessGroup, cpu: list[float]) -> Callable[[], float]:
+    """Times one step on the slowest rank (:func:`timed`), and adds this process's CPU seconds in it to ``cpu``: the
+    emulated blocks' waits take none, so it is the runtime's own cost, which the machine's other processes share."""
+
+    def time_one() -> float:
+        start = time.process_time()
+        elapsed = timed(step, group)
+        cpu.append(time.process_time() - start)
+        return elapsed
+
+    return time_one
 
 
 def _model(times: list[BlockTimes], width: int) -> nn.Sequential:

@@ -67,6 +67,8 @@ def run(quick: bool) -> dict[str, Any]:
                     ours, theirs = times[f"ours/{key}"], times.get(f"peer/{key}")
                     step, held = ideal(name, profile, num_stages, m, stage_time)
                     gap = [g for answer in answers for g in answer["gaps"][key]]
+                    cpu_ours = sum(median(answer["cpu"][f"ours/{key}"]) for answer in answers)
+                    cpu_peer = sum(median(answer["cpu"][f"peer/{key}"]) for answer in answers) if theirs else None
                     gaps += gap
                     rows.append({
                         "num_stages": num_stages, "stage_time": stage_time, "profile": profile, "micro_batches": m,
@@ -78,6 +80,7 @@ def run(quick: bool) -> dict[str, Any]:
                         "ours_over_gpipe": median_ratio(ours, gpipe),
                         "ideal_over_gpipe": step / ideal("gpipe", profile, num_stages, m, stage_time)[0],
                         "held_at_peak": held, "gap_median_s": statistics.median(gap) if gap else None,
+                        "cpu_ours_s": cpu_ours, "cpu_over_peer": cpu_ours / cpu_peer if cpu_peer else None,
                     })
     markdown = _markdown(rows, gaps, warmup, rounds)
     return {"title": "Schedules at scale (emulated)", "markdown": markdown, "data": {"rows": rows}}
@@ -87,14 +90,15 @@ def _markdown(rows: list[dict[str, Any]], gaps: list[float], warmup: int, rounds
     table = markdown_table(
         ["S", "F=I=W (ms)", "profile", "M", "schedule", "measured (ms)", "ideal (ms)", "efficiency",
          "torch's (ms)", "torch's efficiency", "ours / torch's", "ours / our gpipe", "ideal / ideal gpipe",
-         "held at peak", "gap per action (ms)"],
+         "held at peak", "gap per action (ms)", "CPU per step (ms)", "CPU ours / torch's"],
         [
             [r["num_stages"], f"{1e3 * r['stage_time']:g}", r["profile"], r["micro_batches"], f"`{r['schedule']}`",
              f"{1e3 * r['t_ours_s']:.0f}", f"{1e3 * r['t_ideal_s']:.0f}", f"{r['efficiency']:.3f}",
              _or_dash(r["t_peer_s"], lambda t: f"{1e3 * t:.0f}"), _or_dash(r["peer_efficiency"], "{:.3f}".format),
              _or_dash(r["ours_over_peer"], "{:.3f}".format), f"{r['ours_over_gpipe']:.3f}",
              f"{r['ideal_over_gpipe']:.3f}", f"{r['held_at_peak']:g}",
-             _or_dash(r["gap_median_s"], lambda t: f"{1e3 * t:.2f}")]
+             _or_dash(r["gap_median_s"], lambda t: f"{1e3 * t:.2f}"), f"{1e3 * r['cpu_ours_s']:.0f}",
+             _or_dash(r["cpu_over_peer"], "{:.2f}".format)]
             for r in rows
         ],
     )
@@ -107,7 +111,10 @@ def _markdown(rows: list[dict[str, Any]], gaps: list[float], warmup: int, rounds
         " / measured. *held at peak*: the most micro-batches' activations a stage holds at once, from the tick table"
         " (in whole-stage units). *gap per action*: the median, over the stages of one traced step, of the time from"
         " one compute's end to the next one's start when no message is waited for (the runtime's own cost per"
-        " action). Torch's counterpart runs the same schedule's class on the same blocks (none for `gpipe_split`).\n\n"
+        " action). *CPU per step*: the CPU time of all the ranks' processes in one step (median per rank, summed):"
+        " the waits take none, so it is the runtimes' own work, and where there are more processes than cores it is"
+        " what they contend for. Torch's counterpart runs the same schedule's class on the same blocks (none for"
+        " `gpipe_split`).\n\n"
         f"{table}\n\n" + _targets(rows, gaps)
     )
 
@@ -167,7 +174,22 @@ def _targets(rows: list[dict[str, Any]], gaps: list[float]) -> str:
             f" {1e3 * statistics.quantiles(gaps, n=10)[-1] if len(gaps) > 1 else 1e3 * gaps[0]:.2f} ms, over"
             f" {len(gaps)} gaps."
         )
+    compared = [r for r in rows if r["cpu_over_peer"] is not None]
+    if compared:
+        lowest, highest = (f(compared, key=lambda r: r["cpu_over_peer"]) for f in (min, max))
+        lines.append(
+            "CPU per step, ours / torch's, all ranks together: median"
+            f" {statistics.median(r['cpu_over_peer'] for r in compared):.2f}, from {_cpu_case(lowest)} to"
+            f" {_cpu_case(highest)}."
+        )
     return "\n".join(lines)
+
+
+def _cpu_case(row: dict[str, Any]) -> str:
+    return (
+        f"{row['cpu_over_peer']:.2f} (`{row['schedule']}`, S={row['num_stages']}, {row['profile']},"
+        f" M={row['micro_batches']})"
+    )
 
 
 def _or_dash(value: float | None, show: Any) -> str:
