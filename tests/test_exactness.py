@@ -180,14 +180,23 @@ def test_checkpoint_mode_recomputes_the_forward_of_each_micro_batch(pipelined, m
     tmp, runs = pipelined
     run = runs[f"counts_{mode}"]
     _, _, single = single_device_run(run)
-    steps = single["forward_counts"]["net.model.1"]  # one device: one call per step
-    assert steps == 5
+    steps = single["forward_counts"].pop("training_step")  # one device: one call per step
+    assert steps == single["forward_counts"]["net.model.1"] == 5
     calls: dict[str, int] = {}
+    user_steps = []
     for result in rank_results(tmp / run["name"]):
+        user_steps.append(result["forward_counts"].pop("training_step"))
         for layer, count in result["forward_counts"].items():
             calls[layer] = calls.get(layer, 0) + count  # a layer counts on the stage that holds it
     assert calls == {layer: steps * (M + recomputed) for layer in single["forward_counts"]}
     assert weight_error(tmp, run) < TOLERANCE
+    if mode == "never":
+        # Interleaved: the user's step runs once per micro-batch on the stage of chunks 0 and 2 (its run for chunk 0
+        # records chunk 2's call), once per micro-batch and chunk on the stage of chunks 1 and 3 (the last returns
+        # the micro-batch's output to the step, which computes the loss).
+        assert sorted(user_steps) == [steps * M, steps * 2 * M]
+    else:
+        assert user_steps == [steps, steps]  # GPipe: once per step on every stage
 
 
 @pytest.mark.parametrize("name", ["sequences", "sequences_interleaved", "sequences_zbv_uneven"])

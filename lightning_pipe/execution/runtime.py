@@ -9,12 +9,13 @@ blocks before it answer placeholders, see :mod:`lightning_pipe.execution.stage`)
   output of all micro-batches and the user's step runs on, so the loss, metrics and ``self.log`` see the whole
   mini-batch. Lightning's ``backward`` then runs the blocks' backward, micro-batch by micro-batch
   (:meth:`PipelineEngine.backward_phase`);
-* **per-micro-batch steps** (1F1B, interleaved, zero bubble): the user's ``training_step`` runs once for each
-  forward of the schedule, on that micro-batch, up to that chunk; on the last chunk it runs to its end and its
-  loss, weighted by the micro-batch's share of the batch's samples (or of the items its loss averages over: the
-  LightningModule's ``items_in_loss(batch)``, a Hugging Face model's label tokens, see
-  :mod:`lightning_pipe.execution.loss_items`), is back-propagated when the schedule says
-  (:meth:`PipelineEngine.run_schedule`).
+* **per-micro-batch steps** (1F1B, interleaved, zero bubble): the user's ``training_step`` runs on a micro-batch at
+  the schedule's forward of its first chunk on this stage, up to that chunk, and on through this stage's later
+  chunks, whose calls it records for their own forwards (see :meth:`StageRuntime._later_chunks`); it runs again
+  for the model's last chunk, where it runs to its end and its loss, weighted by the micro-batch's share of the
+  batch's samples (or of the items its loss averages over: the LightningModule's ``items_in_loss(batch)``, a
+  Hugging Face model's label tokens, see :mod:`lightning_pipe.execution.loss_items`), is back-propagated when the
+  schedule says (:meth:`PipelineEngine.run_schedule`).
 
 Either way the step's outcome (skipped or not, the loss, the logs, metric and random states) is then shared by the
 last stage with the other stages, which replay it (:mod:`lightning_pipe.execution.replayed_logs`).
@@ -101,6 +102,9 @@ class StageRuntime:
         self._batch_sizes_checked: set[tuple[int, int | None]] = set()  # (chunk, batch size): see `_run_chunk`
         self._batch_size = 0  # in a per-micro-batch step: the whole batch's
         self._loss_items: LossItems | None = None  # what a per-micro-batch step's loss averages over, decided once
+        # In a per-micro-batch step: the calls of this stage's later chunks, (chunk, micro-batch) -> call, recorded by
+        # the user's step on the micro-batch's first chunk here and run at their own forwards.
+        self._calls_ahead: dict[tuple[int, int], ChunkCall] = {}
         self.epoch_last_batch: int | None = None  # the training DataLoader's smaller last batch, if it has one
         self.requeues_asked = 0  # SLURM's requeue signals this rank got (a signal handler counts; the last stage's count)
         self._requeues_shared = 0  # of those, the ones the last stage's outcomes have told the pipeline about
@@ -181,9 +185,15 @@ class StageRuntime:
         weights = [item / sum(items) for item in items]  # each micro-batch's share of what the loss averages over
         results: dict[int, Any] = {}
         records: dict[int, list[LogRecord]] = {}
+        self._calls_ahead = {}
 
         def run_user_step(chunk: int, m: int) -> None:
-            self.calls.begin_step(in_step=True, targets=[chunk])
+            ahead = self._calls_ahead.pop((chunk, m), None)
+            if ahead is not None:  # recorded by this micro-batch's step on an earlier chunk of this stage
+                with self.step_context():
+                    self.engine.forward_micro_batch(ahead, m)
+                return
+            self.calls.begin_step(in_step=True, targets=[chunk, *self._later_chunks(chunk)])
             self._micro_batch, self._called = m, False
             try:
                 with self.step_context():
@@ -212,6 +222,11 @@ class StageRuntime:
             outcome = StepOutcome(output is None, _loss_value(output), logs, logged_metric_states(module, logs))
         return self.share_outcome(module, outcome), output
 
+    def _later_chunks(self, chunk: int) -> list[int]:
+        """The chunks of this stage after ``chunk`` whose calls the user's step on a micro-batch records while it runs
+        ``chunk`` (every one but the model's last, whose call must return the micro-batch's output to the step)."""
+        return [k for k in sorted(self.stage.chunk_ranges) if chunk < k < self.engine.last_chunk]
+
     def _items_per_micro_batch(self, module: LightningModule, parts: list[Any], sizes: list[int]) -> list[float]:
         """What each micro-batch's loss averages over (:mod:`lightning_pipe.execution.loss_items`), known before the
         first micro-batch runs, so that the first backward already has its weight. Said once at the first step;
@@ -238,7 +253,12 @@ class StageRuntime:
             # Before the first training step, for its batches and the epoch's last; again for any other size.
             calls.check_micro_batches_fit_batch_norm(call, engine.num_micro_batches, self.epoch_last_batch, batch)
             self._batch_sizes_checked |= {(chunk, batch), (chunk, self.epoch_last_batch)}
-        if self._micro_batch is not None:
+        if self._micro_batch is not None and chunk != min(calls.targets):
+            # A later chunk of this stage in a per-micro-batch step: its call is kept for its own forward, so that the
+            # user's step runs once per micro-batch on this stage, not once per chunk (see `_later_chunks`).
+            self._calls_ahead[(chunk, self._micro_batch)] = call
+            output = None
+        elif self._micro_batch is not None:
             output = engine.forward_micro_batch(call, self._micro_batch)
         else:
             output = engine.forward_chunk(call)

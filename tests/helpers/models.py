@@ -351,10 +351,16 @@ class CountsForwards(PipeClassifier):
         super().__init__(lr=lr)
         for index in range(1, 8, 2):
             self.net.model[index] = Counted()
+        self.training_steps = 0  # calls of training_step on real batches (not the start-up's meta-device probe)
+
+    def training_step(self, batch, batch_idx):
+        self.training_steps += int(not batch[0].is_meta)
+        return super().training_step(batch, batch_idx)
 
     def forward_counts(self) -> dict[str, int]:
-        """Training calls per counted layer that this process holds."""
-        return {name: module.calls for name, module in self.named_modules() if isinstance(module, Counted)}
+        """Training calls per counted layer that this process holds, and of ``training_step`` (``"training_step"``)."""
+        counts = {name: module.calls for name, module in self.named_modules() if isinstance(module, Counted)}
+        return {**counts, "training_step": self.training_steps}
 
 
 class SequenceClassifier(PipeClassifier):
