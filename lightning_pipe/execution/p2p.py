@@ -10,6 +10,7 @@ and knows its shapes.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -112,14 +113,15 @@ class Header:
         return Header(kind, micro_batch, num_micro_batches, tuple(metas), bool(is_tuple), chunk, carried)
 
 
-def packed_layout(metas: tuple[TensorMeta, ...]) -> tuple[list[int], int]:
+@functools.lru_cache(maxsize=64)  # asked for every activation on both ends; a step repeats a few shapes
+def packed_layout(metas: tuple[TensorMeta, ...]) -> tuple[tuple[int, ...], int]:
     """Where each tensor of ``metas`` starts in a packed message (in bytes, after the header), and its size."""
     offsets, end = [], HEADER_LENGTH * 8
     for meta in metas:
         end = -(-end // _ALIGNMENT) * _ALIGNMENT
         offsets.append(end)
         end += math.prod(meta.shape) * meta.dtype.itemsize
-    return offsets, end
+    return tuple(offsets), end
 
 
 def _packed_views(message: Tensor, metas: tuple[TensorMeta, ...]) -> tuple[Tensor, ...]:
@@ -155,7 +157,8 @@ class PendingHeader:
             link.watchdog.wait([self.work], link.awaited("the activation", self.micro_batch), link.meta_group)
         except RuntimeError as error:
             raise link.failure("the activation", self.micro_batch, False, error) from error
-        return Header.decode(self.buffer[: HEADER_LENGTH * 8].view(torch.int64) if self.posted else self.buffer)
+        packed = self.posted is not None  # the header is the message's first bytes
+        return Header.decode(self.buffer[: HEADER_LENGTH * 8].view(torch.int64) if packed else self.buffer)
 
 
 @dataclass
@@ -238,12 +241,13 @@ class Link:
     def send_activation(
         self, header: Header, tensors: tuple[Tensor, ...], expected: tuple[TensorMeta, ...] | None
     ) -> list[dist.Work]:
-        """Send one micro-batch: its header, then its tensors.
+        """Send one micro-batch: its header, then its tensors (one packed message where the link :meth:`packs`).
 
         ``expected``: the shapes the receiver has already posted a receive for (the previous micro-batch's, see
         :meth:`recv_activation`), or ``None`` for a step's first micro-batch. Tensors of those shapes go into that
-        receive. Otherwise placeholders of the expected shapes fill it, and the tensors follow under their own tag,
-        into a receive the header lets the receiver post (once per change of shapes, e.g. a smaller last micro-batch).
+        receive. Otherwise placeholders of the expected shapes fill it (a packed message: the header alone), and the
+        tensors follow under their own tag, into a receive the header lets the receiver post (once per change of
+        shapes, e.g. a smaller last micro-batch).
         """
         same = expected is None or _same_shapes(expected, header.tensors)
         if self.packs(expected):  # the receive posted for the guess takes the header and (if it guessed right) the tensors
