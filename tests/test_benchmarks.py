@@ -114,3 +114,32 @@ def test_the_emulated_sections_ideal_step_is_the_tick_table_of_its_costs(benchma
     assert ideal("gpipe_split", "uniform", 4, 8, 0.016)[0] < ideal("gpipe", "uniform", 4, 8, 0.016)[0]
     step, held = ideal("1f1b", "uniform", 4, 8, 0.016)
     assert step == pytest.approx(11 * 0.048) and held == 4  # 1F1B: GPipe's step, S micro-batches held, not M
+
+
+def test_the_holding_sections_most_even_split_is_the_best_of_every_split(benchmark_modules):
+    """The per-stage and per-block costs come back from peaks made with them, and the most even split found from the
+    ends' counts is the most even of every composition of the blocks (brute force), the ends heavier than a block."""
+    import itertools
+
+    from sections.bench_holding import best_peak_spread, peak_costs
+
+    costs = {"per_stage": 3.0, "per_block": 10.0, "first": 25.0, "last": 31.0}
+
+    def answers(blocks):
+        peaks = [costs["per_stage"] + costs["per_block"] * b for b in blocks]
+        peaks[0] += costs["first"]
+        peaks[-1] += costs["last"]
+        return [{"tiny": {"peak_bytes": 100}, "run": {"blocks_per_stage": blocks, "stage": stage, "peak_bytes": 100 + peak}}
+                for stage, peak in enumerate(peaks)]
+
+    runs = [answers([4, 4, 4, 4]), answers([2, 6, 5, 3])]
+    fitted = peak_costs([{**a, "other": b["run"]} for a, b in zip(*runs)], ("run", "other"))
+    assert fitted == pytest.approx(costs)
+    spread, blocks = best_peak_spread(costs, 16, 4)
+    brute = min(
+        max(p) / min(p)
+        for cut in itertools.combinations(range(1, 16), 3)
+        for split in [[b - a for a, b in zip((0, *cut), (*cut, 16))]]
+        for p in [[3.0 + 10.0 * b + (25.0 if i == 0 else 31.0 if i == 3 else 0.0) for i, b in enumerate(split)]]
+    )
+    assert spread == pytest.approx(brute) and sum(blocks) == 16 and blocks[0] < blocks[1]

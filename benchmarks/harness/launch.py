@@ -21,6 +21,10 @@ from typing import Any
 
 BENCHMARKS = Path(__file__).resolve().parents[1]
 REPO = BENCHMARKS.parent
+# Every tensor of 64 KiB or more in a mapping of its own, returned to the system when freed: resident memory then
+# follows the live tensors. With glibc's default, the threshold rises to 32 MiB as large blocks are freed, and the heap
+# keeps freed blocks (a step's old gradients) that the next allocations do not all reuse.
+SMALL_HEAP = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def launch(

@@ -28,13 +28,12 @@ from typing import Any
 
 import torch
 
-from harness.launch import launch
+from harness.launch import SMALL_HEAP, launch
 from harness.report import markdown_table, verdict
 from ranks import pretrained
 
 TARGET_RATIO = 1.2  # peak with per-stage reading over (stage share + fixed footprint)
 GIB = 2**30
-SMALL_HEAP = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # resident memory follows the live tensors (see the docstring)
 
 
 def sizes(quick: bool) -> dict[str, Any]:
