@@ -135,7 +135,7 @@ def test_the_holding_sections_most_even_split_is_the_best_of_every_split(benchma
     runs = [answers([4, 4, 4, 4]), answers([2, 6, 5, 3])]
     fitted = peak_costs([{**a, "other": b["run"]} for a, b in zip(*runs)], ("run", "other"))
     assert fitted == pytest.approx(costs)
-    spread, blocks = best_peak_spread(costs, 16, 4)
+    spread, blocks, lowest_top = best_peak_spread(costs, 16, 4)
     brute = min(
         max(p) / min(p)
         for cut in itertools.combinations(range(1, 16), 3)
@@ -143,3 +143,8 @@ def test_the_holding_sections_most_even_split_is_the_best_of_every_split(benchma
         for p in [[3.0 + 10.0 * b + (25.0 if i == 0 else 31.0 if i == 3 else 0.0) for i, b in enumerate(split)]]
     )
     assert spread == pytest.approx(brute) and sum(blocks) == 16 and blocks[0] < blocks[1]
+    assert lowest_top == pytest.approx(min(
+        max(3.0 + 10.0 * b + (25.0 if i == 0 else 31.0 if i == 3 else 0.0) for i, b in enumerate(split))
+        for cut in itertools.combinations(range(1, 16), 3)
+        for split in [[b - a for a, b in zip((0, *cut), (*cut, 16))]]
+    ))

@@ -109,10 +109,13 @@ def report(spec: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
                 memory_holds.append((count, fewer, max(peaks) / max(1, min(peaks))))
         balance_rows.append(row)
         costs_fit = peak_costs(now, ("uniform", *balanced))
-        bound, bound_blocks = best_peak_spread(costs_fit, spec["depth"], count)
+        bound, bound_blocks, lowest_top = best_peak_spread(costs_fit, spec["depth"], count)
+        fixed = max(answer["tiny"]["peak_bytes"] for answer in now)
+        share = now[0]["uniform"]["whole"]["parameters"] * 4 / count
         bound_rows.append([count, f"{costs_fit['per_stage'] / MIB:.1f}", f"{costs_fit['per_block'] / MIB:.1f}",
                            f"{costs_fit['first'] / MIB:.1f}", f"{costs_fit['last'] / MIB:.1f}",
-                           " ".join(map(str, bound_blocks)), f"{bound:.2f}"])
+                           " ".join(map(str, bound_blocks)), f"{bound:.2f}",
+                           f"{lowest_top / MIB:.1f} ({(lowest_top + fixed) / (share + fixed):.3f})"])
         split = now[0]["parameters"]["blocks_per_stage"] if "parameters" in balanced else None
         optimum_rows.append([count, f"{best_held_ratio(costs, count):.3f}", f"{best_held_spread(costs, count):.2f}",
                              f"{split_held_ratio(costs, split):.3f}" if split else "-",
@@ -176,8 +179,11 @@ def report(spec: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
         " (least squares over the middle stages) as a part every stage has plus a part per block, and the first and last"
         " stages' extra over that (the embedding; the norm, the head and the logits; each with its gradient, Adam's"
         " moments and the temporaries of Adam's step on it), give each split's peaks; the most even of every split:"
-        f"\n\n{markdown_table(BOUND_HEADERS, bound_rows)}\n\nWhere that is above 1.10, no split of these whole blocks"
-        " brings the measured peaks within 10% of each other: a block is too large a part of a stage's peak."
+        f"\n\n{markdown_table(BOUND_HEADERS, bound_rows)}\n\nWhere the most even is above 1.10, no split of these whole"
+        " blocks brings the measured peaks within 10% of each other: a block is too large a part of a stage's peak."
+        f" Where the lowest largest peak (with the largest fixed footprint of the ranks) is above {TARGET}× (share +"
+        " fixed), no split brings every rank's peak to the target either: the ends' extra over their held bytes"
+        " (activations, the logits, the optimizer step's temporaries) is more than the target's margin."
     )
     data = {**spec, "results": results, "worst_held_ratio": worst_held, "worst_peak_ratio": worst_peak,
             "worst_default_heap_peak_ratio": worst_default_heap,
@@ -234,7 +240,8 @@ def best_held_spread(counts: Sequence[int], num_stages: int) -> float:
 
 
 BOUND_HEADERS = ["stages", "every stage (MiB)", "per block (MiB)", "first stage's extra (MiB)",
-                 "last stage's extra (MiB)", "the most even split (blocks per stage)", "its largest / smallest peak"]
+                 "last stage's extra (MiB)", "the most even split (blocks per stage)", "its largest / smallest peak",
+                 "the lowest largest peak of any split (MiB; + fixed, / (share + fixed))"]
 
 
 def peak_costs(answers: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str, float]:
@@ -259,12 +266,14 @@ def peak_costs(answers: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[
     return {"per_stage": per_stage, "per_block": per_block, **extra}
 
 
-def best_peak_spread(costs: dict[str, float], num_blocks: int, num_stages: int) -> tuple[float, list[int]]:
+def best_peak_spread(costs: dict[str, float], num_blocks: int, num_stages: int) -> tuple[float, list[int], float]:
     """The smallest largest-over-smallest stage peak of every split of ``num_blocks`` equal blocks into
-    ``num_stages`` contiguous stages, with :func:`peak_costs`' costs, and its blocks per stage. For each count of
-    blocks at the two ends, the middle stages share the rest as evenly as whole blocks allow (the most even middle
-    has both the smallest largest and the largest smallest stage), so trying every pair of end counts is exact."""
+    ``num_stages`` contiguous stages, with :func:`peak_costs`' costs, its blocks per stage, and the smallest largest
+    peak of every split. For each count of blocks at the two ends, the middle stages share the rest as evenly as
+    whole blocks allow (the most even middle has both the smallest largest and the largest smallest stage), so trying
+    every pair of end counts is exact."""
     best: tuple[float, list[int]] = (math.inf, [])
+    lowest_top = math.inf
     middle_stages = num_stages - 2
     for first in range(1, num_blocks):
         for last in range(1, num_blocks - first):
@@ -277,7 +286,8 @@ def best_peak_spread(costs: dict[str, float], num_blocks: int, num_stages: int) 
             peaks[0] += costs["first"]
             peaks[-1] += costs["last"]
             best = min(best, (max(peaks) / min(peaks), blocks))
-    return best
+            lowest_top = min(lowest_top, max(peaks))
+    return (*best, lowest_top)
 
 
 def split_held_ratio(counts: Sequence[int], blocks_per_stage: Sequence[int]) -> float:
