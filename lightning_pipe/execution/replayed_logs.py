@@ -166,11 +166,13 @@ def load_metric_states(module: LightningModule, states: dict[str, MetricState]) 
 
 
 def random_states(device: torch.device) -> dict[str, Any]:
-    """The process's random generators (torch, its accelerator's, numpy, Python), as Lightning collects them."""
+    """The process's random generators (torch, its accelerator's, numpy, Python), as Lightning collects them. The
+    generators' tensor states are plain bytes here: a pickled tensor goes through ``torch.save`` and ``torch.load``,
+    which cost the receiving stages more than the rest of the step's outcome (about 0.25 ms a step)."""
     states = _collect_rng_states(include_cuda=False)
     if device.type == "cuda":
         states["cuda_device"] = torch.cuda.get_rng_state(device)
-    return states
+    return {key: bytes(state.numpy()) if isinstance(state, Tensor) else state for key, state in states.items()}
 
 
 def adopt_random_states(states: dict[str, Any], device: torch.device) -> None:
@@ -180,11 +182,16 @@ def adopt_random_states(states: dict[str, Any], device: torch.device) -> None:
     (augmentation, noise, a permutation of the batch), the sampler's next shuffle and the data workers' seeds must
     agree across stages, even though the stages' layers (dropout) drew different amounts of randomness.
     """
-    states = dict(states)
+    states = {key: _byte_tensor(state) if isinstance(state, bytes) else state for key, state in states.items()}
     cuda_state = states.pop("cuda_device", None)
     _set_rng_states(states)
     if cuda_state is not None and device.type == "cuda":
         torch.cuda.set_rng_state(cuda_state, device)
+
+
+def _byte_tensor(state: bytes) -> Tensor:
+    """A generator's state as the ``torch.uint8`` tensor its setter takes (see :func:`random_states`)."""
+    return torch.frombuffer(bytearray(state), dtype=torch.uint8)
 
 
 def _to(value: Any, device: torch.device | str) -> Any:

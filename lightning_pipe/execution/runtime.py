@@ -40,7 +40,7 @@ from lightning_pipe.execution.call_order import ChunkCall
 from lightning_pipe.execution.engine import PipelineEngine
 from lightning_pipe.execution.loss_items import LossItems, announce, unequal_label_shares, warn_weighted_by_samples
 from lightning_pipe.execution.p2p import failed_wait
-from lightning_pipe.execution.process_groups import PipelineGroups
+from lightning_pipe.execution.process_groups import PipelineGroups, broadcast_over_cpu_group
 from lightning_pipe.execution.replayed_logs import (
     LogRecord,
     StepOutcome,
@@ -317,9 +317,9 @@ class StageRuntime:
         """Broadcast the last stage's output of a call made outside a step to every stage of its pipeline."""
         if self.groups.num_stages == 1:
             return output
-        holder = [apply_to_collection(output, Tensor, lambda t: t.to("cpu"))]
-        dist.broadcast_object_list(holder, src=self.groups.loss_rank, group=self.groups.meta)
-        return apply_to_collection(holder[0], Tensor, lambda t: t.to(self.groups.device))
+        output = apply_to_collection(output, Tensor, lambda t: t.to("cpu"))
+        output = broadcast_over_cpu_group(output, self.groups.loss_rank, self.groups.meta)
+        return apply_to_collection(output, Tensor, lambda t: t.to(self.groups.device))
 
     def run_on_last_stage(self, module: LightningModule, user_hook: Callable[[], None]) -> None:
         """Run a hook that consumes step results (``on_*_epoch_end``) where they are; replay what it logs."""
@@ -342,13 +342,11 @@ class StageRuntime:
             outcome.random_states = random_states(groups.device)
             asked = self.requeues_asked  # read once: a signal handled meanwhile goes with the next outcome
             outcome.requeue, self._requeues_shared = asked > self._requeues_shared, asked
-        holder = [outcome]
         try:
             with groups.watchdog.waiting(self._outcome_wait()):
-                dist.broadcast_object_list(holder, src=groups.loss_rank, group=groups.meta)
+                outcome = broadcast_over_cpu_group(outcome, groups.loss_rank, groups.meta)
         except RuntimeError as error:
             raise self._outcome_not_shared(error) from error
-        outcome = holder[0]
         self.requeue_due |= outcome.requeue
         if not self.is_last:
             if outcome.metric_states:
