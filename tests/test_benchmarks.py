@@ -129,7 +129,8 @@ def test_the_holding_sections_most_even_split_is_the_best_of_every_split(benchma
         peaks = [costs["per_stage"] + costs["per_block"] * b for b in blocks]
         peaks[0] += costs["first"]
         peaks[-1] += costs["last"]
-        return [{"tiny": {"peak_bytes": 100}, "run": {"blocks_per_stage": blocks, "stage": stage, "peak_bytes": 100 + peak}}
+        return [{"tiny": {"peak_bytes": 100},
+                 "run": {"blocks_per_stage": blocks, "stage": stage, "peak_bytes": 100 + peak}}
                 for stage, peak in enumerate(peaks)]
 
     runs = [answers([4, 4, 4, 4]), answers([2, 6, 5, 3])]

@@ -176,8 +176,8 @@ def report(spec: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
         f" The peaks above each rank's fixed footprint:\n\n{balance}"
         + memory_verdicts
         + "\n\nHow even whole blocks can make the peaks: the peaks over the fixed footprint of every run above, fitted"
-        " (least squares over the middle stages) as a part every stage has plus a part per block, and the first and last"
-        " stages' extra over that (the embedding; the norm, the head and the logits; each with its gradient, Adam's"
+        " (least squares over the middle stages) as a part every stage has plus a part per block, and the first and"
+        " last stages' extra over that (the embedding; the norm, the head and the logits; each with its gradient, Adam's"
         " moments and the temporaries of Adam's step on it), give each split's peaks; the most even of every split:"
         f"\n\n{markdown_table(BOUND_HEADERS, bound_rows)}\n\nWhere the most even is above 1.10, no split of these whole"
         " blocks brings the measured peaks within 10% of each other: a block is too large a part of a stage's peak."

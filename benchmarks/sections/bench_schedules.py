@@ -61,7 +61,9 @@ def run(quick: bool) -> dict[str, Any]:
     at = [r for r in rows if r["num_stages"] == 2 and r["micro_batches"] == m]
     peers = [r for r in at if r["ours_over_peer"] is not None]
     worst = max(peers, key=lambda r: r["ours_over_peer"])
-    best = min((r for r in at if r["schedule"] not in ("gpipe", "gpipe_split")), key=lambda r: r["ours_over_gpipe"])
+    # The schedule the formulas say is best (the measured step breaks a tie): the target is its predicted gain.
+    best = min((r for r in at if r["schedule"] not in ("gpipe", "gpipe_split")),
+               key=lambda r: (r["formula_over_gpipe"], r["ours_over_gpipe"]))
     gained, predicted = 1 - best["ours_over_gpipe"], 1 - best["formula_over_gpipe"]
     split = next(r for r in at if r["schedule"] == "gpipe_split")
     markdown = (
@@ -75,8 +77,8 @@ def run(quick: bool) -> dict[str, Any]:
         + verdict(f"every schedule ≤ 1.0 × torch's counterpart (M={m}, 2 stages; worst `{worst['schedule']}`)",
                   worst["ours_over_peer"] <= 1.0, f"{worst['ours_over_peer']:.3f}")
         + "\n"
-        + verdict(f"the best schedule (`{best['schedule']}`) ahead of our GPipe by at least half the formula's"
-                  f" {predicted:.1%}", gained >= predicted / 2, f"{gained:.1%}")
+        + verdict(f"the schedule the formulas rank best (`{best['schedule']}`) ahead of our GPipe by at least half"
+                  f" the formula's {predicted:.1%}", gained >= predicted / 2, f"{gained:.1%}")
         + "\n"
         + verdict("deferred weight gradients ahead of plain GPipe", split["ours_over_gpipe"] < 1.0,
                   f"{split['ours_over_gpipe']:.3f}")
