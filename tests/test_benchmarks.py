@@ -125,27 +125,23 @@ def test_the_holding_sections_most_even_split_is_the_best_of_every_split(benchma
 
     costs = {"per_stage": 3.0, "per_block": 10.0, "first": 25.0, "last": 31.0}
 
-    def answers(blocks):
+    def peaks_of(blocks):
         peaks = [costs["per_stage"] + costs["per_block"] * b for b in blocks]
         peaks[0] += costs["first"]
         peaks[-1] += costs["last"]
+        return peaks
+
+    def answers(blocks):
         return [{"tiny": {"peak_bytes": 100},
                  "run": {"blocks_per_stage": blocks, "stage": stage, "peak_bytes": 100 + peak}}
-                for stage, peak in enumerate(peaks)]
+                for stage, peak in enumerate(peaks_of(blocks))]
 
     runs = [answers([4, 4, 4, 4]), answers([2, 6, 5, 3])]
     fitted = peak_costs([{**a, "other": b["run"]} for a, b in zip(*runs)], ("run", "other"))
     assert fitted == pytest.approx(costs)
     spread, blocks, lowest_top = best_peak_spread(costs, 16, 4)
-    brute = min(
-        max(p) / min(p)
-        for cut in itertools.combinations(range(1, 16), 3)
-        for split in [[b - a for a, b in zip((0, *cut), (*cut, 16))]]
-        for p in [[3.0 + 10.0 * b + (25.0 if i == 0 else 31.0 if i == 3 else 0.0) for i, b in enumerate(split)]]
-    )
-    assert spread == pytest.approx(brute) and sum(blocks) == 16 and blocks[0] < blocks[1]
-    assert lowest_top == pytest.approx(min(
-        max(3.0 + 10.0 * b + (25.0 if i == 0 else 31.0 if i == 3 else 0.0) for i, b in enumerate(split))
-        for cut in itertools.combinations(range(1, 16), 3)
-        for split in [[b - a for a, b in zip((0, *cut), (*cut, 16))]]
-    ))
+    every_split = [peaks_of([b - a for a, b in zip((0, *cut), (*cut, 16))])
+                   for cut in itertools.combinations(range(1, 16), 3)]
+    assert spread == pytest.approx(min(max(p) / min(p) for p in every_split))
+    assert sum(blocks) == 16 and blocks[0] < blocks[1]
+    assert lowest_top == pytest.approx(min(max(p) for p in every_split))

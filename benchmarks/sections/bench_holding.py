@@ -110,12 +110,12 @@ def report(spec: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
         balance_rows.append(row)
         costs_fit = peak_costs(now, ("uniform", *balanced))
         bound, bound_blocks, lowest_top = best_peak_spread(costs_fit, spec["depth"], count)
-        fixed = max(answer["tiny"]["peak_bytes"] for answer in now)
-        share = now[0]["uniform"]["whole"]["parameters"] * 4 / count
+        largest_fixed = max(answer["tiny"]["peak_bytes"] for answer in now)
+        stage_share = now[0]["uniform"]["whole"]["parameters"] * 4 / count
+        top_ratio = (lowest_top + largest_fixed) / (stage_share + largest_fixed)
         bound_rows.append([count, f"{costs_fit['per_stage'] / MIB:.1f}", f"{costs_fit['per_block'] / MIB:.1f}",
                            f"{costs_fit['first'] / MIB:.1f}", f"{costs_fit['last'] / MIB:.1f}",
-                           " ".join(map(str, bound_blocks)), f"{bound:.2f}",
-                           f"{lowest_top / MIB:.1f} ({(lowest_top + fixed) / (share + fixed):.3f})"])
+                           " ".join(map(str, bound_blocks)), f"{bound:.2f}", f"{lowest_top / MIB:.1f} ({top_ratio:.3f})"])
         split = now[0]["parameters"]["blocks_per_stage"] if "parameters" in balanced else None
         optimum_rows.append([count, f"{best_held_ratio(costs, count):.3f}", f"{best_held_spread(costs, count):.2f}",
                              f"{split_held_ratio(costs, split):.3f}" if split else "-",

@@ -143,16 +143,17 @@ def broadcast_over_cpu_group(obj: Any, src: int, group: dist.ProcessGroup) -> An
     broadcast of :data:`SMALL_OBJECT_BYTES` carries its length and its pickle; only a larger object (the metric
     states at an epoch's end) takes a second for the rest. Measured on 4 gloo ranks: 1.1 ms against 2.4 ms."""
     head_room = SMALL_OBJECT_BYTES - _LENGTH_BYTES
-    first = torch.zeros(SMALL_OBJECT_BYTES, dtype=torch.uint8)
-    if dist.get_rank() == src:
+    first = torch.empty(SMALL_OBJECT_BYTES, dtype=torch.uint8)  # past the object's bytes, nothing is read
+    sending = dist.get_rank() == src
+    if sending:
         payload = pickle.dumps(obj)
         head = len(payload).to_bytes(_LENGTH_BYTES, "little") + payload[:head_room]
         first[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-        dist.broadcast(first, src=src, group=group)
+    dist.broadcast(first, src=src, group=group)
+    if sending:
         if len(payload) > head_room:
             dist.broadcast(torch.frombuffer(bytearray(payload[head_room:]), dtype=torch.uint8), src=src, group=group)
         return obj
-    dist.broadcast(first, src=src, group=group)
     received = first.numpy().tobytes()
     length = int.from_bytes(received[:_LENGTH_BYTES], "little")
     payload = received[_LENGTH_BYTES : _LENGTH_BYTES + length]
