@@ -58,6 +58,7 @@ from lightning_pipe.execution.process_groups import (
 from lightning_pipe.execution.random_streams import StageRandomStreams
 from lightning_pipe.execution.replayed_logs import StepOutcome
 from lightning_pipe.execution.runtime import StageRuntime
+from lightning_pipe.execution.sharding import StageSharding, shard_stage
 from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.execution.tied import TiedParameters, parameters_shared_across_stages
 from lightning_pipe.integration.lightning_packages import overrides
@@ -131,6 +132,9 @@ class BuiltPipeline:
     # A per-micro-batch step's gradients, from its `training_step` to Lightning's `backward` (see `swap_gradients`).
     step_gradients: list[tuple[list[nn.Parameter], list[Tensor | None]]] = field(default_factory=list)
     schedule_choice: ScheduleChoice | None = None  # with schedule="auto": the choice, why, the predicted table
+    # With data_parallel="shard" or "full_shard": the stage's blocks sharded over its replicas (FSDP2), once the
+    # replicas hold the same values (`start_identical`).
+    sharding: StageSharding | None = None
 
     # ---- set-up ------------------------------------------------------------------------------------------------
 
@@ -166,6 +170,11 @@ class BuiltPipeline:
                 stage = self.runtime.stage
                 for tensor in [*stage.parameters(), *stage.buffers(), *self._held_outside_tensors()]:
                     dist.broadcast(tensor.data, src=source, group=self.groups.replicas)
+        if self.settings.data_parallel != "replicate":  # FSDP hook: the replicas' identical blocks sharded now
+            kept_whole = [*self.replicated, *self.tied.parameters, *self.ownership.parameters]
+            sharding = shard_stage(self.runtime.stage.blocks, self.settings.data_parallel, self.groups.replicas,  # type: ignore[arg-type]
+                                   self.groups.device, kept_whole, self.groups.watchdog)
+            object.__setattr__(self, "sharding", sharding)  # the one field set after building: see `sharding`
 
     def _held_outside_tensors(self) -> list[Tensor]:
         """The tensors of the outside modules this stage holds and some other stage does not."""
@@ -218,8 +227,11 @@ class BuiltPipeline:
         reduce_gradients(self.replicated, self.groups.pipeline, average=False, watchdog=watchdog)
         self.tied.sum_gradients()
         self.ownership.sum_gradients(watchdog)
+        if self.sharding is not None:  # FSDP hook: the sharded blocks' gradients reduce-scattered, averaged
+            self.sharding.reduce_scatter_gradients()
         if self.groups.layout.num_replicas > 1:
-            trainable = [p for p in module.parameters() if p.requires_grad]
+            sharded = self.sharding.is_sharded if self.sharding is not None else lambda p: False
+            trainable = [p for p in module.parameters() if p.requires_grad and not sharded(p)]
             reduce_gradients(trainable, self.groups.replicas, average=True, watchdog=watchdog)
 
     def clip_grad_norm(self, parameters: Any, clip_val: float) -> None:
@@ -228,6 +240,7 @@ class BuiltPipeline:
         clip_grad_norm_over_pipeline(
             parameters, self.replicated, clip_val, groups.pipeline, groups.device,
             [*self.tied.counted_elsewhere, *self.ownership.counted_elsewhere], groups.watchdog,
+            shards=groups.replicas if self.sharding is not None else None,
         )
 
     # ---- what it reports ---------------------------------------------------------------------------------------
@@ -272,6 +285,8 @@ class BuiltPipeline:
         :func:`~lightning_pipe.checkpoints.whole_model.restore_whole_model`); nothing once the stages were lost."""
         if self.pipelined is None:
             return
+        if self.sharding is not None:  # FSDP hook: the blocks whole again, from every replica's shard
+            self.sharding.make_whole()
         groups = self.groups
         restore_whole_model(
             module, self.pipelined, groups.stage_ranks, groups.rank, groups.pipeline, groups.device, self.deferred,

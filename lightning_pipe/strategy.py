@@ -188,6 +188,7 @@ class GPipeStrategyMixin(PipelineView):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen", sample: Any = None,
         trace_steps: Sequence[int] = (), trace_dir: str | Path | None = None, log_bubble_fraction: bool = True,
         deferred_batch_norm: bool = False, mesh_order: tuple[str, str] = ("pp", "dp"),
+        data_parallel: Literal["replicate", "shard", "full_shard"] = "replicate",
         save_distributed_checkpoint: bool | None = None, gather_model_after_run: bool = False,
         schedule: str | PipelineSchedule | StageActions = "gpipe", virtual_stages: int | None = None,
         compile: bool | Mapping[str, Any] = False,

@@ -53,6 +53,7 @@ from lightning_pipe.execution.p2p import ACTIVATION, SKIP, Header, Link, TensorM
 from lightning_pipe.execution.random_streams import StageRandomStreams
 from lightning_pipe.execution.recomputation import recompute_later, unchanged_running_stats
 from lightning_pipe.execution.split_backward import WeightGradients, backward_input
+from lightning_pipe.execution.sharding import weights_in_graph
 from lightning_pipe.execution.call_order import ChainKey, ChunkCall
 from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.partition import microbatch
@@ -545,7 +546,7 @@ class PipelineEngine:
         # blocks (their backward computes every gradient at once, in each half).
         if split and edges and not micro_batch.recomputed and not self.stage.compiled_calls:
             side_leaves = [leaf for _, leaf in micro_batch.call.leaves.values()]
-            input_grads, micro_batch.weights = backward_input(edges, grads, needing, [*self._weights[k], *side_leaves])
+            input_grads, micro_batch.weights = backward_input(edges, grads, needing, [*_weights_in_graph(self.stage, k), *side_leaves])
             for leaf, input_grad in zip(needing, input_grads):
                 leaf.grad = input_grad
         elif edges:
@@ -624,6 +625,12 @@ class PipelineEngine:
         batch_norms = [bn for chunk_norms in self._batch_norms.values() for bn in chunk_norms]
         with self.timeline.recomputing(m), unchanged_running_stats(batch_norms):
             yield
+
+
+def _weights_in_graph(stage: StageBlocks, k: int) -> list[Tensor]:
+    """Chunk ``k``'s weights as its forward's graph holds them. FSDP hook: a block sharded over its replicas computes
+    with its gathered weights (:func:`~lightning_pipe.execution.sharding.weights_in_graph`)."""
+    return [w for i in stage.chunk_ranges[k] for w in weights_in_graph(stage.originals[i])]
 
 
 def _output_to_pass_on(

@@ -44,3 +44,32 @@ def leave_outside_gradients_unsummed() -> Callable[[], None]:
     original = OutsideOwnership.sum_gradients
     OutsideOwnership.sum_gradients = lambda self, watchdog=None: None
     return lambda: setattr(OutsideOwnership, "sum_gradients", original)
+
+
+def reduce_scatter_without_averaging() -> Callable[[], None]:
+    """The gradients of blocks sharded over the replicas (``data_parallel="shard"``) are reduce-scattered as the sum
+    over the replicas, not their average; returns what undoes it."""
+    from lightning_pipe.execution.sharding import StageSharding
+
+    original = StageSharding.reduce_scatter_gradients
+
+    def summed(self):
+        for block in self.blocks:
+            block.set_gradient_divide_factor(1.0)
+        original(self)
+
+    StageSharding.reduce_scatter_gradients = summed
+    return lambda: setattr(StageSharding, "reduce_scatter_gradients", original)
+
+
+def record_clipping_norms(norms: list[str]) -> Callable[[], None]:
+    """Append every total norm that clipping scales by (``clip_grads_with_norm_``'s), as the exact hex of its float,
+    to ``norms``; returns what undoes it."""
+    original = torch.nn.utils.clip_grads_with_norm_
+
+    def clip(parameters, max_norm, total_norm, *args, **kwargs):
+        norms.append(float(total_norm).hex())
+        return original(parameters, max_norm, total_norm, *args, **kwargs)
+
+    torch.nn.utils.clip_grads_with_norm_ = clip
+    return lambda: setattr(torch.nn.utils, "clip_grads_with_norm_", original)

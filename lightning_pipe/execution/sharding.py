@@ -1,0 +1,203 @@
+"""A stage's blocks sharded over its data-parallel replicas with torch's FSDP2 (``data_parallel="shard"`` or
+``"full_shard"``): wrapped once at set-up, gathered as the schedule needs them, reduce-scattered once per step.
+
+Each held block with parameters becomes its own ``fully_shard`` module over the replicas' dimension of the rank mesh
+(a ``DeviceMesh`` over the stage's replica group), as torchtitan wraps each transformer block. Under a pipeline a
+step runs many forwards and backwards of a block, one per micro-batch, so FSDP2 is driven as torch's pipelining
+schedules drive it (``torch/distributed/pipelining/stage.py``, ``backward_maybe_with_nosync`` and
+``perform_reduce_grad``):
+
+* every backward of the step runs with gradient sync off (``set_requires_gradient_sync(False)``), keeping the
+  gathered weights (``set_reshard_after_backward(False)``): each micro-batch's weight gradients accumulate on the
+  gathered (unsharded) parameters;
+* after the step's last backward, :meth:`StageSharding.reduce_scatter_gradients` runs FSDP2's post-backward once
+  with sync on: one reduce-scatter per block, averaging over the replicas, leaving each rank the gradient of its
+  shard; the weights are released (resharded) there.
+
+``"shard"`` (``reshard_after_forward=False``, ZeRO-2) gathers each block's weights once per step, at its first
+forward, and keeps them until that reduce-scatter; ``"full_shard"`` (``True``, ZeRO-3) releases them after every
+forward, so each micro-batch's forward gathers again (and its backward once more).
+
+Parameters that the pipeline keeps whole on every replica are left out of the shards (``ignored_params``): a
+parameter tied to another stage's block, or to a module outside the blocks, whose gradient is summed over the
+stages holding it before the replicas average it (see :mod:`lightning_pipe.execution.tied`). The modules outside
+the blocks stay replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
+
+from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog
+
+DataParallelMode = Literal["replicate", "shard", "full_shard"]
+
+
+class StageSharding:
+    """This rank's sharded blocks (FSDP2 modules over the stage's replica group), and what drives them in a step."""
+
+    def __init__(
+        self, blocks: list[FSDPModule], mode: DataParallelMode, group: dist.ProcessGroup, watchdog: StallWatchdog,
+        watched: list[RemovableHandle],
+    ) -> None:
+        self.blocks = blocks
+        self._watched = watched  # the hooks that gather each block's weights under the watchdog
+        self.mode = mode
+        self.group = group
+        self.watchdog = watchdog
+        self.sharded_ids = {id(p) for block in blocks for p in _sharded_parameters(block)}
+
+    def is_sharded(self, parameter: Tensor) -> bool:
+        return id(parameter) in self.sharded_ids
+
+    def reduce_scatter_gradients(self) -> None:
+        """The step's gradients of every sharded block, accumulated over its micro-batches on the gathered weights,
+        averaged over the replicas and reduce-scattered: each rank keeps its shard's gradient (added to the shard's
+        ``grad`` when one is there, as gradient accumulation over several batches adds). The weights are released."""
+        waited = self.watchdog.collective("the sharded gradients' reduce-scatter over the replicas", self.group)
+        with self.watchdog.waiting(waited):
+            for block in self.blocks:
+                _syncing(block, True)
+                state = fully_shard.state(block)  # type: ignore[attr-defined]
+                for inner in state._state_ctx.all_states:
+                    for param_group in inner._fsdp_param_groups:
+                        param_group.post_backward()
+                # Waits for the reduce-scatters, moves their output into the shards' gradients, resets the step.
+                state._root_post_backward_final_callback()
+                _syncing(block, False)
+
+    def make_whole(self) -> None:
+        """After the run: every block whole again, as the user built it (its own class, plain parameters holding the
+        trained values gathered from every replica's shard, no FSDP2 hook), so that the model comes back as one
+        device's would. A collective over the replicas; the sharding is over."""
+        for block, watched in zip(self.blocks, self._watched):
+            watched.remove()
+            block.reshard()
+            state = fully_shard.state(block)  # type: ignore[attr-defined]
+            for param_group in state._fsdp_param_groups:
+                for fsdp_param in param_group.fsdp_params:
+                    sharded = fsdp_param.sharded_param
+                    whole = nn.Parameter(sharded.full_tensor().detach(), requires_grad=sharded.requires_grad)
+                    info = fsdp_param._module_info
+                    for module, name in [(info.module, info.param_name),
+                                         *zip(info.shared_modules, info.shared_param_names)]:
+                        module._parameters[name] = whole
+                for handles in (param_group._module_to_pre_save_state_dict_hook_handle,
+                                param_group._module_to_pre_load_state_dict_hook_handle):
+                    for handle in handles.values():
+                        handle.remove()
+            state._pre_forward_hook_handle.remove()
+            state._post_forward_hook_handle.remove()
+            block.__class__ = type(block).__bases__[1]  # fully_shard made it a subclass of (FSDPModule, its class)
+        self.blocks, self._watched, self.sharded_ids = [], [], set()
+
+
+def shard_stage(
+    blocks: Iterable[nn.Module],
+    mode: DataParallelMode,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    kept_whole: Iterable[Tensor] = (),
+    watchdog: StallWatchdog = UNWATCHED,
+) -> StageSharding:
+    """Wrap each of ``blocks`` holding parameters to shard (not one of ``kept_whole``) with ``fully_shard`` over
+    ``group``. A collective over ``group``: its ranks must hold the same values already (the pipeline broadcast
+    them from the first replica)."""
+    mesh = DeviceMesh.from_group(group, device.type)
+    whole = {id(t) for t in kept_whole}
+    wrapped: list[FSDPModule] = []
+    watched: list[RemovableHandle] = []
+    for block in blocks:
+        shardable = [p for p in block.parameters() if id(p) not in whole]
+        if not shardable:
+            continue
+        ignored = {p for p in block.parameters() if id(p) in whole}
+        fully_shard(block, mesh=mesh, reshard_after_forward=mode == "full_shard", ignored_params=ignored or None)
+        module: FSDPModule = block  # type: ignore[assignment]
+        _syncing(module, False)
+        watched.append(block.register_forward_pre_hook(_gather_watched(module, watchdog, group), prepend=True))
+        wrapped.append(module)
+    return StageSharding(wrapped, mode, group, watchdog, watched)
+
+
+def refuse_sharded_already(blocks: Iterable[tuple[str, nn.Module]]) -> None:
+    """Raise, naming the block, when the user's code already called ``fully_shard`` on a pipelined block (or inside
+    one): the pipeline shards the blocks itself, over the replicas of their stage only."""
+    for name, block in blocks:
+        inner = next((n for n, m in block.named_modules() if isinstance(m, FSDPModule)), None)
+        if inner is not None:
+            where = f"{name}.{inner}" if inner else name
+            raise ValueError(
+                f"the pipelined module {where!r} was already wrapped with fully_shard (FSDP2) by the model's own code,"
+                " but GPipeStrategy shards each block itself, over the data-parallel replicas of its stage only: a"
+                " model-wide mesh would mix the stages. Remove the fully_shard call for the pipelined blocks and use"
+                " GPipeStrategy(data_parallel='shard') (or 'full_shard')."
+            )
+
+
+def weights_in_graph(block: nn.Module) -> list[Tensor]:
+    """The parameters of ``block`` that its forward's autograd graph holds, needing a gradient: a sharded block's
+    gathered (unsharded) weights, which FSDP2 keeps as the same tensors from one gathering to the next, and the
+    parameters it keeps whole; any other block's own parameters."""
+    if not isinstance(block, FSDPModule):
+        return [p for p in block.parameters() if p.requires_grad]
+    sharded = set()
+    weights: list[Tensor] = []
+    state = fully_shard.state(block)  # type: ignore[attr-defined]
+    for param_group in state._fsdp_param_groups:
+        for fsdp_param in param_group.fsdp_params:
+            sharded.add(id(fsdp_param.sharded_param))
+            if fsdp_param.sharded_param.requires_grad and hasattr(fsdp_param, "_unsharded_param"):
+                weights.append(fsdp_param._unsharded_param)
+    return weights + [p for p in block.parameters() if p.requires_grad and id(p) not in sharded
+                      and not isinstance(p, DTensor) and not any(p is w for w in weights)]
+
+
+def local_squared_norm(grads: list[Tensor], device: torch.device) -> Tensor:
+    """The squared 2-norm of this rank's shards of ``grads`` (DTensors), in float64 (zero for none)."""
+    if not grads:
+        return torch.zeros((), device=device, dtype=torch.float64)
+    local = [g.to_local() for g in grads]
+    return torch.nn.utils.get_total_norm(local).to(device, torch.float64).square()
+
+
+def scale_sharded_gradients(parameters: Iterable[nn.Parameter], coefficient: Tensor) -> None:
+    """Multiply the local shards of the sharded parameters' gradients by ``coefficient``, as
+    ``clip_grads_with_norm_`` multiplies whole gradients."""
+    locals_ = [p.grad.to_local() for p in parameters if p.grad is not None]
+    if locals_:
+        torch._foreach_mul_(locals_, coefficient.to(locals_[0].device))
+
+
+def _sharded_parameters(block: FSDPModule) -> Iterator[Tensor]:
+    state = fully_shard.state(block)  # type: ignore[attr-defined]
+    for param_group in state._fsdp_param_groups:
+        for fsdp_param in param_group.fsdp_params:
+            yield fsdp_param.sharded_param
+
+
+def _syncing(block: FSDPModule, last: bool) -> None:
+    """Gradient sync on (``last``: the step's reduce-scatter) or off (every micro-batch's backward)."""
+    block.set_is_last_backward(last)
+    block.set_requires_gradient_sync(last, recurse=True)
+    block.set_reshard_after_backward(last, recurse=True)
+
+
+def _gather_watched(block: FSDPModule, watchdog: StallWatchdog, group: dist.ProcessGroup):  # noqa: ANN202
+    """A forward pre-hook, run before FSDP2's own: the block's weights gathered under the stall watchdog (FSDP2's
+    hook then finds them gathered)."""
+
+    def gather(module: nn.Module, args: tuple) -> None:
+        with watchdog.waiting(watchdog.collective("the sharded weights' all-gather over the replicas", group)):
+            block.unshard()
+
+    return gather
