@@ -58,7 +58,7 @@ from lightning_pipe.execution.process_groups import (
 from lightning_pipe.execution.random_streams import StageRandomStreams
 from lightning_pipe.execution.replayed_logs import StepOutcome
 from lightning_pipe.execution.runtime import StageRuntime
-from lightning_pipe.execution.sharding import StageSharding, shard_stage
+from lightning_pipe.execution.sharding import StageSharding, checkpoints_refused, shard_stage
 from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.execution.tied import TiedParameters, parameters_shared_across_stages
 from lightning_pipe.integration.lightning_packages import overrides
@@ -142,6 +142,9 @@ class BuiltPipeline:
         """Start the run on the model moved to its device: identical replicated state, metrics synced within
         replicas, the epoch-end hooks on the last stage, Lightning's summary of the whole model, the last stage's
         random state on every stage. What undoes the changes to the user's objects, for teardown."""
+        trainer = module._trainer
+        if self.settings.data_parallel != "replicate" and trainer is not None and trainer.checkpoint_callbacks:
+            raise NotImplementedError(checkpoints_refused(self.settings.data_parallel))  # FSDP hook
         self.start_identical()
         self.sync_metrics_within_replicas(module)
         undo = [
@@ -172,7 +175,9 @@ class BuiltPipeline:
                     dist.broadcast(tensor.data, src=source, group=self.groups.replicas)
         if self.settings.data_parallel != "replicate":  # FSDP hook: the replicas' identical blocks sharded now
             kept_whole = [*self.replicated, *self.tied.parameters, *self.ownership.parameters]
-            sharding = shard_stage(self.runtime.stage.blocks, self.settings.data_parallel, self.groups.replicas,  # type: ignore[arg-type]
+            stage = self.runtime.stage
+            blocks = [(stage.region.names[i], stage.originals[i]) for i in stage.indices]
+            sharding = shard_stage(blocks, self.settings.data_parallel, self.groups.replicas,  # type: ignore[arg-type]
                                    self.groups.device, kept_whole, self.groups.watchdog)
             object.__setattr__(self, "sharding", sharding)  # the one field set after building: see `sharding`
 

@@ -222,6 +222,7 @@ class PipelineSettings:
                 raise ValueError(f"{key}{name}={value!r} is invalid; use {choices}.")
         for name, value in checked.items():  # the checked, normalised values (a frozen dataclass)
             object.__setattr__(self, name, value)
+        _refuse_with_sharding(checked["data_parallel"], self.deferred_batch_norm, checked["compile"], key)
         if num_stages is not None:  # else the strategy does once the process count is known
             self.check_schedule(self.pipeline_config(num_stages))
 
@@ -480,6 +481,19 @@ def _checked_data_parallel(mode: Any, key: str) -> str:
             " 'full_shard' (gathered again for every micro-batch: least memory)."
         )
     return mode  # type: ignore[no-any-return]
+
+
+def _refuse_with_sharding(mode: str, deferred_batch_norm: bool, compile: Any, key: str) -> None:
+    """The combinations with a sharded stage not shown equal to one device yet, refused rather than run differently."""
+    if mode == "replicate":
+        return
+    for name, on in (("compile", compile is not False), ("deferred_batch_norm", deferred_batch_norm)):
+        if on:
+            raise ValueError(
+                f"{key}data_parallel={mode!r} with {key}{name}={compile if name == 'compile' else True!r} is not"
+                " supported yet: a block sharded with FSDP2 has not been shown to train as on one device with it."
+                f" Use {key}data_parallel='replicate' with {key}{name}, or leave {key}{name} out."
+            )
 
 
 def _checked_start_method(start_method: Any, key: str) -> str:

@@ -48,6 +48,7 @@ from lightning_pipe.execution.batchnorm import epoch_last_batch_reached
 from lightning_pipe.execution.batchnorm import revert as revert_batch_norms
 from lightning_pipe.execution.gradients import stop_agreeing_on_gradient_overflow
 from lightning_pipe.execution.materialize import meta_tensors_left_in_place
+from lightning_pipe.execution.sharding import checkpoints_refused
 from lightning_pipe.execution.process_groups import (
     PipelineGroups,
     broadcast_object,
@@ -479,6 +480,8 @@ class GPipeStrategyMixin(PipelineView):
         pipeline = self._pipeline
         if pipeline is None:
             return StageCheckpoints(self.lightning_module, None, self._groups, self.layout.num_stages)
+        if pipeline.sharding is not None:  # FSDP hook (lightning_pipe.execution.sharding)
+            raise NotImplementedError(checkpoints_refused(self._settings.data_parallel))
         return StageCheckpoints(
             self.lightning_module, pipeline.pipelined, self._groups, self.layout.num_stages,
             self._settings.save_distributed_checkpoint, pipeline.deferred, pipeline.pretrained_prefix,

@@ -102,7 +102,7 @@ class StageSharding:
 
 
 def shard_stage(
-    blocks: Iterable[nn.Module],
+    blocks: Iterable[tuple[str, nn.Module]],
     mode: DataParallelMode,
     group: dist.ProcessGroup,
     device: torch.device,
@@ -110,13 +110,15 @@ def shard_stage(
     watchdog: StallWatchdog = UNWATCHED,
 ) -> StageSharding:
     """Wrap each of ``blocks`` holding parameters to shard (not one of ``kept_whole``) with ``fully_shard`` over
-    ``group``. A collective over ``group``: its ranks must hold the same values already (the pipeline broadcast
-    them from the first replica)."""
+    ``group`` (``blocks``: each block by its name in the model). A collective over ``group``: its ranks must hold
+    the same values already (the pipeline broadcast them from the first replica)."""
+    blocks = list(blocks)
+    refuse_sharded_already(blocks)
     mesh = DeviceMesh.from_group(group, device.type)
     whole = {id(t) for t in kept_whole}
     wrapped: list[FSDPModule] = []
     watched: list[RemovableHandle] = []
-    for block in blocks:
+    for _, block in blocks:
         shardable = [p for p in block.parameters() if id(p) not in whole]
         if not shardable:
             continue
@@ -142,6 +144,16 @@ def refuse_sharded_already(blocks: Iterable[tuple[str, nn.Module]]) -> None:
                 " model-wide mesh would mix the stages. Remove the fully_shard call for the pipelined blocks and use"
                 " GPipeStrategy(data_parallel='shard') (or 'full_shard')."
             )
+
+
+def checkpoints_refused(mode: str) -> str:
+    """Why a run with sharded stages writes and reads no checkpoint yet, and what to do instead."""
+    return (
+        f"checkpoints of a run with data_parallel={mode!r} are not supported yet: the stages' blocks and optimizer"
+        " states are sharded over the replicas (FSDP2 DTensors), which the checkpoint code does not write or read"
+        " yet. Train with Trainer(enable_checkpointing=False) and no checkpoint callback or ckpt_path, or use"
+        " data_parallel='replicate' where checkpoints are needed."
+    )
 
 
 def weights_in_graph(block: nn.Module) -> list[Tensor]:

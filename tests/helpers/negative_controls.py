@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from lightning_pipe.execution import inboxes
 
@@ -54,9 +55,12 @@ def reduce_scatter_without_averaging() -> Callable[[], None]:
     original = StageSharding.reduce_scatter_gradients
 
     def summed(self):
-        for block in self.blocks:
-            block.set_gradient_divide_factor(1.0)
         original(self)
+        replicas = torch.distributed.get_world_size(self.group)
+        for block in self.blocks:  # the average times the replica count (gloo has no pre-multiplied sum)
+            for parameter in block.parameters():
+                if isinstance(parameter.grad, DTensor):  # a shard's gradient (a tied weight stays whole)
+                    parameter.grad.to_local().mul_(replicas)
 
     StageSharding.reduce_scatter_gradients = summed
     return lambda: setattr(StageSharding, "reduce_scatter_gradients", original)

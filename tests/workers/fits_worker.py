@@ -149,6 +149,7 @@ def main(spec_path):
         out = Path(spec["out"]) / run["name"]
 
         def trainer_for(max_epochs: int, checkpoints: bool, strategy: dict) -> Trainer:
+            checkpoints = checkpoints or run.get("enable_checkpointing", False)
             return Trainer(
                 strategy=lightning_pipe.GPipeStrategy(
                     num_micro_batches=run.get("num_micro_batches"),
@@ -190,7 +191,14 @@ def main(spec_path):
             masks = record_dropout_masks(model, run.get("batch_size", 16) // run["num_micro_batches"])
         # Re-computations then run to the end (not only as far as backward needs), so the hooks record them too.
         with torch.utils.checkpoint.set_checkpoint_early_stop(False) if masks is not None else nullcontext():
-            trainer.fit(model, train, val, ckpt_path=checkpoint_path)
+            try:
+                trainer.fit(model, train, val, ckpt_path=checkpoint_path)
+            except Exception as error:
+                if not run.get("expect_error"):  # a run that must fail at set-up: its message, and no later run
+                    raise
+                out.mkdir(parents=True, exist_ok=True)
+                (out / f"error{trainer.global_rank}.txt").write_text(f"{type(error).__name__}: {error}")
+                return
         if restore:
             restore()
         if undo_norms is not None:
@@ -212,14 +220,16 @@ def main(spec_path):
         summary["compiled_graphs"] = models.compiled_graphs - graphs_before  # by torch.compile in this run
         if run.get("record_clipping_norms"):
             summary["clipping_norms"] = norms
-        if counter is not None:
-            summary["collectives_per_step"] = counter.per_step
         pipeline = trainer.strategy._pipeline  # what was built (None in the launching process of spawn/fork)
         plan = pipeline.plan if pipeline is not None else None
         if plan is not None:
             summary["chunk_ranges"] = [[r.start, r.stop] for r in plan.ranges]
         if hasattr(model, "forward_counts"):
             summary["forward_counts"] = model.forward_counts()
+        if counter is not None:
+            summary["collectives_per_step"] = counter.per_step
+            blocks = pipeline.runtime.stage.blocks if pipeline is not None else []
+            summary["blocks_with_parameters"] = sum(any(True for _ in block.parameters()) for block in blocks)
         choice = pipeline.schedule_choice if pipeline is not None else None
         if choice is not None:  # schedule="auto": what it chose, as this rank runs it
             settings = trainer.strategy._settings
