@@ -58,7 +58,7 @@ from lightning_pipe.execution.process_groups import (
 from lightning_pipe.execution.random_streams import StageRandomStreams
 from lightning_pipe.execution.replayed_logs import StepOutcome
 from lightning_pipe.execution.runtime import StageRuntime
-from lightning_pipe.execution.sharding import StageSharding, checkpoints_refused, shard_stage
+from lightning_pipe.execution.sharding import StageSharding, checkpoints_refused, scaler_refused, shard_stage
 from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.execution.tied import TiedParameters, parameters_shared_across_stages
 from lightning_pipe.integration.lightning_packages import overrides
@@ -91,6 +91,7 @@ from lightning_pipe.partition.step_probe import (
     random_state_kept,
     training_step_on,
 )
+from lightning_pipe.partition.memory_estimate import StateLayout
 from lightning_pipe.partition.topology import PipelineLayout
 from lightning_pipe.schedules.simulator import ideal_bubble
 from lightning_pipe.settings import PipelineSettings
@@ -180,6 +181,8 @@ class BuiltPipeline:
             sharding = shard_stage(blocks, self.settings.data_parallel, self.groups.replicas,  # type: ignore[arg-type]
                                    self.groups.device, kept_whole, self.groups.watchdog)
             object.__setattr__(self, "sharding", sharding)  # the one field set after building: see `sharding`
+            stage, engine = self.runtime.stage, self.runtime.engine
+            engine.backward_done = lambda k: sharding.micro_batch_done(stage.originals[i] for i in stage.chunk_ranges[k])
 
     def _held_outside_tensors(self) -> list[Tensor]:
         """The tensors of the outside modules this stage holds and some other stage does not."""
@@ -190,6 +193,8 @@ class BuiltPipeline:
     def agree_on_gradient_overflow(self, precision: Any) -> None:
         """With a gradient scaler (16-mixed), an overflow on one stage skips the step on every stage."""
         scaler = getattr(precision, "scaler", None)
+        if scaler is not None and self.sharding is not None:  # FSDP hook
+            raise NotImplementedError(scaler_refused(self.settings.data_parallel))
         if scaler is not None and self.config.num_stages > 1:
             agree_on_gradient_overflow(scaler, self.groups.pipeline, self.groups.device, self.groups.watchdog)
 
@@ -513,6 +518,7 @@ def decide_partition(
             return plan_partition(
                 module, sequential, config, settings.balance, settings.sample, groups.device, fraction, charges,
                 step, settings.schedule.per_micro_batch,  # type: ignore[union-attr]
+                StateLayout(settings.data_parallel, groups.layout.num_replicas),
             )
 
     return decided_on_rank_zero(decide, "partition the model", groups.rank, groups.watchdog)

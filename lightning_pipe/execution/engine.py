@@ -203,6 +203,7 @@ class PipelineEngine:
         self.schedule = schedule
         self.virtual_stages = virtual_stages
         self.random_streams = random_streams
+        self.backward_done: Callable[[int], None] | None = None  # FSDP hook: chunk k's backward of a micro-batch ended
         self.last_chunk = stage.num_chunks - 1
         self._step = _StepState()
         self._batch_norms = {
@@ -601,6 +602,8 @@ class PipelineEngine:
         at the call's leaves go on into the model's own code."""
         step = self._step
         call = step.micro_batches.pop((k, m)).call
+        if self.backward_done is not None:
+            self.backward_done(k)
         state = step.calls[id(call)]
         state.back_propagated += 1
         if state.back_propagated == len(state.forwarded):

@@ -10,13 +10,16 @@ schedules drive it (``torch/distributed/pipelining/stage.py``, ``backward_maybe_
 * every backward of the step runs with gradient sync off (``set_requires_gradient_sync(False)``), keeping the
   gathered weights (``set_reshard_after_backward(False)``): each micro-batch's weight gradients accumulate on the
   gathered (unsharded) parameters;
-* after the step's last backward, :meth:`StageSharding.reduce_scatter_gradients` runs FSDP2's post-backward once
-  with sync on: one reduce-scatter per block, averaging over the replicas, leaving each rank the gradient of its
-  shard; the weights are released (resharded) there.
-
-``"shard"`` (``reshard_after_forward=False``, ZeRO-2) gathers each block's weights once per step, at its first
-forward, and keeps them until that reduce-scatter; ``"full_shard"`` (``True``, ZeRO-3) releases them after every
-forward, so each micro-batch's forward gathers again (and its backward once more).
+* ``"shard"`` (``reshard_after_forward=False``, ZeRO-2 as torchtitan runs it under a pipeline): each block's
+  weights are gathered once per step, at its first forward, and kept; after the step's last backward
+  :meth:`StageSharding.reduce_scatter_gradients` runs FSDP2's post-backward once with sync on: one reduce-scatter
+  per block per step, averaging over the replicas, leaving each rank the gradient of its shard, and the weights are
+  released. During the step a rank holds its stage's whole weights and whole (accumulated) gradients.
+* ``"full_shard"`` (``reshard_after_forward=True``, ZeRO-3): the weights are released after every forward and every
+  backward, so each micro-batch gathers them for its forward and again for its backward, and each micro-batch's
+  gradient is reduce-scattered as soon as its backward on the block's chunk ends (both halves, when the schedule
+  splits it: :meth:`StageSharding.micro_batch_done`, called by the engine), adding into the shard's gradient. A
+  rank then never holds more than its shards and the blocks running.
 
 Parameters that the pipeline keeps whole on every replica are left out of the shards (``ignored_params``): a
 parameter tied to another stage's block, or to a module outside the blocks, whose gradient is summed over the
@@ -55,25 +58,40 @@ class StageSharding:
         self.group = group
         self.watchdog = watchdog
         self.sharded_ids = {id(p) for block in blocks for p in _sharded_parameters(block)}
+        self._ids = {id(block) for block in blocks}
 
     def is_sharded(self, parameter: Tensor) -> bool:
         return id(parameter) in self.sharded_ids
 
+    def micro_batch_done(self, blocks: Iterable[nn.Module]) -> None:
+        """Under ``"full_shard"``: a chunk's backward of one micro-batch ended (both halves, when split), so its
+        blocks' gradients are reduce-scattered now, each rank adding its shard's to its gradient: the stage never
+        holds its whole gradient. (``"shard"`` waits for the step's end: :meth:`reduce_scatter_gradients`.)"""
+        if self.mode != "full_shard":
+            return
+        mine = [block for block in blocks if isinstance(block, FSDPModule) and id(block) in self._ids]
+        if mine:
+            self._reduce_scatter(mine)
+
     def reduce_scatter_gradients(self) -> None:
         """The step's gradients of every sharded block, accumulated over its micro-batches on the gathered weights,
         averaged over the replicas and reduce-scattered: each rank keeps its shard's gradient (added to the shard's
-        ``grad`` when one is there, as gradient accumulation over several batches adds). The weights are released."""
+        ``grad`` when one is there, as gradient accumulation over several batches adds). The weights are released.
+        (Under ``"full_shard"`` each micro-batch's were already: nothing is left to reduce.)"""
+        self._reduce_scatter(self.blocks)
+
+    def _reduce_scatter(self, blocks: list[FSDPModule]) -> None:
         waited = self.watchdog.collective("the sharded gradients' reduce-scatter over the replicas", self.group)
         with self.watchdog.waiting(waited):
-            for block in self.blocks:
-                _syncing(block, True)
+            for block in blocks:
+                _syncing(block, True, self.mode)
                 state = fully_shard.state(block)  # type: ignore[attr-defined]
                 for inner in state._state_ctx.all_states:
                     for param_group in inner._fsdp_param_groups:
                         param_group.post_backward()
                 # Waits for the reduce-scatters, moves their output into the shards' gradients, resets the step.
                 state._root_post_backward_final_callback()
-                _syncing(block, False)
+                _syncing(block, False, self.mode)
 
     def make_whole(self) -> None:
         """After the run: every block whole again, as the user built it (its own class, plain parameters holding the
@@ -98,7 +116,7 @@ class StageSharding:
             state._pre_forward_hook_handle.remove()
             state._post_forward_hook_handle.remove()
             block.__class__ = type(block).__bases__[1]  # fully_shard made it a subclass of (FSDPModule, its class)
-        self.blocks, self._watched, self.sharded_ids = [], [], set()
+        self.blocks, self._watched, self.sharded_ids, self._ids = [], [], set(), set()
 
 
 def shard_stage(
@@ -125,7 +143,7 @@ def shard_stage(
         ignored = {p for p in block.parameters() if id(p) in whole}
         fully_shard(block, mesh=mesh, reshard_after_forward=mode == "full_shard", ignored_params=ignored or None)
         module: FSDPModule = block  # type: ignore[assignment]
-        _syncing(module, False)
+        _syncing(module, False, mode)
         watched.append(block.register_forward_pre_hook(_gather_watched(module, watchdog, group), prepend=True))
         wrapped.append(module)
     return StageSharding(wrapped, mode, group, watchdog, watched)
@@ -153,6 +171,15 @@ def checkpoints_refused(mode: str) -> str:
         " states are sharded over the replicas (FSDP2 DTensors), which the checkpoint code does not write or read"
         " yet. Train with Trainer(enable_checkpointing=False) and no checkpoint callback or ckpt_path, or use"
         " data_parallel='replicate' where checkpoints are needed."
+    )
+
+
+def scaler_refused(mode: str) -> str:
+    """Why a sharded stage does not train with a gradient scaler (``16-mixed``) yet, and what to do instead."""
+    return (
+        f"precision='16-mixed' with data_parallel={mode!r} is not supported yet: its gradient scaler unscales the"
+        " sharded blocks' gradients (FSDP2 DTensors) and the stage's whole ones in one call, which torch refuses."
+        " Use precision='bf16-mixed' (no scaler), or data_parallel='replicate' with 16-mixed."
     )
 
 
@@ -197,11 +224,12 @@ def _sharded_parameters(block: FSDPModule) -> Iterator[Tensor]:
             yield fsdp_param.sharded_param
 
 
-def _syncing(block: FSDPModule, last: bool) -> None:
-    """Gradient sync on (``last``: the step's reduce-scatter) or off (every micro-batch's backward)."""
+def _syncing(block: FSDPModule, last: bool, mode: DataParallelMode) -> None:
+    """Gradient sync on (``last``: the step's reduce-scatter) or off (every micro-batch's backward). Between
+    micro-batches ``"shard"`` keeps the gathered weights, ``"full_shard"`` releases them after each backward too."""
     block.set_is_last_backward(last)
     block.set_requires_gradient_sync(last, recurse=True)
-    block.set_reshard_after_backward(last, recurse=True)
+    block.set_reshard_after_backward(last or mode == "full_shard", recurse=True)
 
 
 def _gather_watched(block: FSDPModule, watchdog: StallWatchdog, group: dist.ProcessGroup):  # noqa: ANN202
