@@ -4,6 +4,8 @@ one reduce-scatter per block per step under "shard"; what is not supported yet i
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from functools import partial
 from pathlib import Path
 
@@ -19,6 +21,8 @@ from helpers.launch import launch, started_together
 from lightning_pipe import GPipeStrategy
 from lightning_pipe.execution.sharding import refuse_sharded_already
 from lightning_pipe.integration.hydra_schema import validate_config
+from lightning_pipe.plan import main as plan_command
+from lightning_pipe.schedules.choice import BlockCosts
 
 # Per replica 8 samples a step (4 micro-batches of 2); one device takes both replicas' 16 in the order the
 # distributed sampler deals them. Clipping at 0.1 clips every step (the norms are 0.3-0.7).
@@ -187,3 +191,19 @@ def test_a_block_the_user_sharded_is_refused_by_name():
             refuse_sharded_already([("net.model.0", blocks[0]), ("net.model.1", blocks[1])])
     finally:
         dist.destroy_process_group()
+
+
+def test_plan_says_what_each_rank_holds_in_every_data_parallel_mode(tmp_path, capsys):
+    block = BlockCosts(samples=4, forward=0.004, input_gradient=0.004, weight_gradient=0.004, activation_bytes=4e6,
+                       input_bytes=1e6, parameter_bytes=2.0**30)  # 1 GiB of parameters a block, 2 blocks a stage
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"batch_size": 32, "small": [dataclasses.asdict(block)] * 8,
+                                 "large": [dataclasses.asdict(block.scaled(16))] * 8}))
+    plan_command(["--costs", str(costs), "--stages", "4", "--replicas", "4", "--memory-budget", "7GiB"])
+    out = capsys.readouterr().out
+    # Per parameter: 4 copies replicated (weight, gradient, Adam's two moments); sharded over 4 replicas, 1 (full_shard)
+    # or 1 plus the whole weight and gradient the step holds (shard).
+    assert "State per rank, 4 stages x 4 replicas" in out
+    assert "data_parallel='replicate'     8.00 GiB  (exceeds the budget of 7.00 GiB)" in out
+    assert "data_parallel='shard'         6.00 GiB  (fits the budget of 7.00 GiB)" in out
+    assert "data_parallel='full_shard'    2.00 GiB  (fits the budget of 7.00 GiB)" in out
