@@ -58,7 +58,7 @@ from lightning_pipe.execution.process_groups import (
 from lightning_pipe.execution.random_streams import StageRandomStreams
 from lightning_pipe.execution.replayed_logs import StepOutcome
 from lightning_pipe.execution.runtime import StageRuntime
-from lightning_pipe.execution.sharding import StageSharding, checkpoints_refused, scaler_refused, shard_stage
+from lightning_pipe.execution.sharding import StageSharding, scaler_refused, shard_stage
 from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.execution.tied import TiedParameters, parameters_shared_across_stages
 from lightning_pipe.integration.lightning_packages import overrides
@@ -143,9 +143,6 @@ class BuiltPipeline:
         """Start the run on the model moved to its device: identical replicated state, metrics synced within
         replicas, the epoch-end hooks on the last stage, Lightning's summary of the whole model, the last stage's
         random state on every stage. What undoes the changes to the user's objects, for teardown."""
-        trainer = module._trainer
-        if self.settings.data_parallel != "replicate" and trainer is not None and trainer.checkpoint_callbacks:
-            raise NotImplementedError(checkpoints_refused(self.settings.data_parallel))  # FSDP hook
         self.start_identical()
         self.sync_metrics_within_replicas(module)
         undo = [

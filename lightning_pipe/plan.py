@@ -109,7 +109,8 @@ def state_per_rank(block_bytes: list[float], num_stages: int, replicas: int, bud
              " gradients, Adam's two moments;\nthe modules outside the blocks and the activations not counted):"]
     for mode in DATA_PARALLEL_MODES if replicas > 1 else ("replicate",):
         held = StateLayout(mode, replicas).copies() * largest
-        room = "" if budget is None else f"  ({'fits' if held <= budget else 'exceeds'} the budget of {budget / 2**30:.2f} GiB)"
+        verdict = "fits" if budget is not None and held <= budget else "exceeds"
+        room = "" if budget is None else f"  ({verdict} the budget of {budget / 2**30:.2f} GiB)"
         lines.append(f"  data_parallel={mode!r:<13} {held / 2**30:6.2f} GiB{room}")
     return "\n".join(lines)
 

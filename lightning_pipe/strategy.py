@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import fields, replace
 from datetime import timedelta
 from functools import partial
@@ -48,7 +48,6 @@ from lightning_pipe.execution.batchnorm import epoch_last_batch_reached
 from lightning_pipe.execution.batchnorm import revert as revert_batch_norms
 from lightning_pipe.execution.gradients import stop_agreeing_on_gradient_overflow
 from lightning_pipe.execution.materialize import meta_tensors_left_in_place
-from lightning_pipe.execution.sharding import checkpoints_refused
 from lightning_pipe.execution.process_groups import (
     PipelineGroups,
     broadcast_object,
@@ -480,8 +479,6 @@ class GPipeStrategyMixin(PipelineView):
         pipeline = self._pipeline
         if pipeline is None:
             return StageCheckpoints(self.lightning_module, None, self._groups, self.layout.num_stages)
-        if pipeline.sharding is not None:  # FSDP hook (lightning_pipe.execution.sharding)
-            raise NotImplementedError(checkpoints_refused(self._settings.data_parallel))
         return StageCheckpoints(
             self.lightning_module, pipeline.pipelined, self._groups, self.layout.num_stages,
             self._settings.save_distributed_checkpoint, pipeline.deferred, pipeline.pretrained_prefix,
@@ -495,18 +492,27 @@ class GPipeStrategyMixin(PipelineView):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if not self._checkpoints().load_model_state(checkpoint, strict):
-            super().load_model_state_dict(checkpoint, strict=strict)
+        with self._whole_view():
+            if not self._checkpoints().load_model_state(checkpoint, strict):
+                super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._watchdog.uneven_phase()  # a checkpoint: gathered here, written by rank 0 while the others wait
-        return self._checkpoints().module_state()
+        with self._whole_view():
+            return self._checkpoints().module_state()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         self._watchdog.uneven_phase()
-        return self._checkpoints().optimizer_state(optimizer)
+        with self._whole_view([optimizer]):
+            return self._checkpoints().optimizer_state(optimizer)
+
+    def _whole_view(self, optimizers: Sequence[Optimizer] = ()) -> AbstractContextManager[None]:
+        """FSDP hook: checkpoints read and write the blocks sharded over the replicas as whole tensors (see
+        :meth:`~lightning_pipe.execution.sharding.StageSharding.whole_view`)."""
+        sharding = self._pipeline.sharding if self._pipeline is not None else None
+        return sharding.whole_view(optimizers) if sharding is not None and sharding.blocks else nullcontext()
 
     @override
     def save_checkpoint(
@@ -532,8 +538,9 @@ class GPipeStrategyMixin(PipelineView):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if not self._checkpoints().load_optimizer_states(self.optimizers, checkpoint, self.root_device):
-            super().load_optimizer_state_dict(checkpoint)
+        with self._whole_view(self.optimizers):
+            if not self._checkpoints().load_optimizer_states(self.optimizers, checkpoint, self.root_device):
+                super().load_optimizer_state_dict(checkpoint)
 
     # ---- collectives ---------------------------------------------------------------------------------------------
 

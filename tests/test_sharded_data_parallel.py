@@ -39,6 +39,9 @@ def sharded(name: str, model: str, num_stages: int, mode: str, schedule: str = "
 # 2 stages x 2 replicas: both modes, GPipe and three per-micro-batch schedules (ZB-V's loss on stage 0, zero bubble's
 # deferred weight gradients), a weight tied across the two stages' blocks (kept whole, summed, then averaged) and
 # GPT-2's tie outside the blocks; the negative control sums the replicas' shards instead of averaging them.
+RESUMED = {"model": "tied_momentum", "num_micro_batches": 4, "batch_size": 8, "max_epochs": 2, "resume_after_epoch": True,
+           "lr": 0.2}
+RESUMED_RUNS = ("shard_resumed", "shard_resumed_dcp", "replicate_then_shard", "shard_then_replicate")
 TWO_BY_TWO = [
     sharded("shard_gpipe", "synced_tied", 2, "shard"),
     sharded("full_shard_1f1b", "synced_tied_outside", 2, "full_shard", "1f1b"),
@@ -49,8 +52,16 @@ TWO_BY_TWO = [
     sharded("fifty_steps", "tied_everywhere", 2, "shard", "1f1b", train_samples=800, val_samples=16),
     # bf16 autocast (Lightning's precision, as with replicated stages): losses as one device's within 1e-2.
     sharded("bf16", "synced_tied", 2, "shard", "1f1b", trainer={**CLIP, "precision": "bf16-mixed"}),
-    # Last: it fails at set-up, and the worker runs nothing after it.
-    sharded("with_checkpoints", "synced", 2, "shard", enable_checkpointing=True, expect_error=True),
+    # Checkpointed after epoch 1 (momentum: optimizer state), resumed for epoch 2: each against the same resume with
+    # replicated stages. Sharded to sharded (one file; and torch.distributed.checkpoint), replicated <-> sharded.
+    {**RESUMED, "name": "replicated_resumed", "strategy": {"num_stages": 2}},
+    {**RESUMED, "name": "shard_resumed", "strategy": {"num_stages": 2, "data_parallel": "shard"}},
+    {**RESUMED, "name": "shard_resumed_dcp",
+     "strategy": {"num_stages": 2, "data_parallel": "full_shard", "save_distributed_checkpoint": True}},
+    {**RESUMED, "name": "replicate_then_shard", "first_strategy": {"data_parallel": "replicate"},
+     "strategy": {"num_stages": 2, "data_parallel": "full_shard", "schedule": "1f1b"}},
+    {**RESUMED, "name": "shard_then_replicate", "first_strategy": {"data_parallel": "shard"},
+     "strategy": {"num_stages": 2, "data_parallel": "replicate"}},
 ]
 # 4 stages x 2 replicas (8 processes): the tie then joins stage 1 and stage 3.
 FOUR_BY_TWO = [
@@ -59,8 +70,8 @@ FOUR_BY_TWO = [
     sharded("shard_1f1b", "synced_tied", 4, "shard", "1f1b"),
     sharded("with_fp16", "synced", 4, "full_shard", fp16=True, expect_error=True),  # last: it fails at set-up
 ]
-MATCHING = {"two_by_two": [run for run in TWO_BY_TWO if run["name"] not in ("unaveraged", "fifty_steps", "bf16",
-                                                                              "with_checkpoints")],
+SHARDED_FITS = [run for run in TWO_BY_TWO if "count_collectives" in run]  # not the resumed runs
+MATCHING = {"two_by_two": [run for run in SHARDED_FITS if run["name"] not in ("unaveraged", "fifty_steps", "bf16")],
             "four_by_two": FOUR_BY_TWO[:-1]}
 
 
@@ -75,9 +86,9 @@ def launches(tmp_path_factory):
     return started_together({name: partial(job, tmp_path_factory.mktemp(name)) for name, job in jobs.items()})
 
 
-def one_device(model: str) -> tuple[dict, dict, dict]:
+def one_device(model: str, **changes) -> tuple[dict, dict, dict]:
     return single_device_run({"model": model, "batch_size": 16, "shuffled_like_distributed_sampler": True,
-                              "trainer": CLIP, "train_samples": 80})
+                              "trainer": CLIP, "train_samples": 80, **changes})
 
 
 def weight_error_and_losses(run_dir: Path, model: str) -> tuple[float, list[tuple[list, list]]]:
@@ -103,7 +114,7 @@ def test_shards_summed_instead_of_averaged_differ_from_one_device(launches):
 
 
 def test_every_rank_clips_by_the_same_norm_and_keeps_replicated_tensors_identical(launches):
-    for layout, runs in (("two_by_two", TWO_BY_TWO[:-1]), ("four_by_two", FOUR_BY_TWO[:-1])):
+    for layout, runs in (("two_by_two", SHARDED_FITS), ("four_by_two", FOUR_BY_TWO[:-1])):
         for run in runs:
             run_dir = launches[layout].result() / run["name"]
             merged_state_dict(run_dir)  # raises where a tensor held by several ranks differs in any bit
@@ -113,7 +124,7 @@ def test_every_rank_clips_by_the_same_norm_and_keeps_replicated_tensors_identica
 
 
 def test_shard_gathers_and_reduce_scatters_each_block_once_per_step_not_per_micro_batch(launches):
-    for layout, runs in (("two_by_two", TWO_BY_TWO[:-1]), ("four_by_two", FOUR_BY_TWO[:-1])):
+    for layout, runs in (("two_by_two", SHARDED_FITS), ("four_by_two", FOUR_BY_TWO[:-1])):
         for run in runs:
             if run["strategy"]["data_parallel"] != "shard":
                 continue
@@ -170,13 +181,17 @@ def test_the_fp16_gradient_scaler_with_sharded_stages_is_refused_at_set_up(launc
                                             " data_parallel='full_shard' is not supported yet")
 
 
-def test_checkpoints_of_sharded_stages_are_refused_at_set_up(launches):
-    errors = sorted((launches["two_by_two"].result() / "with_checkpoints").glob("error*.txt"))
-    assert len(errors) == 4  # every rank, the same message
-    for error in errors:
-        assert error.read_text().startswith(
-            "NotImplementedError: checkpoints of a run with data_parallel='shard' are not supported yet"
-        ) and "Trainer(enable_checkpointing=False)" in error.read_text()
+def test_checkpoints_of_sharded_stages_resume_exactly_and_on_the_other_layout(launches):
+    """A checkpoint of a sharded run holds whole tensors (gathered from the shards: one file, or one
+    torch.distributed.checkpoint directory) and resumes sharded or replicated; the result is that of the same
+    checkpoint and resume with replicated stages. (Not two epochs without a break: the worker seeds the resumed run
+    differently, and Lightning's distributed sampler shuffles the second epoch by that seed.)"""
+    run_dir = launches["two_by_two"].result()
+    initial = one_device(RESUMED["model"], lr=RESUMED["lr"])[0]
+    straight = merged_state_dict(run_dir / "replicated_resumed")
+    assert [path.is_dir() for path in (run_dir / "shard_resumed_dcp" / "checkpoints").glob("*.ckpt")] == [True]
+    for name in RESUMED_RUNS:
+        assert relative_weight_error(initial, straight, merged_state_dict(run_dir / name)) < 1e-5, name
 
 
 def test_a_block_the_user_sharded_is_refused_by_name():

@@ -29,15 +29,17 @@ the blocks stay replicated.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Literal
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog
@@ -93,10 +95,44 @@ class StageSharding:
                 state._root_post_backward_final_callback()
                 _syncing(block, False, self.mode)
 
+    @contextmanager
+    def whole_view(self, optimizers: Iterable[Optimizer] = ()) -> Iterator[None]:
+        """While open, every sharded parameter is a whole plain tensor in its module and in ``optimizers`` (their
+        state of it whole too): the checkpoint code reads and writes whole tensors, as with replicated stages. On
+        leaving, the whole values, changed or not, go back into the shards (a loaded checkpoint's among them). A
+        collective over the replicas, in the same order on each."""
+        swapped: list[tuple[Any, nn.Parameter]] = []  # (FSDP2's parameter, its whole stand-in)
+        hooks = _fsdp_state_dict_hooks_set_aside(self.blocks)  # they expect the shards in the modules
+        for block in self.blocks:
+            block.reshard()  # the modules hold the shards; the next forward gathers what the view leaves
+            for fsdp_param in _fsdp_params(block):
+                sharded = fsdp_param.sharded_param
+                whole = nn.Parameter(sharded.full_tensor().detach(), requires_grad=sharded.requires_grad)
+                _set_on_modules(fsdp_param, whole)
+                swapped.append((fsdp_param, whole))
+        to_whole = {id(fsdp_param.sharded_param): whole for fsdp_param, whole in swapped}
+        optimizers = list(optimizers)
+        for optimizer in optimizers:
+            _replace_in_optimizer(optimizer, to_whole, _whole)
+        try:
+            yield
+        finally:
+            back = {id(whole): fsdp_param.sharded_param for fsdp_param, whole in swapped}
+            for optimizer in optimizers:
+                _replace_in_optimizer(optimizer, back, _shard_like)
+            for fsdp_param, whole in swapped:
+                sharded = fsdp_param.sharded_param
+                _set_on_modules(fsdp_param, sharded)
+                with torch.no_grad():
+                    sharded.to_local().copy_(_shard_like(whole.detach(), sharded).to_local())
+            for hook_dict, kept in hooks:
+                hook_dict.update(kept)
+
     def make_whole(self) -> None:
         """After the run: every block whole again, as the user built it (its own class, plain parameters holding the
         trained values gathered from every replica's shard, no FSDP2 hook), so that the model comes back as one
         device's would. A collective over the replicas; the sharding is over."""
+        _fsdp_state_dict_hooks_set_aside(self.blocks)  # for good
         for block, watched in zip(self.blocks, self._watched):
             watched.remove()
             block.reshard()
@@ -104,15 +140,7 @@ class StageSharding:
             for param_group in state._fsdp_param_groups:
                 for fsdp_param in param_group.fsdp_params:
                     sharded = fsdp_param.sharded_param
-                    whole = nn.Parameter(sharded.full_tensor().detach(), requires_grad=sharded.requires_grad)
-                    info = fsdp_param._module_info
-                    for module, name in [(info.module, info.param_name),
-                                         *zip(info.shared_modules, info.shared_param_names)]:
-                        module._parameters[name] = whole
-                for handles in (param_group._module_to_pre_save_state_dict_hook_handle,
-                                param_group._module_to_pre_load_state_dict_hook_handle):
-                    for handle in handles.values():
-                        handle.remove()
+                    _set_on_modules(fsdp_param, nn.Parameter(sharded.full_tensor().detach(), sharded.requires_grad))
             state._pre_forward_hook_handle.remove()
             state._post_forward_hook_handle.remove()
             block.__class__ = type(block).__bases__[1]  # fully_shard made it a subclass of (FSDPModule, its class)
@@ -164,16 +192,6 @@ def refuse_sharded_already(blocks: Iterable[tuple[str, nn.Module]]) -> None:
             )
 
 
-def checkpoints_refused(mode: str) -> str:
-    """Why a run with sharded stages writes and reads no checkpoint yet, and what to do instead."""
-    return (
-        f"checkpoints of a run with data_parallel={mode!r} are not supported yet: the stages' blocks and optimizer"
-        " states are sharded over the replicas (FSDP2 DTensors), which the checkpoint code does not write or read"
-        " yet. Train with Trainer(enable_checkpointing=False) and no checkpoint callback or ckpt_path, or use"
-        " data_parallel='replicate' where checkpoints are needed."
-    )
-
-
 def scaler_refused(mode: str) -> str:
     """Why a sharded stage does not train with a gradient scaler (``16-mixed``) yet, and what to do instead."""
     return (
@@ -218,10 +236,72 @@ def scale_sharded_gradients(parameters: Iterable[nn.Parameter], coefficient: Ten
 
 
 def _sharded_parameters(block: FSDPModule) -> Iterator[Tensor]:
+    for fsdp_param in _fsdp_params(block):
+        yield fsdp_param.sharded_param
+
+
+def _fsdp_params(block: FSDPModule) -> Iterator[Any]:
     state = fully_shard.state(block)  # type: ignore[attr-defined]
     for param_group in state._fsdp_param_groups:
-        for fsdp_param in param_group.fsdp_params:
-            yield fsdp_param.sharded_param
+        yield from param_group.fsdp_params
+
+
+_STATE_DICT_HOOKS = ("_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
+                     "_load_state_dict_post_hooks")
+
+
+def _fsdp_state_dict_hooks_set_aside(blocks: Iterable[nn.Module]) -> list[tuple[dict, dict]]:
+    """FSDP2's state-dict hooks taken out of the blocks' modules (each hook dictionary, and what was taken), to be put
+    back: they move the shards in and out of the modules, which hold whole tensors while checkpoints read them."""
+    taken = []
+    for block in blocks:
+        for module in block.modules():
+            for name in _STATE_DICT_HOOKS:
+                hook_dict = getattr(module, name)
+                ours = {key: hook for key, hook in hook_dict.items()
+                        if getattr(getattr(hook, "hook", hook), "__module__", "").startswith("torch.distributed.fsdp")}
+                for key in ours:
+                    del hook_dict[key]
+                if ours:
+                    taken.append((hook_dict, ours))
+    return taken
+
+
+def _set_on_modules(fsdp_param: Any, parameter: nn.Parameter) -> None:
+    """``parameter`` in the place of FSDP2's parameter, in every module that holds it."""
+    info = fsdp_param._module_info
+    for module, name in [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]:
+        module._parameters[name] = parameter
+
+
+def _whole(value: Any, _: Tensor) -> Any:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _shard_like(value: Any, parameter: Tensor) -> Any:
+    """A tensor of ``parameter``'s whole shape (its value, or optimizer state of it) as ``parameter`` is sharded,
+    from this rank's whole copy (every replica holds the same); anything else as it is."""
+    if not isinstance(value, Tensor) or isinstance(value, DTensor) or value.shape != parameter.shape:
+        return value
+    return distribute_tensor(value.to(parameter.device), parameter.device_mesh, parameter.placements,
+                             src_data_rank=None)
+
+
+def _replace_in_optimizer(optimizer: Optimizer, replacement: dict[int, Tensor], convert: Callable[[Any, Tensor], Any]) -> None:
+    """Put ``replacement[id(p)]`` in place of each parameter ``p`` of ``optimizer`` that it names, with the state
+    of ``p`` converted by ``convert(value, new parameter)`` (DTensors to whole tensors, or back)."""
+    state = optimizer.state
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, parameter in enumerate(params):
+            new = replacement.get(id(parameter))
+            if new is None:
+                continue
+            params[i] = new
+            if parameter in state:
+                entries = state.pop(parameter)
+                state[new] = {key: convert(value, new) if isinstance(value, Tensor) and value.dim() > 0 else value
+                              for key, value in entries.items()}
 
 
 def _syncing(block: FSDPModule, last: bool, mode: DataParallelMode) -> None:
