@@ -62,6 +62,10 @@ TWO_BY_TWO = [
      "strategy": {"num_stages": 2, "data_parallel": "full_shard", "schedule": "1f1b"}},
     {**RESUMED, "name": "shard_then_replicate", "first_strategy": {"data_parallel": "shard"},
      "strategy": {"num_stages": 2, "data_parallel": "replicate"}},
+    # Written at 2 stages x 2 replicas, resumed on 4 stages x 1 (the other layout), against the replicated same.
+    {**RESUMED, "name": "replicated_then_4x1", "first_strategy": {"num_stages": 2}, "strategy": {"num_stages": 4}},
+    {**RESUMED, "name": "shard_then_4x1", "first_strategy": {"num_stages": 2, "data_parallel": "full_shard"},
+     "strategy": {"num_stages": 4}},
 ]
 # 4 stages x 2 replicas (8 processes): the tie then joins stage 1 and stage 3.
 FOUR_BY_TWO = [
@@ -192,6 +196,9 @@ def test_checkpoints_of_sharded_stages_resume_exactly_and_on_the_other_layout(la
     assert [path.is_dir() for path in (run_dir / "shard_resumed_dcp" / "checkpoints").glob("*.ckpt")] == [True]
     for name in RESUMED_RUNS:
         assert relative_weight_error(initial, straight, merged_state_dict(run_dir / name)) < 1e-5, name
+    other_layout = merged_state_dict(run_dir / "replicated_then_4x1")
+    assert relative_weight_error(initial, other_layout, merged_state_dict(run_dir / "shard_then_4x1")) < 1e-5
+    assert relative_weight_error(initial, straight, other_layout) > 1e-2  # the layouts' second epochs differ
 
 
 def test_a_block_the_user_sharded_is_refused_by_name():

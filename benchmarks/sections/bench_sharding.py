@@ -77,9 +77,9 @@ def report(spec: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
         f" a tiny model's peak in the same processes.\n\n{table}\n\n"
         + verdict(f"with `full_shard`, every rank holds at most {TARGET}× its 1/(S·D) share", worst["full_shard"] <= TARGET,
                   f"{worst['full_shard']:.2f}× at worst")
-        + "\n\n"
-        + (verdict(f"with `full_shard`, every middle stage's rank (no module outside the blocks) holds at most {TARGET}×"
-                   " its share", middle["full_shard"] <= TARGET, f"{middle['full_shard']:.2f}× at worst")
+        + ("\n\n" + verdict(f"with `full_shard`, every middle stage's rank (no module outside the blocks) holds at"
+                              f" most {TARGET}× its share", middle["full_shard"] <= TARGET,
+                              f"{middle['full_shard']:.2f}× at worst")
            if "full_shard" in middle else "")
         + "\n\nThe ends hold the embedding or the head whole on every replica (the modules outside the blocks are"
         " not sharded yet), so their ranks stay above the share. Between steps `shard` holds what `full_shard` holds;"
