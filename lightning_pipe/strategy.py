@@ -492,27 +492,22 @@ class GPipeStrategyMixin(PipelineView):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        with self._whole_view():
+        with _whole_view(self._pipeline):
             if not self._checkpoints().load_model_state(checkpoint, strict):
                 super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._watchdog.uneven_phase()  # a checkpoint: gathered here, written by rank 0 while the others wait
-        with self._whole_view():
+        with _whole_view(self._pipeline):
             return self._checkpoints().module_state()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         self._watchdog.uneven_phase()
-        with self._whole_view([optimizer]):
+        with _whole_view(self._pipeline, [optimizer]):
             return self._checkpoints().optimizer_state(optimizer)
 
-    def _whole_view(self, optimizers: Sequence[Optimizer] = ()) -> AbstractContextManager[None]:
-        """FSDP hook: checkpoints read and write the blocks sharded over the replicas as whole tensors (see
-        :meth:`~lightning_pipe.execution.sharding.StageSharding.whole_view`)."""
-        sharding = self._pipeline.sharding if self._pipeline is not None else None
-        return sharding.whole_view(optimizers) if sharding is not None and sharding.blocks else nullcontext()
 
     @override
     def save_checkpoint(
@@ -538,7 +533,7 @@ class GPipeStrategyMixin(PipelineView):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        with self._whole_view(self.optimizers):
+        with _whole_view(self._pipeline, self.optimizers):
             if not self._checkpoints().load_optimizer_states(self.optimizers, checkpoint, self.root_device):
                 super().load_optimizer_state_dict(checkpoint)
 
@@ -616,3 +611,10 @@ GPipeStrategy.lightning_package = LightningPackage(
     TorchCheckpointIO, _ForwardRedirection,
 )
 register_package(GPipeStrategy.lightning_package)
+
+
+def _whole_view(pipeline: BuiltPipeline | None, optimizers: Sequence[Optimizer] = ()) -> AbstractContextManager[None]:
+    """FSDP hook: checkpoints read and write the blocks sharded over the replicas as whole tensors (see
+    :meth:`~lightning_pipe.execution.sharding.StageSharding.whole_view`)."""
+    sharding = pipeline.sharding if pipeline is not None else None
+    return sharding.whole_view(optimizers) if sharding is not None and sharding.blocks else nullcontext()
