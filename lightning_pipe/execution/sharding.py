@@ -23,8 +23,8 @@ schedules drive it (``torch/distributed/pipelining/stage.py``, ``backward_maybe_
 
 Parameters that the pipeline keeps whole on every replica are left out of the shards (``ignored_params``): a
 parameter tied to another stage's block, or to a module outside the blocks, whose gradient is summed over the
-stages holding it before the replicas average it (see :mod:`lightning_pipe.execution.tied`). The modules outside
-the blocks stay replicated.
+stages holding it before the replicas average it (see :mod:`lightning_pipe.execution.tied`), and one that two
+blocks of the stage share. The modules outside the blocks stay replicated.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ class StageSharding:
     def _reduce_scatter(self, blocks: list[FSDPModule]) -> None:
         waited = self.watchdog.collective("the sharded gradients' reduce-scatter over the replicas", self.group)
         with self.watchdog.waiting(waited):
+            _same_gradients_on_every_replica(blocks, self.group)
             for block in blocks:
                 _syncing(block, True, self.mode)
                 state = fully_shard.state(block)  # type: ignore[attr-defined]
@@ -162,6 +163,13 @@ def shard_stage(
     refuse_sharded_already(blocks)
     mesh = DeviceMesh.from_group(group, device.type)
     whole = {id(t) for t in kept_whole}
+    # A parameter two of this stage's blocks share (a tie within the stage) stays whole too: FSDP2 shards a parameter
+    # for one module only.
+    seen: set[int] = set()
+    for _, block in blocks:
+        ids = {id(p) for p in block.parameters()}
+        whole |= ids & seen
+        seen |= ids
     wrapped: list[FSDPModule] = []
     watched: list[RemovableHandle] = []
     for _, block in blocks:
@@ -244,6 +252,24 @@ def _fsdp_params(block: FSDPModule) -> Iterator[Any]:
     state = fully_shard.state(block)  # type: ignore[attr-defined]
     for param_group in state._fsdp_param_groups:
         yield from param_group.fsdp_params
+
+
+def _same_gradients_on_every_replica(blocks: list[FSDPModule], group: dist.ProcessGroup) -> None:
+    """Every replica reduce-scatters the same parameters: those some replica computed a gradient for (a block's branch
+    that only some replicas' data took), a zero gradient standing in where this replica has none. One small
+    all-reduce of the flags. A parameter no replica used keeps no gradient, as on one device (and as the replicated
+    stages' all-reduce decides); without it, the replicas' reduce-scatters would differ in size."""
+    params = [fsdp_param for block in blocks for fsdp_param in _fsdp_params(block)
+              if fsdp_param.sharded_param.requires_grad and hasattr(fsdp_param, "_unsharded_param")]
+    if not params:
+        return
+    has = [fsdp_param.unsharded_accumulated_grad is not None or fsdp_param.unsharded_param.grad is not None
+           for fsdp_param in params]
+    flags = torch.tensor(has, dtype=torch.uint8, device=params[0].sharded_param.device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    for fsdp_param, mine, anyone in zip(params, has, flags.tolist()):
+        if anyone and not mine:
+            fsdp_param.unsharded_param.grad = torch.zeros_like(fsdp_param.unsharded_param)
 
 
 _STATE_DICT_HOOKS = ("_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
