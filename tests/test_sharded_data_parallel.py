@@ -10,6 +10,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
 from torch import nn
@@ -19,6 +20,7 @@ from torch.distributed.fsdp import fully_shard
 from helpers.compare import merged_state_dict, rank_results, relative_weight_error, single_device_run
 from helpers.launch import launch, started_together
 from lightning_pipe import GPipeStrategy
+from lightning_pipe.checkpoints.sharded import consolidate
 from lightning_pipe.execution.sharding import refuse_sharded_already
 from lightning_pipe.integration.hydra_schema import validate_config
 from lightning_pipe.plan import main as plan_command
@@ -117,6 +119,21 @@ def test_sharded_stages_match_one_device_with_clipping_and_ties(launches, layout
         assert error < 1e-5, f"{layout} {run['name']}: weights {error:.2e} of their change from one device's"
         for ours, expected in losses:
             assert ours == pytest.approx(expected, rel=1e-5), f"{layout} {run['name']}: per-step losses"
+
+
+def test_a_sharded_runs_distributed_checkpoint_consolidates_to_the_replicated_runs_file(launches, tmp_path):
+    """consolidate_checkpoint makes one file of the torch.distributed.checkpoint directory a full_shard run wrote: the
+    whole model and its optimizer state, as the one-file checkpoint of the replicated run after the same epoch."""
+    run_dir = launches["two_by_two"].result()
+    consolidate(next((run_dir / "shard_resumed_dcp" / "checkpoints").glob("*.ckpt")), tmp_path / "one.ckpt")
+    ours = torch.load(tmp_path / "one.ckpt", weights_only=True)
+    replicated = torch.load(next((run_dir / "replicated_resumed" / "checkpoints").glob("*.ckpt")), weights_only=True)
+    initial = one_device(RESUMED["model"], lr=RESUMED["lr"])[0]
+    assert relative_weight_error(initial, replicated["state_dict"], ours["state_dict"]) < 1e-5
+    momenta = [(ours_state["momentum_buffer"], theirs["momentum_buffer"]) for ours_state, theirs in zip(
+        ours["optimizer_states"][0]["state"].values(), replicated["optimizer_states"][0]["state"].values())]
+    assert len(momenta) == len(replicated["state_dict"]) - 1  # every parameter's, the tied weight's once
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in momenta)
 
 
 def test_a_branch_some_replicas_skip_reduces_as_with_replicated_stages(launches):
