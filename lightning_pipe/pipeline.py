@@ -71,6 +71,7 @@ from lightning_pipe.partition.balance import (
     stage_ranges,
 )
 from lightning_pipe.partition.fingerprint import different_models_message, fingerprint_digest, model_fingerprint
+from lightning_pipe.partition.memory_estimate import StateLayout
 from lightning_pipe.partition.placement import (
     balance_charges,
     outside_rows,
@@ -91,7 +92,6 @@ from lightning_pipe.partition.step_probe import (
     random_state_kept,
     training_step_on,
 )
-from lightning_pipe.partition.memory_estimate import StateLayout
 from lightning_pipe.partition.topology import PipelineLayout
 from lightning_pipe.schedules.simulator import ideal_bubble
 from lightning_pipe.settings import PipelineSettings

@@ -52,8 +52,8 @@ from lightning_pipe.execution.inboxes import ActivationInbox, GradientInbox, Key
 from lightning_pipe.execution.p2p import ACTIVATION, SKIP, Header, Link, TensorMeta
 from lightning_pipe.execution.random_streams import StageRandomStreams
 from lightning_pipe.execution.recomputation import recompute_later, unchanged_running_stats
-from lightning_pipe.execution.split_backward import WeightGradients, backward_input
 from lightning_pipe.execution.sharding import weights_in_graph
+from lightning_pipe.execution.split_backward import WeightGradients, backward_input
 from lightning_pipe.execution.call_order import ChainKey, ChunkCall
 from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.partition import microbatch
@@ -546,8 +546,8 @@ class PipelineEngine:
         # Not split: a forward re-computed by torch.utils.checkpoint (re-computed again by each half), and compiled
         # blocks (their backward computes every gradient at once, in each half).
         if split and edges and not micro_batch.recomputed and not self.stage.compiled_calls:
-            side_leaves = [leaf for _, leaf in micro_batch.call.leaves.values()]
-            input_grads, micro_batch.weights = backward_input(edges, grads, needing, [*_weights_in_graph(self.stage, k), *side_leaves])
+            weights = [*_weights_in_graph(self.stage, k), *(leaf for _, leaf in micro_batch.call.leaves.values())]
+            input_grads, micro_batch.weights = backward_input(edges, grads, needing, weights)
             for leaf, input_grad in zip(needing, input_grads):
                 leaf.grad = input_grad
         elif edges:

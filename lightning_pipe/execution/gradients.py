@@ -19,9 +19,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.optim import Optimizer
-
 from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
 
 from lightning_pipe.execution.sharding import local_squared_norm, scale_sharded_gradients
 from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog

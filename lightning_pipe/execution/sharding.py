@@ -313,7 +313,9 @@ def _shard_like(value: Any, parameter: Tensor) -> Any:
                              src_data_rank=None)
 
 
-def _replace_in_optimizer(optimizer: Optimizer, replacement: dict[int, Tensor], convert: Callable[[Any, Tensor], Any]) -> None:
+def _replace_in_optimizer(
+    optimizer: Optimizer, replacement: dict[int, Tensor], convert: Callable[[Any, Tensor], Any]
+) -> None:
     """Put ``replacement[id(p)]`` in place of each parameter ``p`` of ``optimizer`` that it names, with the state
     of ``p`` converted by ``convert(value, new parameter)`` (DTensors to whole tensors, or back)."""
     state = optimizer.state
