@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from functools import partial
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from torch.distributed.fsdp import fully_shard
 
 from helpers.compare import merged_state_dict, rank_results, relative_weight_error, single_device_run
 from helpers.launch import launch, started_together
+from test_reliability import assert_ended_fast_everywhere, fault, run_with_faults
 from lightning_pipe import GPipeStrategy
 from lightning_pipe.checkpoints.sharded import consolidate
 from lightning_pipe.execution.sharding import refuse_sharded_already
@@ -264,3 +266,17 @@ def test_plan_says_what_each_rank_holds_in_every_data_parallel_mode(tmp_path, ca
     assert "data_parallel='replicate'     8.00 GiB  (exceeds the budget of 7.00 GiB)" in out
     assert "data_parallel='shard'         6.00 GiB  (fits the budget of 7.00 GiB)" in out
     assert "data_parallel='full_shard'    2.00 GiB  (fits the budget of 7.00 GiB)" in out
+
+
+def test_a_stalled_replica_is_named_while_its_peers_wait_in_the_sharded_collectives(tmp_path):
+    """Stage 0 of replica 1 (rank 3) stalls in a layer: its pipeline's next stage (rank 1) waits for its activation,
+    and rank 1's other replica (rank 0) for rank 1 in the all-gather of their sharded weights, a wait the stall
+    watchdog bounds: the run ends naming rank 3, and the table names the sharded collective."""
+    stall = [{**fault("stall", "layer", 0, batch=1), "rank": 3}]
+    watchdog = {"stall_floor": 3.0, "stall_multiple": 5.0, "stall_first_step": 5.0, "data_parallel": "shard"}
+    run = run_with_faults(tmp_path, 4, stall, "gpipe", num_stages=2, watchdog=watchdog)
+    assert_ended_fast_everywhere(run)
+    assert "The rank that stopped: stage 0 (rank 3) (awaited, and waiting on no other rank)." in run.stderr, \
+        run.stderr[-6000:]
+    assert re.search(r"stage 1 \(rank 0\) waited [\d.]+ s for the sharded weights' all-gather over the replicas from"
+                     r" stage 1 \(rank 1\)", run.stderr), run.stderr[-6000:]
