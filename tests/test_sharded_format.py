@@ -102,3 +102,52 @@ def test_a_checkpoint_of_this_package_loads_under_weights_only(tmp_path):
     for key, value in model.state_dict().items():
         assert torch.equal(loaded["state_dict"][key], value), key
     assert loaded["optimizer_states"][0]["param_groups"] == optimizer.state_dict()["param_groups"]
+
+
+# ---- committed whole: the link, what a save replaces, what interrupted saves left ------------------------------------
+
+
+def save_committed(path, model, optimizer, step):
+    from lightning_pipe.checkpoints.commit import save_committed as save
+    from lightning_pipe.execution.process_groups import PipelineGroups
+    from lightning_pipe.partition.topology import PipelineLayout
+
+    one_rank = PipelineGroups(PipelineLayout(1), 0, torch.device("cpu"), None, None, None, None)
+    checkpoint = {"epoch": 0, "global_step": step, "state_dict": model.state_dict(),
+                  "optimizer_states": [name_optimizer_state(optimizer.state_dict(), group_names(model, optimizer))]}
+    save(checkpoint, path, list(model.state_dict()), [name for name, _ in model.named_parameters()], one_rank)
+
+
+def test_a_save_replaces_a_checkpoint_by_switching_its_link_and_removes_what_it_replaced(tmp_path):
+    """A checkpoint written in place (as before), then saved over twice: each save puts its step beside the link and
+    switches it; the old step, the old files and a leftover of an interrupted save are gone once it is in place."""
+    from lightning_pipe.checkpoints.integrity import STAGING, check_sharded_checkpoint
+
+    model, optimizer = trained()
+    path = tmp_path / "last.ckpt"
+    write_sharded(path, model, optimizer)  # the layout of a save before this one: the files in the directory
+    assert check_sharded_checkpoint(path).directory == path and check_sharded_checkpoint(path).global_step is None
+    leftover = tmp_path / f".epoch=3.ckpt{STAGING}0123456789ab" / "step-9-0123456789ab"
+    leftover.mkdir(parents=True)
+    for step in (4, 8):
+        save_committed(path, model, optimizer, step)
+        checked = check_sharded_checkpoint(path)
+        assert checked.global_step == step and checked.directory == path / os.readlink(path / "current")
+        assert sorted(entry.name for entry in path.iterdir()) == ["current", checked.directory.name]
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["last.ckpt"]
+    names = [group_names(model, optimizer)]
+    loaded = sharded.load(path, set(model.state_dict()), names, weights_only=True)
+    assert loaded["global_step"] == 8
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded["state_dict"][key], value), key
+
+
+def test_a_one_file_checkpoint_at_the_path_is_replaced_by_the_sharded_one(tmp_path):
+    from lightning_pipe.checkpoints.integrity import check_sharded_checkpoint
+
+    model, optimizer = trained()
+    path = tmp_path / "last.ckpt"
+    torch.save({"epoch": 0}, path)
+    save_committed(path, model, optimizer, 4)
+    assert path.is_dir() and check_sharded_checkpoint(path).global_step == 4
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["last.ckpt"]

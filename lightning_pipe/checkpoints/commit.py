@@ -107,7 +107,7 @@ def _commit(staging: Path, step_dir: Path, path: Path) -> None:
     except OSError as error:
         raise ShardedCheckpointError(
             f"could not put the sharded checkpoint {str(path)!r} in place: {_why(error)}. Every rank's part was"
-            f" written into {str(staging)!r}; nothing earlier was deleted ({_previous(path)})."
+            f" written into {str(staging)!r}; nothing earlier was deleted ({_previous(path)[0]})."
         ) from error
     for entry in path.iterdir():  # the step it replaced, and a legacy checkpoint's own files
         if entry.name not in (COMMITTED, step_dir.name):
@@ -191,18 +191,22 @@ def _failed_save(path: Path, staging: Path, failed: CheckpointException) -> str:
         error = wrapped[0] if isinstance(wrapped, tuple) else wrapped
         reasons.append(str(error) if isinstance(error, PartWriteError)
                        else f"rank {rank} failed: {type(error).__name__}: {_why(error)}")
+    full = "the disk is full" in " ".join(reasons)
+    fix = "Make room on the disk" if full else "Mend the cause above"
+    previous, resume = _previous(path)
+    fix += f", then resume with ckpt_path={str(resume)!r}." if resume is not None else "."
     return (f"could not save the sharded checkpoint {str(path)!r}: {'; '.join(reasons)}. Nothing earlier was replaced"
-            f" or deleted, and the partial directory {str(staging)!r} was removed: {_previous(path)}.")
+            f" or deleted, and the partial directory {str(staging)!r} was removed: {previous}. {fix}")
 
 
-def _previous(path: Path) -> str:
-    """Which checkpoint to resume from after a failed save to ``path``."""
+def _previous(path: Path) -> tuple[str, Path | None]:
+    """Which checkpoint to resume from after a failed save to ``path``, said, and its path (None: there is none)."""
     if path.is_file():
-        return f"{str(path)!r} still holds the one-file checkpoint saved before it"
+        return f"{str(path)!r} still holds the one-file checkpoint saved before it", path
     if path.is_dir():
         with contextlib.suppress(ShardedCheckpointError):
-            return f"{check_sharded_checkpoint(path).describe()} still holds the checkpoint saved before it"
+            return f"{check_sharded_checkpoint(path).describe()} still holds the checkpoint saved before it", path
     beside = newest_complete_beside(path)
     if beside is None:
-        return "no earlier checkpoint is beside it"
-    return f"the newest complete checkpoint beside it is {beside.describe()} (ckpt_path={str(beside.path)!r})"
+        return "no earlier checkpoint is beside it", None
+    return f"the newest complete checkpoint beside it is {beside.describe()}", beside.path
