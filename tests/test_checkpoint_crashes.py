@@ -170,6 +170,7 @@ def test_a_checkpoint_that_is_not_whole_is_refused_on_every_rank_naming_the_file
         message = end["message"]
         assert f"the sharded checkpoint {str(path)!r} {REFUSALS[name]}" in message, message
         assert f"The newest complete checkpoint beside it is {str(beside)!r}" in message, message
+        print(f"{name}: rank {rank} refused it {end['time'] - end['started']:.1f} s after its fit started")
         assert end["time"] - end["started"] < LIMIT_S
     if name == "assembled":
         assert "stage 1 ('__0_0.distcp'): global step 4" in message, message
@@ -216,6 +217,7 @@ def _ended_fast(finished: Finished, out: Path) -> dict:
     faults = [json.loads(path.read_text()) for path in out.glob("fault*.json")]
     assert len(faults) == 1, f"the kill did not fire:\n{finished.stderr[-4000:]}"
     assert finished.returncode != 0 and not finished.leftovers
+    print(f"{out.parent.name}: every process gone {finished.gone - faults[0]['time']:.1f} s after the kill")
     assert finished.gone - faults[0]["time"] < LIMIT_S
     return faults[0]
 

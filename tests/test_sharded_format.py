@@ -151,3 +151,72 @@ def test_a_one_file_checkpoint_at_the_path_is_replaced_by_the_sharded_one(tmp_pa
     save_committed(path, model, optimizer, 4)
     assert path.is_dir() and check_sharded_checkpoint(path).global_step == 4
     assert sorted(entry.name for entry in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+DAMAGES = {  # name: (what is done to a whole checkpoint, what the refusal says)
+    "file-missing": ("the part's file removed", r"is incomplete: '.*__0_0\.distcp', one rank's part, is missing"),
+    "metadata-unreadable": ("the .metadata overwritten", r"is corrupt: '.*\.metadata' cannot be read \("),
+    "record-unreadable": ("the part's record overwritten with zeros", r"is corrupt: the record of part 'stage0-replica0'"
+                          r" cannot be read from '.*__0_0\.distcp' where \.metadata places it"),
+    "link-dangling": ("the step directory the link names removed", r"is incomplete: its link 'current' names"
+                      r" 'step-4-\w+', which does not exist"),
+}
+
+
+@pytest.mark.parametrize("name", list(DAMAGES))
+def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_complete_one_beside_it(name, tmp_path):
+    import shutil
+
+    from lightning_pipe.checkpoints.integrity import ShardedCheckpointError, check_sharded_checkpoint
+
+    model, optimizer = trained()
+    save_committed(tmp_path / "epoch=0.ckpt", model, optimizer, 2)
+    path = tmp_path / "last.ckpt"
+    save_committed(path, model, optimizer, 4)
+    files = check_sharded_checkpoint(path).directory
+    if name == "file-missing":
+        (files / "__0_0.distcp").unlink()
+    elif name == "metadata-unreadable":
+        (files / ".metadata").write_bytes(b"not a pickle")
+    elif name == "record-unreadable":
+        from torch.distributed.checkpoint import FileSystemReader
+
+        metadata = FileSystemReader(str(files)).read_metadata()
+        (place,) = [p for index, p in metadata.storage_data.items() if index.fqn.startswith("parts/")]
+        with open(files / place.relative_path, "r+b") as file:
+            file.seek(place.offset)
+            file.write(bytes(place.length))
+    else:
+        shutil.rmtree(files)
+    with pytest.raises(ShardedCheckpointError, match=DAMAGES[name][1]) as refused:
+        check_sharded_checkpoint(path)
+    beside = tmp_path / "epoch=0.ckpt"
+    assert f"The newest complete checkpoint beside it is {str(beside)!r} (global step 2)" in str(refused.value)
+
+
+def test_a_sharded_save_to_a_remote_path_names_the_fix():
+    from lightning_pipe.checkpoints.strategy_io import StageCheckpoints
+
+    checkpoints = StageCheckpoints(None, object(), object(), num_stages=2, save_distributed_checkpoint=True)
+    with pytest.raises(ValueError, match="sharded checkpoints are written into a local .* save_distributed_checkpoint=False"):
+        checkpoints.write({}, "s3://bucket/last.ckpt", None, after_spawned_ranks=False)
+
+
+def test_a_checkpoint_missing_a_part_of_its_layout_is_refused_naming_it(tmp_path):
+    """Parts recorded by 2 stages, only stage 0's present (a hand-made checkpoint: a .metadata of a real save lists
+    every rank's part)."""
+    from lightning_pipe.checkpoints.integrity import (
+        PartRecord,
+        ShardedCheckpointError,
+        check_sharded_checkpoint,
+        part_entries,
+    )
+
+    model, optimizer = trained()
+    record = PartRecord("0123456789ab", 4, 0, stage=0, replica=0, num_stages=2, num_replicas=1, model="digest")
+    write_sharded(tmp_path / "last.ckpt", model, optimizer)
+    checkpoint = {"state_dict": model.state_dict(), "optimizer_states": []}
+    sharded.save(checkpoint, tmp_path / "half.ckpt", list(model.state_dict()), [], records=part_entries(record))
+    with pytest.raises(ShardedCheckpointError, match=r"is incomplete: it was saved by 2 stages x 1 replicas, but the"
+                       r" parts of stage 1 replica 0 are missing from"):
+        check_sharded_checkpoint(tmp_path / "half.ckpt")
