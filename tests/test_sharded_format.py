@@ -220,3 +220,34 @@ def test_a_checkpoint_missing_a_part_of_its_layout_is_refused_naming_it(tmp_path
     with pytest.raises(ShardedCheckpointError, match=r"is incomplete: it was saved by 2 stages x 1 replicas, but the"
                        r" parts of stage 1 replica 0 are missing from"):
         check_sharded_checkpoint(tmp_path / "half.ckpt")
+
+
+@pytest.mark.parametrize("moment", ["step moved in", "link about to switch"])
+def test_a_crash_inside_the_commit_leaves_the_previous_checkpoint(moment, tmp_path):
+    """The writer killed (SIGKILL) between moving the new step into the checkpoint and switching its link, or as the
+    link is replaced: the checkpoint is the previous one, whole; the next save removes what the crash left."""
+    import signal
+
+    from lightning_pipe.checkpoints import commit
+    from lightning_pipe.checkpoints.integrity import check_sharded_checkpoint
+
+    model, optimizer = trained()
+    path = tmp_path / "last.ckpt"
+    save_committed(path, model, optimizer, 4)
+    child = os.fork()
+    if child == 0:  # the writer, killed inside the commit
+        if moment == "step moved in":
+            commit._point = lambda directory, target: os.kill(os.getpid(), signal.SIGKILL)
+        else:
+            commit.os.replace = lambda source, target: os.kill(os.getpid(), signal.SIGKILL)
+        save_committed(path, model, optimizer, 8)
+        os._exit(0)  # not reached
+    _, status = os.waitpid(child, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, "the writer was not killed"
+    assert check_sharded_checkpoint(path).global_step == 4
+    left = sorted(entry.name for entry in path.iterdir())
+    new_step = [name for name in left if name.startswith("step-8-")]
+    expected = ["current", *([f".current-{new_step[0]}"] if moment == "link about to switch" else []), *new_step]
+    assert new_step and sorted([*expected, os.readlink(path / "current")]) == left, left  # the new step not pointed at
+    save_committed(path, model, optimizer, 12)
+    assert check_sharded_checkpoint(path).global_step == 12 and len(list(path.iterdir())) == 2
