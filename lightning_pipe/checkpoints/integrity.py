@@ -53,6 +53,11 @@ class PartRecord:
         return f"stage {self.stage}{replica}"
 
 
+def part_entries(record: PartRecord) -> dict[str, Any]:
+    """The checkpoint entry holding ``record`` (a plain dict: read under ``weights_only=True``)."""
+    return {record.key: asdict(record)}
+
+
 def model_digest(state_keys: Sequence[str], parameter_order: Sequence[str]) -> str:
     """The model a checkpoint belongs to, as a few bytes: its state-dict keys and parameter names, in order."""
     return hashlib.sha256(repr((list(state_keys), list(parameter_order))).encode()).hexdigest()[:16]
@@ -219,8 +224,3 @@ def _check_parts_agree(directory: Path, parts: dict[str, tuple[PartRecord, str]]
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else repr(error)
-
-
-def part_entries(record: PartRecord) -> dict[str, Any]:
-    """The checkpoint entry holding ``record`` (a plain dict: read under ``weights_only=True``)."""
-    return {record.key: asdict(record)}
