@@ -156,8 +156,9 @@ def test_a_one_file_checkpoint_at_the_path_is_replaced_by_the_sharded_one(tmp_pa
 DAMAGES = {  # name: (what is done to a whole checkpoint, what the refusal says)
     "file-missing": ("the part's file removed", r"is incomplete: '.*__0_0\.distcp', one rank's part, is missing"),
     "metadata-unreadable": ("the .metadata overwritten", r"is corrupt: '.*\.metadata' cannot be read \("),
-    "record-unreadable": ("the part's record overwritten with zeros", r"is corrupt: the record of part 'stage0-replica0'"
-                          r" cannot be read from '.*__0_0\.distcp' where \.metadata places it"),
+    "record-unreadable": ("the part's record overwritten with zeros",
+                          r"is corrupt: the record of part 'stage0-replica0' cannot be read from '.*__0_0\.distcp'"
+                          r" where \.metadata places it"),
     "link-dangling": ("the step directory the link names removed", r"is incomplete: its link 'current' names"
                       r" 'step-4-\w+', which does not exist"),
 }
@@ -198,7 +199,8 @@ def test_a_sharded_save_to_a_remote_path_names_the_fix():
     from lightning_pipe.checkpoints.strategy_io import StageCheckpoints
 
     checkpoints = StageCheckpoints(None, object(), object(), num_stages=2, save_distributed_checkpoint=True)
-    with pytest.raises(ValueError, match="sharded checkpoints are written into a local .* save_distributed_checkpoint=False"):
+    refused = "sharded checkpoints are written into a local .* save_distributed_checkpoint=False"
+    with pytest.raises(ValueError, match=refused):
         checkpoints.write({}, "s3://bucket/last.ckpt", None, after_spawned_ranks=False)
 
 
