@@ -50,7 +50,7 @@ class StepMismatchError(PipelineMismatchError):
 TensorShape = tuple[tuple[int, ...], torch.dtype | None]  # a tensor of the batch: its shape and dtype (None: unknown)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # made once per step: slots make that cheaper
 class StepSignature:
     """What one stage's step is about: ``hook`` (``"training_step"``, ...) of ``dataloader`` on batch
     ``batch_index``; ``batches``: how many batches the loop runs on this rank (``None``: the loader has no length);
@@ -144,15 +144,13 @@ def step_signature_of(module: Any, hook: str, args: tuple, kwargs: dict) -> Step
     """The signature of the step Lightning runs now: ``hook(*args, **kwargs)`` of ``module`` (the batch, its index and
     the dataloader's as Lightning passes them), with the loop's length and whether this batch is its last, from the
     trainer's loops. ``None`` outside a trainer's loop (a step called by hand)."""
-    if hook not in STEP_HOOKS:
+    if hook not in STEP_HOOKS or not (args or "batch" in kwargs):
         return None
-    names = ("batch", "batch_idx", "dataloader_idx")
-    given = {**dict(zip(names, args)), **{name: kwargs[name] for name in names if name in kwargs}}
-    if "batch" not in given:
-        return None
-    batch_index, dataloader = int(given.get("batch_idx", -1)), int(given.get("dataloader_idx", 0))
+    batch = args[0] if args else kwargs["batch"]
+    batch_index = int(args[1] if len(args) > 1 else kwargs.get("batch_idx", -1))
+    dataloader = int(args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
     batches, last = loop_position(getattr(module, "_trainer", None), hook, dataloader)
-    return step_signature(hook, given["batch"], batch_index, dataloader, batches, last)
+    return step_signature(hook, batch, batch_index, dataloader, batches, last)
 
 
 def loop_position(trainer: Any, hook: str, dataloader: int = 0) -> tuple[int | None, bool | None]:
