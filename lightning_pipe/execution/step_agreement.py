@@ -56,7 +56,8 @@ class StepSignature:
     ``batch_index``; ``batches``: how many batches the loop runs on this rank (``None``: the loader has no length);
     ``last``: whether this batch is the loop's last here (``None``: not known); ``fingerprint``: of the batch's
     structure, shapes and dtypes; ``tensors``: the batch's tensors in order (``None``: not known, e.g. a receiver's
-    copy of a signature that did not fit a message's header); ``description``: the batch as this rank sees it."""
+    copy of a signature whose tensors did not fit a message's header); ``batch``: this rank's, for errors (none in a
+    received signature)."""
 
     hook: str
     batch_index: int
@@ -147,17 +148,19 @@ def step_signature_of(module: Any, hook: str, args: tuple, kwargs: dict) -> Step
     if hook not in STEP_HOOKS or not (args or "batch" in kwargs):
         return None
     batch = args[0] if args else kwargs["batch"]
-    batch_index = int(args[1] if len(args) > 1 else kwargs.get("batch_idx", -1))
     dataloader = int(args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
-    batches, last = loop_position(getattr(module, "_trainer", None), hook, dataloader)
+    index, batches, last = loop_position(getattr(module, "_trainer", None), hook, dataloader)
+    # A step that takes no batch_idx gets none from Lightning: its loop's count then names the batch.
+    batch_index = int(args[1] if len(args) > 1 else kwargs.get("batch_idx", index))
     return step_signature(hook, batch, batch_index, dataloader, batches, last)
 
 
-def loop_position(trainer: Any, hook: str, dataloader: int = 0) -> tuple[int | None, bool | None]:
-    """How many batches the trainer's loop of ``hook`` runs (on ``dataloader``), and whether the batch of the step now
-    is its last: ``None`` where not known (no trainer, a loader without a length, a loop Lightning names otherwise)."""
+def loop_position(trainer: Any, hook: str, dataloader: int = 0) -> tuple[int, int | None, bool | None]:
+    """Where the trainer's loop of ``hook`` (on ``dataloader``) is: the index of the batch of the step now (-1: not
+    known), how many batches the loop runs, and whether this batch is its last (``None`` where not known: no trainer,
+    a loader without a length, a loop Lightning keeps elsewhere)."""
     if trainer is None:
-        return None, None
+        return -1, None, None
     try:
         if hook == "training_step":
             loop, counts = trainer.fit_loop.epoch_loop, [trainer.num_training_batches]
@@ -168,12 +171,13 @@ def loop_position(trainer: Any, hook: str, dataloader: int = 0) -> tuple[int | N
         else:
             loop = trainer._evaluation_loop
             counts = loop.max_batches
-        last = loop.batch_progress.is_last_batch
+        progress = loop.batch_progress
+        index, last = progress.current.ready - 1, progress.is_last_batch
         count = counts[dataloader] if dataloader < len(counts) else None
     except (AttributeError, RuntimeError, TypeError):  # a Lightning release that keeps them elsewhere
-        return None, None
+        return -1, None, None
     batches = int(count) if isinstance(count, (int, float)) and math.isfinite(count) else None
-    return batches, bool(last) if isinstance(last, bool) else None
+    return int(index), batches, bool(last) if isinstance(last, bool) else None
 
 
 def check_same_step(mine: StepSignature, theirs: StepSignature | None | object, here: str, there: str) -> None:
