@@ -53,7 +53,7 @@ def lost_rank_message(error: BaseException, me: str) -> str:
     if lost is None:
         who = "global rank 0 (the run's store, which that process held, no longer answers)"
     else:
-        who = " and ".join(lost) if lost else "another rank (on another host)"
+        who = " and ".join(lost) if lost else "another rank (one on another host, or one that closed its connections)"
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return (
         f"{me} lost {who} while {_activity(error)}: its process ended without a Python error (killed, e.g. by SIGKILL"
