@@ -33,6 +33,7 @@ from lightning_pipe.execution.call_order import (
 from lightning_pipe.execution.placeholders import Placeholders, fresh_meta
 from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.partition.hooks import hooks_set_aside
+from lightning_pipe.partition.microbatch import as_tensors
 
 
 class BlockCalls:
@@ -62,6 +63,7 @@ class BlockCalls:
         self.placeholders = Placeholders(stage.originals, stage.running_blocks)
         self.in_step = False
         self.targets: frozenset[int] = frozenset(stage.chunk_ranges)  # the chunks this call of the user's step runs
+        self._chunk_starts = {r[0]: chunk for chunk, r in stage.chunk_ranges.items() if chunk > 0}  # block -> chunk
         stage.route(self.model_call)
 
     def begin_step(self, in_step: bool, targets: Iterable[int] | None = None) -> None:
@@ -129,6 +131,10 @@ class BlockCalls:
             self.begin_step(in_step=False)
             self._begin_outside_step()
         restart, sources = self.chain.check(index, args, kwargs)
+        if index in self._chunk_starts and not restart:
+            # The previous chunk's output, a placeholder where another stage runs that chunk: refused here as that
+            # stage refuses it, rather than with the error the block would raise on it.
+            as_tensors(args[0], f"the output of model chunk {self._chunk_starts[index] - 1}")
         # NOTE: a key/value cache (Hugging Face's DynamicCache) would gather every micro-batch's keys and values, and
         # the placeholders' meta-device ones: training needs none, so the pipelined blocks get none.
         args, kwargs = _map_caches(args, _no_cache), _map_caches(kwargs, _no_cache)

@@ -55,6 +55,7 @@ from lightning_pipe.execution.replayed_logs import (
     replay_logs,
 )
 from lightning_pipe.execution.stage import StageBlocks
+from lightning_pipe.execution.step_agreement import step_signature_of
 from lightning_pipe.partition import microbatch
 from lightning_pipe.reliability.root_cause import PipelineCommunicationError
 from lightning_pipe.reliability.stall_rule import Wait
@@ -129,6 +130,8 @@ class StageRuntime:
     def run_step(self, module: LightningModule, hook: str, args: tuple, kwargs: dict) -> tuple[StepOutcome, Any]:
         """Run one step of the user's ``hook`` (``"training_step"``, ...) through the pipeline; every stage learns
         the outcome. The step's output is the user's on the last stage, ``None`` elsewhere."""
+        if self.groups.num_stages > 1:  # what the stages must agree on: see lightning_pipe.execution.step_agreement
+            self.engine.step_signature = step_signature_of(module, hook, args, kwargs)
         if hook == "training_step" and self.per_micro_batch:
             outcome, output = self._run_per_micro_batch(module, args, kwargs)
         else:
@@ -270,6 +273,7 @@ class StageRuntime:
 
     def _outside_step_starts(self) -> None:
         """The model's code reached the pipelined blocks outside a step: every stage must, see below."""
+        self.engine.step_signature = None
         if self.groups.num_stages > 1:
             self._all_stages_call_the_model()
             self._outside_call = True
