@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from lightning_pipe.execution.call_order import map_tensors
 from lightning_pipe.execution.gradients import reduce_gradients
 from lightning_pipe.execution.materialize import holds_meta_tensors
-from lightning_pipe.execution.placeholders import SIGNATURES_KEPT, signature
+from lightning_pipe.execution.placeholders import SIGNATURES_KEPT, needing_gradients_as_real, signature
 from lightning_pipe.execution.process_groups import PipelineGroups, broadcast_object
 from lightning_pipe.execution.stage import StandIn, replace_submodule
 from lightning_pipe.partition.hooks import hooks_set_aside
@@ -65,7 +65,8 @@ class AbsentModule(StandIn):
                 if len(self._outputs) >= SIGNATURES_KEPT:
                     self._outputs.clear()  # signatures that change every step (a growing sequence) must not pile up
                 self._outputs[key] = output
-        return map_tensors(output, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.device))
+        zeros = map_tensors(output, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.device))
+        return needing_gradients_as_real(zeros, self._original, args, kwargs)
 
     forward = __call__
 
