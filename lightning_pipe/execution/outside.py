@@ -2,8 +2,9 @@
 :mod:`lightning_pipe.partition.placement`): the embeddings by the first stage, the head by the loss stage.
 
 On a stage that does not hold one, an :class:`AbsentModule` stands in its place: no parameters, no gradient, no
-optimizer state. Its call answers zeros shaped as the module's output (computed on the meta device): on that stage
-nothing reads the values, only the shapes flow on to blocks that run elsewhere. What a parameter's holders do
+optimizer state. Its call answers zeros shaped as the module's output (computed on the meta device), needing a
+gradient where that output would: on that stage nothing reads the values, only the shapes (and whether a gradient
+is needed, which the model's reentrant checkpoints read) flow on to blocks that run elsewhere. What a parameter's holders do
 together (:class:`OutsideOwnership`): start from the same values, sum their gradients, count them once in the
 gradient norm. A parameter held by every stage stays one of the pipeline's replicated parameters.
 """
@@ -37,7 +38,8 @@ from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog
 class AbsentModule(StandIn):
     """Stands where an outside module that other stages hold was (``where``: which, in words). A call answers zeros
     with the shapes and dtypes of the module's output, on ``device``: computed on the meta device once per input
-    signature (it is called once per micro-batch under the per-micro-batch schedules)."""
+    signature (it is called once per micro-batch under the per-micro-batch schedules), needing a gradient where the
+    module's output would (see :func:`~lightning_pipe.execution.placeholders.needing_gradients_as_real`)."""
 
     _own_attributes = ("_original", "_meta_state", "_outputs")
 
