@@ -279,7 +279,8 @@ def test_the_models_own_checkpointing_computes_no_block_more_often_than_one_devi
         assert counts["pre"] == STEPS * (2 * m - 1)
         assert counts["pre_samples"] == STEPS * BATCH * (2 * m - 1) // m < STEPS * one_device
     output = (tmp / "stdout.txt").read_text() + (tmp / "stderr.txt").read_text()
-    fits_checkpointing = sum(1 for name in RUNS[devices] if run_of(devices, name)[0] == "vit")
+    # Every ViT fit of the launch checkpoints its blocks, the negative control of 2 stages too.
+    fits_checkpointing = sum(1 for name in RUNS[devices] if run_of(devices, name)[0] == "vit") + (devices == 2)
     assert output.count("The model calls its pipelined blocks under torch.utils.checkpoint") == fits_checkpointing
 
 
