@@ -139,10 +139,10 @@ class BlockCalls:
         chunk = self.stage.chunk_ends.get(index)
         if chunk is not None and chunk in self.targets:
             output = self._run_chunk(chunk)
-        if output is None:
-            output = self.placeholders.output(index, args, kwargs)
-            output = needing_gradients_as_real(output, self.stage.originals[index], args, kwargs)
         call.output = output
+        if output is None:
+            placeholder = self.placeholders.output(index, args, kwargs)
+            call.output = needing_gradients_as_real(placeholder, self.stage.originals[index], args, kwargs)
         if index == len(self.stage.region) - 1 and not self.in_step:
             call.output = self._share_outside_output(output)
         self.chain.record(call)
