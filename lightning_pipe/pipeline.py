@@ -32,7 +32,7 @@ from lightning_pipe.checkpoints.pretrained import PretrainedLoad, PretrainedWeig
 from lightning_pipe.checkpoints.whole_model import WholeModelLayout, restore_whole_model, tied_aliases
 from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.execution.batchnorm import defer as defer_batch_norms
-from lightning_pipe.execution.compiling import check_compiled, compile_stage, uncompiled_name
+from lightning_pipe.execution.compiling import check_compiled, compile_stage, compiles_in_first_steps, uncompiled_name
 from lightning_pipe.execution.engine import PipelineEngine
 from lightning_pipe.execution.gradients import (
     add_gradients,
@@ -127,6 +127,7 @@ class BuiltPipeline:
     runtime: StageRuntime
     tracer: PipelineTracer | None  # gathers the stages' timelines; None for one stage or none asked for
     deferred: bool  # the pipelined module was built on the meta device
+    compiles: bool  # torch.compile compiles code of this rank in its first steps (see StallRule: not measured before)
     pretrained_prefix: str | None = None  # where the pretrained model sits, once its weights were mapped
     # A per-micro-batch step's gradients, from its `training_step` to Lightning's `backward` (see `swap_gradients`).
     step_gradients: list[tuple[list[nn.Parameter], list[Tensor | None]]] = field(default_factory=list)
@@ -382,6 +383,7 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
         runtime=_stage_runtime(module, stage, settings, config, groups, precision, timeline),
         tracer=_tracer(module, settings, config, groups, timeline),
         deferred=deferred,
+        compiles=compiles_in_first_steps(module, stage),
         pretrained_prefix=pretrained.mapping.prefix if pretrained is not None else None,
         schedule_choice=choice,
     )

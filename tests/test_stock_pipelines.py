@@ -28,6 +28,7 @@ pytest.importorskip("transformers")
 TOLERANCE = 1e-5  # of the weights' change over the run, as tests/test_equivalence.py
 LOSS_TOLERANCE = 1e-4  # relative; ResNet-18's BatchNorm sums in another order on a stage (measured 1.3e-5)
 
+VIT_EMBEDDED = {"checkpointing": "loop_reentrant", "embedding_module": True}
 # name -> (model, strategy settings[, the run's other keys: the model's "options", "hooks"]); 4 stages where the model
 # has a block for each at little cost
 RUNS = {
@@ -59,6 +60,18 @@ RUNS = {
         "vit_sequential": ("vit", {"num_micro_batches": 2}, {"options": {"checkpointing": "sequential"}}),
         "vit_timm": ("vit", {"num_micro_batches": 2}, {"options": {"checkpointing": "timm"}}),
         "vit_trunk": ("vit", {"num_micro_batches": 2}, {"options": {"checkpointing": "trunk"}}),
+        # The patch embedding holds the class token and the position embedding (Hugging Face's layout): on the stage
+        # without it, the blocks' input comes from its stand-in, whose answer needs a gradient as the real one does, or
+        # the model's reentrant checkpoint would compute that stage's blocks without gradients (issue #43: a hang).
+        "vit_embedded_reentrant": ("vit", {"num_micro_batches": 2}, {"options": VIT_EMBEDDED}),
+        "vit_embedded_reentrant_1f1b": ("vit", {"num_micro_batches": 4, "schedule": "1f1b"}, {"options": VIT_EMBEDDED}),
+        "vit_embedded_sequential": ("vit", {"num_micro_batches": 2},
+                                    {"options": {**VIT_EMBEDDED, "checkpointing": "sequential"}}),
+        "vit_embedded_sequential_1f1b": ("vit", {"num_micro_batches": 4, "schedule": "1f1b"},
+                                         {"options": {**VIT_EMBEDDED, "checkpointing": "sequential"}}),
+        # A block called plainly, then one under a reentrant checkpoint: the first one's placeholder needs a gradient.
+        "vit_every_other_reentrant": ("vit", {"num_micro_batches": 2},
+                                      {"options": {"checkpointing": "every_other_reentrant"}}),
         "gpt2_gradient_checkpointing": ("gpt2", {"num_micro_batches": 2}, {"options": {"gradient_checkpointing": True}}),
         # Value-reading hooks on every block, without re-computation: each fires once per micro-batch.
         "gpt2_hooks": ("gpt2", {"num_micro_batches": 2, "checkpoint": "never"},
@@ -109,6 +122,9 @@ RUNS = {
     },
 }
 NEGATIVE_CONTROL = "vgg11_dropped_gradient"
+# The stand-ins' answers needing no gradient, as before issue #43's fix: the block after a plainly called one computes
+# without gradients under the model's reentrant checkpoint, and training differs from one device.
+STAND_INS_WITHOUT_GRADIENTS = "vit_every_other_reentrant_without_gradients"
 UNSUMMED_TIE = "gpt2_unsummed_tie"  # the embedding's and the head's parts of their shared weight's gradient not summed
 # NOTE: the attention's key bias gets a gradient that is zero in exact arithmetic (softmax ignores a constant added
 # to every score), so it is round-off; Adam divides it by its own size and moves the bias by the full learning rate
@@ -126,6 +142,8 @@ def launched(devices: int, tmp: Path):
         runs[[run["name"] for run in runs].index("gpt2")].update(save=True, validate=True)
         runs.append({"name": NEGATIVE_CONTROL, "model": "vgg11", "strategy": {"num_micro_batches": 2},
                      "drop_gradient_of": 0})
+        runs.append({"name": STAND_INS_WITHOUT_GRADIENTS, "model": "vit", "strategy": {"num_micro_batches": 2},
+                     "options": {"checkpointing": "every_other_reentrant"}, "stand_ins_without_gradients": True})
 
     if devices == 4:  # GPT-2's embedding and head on two of the four stages: their tie summed between those two
         runs.append({"name": UNSUMMED_TIE, "model": "gpt2", "strategy": {"num_micro_batches": 4},
@@ -261,7 +279,8 @@ def test_the_models_own_checkpointing_computes_no_block_more_often_than_one_devi
         assert counts["pre"] == STEPS * (2 * m - 1)
         assert counts["pre_samples"] == STEPS * BATCH * (2 * m - 1) // m < STEPS * one_device
     output = (tmp / "stdout.txt").read_text() + (tmp / "stderr.txt").read_text()
-    fits_checkpointing = sum(1 for name in RUNS[devices] if run_of(devices, name)[0] == "vit")
+    # Every ViT fit of the launch checkpoints its blocks, the negative control of 2 stages too.
+    fits_checkpointing = sum(1 for name in RUNS[devices] if run_of(devices, name)[0] == "vit") + (devices == 2)
     assert output.count("The model calls its pipelined blocks under torch.utils.checkpoint") == fits_checkpointing
 
 
@@ -415,6 +434,17 @@ def test_a_stage_without_parameters_is_refused_before_training_with_the_fix(pipe
     assert error.startswith("ValueError: pipeline stage holds no parameters to train: stage 2 (model.classifier.4,"
                             " model.classifier.5).")
     assert "GPipeStrategy(balance=[...])" in error
+
+
+def test_comparison_detects_stand_ins_whose_answers_need_no_gradient(pipelined):
+    """The negative control of issue #43's fix: with the stand-ins' answers needing no gradient, the ViT whose odd blocks
+    run under a reentrant checkpoint trains differently from one device (its embedded twin would hang instead)."""
+    devices, tmp = pipelined
+    if devices != 2:
+        pytest.skip("the negative control runs on 2 stages")
+    options = {"checkpointing": "every_other_reentrant"}
+    loss_error, weight_error = differences(tmp, STAND_INS_WITHOUT_GRADIENTS, "vit", options)
+    assert loss_error > 100 * LOSS_TOLERANCE and weight_error > 100 * TOLERANCE
 
 
 def test_comparison_detects_a_dropped_micro_batch_gradient(pipelined):

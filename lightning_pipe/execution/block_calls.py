@@ -30,7 +30,7 @@ from lightning_pipe.execution.call_order import (
     map_tensors,
     tensors_of,
 )
-from lightning_pipe.execution.placeholders import Placeholders, fresh_meta
+from lightning_pipe.execution.placeholders import Placeholders, fresh_meta, needing_gradients_as_real
 from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.partition.hooks import hooks_set_aside
 from lightning_pipe.partition.microbatch import as_tensors
@@ -104,8 +104,8 @@ class BlockCalls:
         wants_gradients = any(t.requires_grad for t in tensors_of(frame.f_locals["args"]))
         with torch.set_grad_enabled(wants_gradients):
             output = self.block_called(index, args, kwargs)
-        if not any(t.requires_grad for t in tensors_of(output)):
-            return output  # a placeholder
+        if not any(t.requires_grad and not t.is_meta for t in tensors_of(output)):
+            return output  # a placeholder (on the meta device), or a real output that needs no gradient
         call = self.chain.calls[-1]
         call.graph_output, call.output = output, map_tensors(output, Tensor.detach)
         return call.output
@@ -145,7 +145,10 @@ class BlockCalls:
         chunk = self.stage.chunk_ends.get(index)
         if chunk is not None and chunk in self.targets:
             output = self._run_chunk(chunk)
-        call.output = output if output is not None else self.placeholders.output(index, args, kwargs)
+        call.output = output
+        if output is None:
+            placeholder = self.placeholders.output(index, args, kwargs)
+            call.output = needing_gradients_as_real(placeholder, self.stage.originals[index], args, kwargs)
         if index == len(self.stage.region) - 1 and not self.in_step:
             call.output = self._share_outside_output(output)
         self.chain.record(call)

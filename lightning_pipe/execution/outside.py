@@ -2,8 +2,9 @@
 :mod:`lightning_pipe.partition.placement`): the embeddings by the first stage, the head by the loss stage.
 
 On a stage that does not hold one, an :class:`AbsentModule` stands in its place: no parameters, no gradient, no
-optimizer state. Its call answers zeros shaped as the module's output (computed on the meta device): on that stage
-nothing reads the values, only the shapes flow on to blocks that run elsewhere. What a parameter's holders do
+optimizer state. Its call answers zeros shaped as the module's output (computed on the meta device), needing a
+gradient where that output would: on that stage nothing reads the values, only the shapes (and whether a gradient
+is needed, which the model's reentrant checkpoints read) flow on to blocks that run elsewhere. What a parameter's holders do
 together (:class:`OutsideOwnership`): start from the same values, sum their gradients, count them once in the
 gradient norm. A parameter held by every stage stays one of the pipeline's replicated parameters.
 """
@@ -23,7 +24,7 @@ from torch import Tensor, nn
 from lightning_pipe.execution.call_order import map_tensors
 from lightning_pipe.execution.gradients import reduce_gradients
 from lightning_pipe.execution.materialize import holds_meta_tensors
-from lightning_pipe.execution.placeholders import SIGNATURES_KEPT, signature
+from lightning_pipe.execution.placeholders import SIGNATURES_KEPT, needing_gradients_as_real, signature
 from lightning_pipe.execution.process_groups import PipelineGroups, broadcast_object
 from lightning_pipe.execution.stage import StandIn, replace_submodule
 from lightning_pipe.partition.hooks import hooks_set_aside
@@ -37,7 +38,8 @@ from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog
 class AbsentModule(StandIn):
     """Stands where an outside module that other stages hold was (``where``: which, in words). A call answers zeros
     with the shapes and dtypes of the module's output, on ``device``: computed on the meta device once per input
-    signature (it is called once per micro-batch under the per-micro-batch schedules)."""
+    signature (it is called once per micro-batch under the per-micro-batch schedules), needing a gradient where the
+    module's output would (see :func:`~lightning_pipe.execution.placeholders.needing_gradients_as_real`)."""
 
     _own_attributes = ("_original", "_meta_state", "_outputs")
 
@@ -65,7 +67,8 @@ class AbsentModule(StandIn):
                 if len(self._outputs) >= SIGNATURES_KEPT:
                     self._outputs.clear()  # signatures that change every step (a growing sequence) must not pile up
                 self._outputs[key] = output
-        return map_tensors(output, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.device))
+        zeros = map_tensors(output, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.device))
+        return needing_gradients_as_real(zeros, self._original, args, kwargs)
 
     forward = __call__
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pipe.execution.call_order import map_tensors
+from lightning_pipe.execution.call_order import map_tensors, tensors_of
 from lightning_pipe.partition.hooks import hooks_set_aside
 
 SIGNATURES_KEPT = 8
@@ -56,6 +56,24 @@ class Placeholders:
                 known.clear()  # signatures that change every step (a growing sequence) must not pile up
             known[key] = map_tensors(output, fresh_meta)
         return output
+
+
+def needing_gradients_as_real(output: Any, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """``output``, what a stand-in answers for a call of ``module`` that runs elsewhere, with its floating-point
+    tensors needing a gradient where the real output would: gradients on, and the module trainable or an input
+    needing one.
+
+    Code after the call can tell: a reentrant ``torch.utils.checkpoint`` around a later block computes with
+    gradients only if one of its inputs needs one, so an answer that needs none would cut this stage's graph there,
+    and its backward would never send the gradient the stage before waits for.
+    """
+    if not torch.is_grad_enabled():
+        return output
+    if not any(p.requires_grad for p in module.parameters()) and not any(
+        t.requires_grad for t in tensors_of((args, kwargs))
+    ):
+        return output
+    return map_tensors(output, lambda t: t.requires_grad_() if t.is_leaf and t.is_floating_point() else t)
 
 
 def fresh_meta(tensor: Tensor) -> Tensor:

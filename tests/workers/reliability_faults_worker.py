@@ -18,7 +18,9 @@ reading batch B on stage S's rank) or "checkpoint" (a callback's on_save_checkpo
 KIND: "raise", "sigkill", "sigterm" or "stall" (anywhere); "sigterm_launcher" or "sigint_launcher" (the rank sends
 the signal to its parent, the launching process, as a scheduler or Ctrl-C would, then is stuck); "sigusr1_all" (the
 rank sends SIGUSR1 to every rank, as SLURM does before a job's time limit, then goes on); "slow" (sleeps twice the bound the stall watchdog would set
-now, then goes on); "busy" (sleeps the fault's "seconds", then goes on: a rank busy in its own work); or a misuse by a pipelined layer (``where="layer"``): its output is
+now, then goes on); "busy" (sleeps the fault's "seconds", then goes on: a rank busy in its own work; with "once",
+only the first time it is due in the process, as a data set that opens its files on its first read, writing
+OUT/busy-WHERE-R.json: the seconds, and the first step's bound in force once training started); or a misuse by a pipelined layer (``where="layer"``): its output is
 "non_tensor" (a dict), "non_tensor_everywhere" (a dict on every rank, as a user's block returns it: the
 placeholders other ranks compute on the meta device too), "batch_dim" (the first row only), "dtype" (float64 where the next stage has float32) or
 "nan" (NaN: the loss becomes NaN); or "skip" (``where="step"``, stage 0): the first stage's step returns before the
@@ -137,6 +139,7 @@ class LossRecorder(Callback):
 class Faults:
     def __init__(self, specs: list[dict], out: Path | None) -> None:
         self.specs, self.out = specs, out
+        self._fired_once: set[int] = set()  # the faults with "once" that fired in this process (by index)
         self.strategy: Any = None  # set at the start of training: its stall watchdog's clock sets the "slow" sleeps
 
     def stages(self, where: str) -> set[int]:
@@ -185,7 +188,16 @@ class Faults:
             time.sleep(seconds)
             return
         if spec["kind"] == "busy":
+            if spec.get("once"):
+                if self.specs.index(spec) in self._fired_once:
+                    return
+                self._fired_once.add(self.specs.index(spec))
             time.sleep(spec["seconds"])
+            if self.out is not None and spec.get("once"):
+                clock = self.strategy._watchdog.clock if self.strategy is not None else None
+                bound = clock.first_step_bound_s if clock is not None else None
+                name = f"busy-{spec['where']}-{_rank()}.json"
+                (self.out / name).write_text(json.dumps({"seconds": spec["seconds"], "first_step_bound": bound}))
             return
         self._record(spec)
         if spec["kind"] == "sigkill":
