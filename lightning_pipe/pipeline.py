@@ -547,7 +547,9 @@ def _install_stage(
     index, num_stages = groups.stage, groups.num_stages
     chunks = settings.schedule.chunks(index, num_stages, settings.virtual_stages)  # type: ignore[union-attr]
     local = {k: plan.ranges[k] for k in chunks}
-    stage = StageBlocks(module, region, local, index, num_stages, num_chunks=len(plan.ranges))
+    holders = {i: s for s in range(num_stages) for k in settings.schedule.chunks(s, num_stages, settings.virtual_stages)  # type: ignore[union-attr]
+               for i in plan.ranges[k]}
+    stage = StageBlocks(module, region, local, index, num_stages, num_chunks=len(plan.ranges), block_stages=holders)
     stage.install()  # before materialising: the other stages' blocks are taken out
     return stage
 

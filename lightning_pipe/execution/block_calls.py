@@ -30,6 +30,7 @@ from lightning_pipe.execution.call_order import (
     map_tensors,
     tensors_of,
 )
+from lightning_pipe.execution.learned_outputs import LearnedOutputs
 from lightning_pipe.execution.placeholders import Placeholders, fresh_meta
 from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.partition.hooks import hooks_set_aside
@@ -51,6 +52,7 @@ class BlockCalls:
         begin_outside_step: Callable[[], None] = lambda: None,
         share_outside_output: Callable[[Any], Any] = lambda output: output,
         on_model_checkpoint: Callable[[], None] = lambda: None,
+        learned: Callable[[BlockCalls], LearnedOutputs] | None = None,
     ) -> None:
         self.stage = stage
         self._run_chunk = run_chunk
@@ -59,7 +61,9 @@ class BlockCalls:
         self._on_model_checkpoint = on_model_checkpoint
         self._said_model_checkpoints = False
         self.chain = CallChain(stage.region.names, stage.originals)
-        self.placeholders = Placeholders(stage.originals, stage.running_blocks)
+        # The outputs of blocks that cannot run on the meta device, learned from their stage (see learned_outputs).
+        learned_outputs = learned(self) if learned is not None else LearnedOutputs(stage, in_step=lambda: self.in_step)
+        self.placeholders = Placeholders(stage.originals, stage.running_blocks, learned_outputs)
         self.in_step = False
         self.targets: frozenset[int] = frozenset(stage.chunk_ranges)  # the chunks this call of the user's step runs
         stage.route(self.model_call)
@@ -138,6 +142,7 @@ class BlockCalls:
         output = None
         chunk = self.stage.chunk_ends.get(index)
         if chunk is not None and chunk in self.targets:
+            self.placeholders.share(index, args, kwargs)
             output = self._run_chunk(chunk)
         call.output = output if output is not None else self.placeholders.output(index, args, kwargs)
         if index == len(self.stage.region) - 1 and not self.in_step:

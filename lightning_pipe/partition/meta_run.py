@@ -27,7 +27,7 @@ def run_on_meta(
     the meta device): what observers saw until then still counts. The caller sets the user's hooks aside
     (:func:`~lightning_pipe.partition.hooks.hooks_set_aside`) before registering its own."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_attributes_kept(model))
+        stack.enter_context(attributes_kept(model))
         stack.enter_context(_MetaScalars())
         for mode in extra_modes:
             stack.enter_context(mode)
@@ -56,7 +56,7 @@ class _MetaScalars(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _attributes_kept(model: nn.Module) -> Iterator[None]:
+def attributes_kept(model: nn.Module) -> Iterator[None]:
     """Every module of ``model`` keeps the attributes it had: what code run inside sets or adds is undone."""
     saved = [(module, dict(module.__dict__)) for module in model.modules()]
     try:

@@ -788,3 +788,9 @@ BLOCKS: dict[str, list[str]] = {
     "vit": ["model.blocks"],
     "autoencoder": ["encoder", "decoder"],
 }
+
+# The mixture-of-experts models build on the classes above (their module imports this one).
+from helpers.moe_models import MOE_BLOCKS, MOE_MODELS  # noqa: E402
+
+STOCK_MODELS.update(MOE_MODELS)
+BLOCKS.update(MOE_BLOCKS)
