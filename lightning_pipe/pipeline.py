@@ -69,6 +69,7 @@ from lightning_pipe.partition.balance import (
     recompute_fraction,
     stage_ranges,
 )
+from lightning_pipe.partition.collected_outputs import check_nothing_collected_inside_blocks
 from lightning_pipe.partition.fingerprint import different_models_message, fingerprint_digest, model_fingerprint
 from lightning_pipe.partition.placement import (
     balance_charges,
@@ -331,6 +332,7 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
         find_pipelined_region(module, settings, config.num_stages, module._trainer), 0, groups.rank, groups.watchdog
     )
     check_compiled(module, region)
+    check_nothing_collected_inside_blocks(module, region, config.num_stages)
     blocks = region.blocks(module)
     layers = nn.Sequential(*blocks)  # the blocks in order, for the partition plan and the whole model
     choice = None

@@ -80,6 +80,17 @@ RUNS = {
         "bert_zero_bubble": ("bert", {"num_micro_batches": 4, "schedule": "zero_bubble"}),
         "vit_1f1b": ("vit", {"num_micro_batches": 4, "schedule": "1f1b"}, {"options": {"checkpointing": "loop"}}),
         "t5_1f1b": ("t5", {"num_micro_batches": 4, "schedule": "1f1b"}),
+        # Mixtures of experts whose routing cannot run on the meta device (Hugging Face's default experts kernel,
+        # torch.nonzero): each block's output shapes come from the stage holding it. SGD: a router's round-off,
+        # amplified by Adam, would decide the comparison (the NOTE below).
+        "mixtral": ("mixtral", {"num_micro_batches": 2}, {"options": {"sgd_lr": 0.5}}),
+        "mixtral_1f1b": ("mixtral", {"num_micro_batches": 4, "schedule": "1f1b"}, {"options": {"sgd_lr": 0.5}}),
+        "qwen2_moe": ("qwen2_moe", {"num_micro_batches": 2}, {"options": {"sgd_lr": 0.5}}),
+        "qwen2_moe_1f1b": ("qwen2_moe", {"num_micro_batches": 4, "schedule": "1f1b"}, {"options": {"sgd_lr": 0.5}}),
+        "topk_moe": ("topk_moe", {"num_micro_batches": 2}),
+        "topk_moe_1f1b": ("topk_moe", {"num_micro_batches": 4, "schedule": "1f1b"}),
+        # A loss that picks its tokens by a boolean mask: the step probe fails past the blocks, and says so.
+        "topk_moe_masked_loss": ("topk_moe", {"num_micro_batches": 2}, {"options": {"masked_loss": True}}),
     },
     4: {
         "gpt2": ("gpt2", {"num_micro_batches": 4}),
@@ -109,6 +120,8 @@ RUNS = {
     },
 }
 NEGATIVE_CONTROL = "vgg11_dropped_gradient"
+MOE_NEGATIVE_CONTROL = "mixtral_dropped_gradient"
+ROUTER_LOGITS = "mixtral_router_logits"  # output_router_logits=True: refused at set-up, naming the flag
 UNSUMMED_TIE = "gpt2_unsummed_tie"  # the embedding's and the head's parts of their shared weight's gradient not summed
 # NOTE: the attention's key bias gets a gradient that is zero in exact arithmetic (softmax ignores a constant added
 # to every score), so it is round-off; Adam divides it by its own size and moves the bias by the full learning rate
@@ -126,6 +139,10 @@ def launched(devices: int, tmp: Path):
         runs[[run["name"] for run in runs].index("gpt2")].update(save=True, validate=True)
         runs.append({"name": NEGATIVE_CONTROL, "model": "vgg11", "strategy": {"num_micro_batches": 2},
                      "drop_gradient_of": 0})
+        runs.append({"name": MOE_NEGATIVE_CONTROL, "model": "mixtral", "strategy": {"num_micro_batches": 2},
+                     "options": {"sgd_lr": 0.5}, "drop_gradient_of": 0})
+        runs.append({"name": ROUTER_LOGITS, "model": "mixtral", "strategy": {"num_micro_batches": 2},
+                     "options": {"router_logits": True}, "expect_error": True})
 
     if devices == 4:  # GPT-2's embedding and head on two of the four stages: their tie summed between those two
         runs.append({"name": UNSUMMED_TIE, "model": "gpt2", "strategy": {"num_micro_batches": 4},
@@ -365,6 +382,10 @@ HELD_BY = {
     "bert": [("model.bert.embeddings.", "first"), ("model.bert.pooler.", "loss"), ("model.classifier.", "loss")],
     "vit_loop": [("model.patch_embed.", "first"), ("model.head.", "loss")],
     "t5": [("model.encoder.embed_tokens.", "first"), ("model.lm_head.", "loss")],
+    # Blocks that cannot run on the meta device: the step probe answers them with their input's shapes.
+    "mixtral": [("model.model.embed_tokens.", "first"), ("model.model.norm.", "loss"), ("model.lm_head.", "loss")],
+    "qwen2_moe_1f1b": [("model.model.embed_tokens.", "first"), ("model.model.norm.", "loss"), ("model.lm_head.", "loss")],
+    "topk_moe": [("embedding.", "first"), ("norm.", "loss"), ("head.", "loss")],
     "bart": [("model.model.encoder.embed_positions.", "first"), ("model.lm_head.", "loss")],
 }
 
@@ -423,6 +444,52 @@ def test_comparison_detects_a_dropped_micro_batch_gradient(pipelined):
         pytest.skip("the negative control runs on 2 stages")
     _, weight_error = differences(tmp, NEGATIVE_CONTROL, "vgg11")
     assert weight_error > 100 * TOLERANCE
+    _, weight_error = differences(tmp, MOE_NEGATIVE_CONTROL, "mixtral", {"sgd_lr": 0.5})
+    assert weight_error > 100 * TOLERANCE
+
+
+def test_blocks_that_cannot_run_on_the_meta_device_learn_their_shapes_from_their_stage_said_once(pipelined):
+    """Mixtral's and Qwen2-MoE's default experts kernel and a torch.nonzero routing fail on the meta device (their
+    equality with one device is the test above): the start-up says so once per fit, naming the block and why."""
+    devices, tmp = pipelined
+    if devices != 2:
+        pytest.skip("checked on 2 stages")
+    output = (tmp / "stdout.txt").read_text() + (tmp / "stderr.txt").read_text()
+    said = re.findall(r"The pipelined block (\S+) \((\w+)\) cannot run on the meta device \((\w+Error): ", output)
+    runs = {"mixtral": 3, "qwen2_moe": 2, "topk_moe": 3}  # fits of each model, the negative control's included
+    expected = [("model.model.layers.0", "MixtralDecoderLayer", "RuntimeError")] * runs["mixtral"]
+    expected += [("model.model.layers.0", "Qwen2MoeDecoderLayer", "RuntimeError")] * runs["qwen2_moe"]
+    expected += [("blocks.0", "TopKMoE", "NotImplementedError")] * runs["topk_moe"]
+    assert sorted(said) == sorted(expected)
+
+
+def test_a_mixtures_load_balancing_loss_is_refused_at_set_up_naming_the_flag(pipelined):
+    """Mixtral with output_router_logits=True: hooks collect every block's router logits for its load-balancing
+    loss, which no stage can compute as one device does; refused before training, with the fix."""
+    devices, tmp = pipelined
+    if devices != 2:
+        pytest.skip("checked on 2 stages")
+    error = (tmp / ROUTER_LOGITS / "error.txt").read_text()
+    assert error.startswith(
+        "ValueError: model (MixtralForCausalLM) collects every block's router logits with hooks on each"
+        " MixtralTopKRouter inside the pipelined blocks (output_router_logits=True), for its load-balancing loss"
+    ), error
+    assert "Set output_router_logits=False (`model.config.output_router_logits = False`" in error
+    assert "MoEAuxLossAutoScaler" in error
+
+
+def test_a_step_probe_that_fails_is_said_at_start_up_with_the_modules_left_on_every_stage(pipelined):
+    """A loss that picks tokens by a boolean mask cannot run on the meta device: the start-up says the step could
+    not be followed, why, and which modules therefore stay on every stage (the equality is the test above)."""
+    devices, tmp = pipelined
+    if devices != 2:
+        pytest.skip("checked on 2 stages")
+    output = (tmp / "stdout.txt").read_text() + (tmp / "stderr.txt").read_text()
+    note = "The training step could not run on the meta device on the first batch's shapes (NotImplementedError: "
+    assert output.count(note) == 1, output[-3000:]
+    assert "they stay on every stage, each held and run by every stage: embedding (3%), norm (0%), head (3%)." in output
+    stages = json.loads((tmp / "topk_moe_masked_loss" / "stages.json").read_text())
+    assert [where for _, _, where in stages["outside"]] == ["every stage"] * 3
 
 
 TOO_SMALL_FOR_BATCH_NORM = {

@@ -33,6 +33,7 @@ from lightning_pipe.execution.call_order import (
 from lightning_pipe.execution.learned_outputs import LearnedOutputs
 from lightning_pipe.execution.placeholders import Placeholders, fresh_meta
 from lightning_pipe.execution.stage import StageBlocks
+from lightning_pipe.partition.collected_outputs import check_nothing_collected_now
 from lightning_pipe.partition.hooks import hooks_set_aside
 
 
@@ -129,6 +130,8 @@ class BlockCalls:
 
     def block_called(self, index: int, args: tuple, kwargs: dict) -> Any:
         """A call of block ``index`` by the model's code: checked, recorded, answered."""
+        if index == 0:
+            check_nothing_collected_now(self.stage.num_stages)
         if index == 0 and not self.in_step:
             self.begin_step(in_step=False)
             self._begin_outside_step()

@@ -5,7 +5,7 @@ What they share: each block routes every token to ``k`` of its experts by the to
 computes what (and, in the hand-written block, how many rows each expert's matrix product has) depends on the data.
 Such code cannot run on the meta device, where a stage learns the shapes of the blocks it does not hold; the output
 of each block still has its input's shape. Tiny configurations, random weights, no downloads, as in
-``helpers.stock_models`` (registered in its ``STOCK_MODELS``).
+``helpers.stock_models`` (added to its ``STOCK_MODELS`` and ``BLOCKS``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from helpers.stock_models import VOCAB, CausalLM, TinyData, next_token_pairs
+from helpers.stock_models import BLOCKS, STOCK_MODELS, VOCAB, CausalLM, TinyData, next_token_pairs
 
 
 def mixtral_config(layers: int = 4, router_logits: bool = False):
@@ -80,12 +80,13 @@ class TopKMoE(nn.Module):
 class TopKMoELanguageModel(TinyData, LightningModule):
     """Next-token prediction with an embedding, four :class:`TopKMoE` blocks in a ``ModuleList`` its forward loops
     over, a norm and a head. SGD (``lr``): Adam would amplify round-off to the learning rate (the NOTE in
-    ``helpers.stock_models``)."""
+    ``helpers.stock_models``). ``masked_loss``: the loss over the targets that are not token 0, picked by a boolean
+    mask (code outside the blocks that cannot run on the meta device either)."""
 
     def __init__(self, layers: int = 4, dim: int = 32, lr: float = 0.5, batch_size: int = 8,
-                 samples: int = 32) -> None:
+                 samples: int = 32, masked_loss: bool = False) -> None:
         super().__init__()
-        self.lr, self.batch_size, self.samples = lr, batch_size, samples
+        self.lr, self.batch_size, self.samples, self.masked_loss = lr, batch_size, samples, masked_loss
         self.embedding = nn.Embedding(VOCAB, dim)
         self.blocks = nn.ModuleList(TopKMoE(dim) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
@@ -102,7 +103,11 @@ class TopKMoELanguageModel(TinyData, LightningModule):
 
     def training_step(self, batch, batch_idx):
         tokens, target = batch
-        loss = F.cross_entropy(self(tokens).flatten(0, 1), target.flatten())
+        logits, target = self(tokens).flatten(0, 1), target.flatten()
+        if self.masked_loss:
+            kept = target != 0
+            logits, target = logits[kept], target[kept]
+        loss = F.cross_entropy(logits, target)
         self.log("train_loss", loss)
         return loss
 
@@ -120,3 +125,5 @@ MOE_BLOCKS: dict[str, list[str]] = {
     "qwen2_moe": ["model.model.layers"],
     "topk_moe": ["blocks"],
 }
+STOCK_MODELS.update(MOE_MODELS)
+BLOCKS.update(MOE_BLOCKS)

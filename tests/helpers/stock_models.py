@@ -789,8 +789,5 @@ BLOCKS: dict[str, list[str]] = {
     "autoencoder": ["encoder", "decoder"],
 }
 
-# The mixture-of-experts models build on the classes above (their module imports this one).
-from helpers.moe_models import MOE_BLOCKS, MOE_MODELS  # noqa: E402
-
-STOCK_MODELS.update(MOE_MODELS)
-BLOCKS.update(MOE_BLOCKS)
+# The mixture-of-experts models build on the classes above; their module adds them to STOCK_MODELS and BLOCKS.
+import helpers.moe_models  # noqa: E402,F401
