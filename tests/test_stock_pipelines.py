@@ -81,12 +81,12 @@ RUNS = {
         "vit_1f1b": ("vit", {"num_micro_batches": 4, "schedule": "1f1b"}, {"options": {"checkpointing": "loop"}}),
         "t5_1f1b": ("t5", {"num_micro_batches": 4, "schedule": "1f1b"}),
         # Mixtures of experts whose routing cannot run on the meta device (Hugging Face's default experts kernel,
-        # torch.nonzero): each block's output shapes come from the stage holding it. SGD: a router's round-off,
-        # amplified by Adam, would decide the comparison (the NOTE below).
-        "mixtral": ("mixtral", {"num_micro_batches": 2}, {"options": {"sgd_lr": 0.5}}),
-        "mixtral_1f1b": ("mixtral", {"num_micro_batches": 4, "schedule": "1f1b"}, {"options": {"sgd_lr": 0.5}}),
-        "qwen2_moe": ("qwen2_moe", {"num_micro_batches": 2}, {"options": {"sgd_lr": 0.5}}),
-        "qwen2_moe_1f1b": ("qwen2_moe", {"num_micro_batches": 4, "schedule": "1f1b"}, {"options": {"sgd_lr": 0.5}}),
+        # torch.nonzero): each block's output shapes come from the stage holding it. The language models with their
+        # AdamW (measured: weights within 3.3e-6 of their change), the hand-written block with SGD.
+        "mixtral": ("mixtral", {"num_micro_batches": 2}),
+        "mixtral_1f1b": ("mixtral", {"num_micro_batches": 4, "schedule": "1f1b"}),
+        "qwen2_moe": ("qwen2_moe", {"num_micro_batches": 2}),
+        "qwen2_moe_1f1b": ("qwen2_moe", {"num_micro_batches": 4, "schedule": "1f1b"}),
         "topk_moe": ("topk_moe", {"num_micro_batches": 2}),
         "topk_moe_1f1b": ("topk_moe", {"num_micro_batches": 4, "schedule": "1f1b"}),
         # A loss that picks its tokens by a boolean mask: the step probe fails past the blocks, and says so.
@@ -140,7 +140,7 @@ def launched(devices: int, tmp: Path):
         runs.append({"name": NEGATIVE_CONTROL, "model": "vgg11", "strategy": {"num_micro_batches": 2},
                      "drop_gradient_of": 0})
         runs.append({"name": MOE_NEGATIVE_CONTROL, "model": "mixtral", "strategy": {"num_micro_batches": 2},
-                     "options": {"sgd_lr": 0.5}, "drop_gradient_of": 0})
+                     "drop_gradient_of": 0})
         runs.append({"name": ROUTER_LOGITS, "model": "mixtral", "strategy": {"num_micro_batches": 2},
                      "options": {"router_logits": True}, "expect_error": True})
 
@@ -444,7 +444,7 @@ def test_comparison_detects_a_dropped_micro_batch_gradient(pipelined):
         pytest.skip("the negative control runs on 2 stages")
     _, weight_error = differences(tmp, NEGATIVE_CONTROL, "vgg11")
     assert weight_error > 100 * TOLERANCE
-    _, weight_error = differences(tmp, MOE_NEGATIVE_CONTROL, "mixtral", {"sgd_lr": 0.5})
+    _, weight_error = differences(tmp, MOE_NEGATIVE_CONTROL, "mixtral")
     assert weight_error > 100 * TOLERANCE
 
 

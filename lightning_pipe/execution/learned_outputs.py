@@ -34,12 +34,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_map_only
 
 from lightning_pipe.execution.call_order import PipelineOrderError
+from lightning_pipe.execution.p2p import failed_wait
+from lightning_pipe.execution.process_groups import PipelineGroups
 from lightning_pipe.execution.recomputation import unchanged_running_stats
 from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.partition.hooks import hooks_set_aside
 from lightning_pipe.partition.meta_run import attributes_kept
 from lightning_pipe.reliability.stall_rule import Wait
-from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog
 
 _OUTPUT_TAG = 16  # apart from the activation messages' tags (lightning_pipe.execution.p2p)
 _MESSAGE_BYTES = 4096  # one message carries a block's output structure; a larger one takes a second for the rest
@@ -47,14 +48,11 @@ _LENGTH_BYTES = 8
 
 
 class OutputMessages:
-    """A block's output structure (meta tensors in their containers) sent between the ranks of one pipeline, over its
-    CPU (gloo) group ``group``; ``stage_ranks`` are its global ranks by stage. Sends never block: the stage that
-    holds a block goes on at once."""
+    """A block's output structure (meta tensors in their containers) sent between the stages of this rank's pipeline
+    (``groups``), over its CPU (gloo) group. Sends never block: the stage that holds a block goes on at once."""
 
-    def __init__(self, group: dist.ProcessGroup, stage_ranks: list[int], watchdog: StallWatchdog = UNWATCHED) -> None:
-        self.group = group
-        self.stage_ranks = stage_ranks
-        self.watchdog = watchdog
+    def __init__(self, groups: PipelineGroups) -> None:
+        self.groups = groups
         self._sending: list[tuple[dist.Work, Tensor]] = []  # kept until done: gloo reads the buffer while it sends
 
     def send(self, output: Any, stages: list[int]) -> None:
@@ -63,24 +61,34 @@ class OutputMessages:
         first = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
         first[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
         rest = payload[_MESSAGE_BYTES - _LENGTH_BYTES :]
+        buffers = (first, torch.frombuffer(bytearray(rest), dtype=torch.uint8)) if rest else (first,)
         self._sending = [(work, buffer) for work, buffer in self._sending if not work.is_completed()]
         for stage in stages:
-            for buffer in (first, torch.frombuffer(bytearray(rest), dtype=torch.uint8)) if rest else (first,):
-                work = dist.isend(buffer, self.stage_ranks[stage], group=self.group, tag=_OUTPUT_TAG)
+            for buffer in buffers:
+                work = dist.isend(buffer, self.groups.stage_ranks[stage], group=self.groups.meta, tag=_OUTPUT_TAG)
                 self._sending.append((work, buffer))
 
     def receive(self, stage: int, what: str) -> Any:
-        peer = self.stage_ranks[stage]
+        """The output structure that ``stage`` sends (``what``: named if the wait fails)."""
         first = torch.empty(_MESSAGE_BYTES, dtype=torch.uint8)
-        self.watchdog.wait([dist.irecv(first, peer, group=self.group, tag=_OUTPUT_TAG)], Wait(what, (peer,)), self.group)
+        self._wait(first, stage, what)
         received = first.numpy().tobytes()
         length = int.from_bytes(received[:_LENGTH_BYTES], "little")
         payload = received[_LENGTH_BYTES : _LENGTH_BYTES + length]
         if length > len(payload):
             rest = torch.empty(length - len(payload), dtype=torch.uint8)
-            self.watchdog.wait([dist.irecv(rest, peer, group=self.group, tag=_OUTPUT_TAG)], Wait(what, (peer,)), self.group)
+            self._wait(rest, stage, what)
             payload += rest.numpy().tobytes()
         return pickle.loads(payload)
+
+    def _wait(self, buffer: Tensor, stage: int, what: str) -> None:
+        groups, peer = self.groups, self.groups.stage_ranks[stage]
+        try:
+            work = dist.irecv(buffer, peer, group=groups.meta, tag=_OUTPUT_TAG)
+            groups.watchdog.wait([work], Wait(what, (peer,)), groups.meta)
+        except RuntimeError as error:
+            waited = f"waiting for {what} from {groups.describe(stage)}"
+            raise failed_wait(groups.describe(), waited, groups.describe(stage), groups.timeout, error) from error
 
 
 class LearnedOutputs:

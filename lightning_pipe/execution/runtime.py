@@ -111,7 +111,7 @@ class StageRuntime:
         self._requeues_shared = 0  # of those, the ones the last stage's outcomes have told the pipeline about
         self.requeue_due = False  # an outcome said so: every stage requeues before its next training step
         self._outside_call = False  # a call outside a step reached the blocks; its output not yet shared
-        messages = OutputMessages(groups.meta, groups.stage_ranks, groups.watchdog) if groups.num_stages > 1 else None
+        messages = OutputMessages(groups) if groups.num_stages > 1 else None
         self.calls = BlockCalls(
             stage, self._run_chunk, self._outside_step_starts, self._share_last_output, on_model_checkpoint,
             learned=lambda calls: LearnedOutputs(stage, lambda: calls.in_step, messages),
