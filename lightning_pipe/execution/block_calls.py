@@ -142,12 +142,15 @@ class BlockCalls:
         carried = tuple(key for key in sources.values() if key[0] < self.chain.segment_start)
         call = BlockCall(index, args, kwargs, restart=restart, carried=carried, sources=sources)
         self.chain.calls.append(call)
-        output = None
+        output = placeholder = None
         chunk = self.stage.chunk_ends.get(index)
         if chunk is not None and chunk in self.targets:
-            self.placeholders.share(index, args, kwargs)
+            placeholder = self.placeholders.share(index, args, kwargs)
             output = self._run_chunk(chunk)
-        call.output = output if output is not None else self.placeholders.output(index, args, kwargs)
+        if output is not None:
+            call.output = output
+        else:
+            call.output = placeholder if placeholder is not None else self.placeholders.output(index, args, kwargs)
         if index == len(self.stage.region) - 1 and not self.in_step:
             call.output = self._share_outside_output(output)
         self.chain.record(call)

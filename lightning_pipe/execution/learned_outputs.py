@@ -109,7 +109,8 @@ class LearnedOutputs:
         self._said = False
 
     def cannot_run_on_meta(self, index: int, error: Exception) -> None:
-        """Block ``index`` failed on the meta device: from now on its output comes from here. Said once."""
+        """Block ``index`` failed on the meta device (for this input signature): its output comes from its stage.
+        The first such block is said once, on global rank 0."""
         self.not_on_meta[index] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         if not self._said:
             self._said = True

@@ -57,11 +57,13 @@ class Placeholders:
             known[key] = map_tensors(output, fresh_meta)
         return output
 
-    def share(self, index: int, args: tuple, kwargs: dict) -> None:
+    def share(self, index: int, args: tuple, kwargs: dict) -> Any:
         """On the stage holding block ``index``, at a call that runs it for real (the last block of a chunk): the
-        stages that call it without holding it get its output from here if it cannot run on the meta device."""
+        stages that call it without holding it get its output from here if it cannot run on the meta device. The
+        placeholder, if one was computed for them (``None`` otherwise)."""
         if self.learned is not None and self.learned.receivers(index):
-            self.output(index, args, kwargs)
+            return self.output(index, args, kwargs)
+        return None
 
     def _computed(self, index: int, args: tuple, kwargs: dict, send: bool) -> Any:
         # NOTE: the meta device is tried for every new input signature, also after a failure: every stage calling
