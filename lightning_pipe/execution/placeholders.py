@@ -21,7 +21,9 @@ _PLAIN = (bool, int, float, str, torch.dtype, torch.device, type(None))
 class Placeholders:
     """The meta-device outputs of the region's blocks (``originals``), each block run there once per input signature.
 
-    ``running_blocks`` is the stage's context in which a block's call runs the block itself, not its stand-in.
+    ``running_blocks`` is the stage's context in which a block's call runs the block itself, not its stand-in;
+    ``learned`` gives the outputs of blocks that cannot run on the meta device, from the stage holding each
+    (without it, such a block's error is raised).
     """
 
     def __init__(

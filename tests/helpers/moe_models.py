@@ -81,12 +81,15 @@ class TopKMoELanguageModel(TinyData, LightningModule):
     """Next-token prediction with an embedding, four :class:`TopKMoE` blocks in a ``ModuleList`` its forward loops
     over, a norm and a head. SGD (``lr``): Adam would amplify round-off to the learning rate (the NOTE in
     ``helpers.stock_models``). ``masked_loss``: the loss over the targets that are not token 0, picked by a boolean
-    mask (code outside the blocks that cannot run on the meta device either)."""
+    mask (code outside the blocks that cannot run on the meta device either). ``varying_length``: batch ``i`` cut
+    to ``12 - 2 * (i % 3)`` tokens, as a length-bucketing loader gives them: the blocks' input shapes change from
+    step to step and come back."""
 
     def __init__(self, layers: int = 4, dim: int = 32, lr: float = 0.5, batch_size: int = 8,
-                 samples: int = 32, masked_loss: bool = False) -> None:
+                 samples: int = 32, masked_loss: bool = False, varying_length: bool = False) -> None:
         super().__init__()
         self.lr, self.batch_size, self.samples, self.masked_loss = lr, batch_size, samples, masked_loss
+        self.varying_length = varying_length
         self.embedding = nn.Embedding(VOCAB, dim)
         self.blocks = nn.ModuleList(TopKMoE(dim) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
@@ -103,6 +106,9 @@ class TopKMoELanguageModel(TinyData, LightningModule):
 
     def training_step(self, batch, batch_idx):
         tokens, target = batch
+        if self.varying_length:
+            length = tokens.shape[1] - 2 * (batch_idx % 3)
+            tokens, target = tokens[:, :length], target[:, :length]
         logits, target = self(tokens).flatten(0, 1), target.flatten()
         if self.masked_loss:
             kept = target != 0
