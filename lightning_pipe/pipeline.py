@@ -69,6 +69,7 @@ from lightning_pipe.partition.balance import (
     recompute_fraction,
     stage_ranges,
 )
+from lightning_pipe.partition.collected_outputs import check_nothing_collected_inside_blocks
 from lightning_pipe.partition.fingerprint import different_models_message, fingerprint_digest, model_fingerprint
 from lightning_pipe.partition.placement import (
     balance_charges,
@@ -332,6 +333,7 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
         find_pipelined_region(module, settings, config.num_stages, module._trainer), 0, groups.rank, groups.watchdog
     )
     check_compiled(module, region)
+    check_nothing_collected_inside_blocks(module, region, config.num_stages)
     blocks = region.blocks(module)
     layers = nn.Sequential(*blocks)  # the blocks in order, for the partition plan and the whole model
     choice = None
@@ -549,7 +551,9 @@ def _install_stage(
     index, num_stages = groups.stage, groups.num_stages
     chunks = settings.schedule.chunks(index, num_stages, settings.virtual_stages)  # type: ignore[union-attr]
     local = {k: plan.ranges[k] for k in chunks}
-    stage = StageBlocks(module, region, local, index, num_stages, num_chunks=len(plan.ranges))
+    holders = {i: s for s in range(num_stages) for k in settings.schedule.chunks(s, num_stages, settings.virtual_stages)  # type: ignore[union-attr]
+               for i in plan.ranges[k]}
+    stage = StageBlocks(module, region, local, index, num_stages, num_chunks=len(plan.ranges), block_stages=holders)
     stage.install()  # before materialising: the other stages' blocks are taken out
     return stage
 

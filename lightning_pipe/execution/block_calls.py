@@ -30,8 +30,10 @@ from lightning_pipe.execution.call_order import (
     map_tensors,
     tensors_of,
 )
+from lightning_pipe.execution.learned_outputs import LearnedOutputs
 from lightning_pipe.execution.placeholders import Placeholders, fresh_meta, needing_gradients_as_real
 from lightning_pipe.execution.stage import StageBlocks
+from lightning_pipe.partition.collected_outputs import check_nothing_collected_now
 from lightning_pipe.partition.hooks import hooks_set_aside
 from lightning_pipe.partition.microbatch import as_tensors
 
@@ -52,6 +54,7 @@ class BlockCalls:
         begin_outside_step: Callable[[], None] = lambda: None,
         share_outside_output: Callable[[Any], Any] = lambda output: output,
         on_model_checkpoint: Callable[[], None] = lambda: None,
+        learned: Callable[[BlockCalls], LearnedOutputs] | None = None,
     ) -> None:
         self.stage = stage
         self._run_chunk = run_chunk
@@ -60,7 +63,9 @@ class BlockCalls:
         self._on_model_checkpoint = on_model_checkpoint
         self._said_model_checkpoints = False
         self.chain = CallChain(stage.region.names, stage.originals)
-        self.placeholders = Placeholders(stage.originals, stage.running_blocks)
+        # The outputs of blocks that cannot run on the meta device, learned from their stage (see learned_outputs).
+        learned_outputs = learned(self) if learned is not None else LearnedOutputs(stage, in_step=lambda: self.in_step)
+        self.placeholders = Placeholders(stage.originals, stage.running_blocks, learned_outputs)
         self.in_step = False
         self.targets: frozenset[int] = frozenset(stage.chunk_ranges)  # the chunks this call of the user's step runs
         self._chunk_starts = {r[0]: chunk for chunk, r in stage.chunk_ranges.items() if chunk > 0}  # block -> chunk
@@ -127,6 +132,8 @@ class BlockCalls:
 
     def block_called(self, index: int, args: tuple, kwargs: dict) -> Any:
         """A call of block ``index`` by the model's code: checked, recorded, answered."""
+        if index == 0:
+            check_nothing_collected_now(self.stage.num_stages)
         if index == 0 and not self.in_step:
             self.begin_step(in_step=False)
             self._begin_outside_step()
@@ -141,13 +148,16 @@ class BlockCalls:
         carried = tuple(key for key in sources.values() if key[0] < self.chain.segment_start)
         call = BlockCall(index, args, kwargs, restart=restart, carried=carried, sources=sources)
         self.chain.calls.append(call)
-        output = None
+        output = placeholder = None
         chunk = self.stage.chunk_ends.get(index)
         if chunk is not None and chunk in self.targets:
+            placeholder = self.placeholders.share(index, args, kwargs)
             output = self._run_chunk(chunk)
-        call.output = output
-        if output is None:
-            placeholder = self.placeholders.output(index, args, kwargs)
+        if output is not None:
+            call.output = output
+        else:
+            if placeholder is None:
+                placeholder = self.placeholders.output(index, args, kwargs)
             call.output = needing_gradients_as_real(placeholder, self.stage.originals[index], args, kwargs)
         if index == len(self.stage.region) - 1 and not self.in_step:
             call.output = self._share_outside_output(output)

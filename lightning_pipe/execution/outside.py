@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_pipe.execution.call_order import map_tensors
@@ -28,7 +29,7 @@ from lightning_pipe.execution.placeholders import SIGNATURES_KEPT, needing_gradi
 from lightning_pipe.execution.process_groups import PipelineGroups, broadcast_object
 from lightning_pipe.execution.stage import StandIn, replace_submodule
 from lightning_pipe.partition.hooks import hooks_set_aside
-from lightning_pipe.partition.placement import EVERY, OutsidePlaces, observe_places, outside_modules
+from lightning_pipe.partition.placement import EVERY, OutsidePlaces, observe_places, outside_modules, unobserved_note
 from lightning_pipe.partition.region import Region
 from lightning_pipe.partition.step_probe import fit_training_step, random_state_kept
 from lightning_pipe.partition.topology import PipelineLayout
@@ -190,6 +191,9 @@ def decide_outside_places(module: LightningModule, region: Region, groups: Pipel
     )
     if groups.rank == 0 and groups.num_stages > 1:
         places = _observed_places(module, region, names) or places
+        note = unobserved_note(places, module, region)
+        if note is not None:
+            rank_zero_warn(note)
     places = broadcast_object(places, 0, groups.rank, groups.watchdog)
     module.__dict__[_OUTSIDE_PLACES] = places
     return places
@@ -209,8 +213,8 @@ def _observed_places(module: LightningModule, region: Region, names: list[str]) 
     try:
         with random_state_kept():
             return observe_places(module, region, step, names)
-    except Exception:  # an unusual step: every stage holds every module, as the model was built
-        return None
+    except Exception as error:  # an unusual step: every stage holds every module, as the model was built
+        return OutsidePlaces({name: frozenset({EVERY}) for name in names}, unobserved=f"{type(error).__name__}: {error}")
 
 
 def built_real_everywhere(module: LightningModule, names: list[str], groups: PipelineGroups) -> dict[str, bool]:

@@ -38,6 +38,7 @@ from torch import Tensor
 from lightning_pipe.execution.block_calls import BlockCalls
 from lightning_pipe.execution.call_order import ChunkCall
 from lightning_pipe.execution.engine import PipelineEngine
+from lightning_pipe.execution.learned_outputs import LearnedOutputs, OutputMessages
 from lightning_pipe.execution.loss_items import LossItems, announce, unequal_label_shares, warn_weighted_by_samples
 from lightning_pipe.execution.p2p import failed_wait
 from lightning_pipe.execution.process_groups import PipelineGroups, broadcast_over_cpu_group
@@ -111,8 +112,10 @@ class StageRuntime:
         self._requeues_shared = 0  # of those, the ones the last stage's outcomes have told the pipeline about
         self.requeue_due = False  # an outcome said so: every stage requeues before its next training step
         self._outside_call = False  # a call outside a step reached the blocks; its output not yet shared
+        messages = OutputMessages(groups) if groups.num_stages > 1 else None
         self.calls = BlockCalls(
-            stage, self._run_chunk, self._outside_step_starts, self._share_last_output, on_model_checkpoint
+            stage, self._run_chunk, self._outside_step_starts, self._share_last_output, on_model_checkpoint,
+            learned=lambda calls: LearnedOutputs(stage, lambda: calls.in_step, messages),
         )
 
     @property

@@ -819,3 +819,6 @@ BLOCKS: dict[str, list[str]] = {
     "vit": ["model.blocks"],
     "autoencoder": ["encoder", "decoder"],
 }
+
+# The mixture-of-experts models build on the classes above; their module adds them to STOCK_MODELS and BLOCKS.
+import helpers.moe_models  # noqa: E402,F401
