@@ -114,7 +114,11 @@ def test_hydra_strategy_schedule_auto_configures_the_strategy():
 # ---- the strategy, on 2 processes -------------------------------------------------------------------------------
 
 AUTO = {"model": "auto_emulated", "num_micro_batches": None, "checkpoint": None, "strategy": {"schedule": "auto"}}
-RUNS = [{**AUTO, "name": "auto"}, {**AUTO, "name": "auto_budget", "memory_budget_below": "auto"}]
+RUNS = [
+    {**AUTO, "name": "auto"}, {**AUTO, "name": "auto_budget", "memory_budget_below": "auto"},
+    # No example_input_array: the blocks profiled on the first training batch, for the choice and the split.
+    {**AUTO, "name": "auto_on_the_batch", "model": "emulated", "strategy": {"schedule": "auto", "balance": "time"}},
+]
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +145,17 @@ def test_a_budget_that_excludes_the_fastest_gives_a_choice_that_fits(fitted):
     assert "exceed the memory budget" in limited["message"]
 
 
-@pytest.mark.parametrize("name", ["auto", "auto_budget"])
+def test_without_an_example_input_auto_profiles_on_the_first_training_batch_and_every_rank_takes_its_choice(fitted):
+    """``schedule="auto"`` and ``balance="time"``: global rank 0 profiles the blocks through the training step on the
+    first training batch; every rank runs the same configuration and the same split."""
+    results = rank_results(fitted / "auto_on_the_batch")
+    assert len(results) == 2 and results[0]["choice"] == results[1]["choice"]
+    assert results[0]["chunk_ranges"] == results[1]["chunk_ranges"]
+    choice = results[0]["choice"]
+    assert choice["schedule"] in AUTO_SCHEDULES and ", on the first training batch;" in choice["message"]
+
+
+@pytest.mark.parametrize("name", ["auto", "auto_budget", "auto_on_the_batch"])
 def test_auto_trains_as_one_device_on_the_whole_batch(fitted, name):
     run = next(r for r in RUNS if r["name"] == name)
     initial, expected, _ = single_device_run(run)
