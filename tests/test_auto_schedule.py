@@ -11,12 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra.utils import instantiate
 
 from helpers.compare import merged_state_dict, rank_results, relative_weight_error, single_device_run
 from helpers.launch import launch
 from helpers.models import MODELS
-from lightning_pipe.auto_schedule import candidates_for, check_module_takes_auto, settled
+from lightning_pipe.auto_schedule import candidates_for, check_module_takes_auto, plan_schedule, settled
 from lightning_pipe.integration.hydra_schema import validate_config
 from lightning_pipe.schedules.choice import (
     AUTO_SCHEDULES, BlockCosts, Configuration, CostModel, choose, configurations, plan_table, rank_configurations,
@@ -99,6 +100,14 @@ def test_a_module_whose_results_auto_would_change_is_refused_naming_the_fix():
     check_module_takes_auto(inside, inside.net.model, PipelineSettings(schedule="auto", num_micro_batches=4))
     with pytest.raises(ValueError, match="memory_budget='1GB' is set but schedule is not 'auto'"):
         PipelineSettings(memory_budget="1GB")
+
+
+def test_auto_with_no_sample_and_no_training_batch_names_the_fix():
+    """Outside a fit (here: no trainer) there is no first training batch to profile on either."""
+    model = MODELS["emulated"]()
+    with pytest.raises(ValueError, match=r"^schedule='auto' profiles every block on a sample input, but there is none"
+                                         r".*example_input_array.*GPipeStrategy\(sample=\.\.\.\)"):
+        plan_schedule(model, model.net.model, PipelineSettings(schedule="auto"), 2, 16, torch.device("cpu"), None)
 
 
 def test_hydra_strategy_schedule_auto_configures_the_strategy():
