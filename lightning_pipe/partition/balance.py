@@ -257,7 +257,8 @@ def plan_partition(
 
     ``None`` and ``"uniform"`` split the layers evenly; a list gives layers per stage; ``"parameters"`` balances
     parameter counts; ``"time"`` and ``"memory"`` profile every layer on ``device`` with ``sample`` (an input of
-    ``module``'s forward; by default its ``example_input_array``) and balance forward-plus-backward time (the forward
+    ``module``'s forward; by default its ``example_input_array``, else during a fit the first training batch: see
+    :func:`profiling_sample`) and balance forward-plus-backward time (the forward
     counted ``1 + recompute_fraction`` times, as re-computation repeats it) or parameter-plus-activation bytes.
 
     ``"memory"`` on layers built on the meta device (no weights to profile) estimates instead

@@ -154,7 +154,8 @@ def chosen_region(
         if module_name is not None or read_step is None:
             raise
         region = None
-    if module_name is None and read_step is not None and (region is None or outside_share(model, region) > MAX_OUTSIDE_SHARE):
+    much_outside = region is None or outside_share(model, region) > MAX_OUTSIDE_SHARE
+    if module_name is None and read_step is not None and much_outside:
         read, step = True, read_step()
         if step is not None:
             region = find_region(model, None, sample, step, num_stages)
@@ -166,10 +167,10 @@ def chosen_region(
         observed = [*(["the forward on the sample input"] if sample is not None else []),
                     *(["the training step on the first training batch"] if step is not None else [])]
         unread = read and step is None
-        raise TooFewBlocks(
-            too_few_blocks_message(model, region, module_name, num_stages, virtual_stages, observed, unread, read_step is None),
-            step_unread=unread,
+        message = too_few_blocks_message(
+            model, region, module_name, num_stages, virtual_stages, observed, unread, outside_a_fit=read_step is None
         )
+        raise TooFewBlocks(message, step_unread=unread)
     return region
 
 
