@@ -66,14 +66,20 @@ class PipelineSettings:
     balance: list[int] | BalanceMode | None = None
     """Layers per stage, e.g. ``[3, 5]``, or how to choose them: ``"uniform"`` (the default: equal layer counts),
     ``"parameters"`` (equal parameter counts), ``"time"`` (equal forward + backward time, profiled per layer on the
-    device) or ``"memory"`` (equal parameter + activation bytes, profiled). The profiled modes need a sample input;
-    every rank applies the split that global rank 0 decided."""
+    device) or ``"memory"`` (equal parameter + activation bytes, profiled). The profiled modes run on ``sample``,
+    else ``example_input_array``, else in a fit on the first training batch (through the training step); every rank
+    applies the split that global rank 0 decided."""
     module_name: str | tuple[str, ...] | None = None
-    """Dotted path of the ``nn.Sequential`` to pipeline (``"net.model"``), or consecutive sibling modules; by default
-    the outermost ``nn.Sequential`` with the most parameters."""
+    """Dotted path of the ``nn.Sequential`` or ``nn.ModuleList`` to pipeline (``"net.model"``), or consecutive
+    sibling modules (``["model.conv1", ..., "model.fc"]``); by default the outermost container, or chain observed on
+    ``example_input_array``, with the most parameters, and where that leaves more than a fifth of them outside, the
+    chain the training step calls on the first training batch, if one splits better (see
+    :func:`lightning_pipe.partition.region.chosen_region`; a region of fewer blocks than stages is refused, naming the
+    chain to give here)."""
     sample: Any = field(default=None, compare=False, repr=False)
     """An input of the LightningModule's ``forward`` (as ``example_input_array``, which is used when this is
-    ``None``) to profile the layers with for ``balance="time"`` or ``"memory"``."""
+    ``None``) to profile the blocks with for ``balance="time"`` or ``"memory"`` and ``schedule="auto"``; with neither,
+    a fit profiles on its first training batch."""
     trace_steps: tuple[int, ...] = ()
     """Training steps (``trainer.global_step`` values) whose timeline of every stage is written as a Chrome trace to
     ``trace_dir/gpipe_trace.json``, whose absolute path is printed when it is first written (see

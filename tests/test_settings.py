@@ -284,5 +284,5 @@ def test_profiled_balance_takes_the_sample_or_the_example_input_and_names_the_fi
     model.example_input_array = example
     assert profiling_sample("memory", None, model) is example
     assert profiling_sample("parameters", None, nn.Linear(2, 2)) is None  # needs no sample
-    with pytest.raises(ValueError, match=r"^balance='time' profiles every layer on a sample input.*sample=<one batch>"):
+    with pytest.raises(ValueError, match=r"^balance='time' profiles every block on a sample input, but there is none.*sample=<one batch>"):
         profiling_sample("time", None, nn.Linear(2, 2))

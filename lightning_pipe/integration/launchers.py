@@ -63,12 +63,14 @@ class ModelCheck:
     """A launcher mixin: check the model before launching, so that bad input fails in the launching process; and run
     the trainer's function on every rank under :func:`raising_the_root_cause`."""
 
-    check_model: Callable[[LightningModule, Trainer | None], None] | None = None
+    # Called with the model, the trainer and, as ``fit_loaders``, the function's next argument (a fit's
+    # ``train_dataloaders``: the first batch's training step may show which blocks to pipeline).
+    check_model: Callable[..., None] | None = None
     _exceptions_dir: str | None = None  # where ranks started by spawn or fork leave the exception they end with
 
     def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
         if self.check_model is not None and args and lightning_module_base(args[0]) is not None:
-            self.check_model(args[0], trainer)
+            self.check_model(args[0], trainer, fit_loaders=args[1] if len(args) > 1 else None)
         function = partial(raising_the_root_cause, function, trainer, next_failure_key())
         # Lightning calls ``function`` once it has started the other ranks (popen launcher) and its observer.
         function = partial(_watching_started_ranks, self, function)
