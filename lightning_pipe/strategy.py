@@ -11,6 +11,7 @@ place, the watched collectives), :mod:`~lightning_pipe.pipeline` (building the p
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -71,6 +72,7 @@ from lightning_pipe.partition.balance import Balance
 from lightning_pipe.partition.topology import PipelineLayout
 from lightning_pipe.pipeline import BuiltPipeline, build_pipeline, check_partition_before_launch
 from lightning_pipe.pipeline import require_automatic_optimization
+from lightning_pipe.reliability.stall_rule import StartUp
 from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog, batch_shape
 from lightning_pipe.schedules.actions import PipelineSchedule, StageActions
 from lightning_pipe.settings import PipelineSettings, RecomputeMode
@@ -195,7 +197,7 @@ class GPipeStrategyMixin(PipelineView):
         pretrained: str | Path | PretrainedWeights | Mapping[str, Any] | None = None,
         init_module: Callable[[str, nn.Module], None] | None = None,
         stall_watchdog: bool = True, stall_multiple: float = 10.0, stall_floor: float | timedelta = 30.0,
-        stall_first_step: float | timedelta = 600.0, memory_budget: int | str | None = None,
+        stall_first_step: float | timedelta | None = None, memory_budget: int | str | None = None,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -337,6 +339,7 @@ class GPipeStrategyMixin(PipelineView):
         module, fitting = self.lightning_module, trainer.state.fn == TrainerFn.FITTING
         if fitting:
             require_automatic_optimization(module)
+        started = time.monotonic()  # what the set-up takes bounds the first steps' waits (see StallRule)
         self._pipeline = pipeline = build_pipeline(module, self._settings, self.groups, self.precision_plugin)
         self._settings = pipeline.settings  # with schedule="auto", the configuration chosen
         pipeline.announce(module, self.stage_summary(), self.lightning_package.possible_user_warning)
@@ -345,6 +348,7 @@ class GPipeStrategyMixin(PipelineView):
         self._undo_at_teardown += pipeline.start(module, trainer.callbacks)
         self._setup_optimization(trainer, fitting)
         if fitting:
+            self._watchdog.startup_measured(StartUp(time.monotonic() - started, pipeline.compiles))
             self._watchdog.start(Path(trainer.default_root_dir))
 
     def _setup_optimization(self, trainer: Trainer, fitting: bool) -> None:

@@ -56,6 +56,7 @@ from lightning_pipe.execution.sharding import weights_in_graph
 from lightning_pipe.execution.split_backward import WeightGradients, backward_input
 from lightning_pipe.execution.call_order import ChainKey, ChunkCall
 from lightning_pipe.execution.stage import StageBlocks
+from lightning_pipe.execution.step_agreement import StepSignature
 from lightning_pipe.partition import microbatch
 from lightning_pipe.partition.microbatch import Activation
 from lightning_pipe.schedules.actions import Action, ActionKind, PipelineSchedule, RecomputeMode
@@ -140,6 +141,7 @@ class _StepState:
     gradient_inboxes: dict[int, GradientInbox] = field(default_factory=dict)
     sends: _SendsInFlight = field(default_factory=lambda: _SendsInFlight())  # kept until they complete
     sent_metas: dict[int, tuple[TensorMeta, ...]] = field(default_factory=dict)  # per peer: the last activation's
+    announced: set[int] = field(default_factory=set)  # the stages this step's signature was sent to
 
     def wait_sends(self, done_only: bool = False) -> None:
         """Wait for this step's sends to complete (``done_only``: release the completed ones, wait for none), each
@@ -148,6 +150,14 @@ class _StepState:
             self.sends.release_completed()
         else:
             self.sends.wait_all()
+
+    def signed(self, peer: int, signature: StepSignature | None) -> StepSignature | None:
+        """The step's ``signature`` (see :mod:`lightning_pipe.execution.step_agreement`) in its first message to
+        ``peer``, which compares it with its own before using the message; none in the others."""
+        if signature is None or peer in self.announced:
+            return None
+        self.announced.add(peer)
+        return signature
 
 
 class _SendsInFlight:
@@ -206,14 +216,12 @@ class PipelineEngine:
         self.backward_done: Callable[[int], None] | None = None  # FSDP hook: chunk k's backward of a micro-batch ended
         self.last_chunk = stage.num_chunks - 1
         self._step = _StepState()
+        self.step_signature: StepSignature | None = None  # the step run now, as neighbours must: `_StepState.signed`
         self._batch_norms = {
             chunk: [m for i in chunk_range for m in stage.originals[i].modules() if isinstance(m, _BatchNorm)]
             for chunk, chunk_range in stage.chunk_ranges.items()
         }
-        self._weights = {
-            chunk: [p for i in chunk_range for p in stage.originals[i].parameters() if p.requires_grad]
-            for chunk, chunk_range in stage.chunk_ranges.items()
-        }
+        self._blocks = {chunk: [stage.originals[i] for i in chunk_range] for chunk, chunk_range in stage.chunk_ranges.items()}
         # Intervals of forward, backward, sends and waits, for the bubble metric and traces (off: no-op calls).
         self.timeline = timeline if timeline is not None else StepTimeline(torch.device("cpu"), enabled=False)
         # Every action of every step runs through `_execute`, by this table: one handler per kind.
@@ -368,7 +376,8 @@ class PipelineEngine:
         link = self.links[peer]
         # The receiver posted no guess of the next message's shapes after this one (see ActivationInbox): none is
         # expected.
-        works = link.send_skip(Header(SKIP, m, step.num_micro_batches, chunk=k + 1), step.sent_metas.pop(peer, None))
+        header = Header(SKIP, m, step.num_micro_batches, chunk=k + 1, step=self._step.signed(peer, self.step_signature))
+        works = link.send_skip(header, step.sent_metas.pop(peer, None))
         step.sends.append((link, works, "the activations"))
 
     # ---- skipped whole-batch steps ----------------------------------------------------------------------------
@@ -385,8 +394,9 @@ class PipelineEngine:
                         f" {self.stage.stage_index}'s step returned before reaching chunk {k}" + _SAME_PATH
                     )
             if k < self.last_chunk and not self._here(k + 1):
-                link = self.links[self.owner(k + 1)]
-                self._step.sends.append((link, [link.send_header(Header(SKIP, chunk=k + 1))], "the activations"))
+                peer = self.owner(k + 1)
+                link, header = self.links[peer], Header(SKIP, chunk=k + 1, step=self._step.signed(peer, self.step_signature))
+                self._step.sends.append((link, [link.send_header(header)], "the activations"))
         self._step.wait_sends()
 
     # ---- executing actions ---------------------------------------------------------------------------------------
@@ -436,7 +446,7 @@ class PipelineEngine:
         peer = self.owner(sending_chunk)
         step = self._step
         if peer not in step.inboxes:
-            step.inboxes[peer] = ActivationInbox(self.links[peer], partial(self._expected_from, peer))
+            step.inboxes[peer] = ActivationInbox(self.links[peer], partial(self._expected_from, peer), self.step_signature)
         return step.inboxes[peer]
 
     def _expected_from(self, peer: int) -> list[Key]:
@@ -502,7 +512,7 @@ class PipelineEngine:
         metas = tuple(TensorMeta(tuple(t.shape), t.dtype, needs) for t, needs in zip(outputs, out.requires_grad))
         peer = self.owner(k + 1)
         start = self.timeline.now()
-        header = Header(ACTIVATION, m, step.num_micro_batches, metas, out.is_tuple, k + 1, out.carried)
+        header = Header(ACTIVATION, m, step.num_micro_batches, metas, out.is_tuple, k + 1, out.carried, self._step.signed(peer, self.step_signature))
         link = self.links[peer]
         # The receiver posted this message's receive with the previous message's shapes (see ActivationInbox).
         works = link.send_activation(header, outputs, step.sent_metas.get(peer))
@@ -546,7 +556,7 @@ class PipelineEngine:
         # Not split: a forward re-computed by torch.utils.checkpoint (re-computed again by each half), and compiled
         # blocks (their backward computes every gradient at once, in each half).
         if split and edges and not micro_batch.recomputed and not self.stage.compiled_calls:
-            weights = [*_weights_in_graph(self.stage, k), *(leaf for _, leaf in micro_batch.call.leaves.values())]
+            weights = [*weights_in_graph(self._blocks[k]), *(leaf for _, leaf in micro_batch.call.leaves.values())]
             input_grads, micro_batch.weights = backward_input(edges, grads, needing, weights)
             for leaf, input_grad in zip(needing, input_grads):
                 leaf.grad = input_grad
@@ -630,12 +640,6 @@ class PipelineEngine:
             yield
 
 
-def _weights_in_graph(stage: StageBlocks, k: int) -> list[Tensor]:
-    """Chunk ``k``'s weights as its forward's graph holds them. FSDP hook: a block sharded over its replicas computes
-    with its gathered weights (:func:`~lightning_pipe.execution.sharding.weights_in_graph`)."""
-    return [w for i in stage.chunk_ranges[k] for w in weights_in_graph(stage.originals[i])]
-
-
 def _output_to_pass_on(
     micro_batch: _MicroBatch, out: Any, carried: dict[ChainKey, Tensor], later: bool, k: int, m: int
 ) -> _Output:
@@ -668,7 +672,7 @@ def _where_it_failed(
     if stage.region.container is None:
         note += f" ({call.describe(stage.region.names)})"
     received = sorted({str(t.dtype) for t in inputs if t.is_floating_point()})
-    own = sorted({str(p.dtype) for p in engine._weights[call.chunk] if p.is_floating_point()})
+    own = sorted({str(p.dtype) for b in engine._blocks[call.chunk] for p in b.parameters() if p.is_floating_point()})
     if call.chunk > 0 and ("dtype" in str(error) or "scalar type" in str(error)) and received != own:
         note += (
             f"; it received {', '.join(received)} from stage {engine.owner(call.chunk - 1)} but its parameters are"

@@ -38,6 +38,7 @@ from torch import Tensor
 from lightning_pipe.execution.block_calls import BlockCalls
 from lightning_pipe.execution.call_order import ChunkCall
 from lightning_pipe.execution.engine import PipelineEngine
+from lightning_pipe.execution.learned_outputs import LearnedOutputs, OutputMessages
 from lightning_pipe.execution.loss_items import LossItems, announce, unequal_label_shares, warn_weighted_by_samples
 from lightning_pipe.execution.p2p import failed_wait
 from lightning_pipe.execution.process_groups import PipelineGroups, broadcast_over_cpu_group
@@ -55,6 +56,7 @@ from lightning_pipe.execution.replayed_logs import (
     replay_logs,
 )
 from lightning_pipe.execution.stage import StageBlocks
+from lightning_pipe.execution.step_agreement import step_signature_of
 from lightning_pipe.partition import microbatch
 from lightning_pipe.reliability.root_cause import PipelineCommunicationError
 from lightning_pipe.reliability.stall_rule import Wait
@@ -110,8 +112,10 @@ class StageRuntime:
         self._requeues_shared = 0  # of those, the ones the last stage's outcomes have told the pipeline about
         self.requeue_due = False  # an outcome said so: every stage requeues before its next training step
         self._outside_call = False  # a call outside a step reached the blocks; its output not yet shared
+        messages = OutputMessages(groups) if groups.num_stages > 1 else None
         self.calls = BlockCalls(
-            stage, self._run_chunk, self._outside_step_starts, self._share_last_output, on_model_checkpoint
+            stage, self._run_chunk, self._outside_step_starts, self._share_last_output, on_model_checkpoint,
+            learned=lambda calls: LearnedOutputs(stage, lambda: calls.in_step, messages),
         )
 
     @property
@@ -129,6 +133,8 @@ class StageRuntime:
     def run_step(self, module: LightningModule, hook: str, args: tuple, kwargs: dict) -> tuple[StepOutcome, Any]:
         """Run one step of the user's ``hook`` (``"training_step"``, ...) through the pipeline; every stage learns
         the outcome. The step's output is the user's on the last stage, ``None`` elsewhere."""
+        if self.groups.num_stages > 1:  # what the stages must agree on: see lightning_pipe.execution.step_agreement
+            self.engine.step_signature = step_signature_of(module, hook, args, kwargs)
         if hook == "training_step" and self.per_micro_batch:
             outcome, output = self._run_per_micro_batch(module, args, kwargs)
         else:
@@ -270,6 +276,7 @@ class StageRuntime:
 
     def _outside_step_starts(self) -> None:
         """The model's code reached the pipelined blocks outside a step: every stage must, see below."""
+        self.engine.step_signature = None
         if self.groups.num_stages > 1:
             self._all_stages_call_the_model()
             self._outside_call = True

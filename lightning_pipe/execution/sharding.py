@@ -209,10 +209,15 @@ def scaler_refused(mode: str) -> str:
     )
 
 
-def weights_in_graph(block: nn.Module) -> list[Tensor]:
-    """The parameters of ``block`` that its forward's autograd graph holds, needing a gradient: a sharded block's
-    gathered (unsharded) weights, which FSDP2 keeps as the same tensors from one gathering to the next, and the
-    parameters it keeps whole; any other block's own parameters."""
+def weights_in_graph(blocks: Iterable[nn.Module]) -> list[Tensor]:
+    """The parameters of ``blocks`` (a chunk's) that their forward's autograd graph holds, needing a gradient: for the
+    split backward's weight half (:mod:`lightning_pipe.execution.split_backward`)."""
+    return [weight for block in blocks for weight in _block_weights_in_graph(block)]
+
+
+def _block_weights_in_graph(block: nn.Module) -> list[Tensor]:
+    """A sharded block's gathered (unsharded) weights, which FSDP2 keeps as the same tensors from one gathering to the
+    next, and the parameters it keeps whole; any other block's own parameters."""
     if not isinstance(block, FSDPModule):
         return [p for p in block.parameters() if p.requires_grad]
     sharded = set()
