@@ -60,6 +60,7 @@ from lightning_pipe.execution.replayed_logs import StepOutcome
 from lightning_pipe.execution.runtime import StageRuntime
 from lightning_pipe.execution.sharding import StageSharding, scaler_refused, shard_stage
 from lightning_pipe.execution.stage import StageBlocks
+from lightning_pipe.execution.tensor_parallel import BlockPlans, StageTensorParallel, parallelize_stage, resolve_plan
 from lightning_pipe.execution.tied import TiedParameters, parameters_shared_across_stages
 from lightning_pipe.integration.lightning_packages import overrides
 from lightning_pipe.integration.model_summary import summarize_whole_model
@@ -127,6 +128,9 @@ class BuiltPipeline:
     # With data_parallel="shard" or "full_shard": the stage's blocks sharded over its replicas (FSDP2), once the
     # replicas hold the same values (`start_identical`).
     sharding: StageSharding | None = None
+    # With tensor_parallel_size > 1: how each block is split (checked at set-up), then this stage's split blocks.
+    tensor_plan: BlockPlans | None = None
+    tensor_parallel: StageTensorParallel | None = None
 
     # ---- set-up ------------------------------------------------------------------------------------------------
 
@@ -162,12 +166,19 @@ class BuiltPipeline:
                 stage = self.runtime.stage
                 for tensor in [*stage.parameters(), *stage.buffers(), *self._held_outside_tensors()]:
                     dist.broadcast(tensor.data, src=source, group=self.groups.replicas)
+        if self.tensor_plan is not None:  # TP hook: the stage's blocks split over its tensor-parallel ranks
+            stage, groups = self.runtime.stage, self.groups
+            split = parallelize_stage(((i, stage.originals[i]) for i in stage.indices), self.tensor_plan,
+                                      groups.mesh["tp"], groups.tensor_parallel)  # type: ignore[index, arg-type]
+            object.__setattr__(self, "tensor_parallel", split)  # set after building, as `sharding`
         if self.settings.data_parallel != "replicate":  # FSDP hook: the replicas' identical blocks sharded now
             kept_whole = [*self.replicated, *self.tied.parameters, *self.ownership.parameters]
             stage = self.runtime.stage
             blocks = [(stage.region.names[i], stage.originals[i]) for i in stage.indices]
+            # With split blocks, FSDP2 shards over the replicas' dimension of the run's mesh, beside the split's.
+            mesh = self.groups.mesh["dp"] if self.tensor_plan is not None else None  # type: ignore[index]
             sharding = shard_stage(blocks, self.settings.data_parallel, self.groups.replicas,  # type: ignore[arg-type]
-                                   self.groups.device, kept_whole, self.groups.watchdog)
+                                   self.groups.device, kept_whole, self.groups.watchdog, mesh)
             object.__setattr__(self, "sharding", sharding)  # the one field set after building: see `sharding`
             stage, engine = self.runtime.stage, self.runtime.engine
             engine.backward_done = lambda k: sharding.micro_batch_done(stage.originals[i] for i in stage.chunk_ranges[k])
@@ -238,7 +249,7 @@ class BuiltPipeline:
         clip_grad_norm_over_pipeline(
             parameters, self.replicated, clip_val, groups.pipeline, groups.device,
             [*self.tied.counted_elsewhere, *self.ownership.counted_elsewhere], groups.watchdog,
-            shards=groups.replicas if self.sharding is not None else None,
+            shards=groups.stage_holders if self.sharding is not None or self.tensor_parallel is not None else None,
         )
 
     # ---- what it reports ---------------------------------------------------------------------------------------
@@ -285,6 +296,8 @@ class BuiltPipeline:
             return
         if self.sharding is not None:  # FSDP hook: the blocks whole again, from every replica's shard
             self.sharding.make_whole()
+        if self.tensor_parallel is not None:  # TP hook: the blocks whole again, from every tensor-parallel slice
+            self.tensor_parallel.make_whole()
         groups = self.groups
         restore_whole_model(
             module, self.pipelined, groups.stage_ranks, groups.rank, groups.pipeline, groups.device, self.deferred,
@@ -362,6 +375,10 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
     state_keys, parameter_order = list(module.state_dict().keys()), [name for name, _ in module.named_parameters()]
     aliases = tied_aliases(module)  # before materialising unties the stages' copies
     pretrained = plan_pretrained_load(module, settings.pretrained)  # checked on the whole model: every rank alike
+    tensor_plan = None
+    if settings.tensor_parallel_size > 1:  # TP hook: the plan checked against the whole model, on every rank alike
+        tensor_plan = resolve_plan(module, region.names, blocks, settings.tensor_parallel_plan,
+                                   settings.tensor_parallel_size)
     stage = _install_stage(module, region, plan, settings, groups)
     held_elsewhere = {name: stages for name, stages in module_stages.items() if groups.stage not in stages}
     outside_modules = OutsideModules(
@@ -399,6 +416,7 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
         compiles=compiles_in_first_steps(module, stage),
         pretrained_prefix=pretrained.mapping.prefix if pretrained is not None else None,
         schedule_choice=choice,
+        tensor_plan=tensor_plan,
     )
 
 

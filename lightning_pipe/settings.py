@@ -23,6 +23,7 @@ import torch
 from lightning_pipe.checkpoints.export import parse_size
 from lightning_pipe.checkpoints.pretrained import PretrainedWeights, checked_pretrained
 from lightning_pipe.config import PipelineParallelConfig, require_positive_int
+from lightning_pipe.execution.tensor_parallel import checked_plan
 from lightning_pipe.partition.balance import (
     BALANCE_MODES,
     BalanceMode,
@@ -39,7 +40,9 @@ from lightning_pipe.schedules.simulator import check_schedule
 # Which forwards run again in backward instead of keeping their activations (the public option ``checkpoint``;
 # :func:`lightning_pipe.schedules.actions.with_recompute` decides it per forward).
 RECOMPUTE_MODES: tuple[str, ...] = get_args(RecomputeMode)
-MESH_ORDERS: tuple[tuple[str, str], ...] = (("pp", "dp"), ("dp", "pp"))
+MESH_ORDERS: tuple[tuple[str, ...], ...] = (
+    ("pp", "dp"), ("dp", "pp"), ("pp", "dp", "tp"), ("dp", "pp", "tp"), ("tp", "pp", "dp"), ("tp", "dp", "pp")
+)
 START_METHODS: tuple[str, ...] = ("popen", "spawn", "fork", "forkserver")
 DATA_PARALLEL_MODES: tuple[str, ...] = ("replicate", "shard", "full_shard")
 MICRO_BATCHES_PER_STAGE = 4  # the default: GPipe's bubble (S-1)/(M+S-1) is then below a fifth
@@ -95,11 +98,13 @@ class PipelineSettings:
     """Update BatchNorm running statistics once per mini-batch, from the whole mini-batch's statistics, so that they
     equal one device's. By default (GPipe's semantics) each micro-batch updates them with its own statistics. Either
     way each micro-batch is normalised by its own statistics."""
-    mesh_order: tuple[str, str] = ("pp", "dp")
-    """How ranks are laid out over the pipeline (``"pp"``) and data-parallel (``"dp"``) dimensions, outermost first,
-    when ``devices * num_nodes`` is a multiple of ``num_stages`` (the replicas of the pipeline average their
-    gradients). ``("pp", "dp")``, as in torchtitan and Megatron, keeps the heavier gradient all-reduce on the fast
-    links inside a node and sends only activations across nodes."""
+    mesh_order: tuple[str, ...] = ("pp", "dp")
+    """How ranks are laid out over the pipeline (``"pp"``), data-parallel (``"dp"``) and tensor-parallel (``"tp"``)
+    dimensions, outermost first, when ``devices * num_nodes`` is a multiple of ``num_stages * tensor_parallel_size``
+    (the replicas of the pipeline average their gradients). ``("pp", "dp")``, as in torchtitan and Megatron, keeps
+    the heavier gradient all-reduce on the fast links inside a node and sends only activations across nodes; the
+    tensor-parallel dimension is innermost unless named (``("tp", "pp", "dp")``): a stage's tensor-parallel ranks
+    talk in every block, so they belong on one node."""
     data_parallel: str = "replicate"
     """What the data-parallel replicas of a stage hold (when ``devices * num_nodes`` is a multiple of
     ``num_stages``): ``"replicate"`` (the default: every replica holds the stage's whole parameters, gradients and
@@ -108,6 +113,20 @@ class PipelineSettings:
     for all its micro-batches, gradients reduce-scattered once per optimizer step, optimizer state sharded: ZeRO-2)
     or ``"full_shard"`` (the same, the weights gathered again for each micro-batch's forward and backward: ZeRO-3,
     least memory, more communication). docs/memory.md says when to pick which."""
+    tensor_parallel_size: int = 1
+    """Ranks splitting each stage's blocks with tensor parallelism (torch's DTensor ``parallelize_module``): ``devices
+    * num_nodes = num_stages * replicas * tensor_parallel_size``. Each block's layers named by
+    ``tensor_parallel_plan`` (by default a Hugging Face model's own ``config.base_model_tp_plan``) are split
+    column-wise or row-wise over the stage's ``tensor_parallel_size`` ranks; the rest of the block (norms) and the
+    modules outside the blocks (embeddings, head) stay whole on every rank. Activations travel between stages'
+    ranks of the same tensor-parallel index. See docs/guide.md, "Three dimensions"."""
+    tensor_parallel_plan: Any = field(default=None, compare=False, repr=False)
+    """With ``tensor_parallel_size > 1``: how to split a block. A mapping from module names inside a block (``"*"``
+    matches one name part) to torch ``ParallelStyle``\ s or the strings ``"colwise"`` / ``"rowwise"``
+    (``{"attn.qkv": "colwise", "attn.out": "rowwise", "mlp.up": "colwise", "mlp.down": "rowwise"}``), or a function
+    ``fn(block, tp_mesh)`` that parallelizes one block itself. ``None`` (the default): the plan of the Hugging Face
+    model holding the blocks (``config.base_model_tp_plan``, its entries for the blocks). Checked at set-up against
+    the blocks: every name must match a linear layer, every split width and head count divide by the size."""
     start_method: str = "popen"
     """``"popen"`` (re-run the script per process), ``"spawn"``, ``"fork"`` or ``"forkserver"``, as for DDP."""
     save_distributed_checkpoint: bool | None = None
@@ -210,6 +229,8 @@ class PipelineSettings:
             "trace_dir": _checked_trace_dir(self.trace_dir, key),
             "mesh_order": _checked_mesh_order(self.mesh_order, key),
             "data_parallel": _checked_data_parallel(self.data_parallel, key),
+            "tensor_parallel_size": _checked_tensor_parallel_size(self.tensor_parallel_size, key),
+            "tensor_parallel_plan": checked_plan(self.tensor_parallel_plan, f"{key}tensor_parallel_plan"),
             "start_method": _checked_start_method(self.start_method, key),
             "schedule": schedule,
             "virtual_stages": virtual_stages,
@@ -231,6 +252,8 @@ class PipelineSettings:
         for name, value in checked.items():  # the checked, normalised values (a frozen dataclass)
             object.__setattr__(self, name, value)
         _refuse_with_sharding(checked["data_parallel"], self.deferred_batch_norm, checked["compile"], key)
+        if checked["tensor_parallel_size"] > 1:
+            _refuse_with_tensor_parallel(checked, self.deferred_batch_norm, key)
         if num_stages is not None:  # else the strategy does once the process count is known
             self.check_schedule(self.pipeline_config(num_stages))
 
@@ -270,30 +293,34 @@ class PipelineSettings:
     def pipeline_config(self, num_processes: int) -> PipelineParallelConfig:
         """The stage and micro-batch counts; without settings, one stage per process of ``num_processes`` and
         ``MICRO_BATCHES_PER_STAGE`` micro-batches per stage."""
-        num_stages = self.num_stages or num_processes
+        num_stages = self.num_stages or max(1, num_processes // self.tensor_parallel_size)
         return PipelineParallelConfig(num_stages, self.num_micro_batches or MICRO_BATCHES_PER_STAGE * num_stages)
 
     def check_counts(self, num_processes: int, num_nodes: int) -> None:
         """What these settings could not check alone, once the launch knows the process count (``num_processes``
         on each of ``num_nodes`` nodes): whole pipelines, a layer count per stage, the user's schedule."""
         total = num_processes * num_nodes
-        if self.num_stages is not None:
-            check_process_count(self.num_stages, num_processes, num_nodes)
+        if self.num_stages is not None or self.tensor_parallel_size > 1:
+            check_process_count(self.pipeline_config(total).num_stages, num_processes, num_nodes,
+                                tensor_parallel=self.tensor_parallel_size)
         elif isinstance(self.balance, list):  # with num_stages set, __post_init__ compared the two
             check_one_count_per_stage(self.balance, self.pipeline_config(total).num_stages,
                                       virtual_stages=self.virtual_stages or 1, schedule=self.schedule.name)  # type: ignore[union-attr]
         config = self.pipeline_config(total)  # validates the resolved counts
-        check_data_parallel(self.data_parallel, config.num_stages, num_processes, num_nodes)
+        check_data_parallel(self.data_parallel, config.num_stages * self.tensor_parallel_size, num_processes, num_nodes)
         if self.num_stages is None:  # with num_stages set, __post_init__ ran the user's schedule already
             self.check_schedule(config)
 
     def layout(self, num_processes: int) -> PipelineLayout:
-        """Which of ``num_processes`` ranks holds which stage of which replica (``num_stages * replicas``)."""
-        num_stages = self.pipeline_config(num_processes).num_stages
+        """Which of ``num_processes`` ranks holds which stage of which replica, at which tensor-parallel index
+        (``num_stages * replicas * tensor_parallel_size``)."""
+        num_stages, tensor_parallel = self.pipeline_config(num_processes).num_stages, self.tensor_parallel_size
         loss_stage = self.schedule.loss_stage(num_stages, self.virtual_stages or 1)  # type: ignore[union-attr]
         return PipelineLayout(
-            num_stages, max(1, num_processes // num_stages), pipeline_outermost=self.mesh_order[0] == "pp",
+            num_stages, max(1, num_processes // (num_stages * tensor_parallel)),
+            pipeline_outermost=[name for name in self.mesh_order if name != "tp"][0] == "pp",
             loss_on_first_stage=num_stages > 1 and loss_stage == 0,
+            tensor_parallel=tensor_parallel, tensor_parallel_innermost=self.mesh_order[0] != "tp",
         )
 
     def chunk_config(self, num_processes: int) -> PipelineParallelConfig:
@@ -366,10 +393,22 @@ def validate_recompute_mode(mode: object, key: str = "") -> RecomputeMode:
     return mode  # type: ignore[return-value]
 
 
-def check_process_count(num_stages: int, devices: int, num_nodes: int, key: str = "", trainer_key: str = "") -> None:
-    """Raise unless ``devices * num_nodes`` processes hold whole pipelines of ``num_stages`` stages. ``key`` and
-    ``trainer_key`` prefix the names in the message (``"strategy."`` and ``"trainer."`` under Hydra)."""
+def check_process_count(
+    num_stages: int, devices: int, num_nodes: int, key: str = "", trainer_key: str = "", tensor_parallel: int = 1
+) -> None:
+    """Raise unless ``devices * num_nodes`` processes hold whole pipelines of ``num_stages`` stages, each stage split
+    over ``tensor_parallel`` ranks. ``key`` and ``trainer_key`` prefix the names in the message (``"strategy."`` and
+    ``"trainer."`` under Hydra)."""
     total = devices * num_nodes
+    if tensor_parallel > 1 and total % (num_stages * tensor_parallel):
+        per_replica = num_stages * tensor_parallel
+        raise ValueError(
+            f"{trainer_key}devices={devices} on {trainer_key}num_nodes={num_nodes} starts {total} processes, not a"
+            f" multiple of {key}num_stages={num_stages} x {key}tensor_parallel_size={tensor_parallel} = {per_replica}:"
+            " each stage of each pipeline replica runs on tensor_parallel_size processes; set"
+            f" {trainer_key}devices to {per_replica} for one pipeline or to a multiple of it for data-parallel"
+            f" replicas, or choose a {key}num_stages and {key}tensor_parallel_size whose product divides {total}."
+        )
     if total % num_stages:
         raise ValueError(
             f"{trainer_key}devices={devices} on {trainer_key}num_nodes={num_nodes} starts {total} processes, not a"
@@ -470,15 +509,20 @@ def _checked_trace_dir(trace_dir: Any, key: str) -> Path | None:
     return Path(trace_dir)
 
 
-def _checked_mesh_order(mesh_order: Any, key: str) -> tuple[str, str]:
+def _checked_mesh_order(mesh_order: Any, key: str) -> tuple[str, ...]:
     order = tuple(mesh_order) if _is_list_like(mesh_order) else None
     if order not in MESH_ORDERS:
         raise ValueError(
             f"{key}mesh_order={_shown(mesh_order)} is invalid; use ['pp', 'dp'] (pipeline outermost: a replica's"
             " gradient all-reduce stays among neighbouring ranks, one node) or ['dp', 'pp'] (a pipeline's stages on"
-            " neighbouring ranks)."
+            " neighbouring ranks), with 'tp' (tensor parallel) last (the default) or first: ['pp', 'dp', 'tp']."
         )
     return order  # type: ignore[return-value]
+
+
+def _checked_tensor_parallel_size(size: Any, key: str) -> int:
+    require_positive_int(f"{key}tensor_parallel_size", size)
+    return size  # type: ignore[no-any-return]
 
 
 def _checked_data_parallel(mode: Any, key: str) -> str:
@@ -502,6 +546,29 @@ def _refuse_with_sharding(mode: str, deferred_batch_norm: bool, compile: Any, ke
                 " supported yet: a block sharded with FSDP2 has not been shown to train as on one device with it."
                 f" Use {key}data_parallel='replicate' with {key}{name}, or leave {key}{name} out."
             )
+
+
+# The schedules shown to train as one device does with split blocks (tests/test_tensor_parallel.py).
+TENSOR_PARALLEL_SCHEDULES = ("gpipe", "1f1b", "auto")
+
+
+def _refuse_with_tensor_parallel(checked: dict[str, Any], deferred_batch_norm: bool, key: str) -> None:
+    """The combinations with split blocks not shown equal to one device yet, refused rather than run differently."""
+    size = checked["tensor_parallel_size"]
+    refused = [(name, value) for name, value in (
+        ("compile", checked["compile"]), ("deferred_batch_norm", deferred_batch_norm),
+        ("data_parallel", checked["data_parallel"] if checked["data_parallel"] == "full_shard" else False),
+        ("schedule", checked["schedule"].name if checked["schedule"].name not in TENSOR_PARALLEL_SCHEDULES else False),
+    ) if value not in (False, None)]
+    if refused:
+        name, value = refused[0]
+        raise ValueError(
+            f"{key}tensor_parallel_size={size} with {key}{name}={value!r} is not supported yet: blocks split with"
+            f" tensor parallelism have not been shown to train as on one device with it. Use {key}tensor_parallel_size"
+            f"=1 with {key}{name}={value!r}, or"
+            + (f" one of the schedules {', '.join(map(repr, TENSOR_PARALLEL_SCHEDULES))}." if name == "schedule" else
+               " data_parallel='shard'." if name == "data_parallel" else f" leave {key}{name} out.")
+        )
 
 
 def _checked_start_method(start_method: Any, key: str) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import fields, replace
 from datetime import timedelta
 from functools import partial
@@ -189,8 +189,9 @@ class GPipeStrategyMixin(PipelineView):
         # The other pipeline settings (see PipelineSettings).
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen", sample: Any = None,
         trace_steps: Sequence[int] = (), trace_dir: str | Path | None = None, log_bubble_fraction: bool = True,
-        deferred_batch_norm: bool = False, mesh_order: tuple[str, str] = ("pp", "dp"),
+        deferred_batch_norm: bool = False, mesh_order: Sequence[str] = ("pp", "dp"),
         data_parallel: Literal["replicate", "shard", "full_shard"] = "replicate",
+        tensor_parallel_size: int = 1, tensor_parallel_plan: Mapping[str, Any] | Callable[..., Any] | None = None,
         save_distributed_checkpoint: bool | None = None, gather_model_after_run: bool = False,
         schedule: str | PipelineSchedule | StageActions = "gpipe", virtual_stages: int | None = None,
         compile: bool | Mapping[str, Any] = False,
@@ -617,8 +618,13 @@ GPipeStrategy.lightning_package = LightningPackage(
 register_package(GPipeStrategy.lightning_package)
 
 
-def _whole_view(pipeline: BuiltPipeline | None, optimizers: Sequence[Optimizer] = ()) -> AbstractContextManager[None]:
-    """FSDP hook: checkpoints read and write the blocks sharded over the replicas as whole tensors (see
-    :meth:`~lightning_pipe.execution.sharding.StageSharding.whole_view`)."""
+@contextmanager
+def _whole_view(pipeline: BuiltPipeline | None, optimizers: Sequence[Optimizer] = ()) -> Generator[None, None, None]:
+    """FSDP and TP hook: checkpoints read and write the blocks sharded over the replicas, or split over the
+    tensor-parallel ranks, as whole tensors (see :meth:`~lightning_pipe.execution.sharding.StageSharding.whole_view`
+    and :meth:`~lightning_pipe.execution.tensor_parallel.StageTensorParallel.whole_view`)."""
     sharding = pipeline.sharding if pipeline is not None else None
-    return sharding.whole_view(optimizers) if sharding is not None and sharding.blocks else nullcontext()
+    split = pipeline.tensor_parallel if pipeline is not None else None
+    with sharding.whole_view(optimizers) if sharding is not None and sharding.blocks else nullcontext():
+        with split.whole_view(optimizers) if split is not None and split.blocks else nullcontext():
+            yield

@@ -56,7 +56,7 @@ class EngineStep:
         v = schedule.checked_virtual_stages(virtual_stages)
         device = next(sequential.parameters()).device
         layout = PipelineLayout(num_stages, loss_on_first_stage=num_stages > 1 and schedule.loss_stage(num_stages, v) == 0)
-        groups = init_pipeline_groups(layout, dist.get_rank(), device, dist.get_backend(), None, ("pp", "dp"))
+        groups = init_pipeline_groups(layout, dist.get_rank(), device, dist.get_backend(), None)
         index = groups.stage
         chunks = PipelineParallelConfig(num_stages * v, num_micro_batches).split_into_stages(len(sequential))
         self.module = _MeanSquaredError(sequential)

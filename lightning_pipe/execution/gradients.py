@@ -51,7 +51,9 @@ def reduce_gradients(
     bounds)."""
     if not parameters or dist.get_world_size(group) == 1:
         return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+    whole = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+    # A parameter split with tensor parallelism (a DTensor): each replica holds the same slice, averaged as it is.
+    grads = [g.to_local() if isinstance(g, DTensor) else g for g in whole]
     used = torch.tensor([float(p.grad is not None) for p in parameters], device=grads[0].device)
     flat = torch.cat([g.reshape(-1) for g in grads] + [used.to(grads[0].dtype)])
     what = "the average of the gradients over the replicas" if average else "the sum of the shared parameters' gradients"
@@ -62,7 +64,7 @@ def reduce_gradients(
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
-    for p, g, users in zip(parameters, grads, flat[offset:].tolist()):
+    for p, g, users in zip(parameters, whole, flat[offset:].tolist()):
         p.grad = g if users > 0 else None
 
 
@@ -80,7 +82,9 @@ def clip_grad_norm_over_pipeline(
     ``group``, the ``replicated`` parameters (identical on every stage after the gradient sum) counted once, and
     the ``counted_elsewhere`` ones (copies of a parameter that another stage also holds) not here. A parameter
     sharded over the replica group ``shards`` (a DTensor, see :mod:`lightning_pipe.execution.sharding`) counts
-    the squares of every replica's shard, gathered over ``shards`` and added in rank order.
+    the squares of every replica's shard, gathered over ``shards`` and added in rank order. With tensor parallelism
+    ``shards`` is every rank holding a part of the stage (replicas x tensor-parallel ranks) and each DTensor's
+    squares count once per distinct slice (:func:`_split_squared_norm`).
 
     Every rank clips by the same bits, so that the copies of a replicated parameter never drift apart: each rank's
     squared norm is gathered and the parts are added in rank order on every rank, and the replicated parameters'
@@ -94,7 +98,8 @@ def clip_grad_norm_over_pipeline(
     sharded = [g for g in own if isinstance(g, DTensor)]  # FSDP hook: this rank holds a shard of each
     part = _squared_norm([g for g in own if not isinstance(g, DTensor)], device)
     if shards is not None:
-        part = part + _sum_over(local_squared_norm(sharded, device), shards, watchdog, "the sharded gradients' norm")
+        part = part + _sum_over(_split_squared_norm(sharded, device, dist.get_world_size(shards)), shards, watchdog,
+                                "the sharded gradients' norm")
     ranks = dist.get_process_group_ranks(group) if dist.get_world_size(group) > 1 else [dist.get_rank()]
     if dist.get_rank() == min(ranks):
         part = part + _squared_norm([p.grad for p in replicated if id(p) in held], device)
@@ -104,6 +109,23 @@ def clip_grad_norm_over_pipeline(
     if shards is not None:  # the coefficient clip_grads_with_norm_ applies, on each rank's shards
         scale_sharded_gradients([p for p in params if isinstance(p.grad, DTensor)],
                                 (clip_val / (total_norm + 1e-6)).clamp(max=1.0))
+
+
+def _split_squared_norm(grads: list[Tensor], device: torch.device, holders: int) -> Tensor:
+    """This rank's share of the squared norm of ``grads`` (DTensors, each split or sharded over some of the
+    ``holders`` ranks of a stage): its local part's squares times the count of distinct parts over ``holders``, so that
+    the sum over the holders counts each part once (a part held alike by several ranks, as a row-wise layer's bias on
+    every tensor-parallel rank or a split weight on every replica, is divided among them)."""
+    by_share: dict[float, list[Tensor]] = {}
+    for g in grads:
+        distinct = 1
+        for size, placement in zip(g.device_mesh.shape, g.placements):
+            distinct *= size if placement.is_shard() else 1
+        by_share.setdefault(distinct / holders, []).append(g)
+    part = torch.zeros((), device=device, dtype=torch.float64)
+    for share, same in by_share.items():
+        part = part + local_squared_norm(same, device) * share
+    return part
 
 
 def _sum_over(part: Tensor, group: dist.ProcessGroup, watchdog: StallWatchdog, what: str) -> Tensor:

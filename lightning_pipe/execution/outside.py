@@ -139,19 +139,19 @@ class OutsideOwnership:
         timeout: timedelta | None,
     ) -> None:
         local = dict(model.named_parameters(remove_duplicate=False))
-        replica = layout.replica(dist.get_rank())
+        pipeline = layout.replica(dist.get_rank()), layout.tensor_index(dist.get_rank())
         self._held: list[tuple[nn.Parameter, dist.ProcessGroup, int]] = []  # parameter, its holders' group, source
         self.counted_elsewhere: list[nn.Parameter] = []
         groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         for name, stages in holders.items():
             key = tuple(sorted(stages))
             if key not in groups:  # one group per set of stages, created in the same order on every rank
-                rank_sets = [[layout.rank(s, r) for s in key] for r in range(layout.num_replicas)]
+                rank_sets = [[layout.rank(s, *each) for s in key] for each in layout.pipelines()]
                 groups[key], _ = dist.new_subgroups_by_enumeration(rank_sets, timeout=timeout)
             if stage not in key:
                 continue
             parameter = next(local[alias] for alias in aliases[name] if alias in local)
-            self._held.append((parameter, groups[key], layout.rank(source[name], replica)))  # type: ignore[arg-type]
+            self._held.append((parameter, groups[key], layout.rank(source[name], *pipeline)))  # type: ignore[arg-type]
             if stage != key[0]:
                 self.counted_elsewhere.append(parameter)
 

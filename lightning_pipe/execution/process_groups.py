@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_pipe.execution.p2p import Link
 from lightning_pipe.partition.topology import PipelineLayout
@@ -25,9 +25,11 @@ from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog
 class PipelineGroups:
     """Everything a rank needs to talk to the rest of the run.
 
-    ``pipeline`` joins the stages of this rank's replica (activations and gradients travel there), ``replicas`` the
-    ranks holding this stage in every replica (they average gradients), ``meta`` is a CPU (gloo) group over the same
-    ranks as ``pipeline``: headers and step results travel there, so reading them never waits on a GPU stream.
+    ``pipeline`` joins the stages of this rank's replica and tensor-parallel index (activations and gradients travel
+    there), ``replicas`` the ranks holding this stage's slice in every replica (they average gradients), ``meta`` is
+    a CPU (gloo) group over the same ranks as ``pipeline``: headers and step results travel there, so reading them
+    never waits on a GPU stream. ``mesh`` is the whole run's ``DeviceMesh`` (``"pp"``, ``"dp"``, ``"tp"``): the
+    tensor-parallel blocks and the sharded blocks take their dimensions of it.
     """
 
     layout: PipelineLayout
@@ -38,6 +40,28 @@ class PipelineGroups:
     replicas: dist.ProcessGroup
     meta: dist.ProcessGroup
     watchdog: StallWatchdog = UNWATCHED  # bounds the waits on other ranks (see lightning_pipe.reliability.watchdog)
+    mesh: DeviceMesh | None = None  # None for a rank alone (no process group)
+    holders: dist.ProcessGroup | None = None  # with replicas and tensor parallelism: see `stage_holders`
+
+    @property
+    def stage_holders(self) -> dist.ProcessGroup:
+        """The ranks holding a part of this stage: every replica's, at every tensor-parallel index (the gradient
+        norm adds the squares of its split and sharded parameters over them)."""
+        if self.layout.tensor_parallel == 1:
+            return self.replicas
+        if self.layout.num_replicas == 1:
+            return self.tensor_parallel  # type: ignore[return-value]
+        assert self.holders is not None
+        return self.holders
+
+    @property
+    def tensor_parallel(self) -> dist.ProcessGroup | None:
+        """The ranks splitting this stage's tensor-parallel blocks with this rank; None without tensor parallelism."""
+        return self.mesh.get_group("tp") if self.mesh is not None and self.layout.tensor_parallel > 1 else None
+
+    @property
+    def tensor_index(self) -> int:
+        return self.layout.tensor_index(self.rank)
 
     @property
     def stage(self) -> int:
@@ -54,7 +78,7 @@ class PipelineGroups:
     @property
     def stage_ranks(self) -> list[int]:
         """The global ranks of this rank's pipeline, by stage."""
-        return self.layout.pipeline_ranks(self.replica)
+        return self.layout.pipeline_ranks(self.replica, self.tensor_index)
 
     @property
     def loss_rank(self) -> int:
@@ -80,37 +104,44 @@ def init_pipeline_groups(
     device: torch.device,
     backend: str,
     timeout: timedelta | None,
-    mesh_order: tuple[str, str],
     watchdog: StallWatchdog = UNWATCHED,
 ) -> PipelineGroups:
-    """The groups of ``layout`` over the initialised default group: a ``DeviceMesh`` with a ``"pp"`` (pipeline) and a
-    ``"dp"`` (replica) dimension, outermost first as ``mesh_order`` says, and the CPU group for headers."""
-    sizes = {"pp": layout.num_stages, "dp": layout.num_replicas}
+    """The groups of ``layout`` over the initialised default group: a ``DeviceMesh`` with a ``"pp"`` (pipeline), a
+    ``"dp"`` (replica) and a ``"tp"`` (tensor-parallel) dimension, outermost first as ``layout.order`` says, and the
+    CPU group for headers."""
+    order, sizes = layout.order, layout.sizes
     mesh = init_device_mesh(
         device.type,
-        tuple(sizes[name] for name in mesh_order),
-        mesh_dim_names=mesh_order,
-        backend_override=_mesh_backends(backend, timeout, mesh_order, layout.num_replicas),
+        tuple(sizes[name] for name in order),
+        mesh_dim_names=order,
+        backend_override=_mesh_backends(backend, timeout, order, layout.world_size == layout.num_stages),
     )
     if backend == "gloo":
         meta = mesh.get_group("pp")
     else:
-        pipelines = [layout.pipeline_ranks(replica) for replica in range(layout.num_replicas)]
+        pipelines = [layout.pipeline_ranks(replica, tensor) for replica, tensor in layout.pipelines()]
         meta, _ = dist.new_subgroups_by_enumeration(pipelines, backend="gloo", timeout=timeout)
-    return PipelineGroups(layout, rank, device, timeout, mesh.get_group("pp"), mesh.get_group("dp"), meta, watchdog)
+    holders = None
+    if layout.num_replicas > 1 and layout.tensor_parallel > 1:
+        stages = [[layout.rank(stage, *pipeline) for pipeline in layout.pipelines()] for stage in range(layout.num_stages)]
+        holders, _ = dist.new_subgroups_by_enumeration(stages, timeout=timeout)
+    return PipelineGroups(
+        layout, rank, device, timeout, mesh.get_group("pp"), mesh.get_group("dp"), meta, watchdog, mesh, holders
+    )
 
 
 def _mesh_backends(
-    backend: str, timeout: timedelta | None, mesh_order: tuple[str, str], num_replicas: int
+    backend: str, timeout: timedelta | None, order: tuple[str, ...], one_pipeline: bool
 ) -> dict[str, tuple[str, Any]] | None:
-    """The mesh's groups with the run's timeout. With replicas, the mesh creates a group per pipeline and per stage,
-    which torch would give its default timeout (30 minutes) rather than the world's: a stalled stage would go
-    unnoticed that long. With one replica the pipeline's group is the world's, which has the timeout."""
-    if timeout is None or num_replicas == 1:
+    """The mesh's groups with the run's timeout. With several pipelines, the mesh creates a group per pipeline, per
+    stage and per stage's tensor-parallel ranks, which torch would give its default timeout (30 minutes) rather than
+    the world's: a stalled stage would go unnoticed that long. With one pipeline its group is the world's, which has
+    the timeout."""
+    if timeout is None or one_pipeline:
         return None
     options = dist.ProcessGroupGloo._Options() if backend == "gloo" else dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
-    return {name: (backend, options) for name in mesh_order}
+    return {name: (backend, options) for name in order}
 
 
 # ---- collectives over every rank, each wait watched --------------------------------------------------------------

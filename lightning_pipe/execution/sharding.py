@@ -155,13 +155,15 @@ def shard_stage(
     device: torch.device,
     kept_whole: Iterable[Tensor] = (),
     watchdog: StallWatchdog = UNWATCHED,
+    mesh: DeviceMesh | None = None,
 ) -> StageSharding:
     """Wrap each of ``blocks`` holding parameters to shard (not one of ``kept_whole``) with ``fully_shard`` over
-    ``group`` (``blocks``: each block by its name in the model). A collective over ``group``: its ranks must hold
-    the same values already (the pipeline broadcast them from the first replica)."""
+    ``group`` (``blocks``: each block by its name in the model; ``mesh``: the mesh of ``group`` where blocks split
+    with tensor parallelism need the run's, else one is made of ``group``). A collective over ``group``: its ranks
+    must hold the same values already (the pipeline broadcast them from the first replica)."""
     blocks = list(blocks)
     refuse_sharded_already(blocks)
-    mesh = DeviceMesh.from_group(group, device.type)
+    mesh = mesh if mesh is not None else DeviceMesh.from_group(group, device.type)
     whole = {id(t) for t in kept_whole}
     # A parameter two of this stage's blocks share (a tie within the stage) stays whole too: FSDP2 shards a parameter
     # for one module only.

@@ -100,7 +100,7 @@ class TiedParameters:
         groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         for tie in tied:
             if tie.stages not in groups:  # one group per set of stages, in the same order on every rank
-                rank_sets = [[layout.rank(s, replica) for s in tie.stages] for replica in range(layout.num_replicas)]
+                rank_sets = [[layout.rank(s, *pipeline) for s in tie.stages] for pipeline in layout.pipelines()]
                 groups[tie.stages], _ = dist.new_subgroups_by_enumeration(rank_sets, timeout=timeout)
             if stage_index not in tie.stages:
                 continue
@@ -112,7 +112,7 @@ class TiedParameters:
             assert group is not None
             # The last user's values: on one device, the last module holding a tied parameter initialises it last
             # (see `materialize.init_weights`); a model built whole has the same values on every stage anyway.
-            source = layout.rank(tie.last_user, layout.replica(dist.get_rank()))
+            source = layout.rank(tie.last_user, layout.replica(dist.get_rank()), layout.tensor_index(dist.get_rank()))
             self._held.append((parameter, group, source))
             if stage_index != tie.stages[0]:
                 self._counted_elsewhere.append(parameter)

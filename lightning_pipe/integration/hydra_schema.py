@@ -70,12 +70,20 @@ class GPipeStrategyConfig:
     deferred_batch_norm: bool = False
     """Update BatchNorm running statistics once per batch, as one device would (default: once per micro-batch)."""
     mesh_order: list[str] = field(default_factory=lambda: ["pp", "dp"])
-    """Rank layout over pipeline and data-parallel replicas, outermost first, when ``trainer.devices *
-    trainer.num_nodes`` is a multiple of ``num_stages``: ``[pp, dp]`` keeps a replica's all-reduce within a node."""
+    """Rank layout over pipeline, data-parallel replicas and tensor-parallel ranks, outermost first, when
+    ``trainer.devices * trainer.num_nodes`` is a multiple of ``num_stages``: ``[pp, dp]`` keeps a replica's
+    all-reduce within a node; ``tp`` is innermost unless named (``[tp, pp, dp]``)."""
     data_parallel: str = "replicate"
     """What a stage's data-parallel replicas hold: ``replicate`` (each the whole stage; gradients all-reduced),
     ``shard`` (each block sharded over the replicas with FSDP2, gathered once per step: ZeRO-2) or ``full_shard``
     (gathered for every micro-batch: ZeRO-3, least memory)."""
+    tensor_parallel_size: int = 1
+    """Ranks splitting each stage's blocks with tensor parallelism (DTensor): ``trainer.devices * trainer.num_nodes
+    = num_stages * replicas * tensor_parallel_size``."""
+    tensor_parallel_plan: Any = None
+    """How to split a block: ``{attn.qkv: colwise, attn.out: rowwise}`` (module names inside a block, ``*`` for one
+    name part); null: the Hugging Face model's own ``config.base_model_tp_plan``. (``Any``: a mapping;
+    :func:`validate_config` checks it.)"""
     save_distributed_checkpoint: Optional[bool] = None
     """Write sharded checkpoints (each rank its own stage) instead of one file gathered on rank 0; null: sharded
     for a model built on the meta device (in ``configure_model``), one file otherwise."""
@@ -155,7 +163,9 @@ def validate_config(config: Mapping[str, Any]) -> PipelineParallelConfig:
         raise ValueError("the config has no 'strategy' group; add '- strategy: gpipe' to its defaults list.")
     pipeline = validate_strategy_config(config["strategy"], key="strategy")
     if "trainer" in config:
-        _check_process_count(config["trainer"], pipeline.num_stages, config["strategy"].get("data_parallel", "replicate"))
+        strategy = config["strategy"]
+        _check_process_count(config["trainer"], pipeline.num_stages, strategy.get("data_parallel", "replicate"),
+                             strategy.get("tensor_parallel_size", 1))
     return pipeline
 
 
@@ -192,12 +202,14 @@ def _with_init_module_resolved(strategy: Mapping[str, Any], key: str) -> Mapping
     return {**strategy, "init_module": function}
 
 
-def _check_process_count(trainer: Mapping[str, Any], num_stages: int, data_parallel: str) -> None:
+def _check_process_count(trainer: Mapping[str, Any], num_stages: int, data_parallel: str, tensor_parallel: int) -> None:
     devices, num_nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
     if isinstance(devices, bool) or not isinstance(devices, int) or not isinstance(num_nodes, int):
         return  # "auto", a device list or a string: Lightning resolves it, and the strategy checks the result
-    check_process_count(num_stages, devices, num_nodes, key="strategy.", trainer_key="trainer.")
-    check_data_parallel(data_parallel, num_stages, devices, num_nodes, key="strategy.", trainer_key="trainer.")
+    check_process_count(num_stages, devices, num_nodes, key="strategy.", trainer_key="trainer.",
+                        tensor_parallel=tensor_parallel)
+    check_data_parallel(data_parallel, num_stages * tensor_parallel, devices, num_nodes, key="strategy.",
+                        trainer_key="trainer.")
 
 
 def _processes_started_externally() -> bool:

@@ -192,7 +192,7 @@ def hear_signals(
     connector._sigterm_notifier_fn = partial(note_sigterm, trainer, launcher, cluster_environment, rank)
     if layout.num_stages > 1:  # SLURM's requeue waits for a step boundary
         connector._slurm_sigusr_handler_fn = partial(note_requeue, runtime)
-    if layout.num_stages * layout.num_replicas == 1:
+    if layout.world_size == 1:
         return None
     stop_signals = StopSignals(
         f"stage {layout.stage(rank)} (rank {rank})", lambda: list(getattr(launcher, "procs", None) or [])
@@ -227,14 +227,14 @@ def start_process_groups(
     stall watchdog where the settings ask for one and there are several ranks."""
     device_id = device if device.type != "cpu" else None
     _init_dist_connection(cluster_environment, backend, timeout=timeout, device_id=device_id)
-    world_size = layout.num_stages * layout.num_replicas
+    world_size = layout.world_size
     names = {r: f"stage {layout.stage(r)} (rank {r})" for r in range(world_size)}
     if world_size > 1:
         publish_process(names[rank])  # so that a rank that dies in a collective can be named (see lost_ranks)
     watchdog = UNWATCHED
     if settings.stall_rule is not None and world_size > 1:
         watchdog = StallWatchdog(settings.stall_rule, rank, names, timeout)
-    return init_pipeline_groups(layout, rank, device, backend, timeout, settings.mesh_order, watchdog)
+    return init_pipeline_groups(layout, rank, device, backend, timeout, watchdog)
 
 
 # Whether this process destroys its process groups at exit: set up with the groups, withdrawn after a failure; and

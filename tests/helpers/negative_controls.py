@@ -93,3 +93,13 @@ def record_clipping_norms(norms: list[str]) -> Callable[[], None]:
 
     torch.nn.utils.clip_grads_with_norm_ = clip
     return lambda: setattr(torch.nn.utils, "clip_grads_with_norm_", original)
+
+
+def count_every_slice_on_every_rank() -> Callable[[], None]:
+    """The gradient norm counts each tensor-parallel slice's squares on every rank holding it (a row-wise layer's bias,
+    whole on each tensor-parallel rank, counted T times), not once; returns what undoes it."""
+    from lightning_pipe.execution import gradients
+
+    original = gradients._split_squared_norm
+    gradients._split_squared_norm = lambda grads, device, holders: gradients.local_squared_norm(grads, device)
+    return lambda: setattr(gradients, "_split_squared_norm", original)
