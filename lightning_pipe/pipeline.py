@@ -162,7 +162,7 @@ class BuiltPipeline:
             self.tied.start_identical()
             self.ownership.start_identical()
             if layout.num_replicas > 1:
-                source = layout.rank(self.groups.stage, replica=0)
+                source = layout.rank(self.groups.stage, 0, self.groups.tensor_index)
                 stage = self.runtime.stage
                 for tensor in [*stage.parameters(), *stage.buffers(), *self._held_outside_tensors()]:
                     dist.broadcast(tensor.data, src=source, group=self.groups.replicas)

@@ -120,7 +120,7 @@ def _split_squared_norm(grads: list[Tensor], device: torch.device, holders: int)
     for g in grads:
         distinct = 1
         for size, placement in zip(g.device_mesh.shape, g.placements):
-            distinct *= size if placement.is_shard() else 1
+            distinct *= 1 if placement.is_replicate() else size  # FSDP2 over a split one: a _StridedShard
         by_share.setdefault(distinct / holders, []).append(g)
     part = torch.zeros((), device=device, dtype=torch.float64)
     for share, same in by_share.items():
