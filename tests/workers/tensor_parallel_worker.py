@@ -31,15 +31,16 @@ def local_bytes(tensor):
 
 
 class HeldState(Callback):
-    """After the first optimizer step: the bytes of this rank's block parameters, their gradients and their optimizer
-    state (a split parameter's slice only), and the names of the block parameters that stayed whole."""
+    """After the first training step (its optimizer step done, its gradients still held): the bytes of this rank's block parameters, their gradients and their optimizer
+    state (a split parameter's slice only), and the names of the block parameters that every rank holds whole."""
 
     def __init__(self, container: str) -> None:
         self.container, self.held = container, None
 
-    def on_before_zero_grad(self, trainer, pl_module, optimizer):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.held is not None:
             return
+        optimizer = trainer.optimizers[0]
         blocks = pl_module.get_submodule(self.container)
         named = [(n, p) for n, p in blocks.named_parameters() if not p.is_meta]
         state = [t for p in (p for _, p in named) for t in optimizer.state.get(p, {}).values()
@@ -48,7 +49,8 @@ class HeldState(Callback):
             "parameters": sum(local_bytes(p) for _, p in named),
             "gradients": sum(local_bytes(p.grad) for _, p in named if p.grad is not None),
             "optimizer": sum(local_bytes(t) for t in state),
-            "whole": sorted(n for n, p in named if not isinstance(p, DTensor)),
+            "whole": sorted(n for n, p in named
+                            if not isinstance(p, DTensor) or all(x.is_replicate() for x in p.placements)),
         }
 
 

@@ -1,0 +1,209 @@
+"""Tensor parallelism inside a stage (``tensor_parallel_size=T``): blocks split with DTensor by a user's plan or a
+Hugging Face model's own train as one device does, alone and with the sharded data-parallel replicas (the 3D layout);
+clipping by one norm over the slices; a rank holds about 1/T of its blocks; what does not fit is refused at set-up."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer, seed_everything
+from torch import nn
+from torch.utils.data import DataLoader
+
+from helpers.compare import merged_state_dict, rank_results, relative_weight_error
+from helpers.launch import launch, selected_tests_use, started_together
+from helpers.recording import MetricRecorder
+from helpers.stock_models import LlamaModule, Qwen2Module
+from helpers.tensor_parallel_models import BLOCK_PLAN, TENSOR_PARALLEL_MODELS, Block, loaders_for
+from lightning_pipe import GPipeStrategy
+from lightning_pipe.execution.tensor_parallel import resolve_plan
+from lightning_pipe.integration.hydra_schema import validate_config
+from lightning_pipe.partition.topology import PipelineLayout
+from lightning_pipe.settings import PipelineSettings
+
+CLIP = {"gradient_clip_val": 0.1}  # clips every step (the norms are 0.5-2)
+
+
+def split(name: str, model: str, schedule: str = "gpipe", data_parallel: str = "replicate", **extra) -> dict:
+    strategy = {"num_stages": 2, "tensor_parallel_size": 2, "num_micro_batches": 2, "schedule": schedule,
+                "data_parallel": data_parallel}
+    if model.startswith("block"):
+        strategy["tensor_parallel_plan"] = BLOCK_PLAN  # the Hugging Face models bring their own
+    return {"name": name, "model": model, "strategy": strategy, "trainer": CLIP, **extra}
+
+
+# 2 stages x T=2 (4 processes): the plain block by the user's plan, Llama and Qwen2 (its head tied to the embedding,
+# outside the blocks) by their own, under GPipe and 1F1B; the negative control counts every slice on every rank in
+# the norm. Last, a plan naming a module no block has: refused on every rank at set-up.
+TWO_BY_TWO = [
+    split("block_gpipe", "block"),
+    split("block_1f1b", "block_momentum", "1f1b"),
+    split("llama_gpipe", "llama"),
+    split("llama_1f1b", "llama", "1f1b"),
+    split("qwen2_gpipe", "qwen2"),
+    split("qwen2_1f1b", "qwen2", "1f1b"),
+    split("uncounted_slices", "block", uncounted_slices=True),
+    {**split("missing_module", "block"), "expect_error": True,
+     "strategy": {"num_stages": 2, "tensor_parallel_size": 2, "tensor_parallel_plan": {"attn.qkv": "colwise"}}},
+]
+# 2 stages x 2 replicas x T=2 (8 processes): torchtitan's 3D layout (FSDP2 over the replicas of split blocks), and
+# replicated stages; the replicas' logged losses averaged (sync_dist) where the model's step allows.
+THREE_D = [
+    split("block_shard_gpipe", "block_synced", data_parallel="shard"),
+    split("block_shard_1f1b", "block_synced", "1f1b", data_parallel="shard"),
+    split("block_replicate_1f1b", "block_synced", "1f1b"),
+    split("llama_shard_gpipe", "llama", data_parallel="shard"),
+]
+MATCHING = {"two_by_two": [run for run in TWO_BY_TWO if not (run.get("expect_error") or run.get("uncounted_slices"))],
+            "three_d": THREE_D}
+
+
+def fits(runs: list[dict], devices: int, out: Path) -> Path:
+    launch("tensor_parallel_worker.py", {"devices": devices, "out": str(out), "runs": runs}, out, timeout=900)
+    return out
+
+
+@pytest.fixture(scope="module")
+def launches(request, tmp_path_factory):
+    if not selected_tests_use(request, "launches"):
+        return {}
+    jobs = {"two_by_two": partial(fits, TWO_BY_TWO, 4), "three_d": partial(fits, THREE_D, 8)}
+    return started_together({name: partial(job, tmp_path_factory.mktemp(name)) for name, job in jobs.items()})
+
+
+def one_device(model_name: str, replicas: int = 1) -> tuple[dict, dict, list[float]]:
+    """Initial and final weights and per-step losses of the same training on one device: with ``replicas``, each
+    step takes every replica's samples, in the order the distributed sampler deals them."""
+    seed_everything(0)
+    hugging_face = model_name in ("llama", "qwen2")
+    model = TENSOR_PARALLEL_MODELS[model_name](**({"batch_size": 8 * replicas} if hugging_face else {}))
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    train, val = loaders_for(model, 8 * replicas) or (model.train_dataloader(), model.val_dataloader())
+    if replicas > 1:  # a shuffling DistributedSampler's order (seed 0, epoch 0), one step of all replicas a batch
+        order = torch.randperm(len(train.dataset), generator=torch.Generator().manual_seed(0)).tolist()
+        train = DataLoader(train.dataset, batch_size=8 * replicas, sampler=order)
+    recorder = MetricRecorder()
+    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
+                      limit_val_batches=2, **CLIP)
+    trainer.fit(model, train, val)
+    return initial, model.state_dict(), recorder.train_losses
+
+
+@pytest.mark.parametrize("layout", ["two_by_two", "three_d"])
+def test_split_blocks_train_as_one_device(launches, layout):
+    """Per-step losses within 1e-5 and weights within 1e-5 of their change, every schedule and model of the launch;
+    every rank clipped by the same norm, bit for bit."""
+    run_dirs = launches[layout].result()
+    replicas = 2 if layout == "three_d" else 1
+    for run in MATCHING[layout]:
+        initial, expected, losses = one_device(run["model"], replicas)
+        results = rank_results(run_dirs / run["name"])
+        error = relative_weight_error(initial, expected, merged_state_dict(run_dirs / run["name"]))
+        assert error < 1e-5, f"{layout} {run['name']}: weights {error:.2e} of their change from one device's"
+        if replicas == 1 or run["model"] == "block_synced":
+            for result in results:
+                assert result["train_losses"] == pytest.approx(losses, rel=1e-5), f"{layout} {run['name']}"
+        else:  # each replica logged its own batch's loss: their mean is one device's (equal-length sequences)
+            by_rank = [result["train_losses"] for result in results]
+            mean = [sum(step) / len(step) for step in zip(*by_rank)]
+            assert mean == pytest.approx(losses, rel=1e-5), f"{layout} {run['name']}: the replicas' mean loss"
+        assert len({tuple(result["clipping_norms"]) for result in results}) == 1, f"{run['name']}: clipping norms"
+        assert len(results[0]["clipping_norms"]) == len(losses)
+
+
+def test_counting_a_slice_on_every_rank_is_caught(launches):
+    """Negative control: a norm that counts the row-wise biases (whole on each tensor-parallel rank) twice clips by
+    another coefficient, and the comparison fails."""
+    run_dir = launches["two_by_two"].result()
+    initial, expected, _ = one_device("block")
+    assert relative_weight_error(initial, expected, merged_state_dict(run_dir / "uncounted_slices")) > 1e-3
+
+
+def test_a_plan_naming_a_missing_module_is_refused_on_every_rank(launches):
+    run_dir = launches["two_by_two"].result() / "missing_module"
+    errors = sorted(run_dir.glob("error*.txt"))
+    assert len(errors) == 4
+    for error in errors:
+        assert "names 'attn.qkv', but no pipelined block holds a module of that name" in error.read_text()
+
+
+def test_a_rank_holds_half_of_its_blocks_at_two(launches):
+    """A rank's parameters, gradients and optimizer state (SGD momentum) in the blocks at T=2: half of what the
+    same stage holds whole at T=1 (within 5%), the norms and the row-wise layers' biases whole on every rank."""
+    run_dir = launches["two_by_two"].result() / "block_1f1b"
+    model = TENSOR_PARALLEL_MODELS["block_momentum"]()
+    stage_bytes = sum(p.numel() * p.element_size() for p in model.blocks[:2].parameters())
+    for result in rank_results(run_dir):
+        held = result["held"]
+        ours = held["parameters"] + held["gradients"] + held["optimizer"]
+        assert ours / (3 * stage_bytes) == pytest.approx(0.5, rel=0.05)
+        whole = {name.split(".", 1)[1] for name in held["whole"]}
+        assert whole == {"norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias", "attn.out.bias", "mlp.down.bias"}
+
+
+# ---- the plan and the refusals, in one process -------------------------------------------------------------------
+
+
+def test_the_hugging_face_plan_applies_to_each_block_with_its_prefix():
+    for module in (LlamaModule(layers=2), Qwen2Module(layers=2)):
+        names = [f"model.model.layers.{i}" for i in range(2)]
+        plans = resolve_plan(module, names, [module.get_submodule(n) for n in names], None, 2)
+        assert plans.styles[1] == {
+            "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+            "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+            "mlp.down_proj": "rowwise",
+        }
+
+
+def test_what_a_split_cannot_divide_is_refused_with_the_fix():
+    holder = nn.Module()
+    holder.blocks = nn.Sequential(Block(), Block())
+    blocks, names = list(holder.blocks), ["blocks.0", "blocks.1"]
+    with pytest.raises(ValueError, match=r"'blocks.0.attn.q' column-wise over tensor_parallel_size=3 ranks, but its"
+                                         r" out_features=16 does not divide by 3"):
+        resolve_plan(holder, names, blocks, BLOCK_PLAN, 3)
+    with pytest.raises(ValueError, match=r"blocks.0.attn.num_heads=4 does not divide by 8; choose a"):
+        resolve_plan(holder, names, blocks, {"mlp.up": "colwise"}, 8)
+    with pytest.raises(ValueError, match=r"splits 'blocks.0.norm1' \(LayerNorm\) as 'colwise', but column- and"):
+        resolve_plan(holder, names, blocks, {"norm1": "colwise"}, 2)
+    llama = LlamaModule(layers=2)  # 4 attention heads, 2 key-value heads
+    layers = [llama.get_submodule(f"model.model.layers.{i}") for i in range(2)]
+    with pytest.raises(ValueError, match=r"num_key_value_heads=2 does not divide by 4"):
+        resolve_plan(llama, [f"model.model.layers.{i}" for i in range(2)], layers, None, 4)
+    with pytest.raises(ValueError, match=r"no Hugging Face model with a tensor-parallel plan .* holds the blocks"):
+        resolve_plan(holder, names, blocks, None, 2)
+
+
+def test_the_settings_refuse_what_is_not_shown_equal_yet():
+    with pytest.raises(ValueError, match=r"devices=6 on num_nodes=1 starts 6 processes, not a multiple of"
+                                         r" num_stages=2 x tensor_parallel_size=2 = 4"):
+        PipelineSettings(num_stages=2, tensor_parallel_size=2).check_counts(6, 1)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 with schedule='zbv' is not supported yet"):
+        PipelineSettings(tensor_parallel_size=2, schedule="zbv")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 with data_parallel='full_shard' is not supported"):
+        PipelineSettings(tensor_parallel_size=2, data_parallel="full_shard")
+    with pytest.raises(ValueError, match=r"tensor_parallel_plan\['mlp.up'\]='diagonal' is invalid"):
+        GPipeStrategy(tensor_parallel_size=2, tensor_parallel_plan={"mlp.up": "diagonal"})
+    with pytest.raises(ValueError, match=r"strategy.tensor_parallel_size=2 .* trainer.devices to 4"):
+        validate_config({"strategy": {"num_stages": 2, "tensor_parallel_size": 2}, "trainer": {"devices": 2}})
+    # Without num_stages, the stages are the processes over T: 8 devices at T=2 make 4 stages, one replica.
+    layout = PipelineSettings(tensor_parallel_size=2).layout(8)
+    assert (layout.num_stages, layout.num_replicas, layout.tensor_parallel) == (4, 1, 2)
+
+
+def test_a_stages_tensor_parallel_ranks_are_neighbours_unless_named_outermost():
+    layout = PipelineLayout(num_stages=2, num_replicas=2, tensor_parallel=2)
+    assert layout.tensor_parallel_ranks(stage=1, replica=0) == [0, 1]  # the loss stage: global rank 0
+    assert layout.replica_ranks(stage=1, tensor=1) == [1, 3]
+    assert layout.pipeline_ranks(replica=1, tensor=1) == [7, 3]  # activations between ranks of one index
+    outermost = PipelineSettings(tensor_parallel_size=2, mesh_order=("tp", "pp", "dp")).layout(8)
+    assert outermost.tensor_parallel_ranks(stage=3) == [0, 4]
+    for each in (layout, outermost):
+        seen = {(each.stage(r), each.replica(r), each.tensor_index(r)) for r in range(each.world_size)}
+        assert len(seen) == each.world_size
+        assert all(each.rank(*coordinates) == r for r, coordinates in enumerate(
+            (each.stage(r), each.replica(r), each.tensor_index(r)) for r in range(each.world_size)))
