@@ -533,7 +533,8 @@ class GPipeStrategyMixin(PipelineView):
         """Write the model as a Hugging Face directory that ``from_pretrained`` loads, each stage its own shard (cut
         at ``max_shard_size`` if given); call it on every rank (see
         :meth:`~lightning_pipe.checkpoints.strategy_io.StageCheckpoints.save_pretrained`)."""
-        self._checkpoints().save_pretrained(directory, prefix, dtype, max_shard_size)
+        with _whole_view(self._pipeline):
+            self._checkpoints().save_pretrained(directory, prefix, dtype, max_shard_size)
         self.barrier()  # every rank returns once the directory is complete
 
     @override

@@ -41,11 +41,21 @@ def split(name: str, model: str, schedule: str = "gpipe", data_parallel: str = "
 TWO_BY_TWO = [
     split("block_gpipe", "block"),
     split("block_1f1b", "block_momentum", "1f1b"),
-    split("llama_gpipe", "llama"),
+    split("llama_gpipe", "llama", save_pretrained=True),
     split("llama_1f1b", "llama", "1f1b"),
     split("qwen2_gpipe", "qwen2"),
     split("qwen2_1f1b", "qwen2", "1f1b"),
     split("uncounted_slices", "block", uncounted_slices=True),
+    # An epoch checkpointed (SGD momentum: optimizer state), resumed for a second on another T and S: one file and
+    # torch.distributed.checkpoint, T=2 -> 1 and 1 -> 2.
+    {**split("resumed_2_to_1", "block_momentum"), "first_strategy": split("", "block")["strategy"],
+     "strategy": {"num_stages": 4, "num_micro_batches": 2}},
+    {**split("resumed_2_to_1_dcp", "block_momentum"),
+     "first_strategy": {**split("", "block")["strategy"], "save_distributed_checkpoint": True},
+     "strategy": {"num_stages": 4, "num_micro_batches": 2, "save_distributed_checkpoint": True}},
+    {**split("resumed_1_to_2_dcp", "block_momentum"),
+     "first_strategy": {"num_stages": 4, "num_micro_batches": 2, "save_distributed_checkpoint": True},
+     "strategy": {**split("", "block")["strategy"], "save_distributed_checkpoint": True}},
     {**split("missing_module", "block"), "expect_error": True,
      "strategy": {"num_stages": 2, "tensor_parallel_size": 2, "tensor_parallel_plan": {"attn.qkv": "colwise"}}},
 ]
@@ -57,7 +67,9 @@ THREE_D = [
     split("block_replicate_1f1b", "block_synced", "1f1b"),
     split("llama_shard_gpipe", "llama", data_parallel="shard"),
 ]
-MATCHING = {"two_by_two": [run for run in TWO_BY_TWO if not (run.get("expect_error") or run.get("uncounted_slices"))],
+RESUMED = [run for run in TWO_BY_TWO if "first_strategy" in run]
+MATCHING = {"two_by_two": [run for run in TWO_BY_TWO if not (run.get("expect_error") or run.get("uncounted_slices")
+                                                            or run in RESUMED)],
             "three_d": THREE_D}
 
 
@@ -74,7 +86,7 @@ def launches(request, tmp_path_factory):
     return started_together({name: partial(job, tmp_path_factory.mktemp(name)) for name, job in jobs.items()})
 
 
-def one_device(model_name: str, replicas: int = 1) -> tuple[dict, dict, list[float]]:
+def one_device(model_name: str, replicas: int = 1, max_epochs: int = 1) -> tuple[dict, dict, list[float]]:
     """Initial and final weights and per-step losses of the same training on one device: with ``replicas``, each
     step takes every replica's samples, in the order the distributed sampler deals them."""
     seed_everything(0)
@@ -86,7 +98,7 @@ def one_device(model_name: str, replicas: int = 1) -> tuple[dict, dict, list[flo
         order = torch.randperm(len(train.dataset), generator=torch.Generator().manual_seed(0)).tolist()
         train = DataLoader(train.dataset, batch_size=8 * replicas, sampler=order)
     recorder = MetricRecorder()
-    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
                       limit_val_batches=2, **CLIP)
     trainer.fit(model, train, val)
@@ -121,6 +133,30 @@ def test_counting_a_slice_on_every_rank_is_caught(launches):
     run_dir = launches["two_by_two"].result()
     initial, expected, _ = one_device("block")
     assert relative_weight_error(initial, expected, merged_state_dict(run_dir / "uncounted_slices")) > 1e-3
+
+
+def test_a_checkpoint_resumes_on_another_tensor_parallel_size_as_one_device(launches):
+    """Written at T=2 and resumed at T=1 (4 stages), or the other way, one file or torch.distributed.checkpoint: the
+    two epochs equal one device's (the weights and the momentum came back whole, and split again)."""
+    run_dir = launches["two_by_two"].result()
+    initial, expected, losses = one_device("block_momentum", max_epochs=2)
+    for run in RESUMED:
+        error = relative_weight_error(initial, expected, merged_state_dict(run_dir / run["name"]))
+        assert error < 1e-5, f"{run['name']}: weights {error:.2e} of their change from one device's"
+        for result in rank_results(run_dir / run["name"]):  # the resumed epoch's steps
+            assert result["train_losses"] == pytest.approx(losses[len(losses) // 2:], rel=1e-5), run["name"]
+
+
+def test_save_pretrained_from_split_blocks_loads_with_from_pretrained(launches):
+    """save_pretrained at T=2 writes whole tensors (each once, by tensor-parallel index 0 of the first replica):
+    LlamaForCausalLM.from_pretrained loads the trained model."""
+    from transformers import LlamaForCausalLM
+
+    run_dir = launches["two_by_two"].result() / "llama_gpipe"
+    loaded = LlamaForCausalLM.from_pretrained(run_dir / "pretrained").state_dict()
+    trained = {key.removeprefix("model."): value for key, value in merged_state_dict(run_dir).items()}
+    assert loaded.keys() == trained.keys()
+    assert all(torch.equal(loaded[key], trained[key]) for key in loaded)
 
 
 def test_a_plan_naming_a_missing_module_is_refused_on_every_rank(launches):

@@ -196,7 +196,7 @@ class StageCheckpoints:
         groups = self.groups
         left_out = export_pretrained_by_stage(
             module, self.pipelined, Path(directory), prefix, dtype, groups.stage, groups.stage_ranks, groups.rank,
-            groups.meta, writes=groups.replica == 0,
+            groups.meta, writes=groups.replica == 0 and groups.tensor_index == 0,
             max_shard_bytes=parse_size(max_shard_size) if max_shard_size is not None else None,
         )
         if left_out:

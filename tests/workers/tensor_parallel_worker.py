@@ -63,20 +63,29 @@ def main(spec_path):
         norms = []
         undo_norms = record_clipping_norms(norms)
         recorder = MetricRecorder()
-        seed_everything(0)
-        model = TENSOR_PARALLEL_MODELS[run["model"]](**run.get("model_kwargs", {}))
-        container = "blocks" if hasattr(model, "blocks") else "model.model.layers"
-        held = HeldState(container)
-        trainer = Trainer(
-            strategy=lightning_pipe.GPipeStrategy(**run["strategy"]),
-            accelerator="cpu", devices=spec["devices"], max_epochs=run.get("max_epochs", 1), logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=str(out), callbacks=[recorder, held], limit_val_batches=run.get("limit_val_batches", 2),
-            **run.get("trainer", {}),
-        )
-        loaders = loaders_for(model, run.get("batch_size", 8))
+
+        def trainer_for(strategy, max_epochs, callbacks, checkpoints=False):
+            return Trainer(
+                strategy=lightning_pipe.GPipeStrategy(**strategy),
+                accelerator="cpu", devices=spec["devices"], max_epochs=max_epochs, logger=False,
+                enable_checkpointing=checkpoints, enable_progress_bar=False, enable_model_summary=False,
+                default_root_dir=str(out), callbacks=callbacks, limit_val_batches=2, **run.get("trainer", {}),
+            )
+
+        checkpoint = None
+        if run.get("first_strategy"):  # an epoch under these settings, checkpointed; the run resumes from it
+            seed_everything(0)
+            first = TENSOR_PARALLEL_MODELS[run["model"]]()
+            trainer_for(run["first_strategy"], 1, [], checkpoints=True).fit(first, *(loaders_for(first) or ()))
+            checkpoint = next((out / "checkpoints").glob("*.ckpt"))
+        seed_everything(0 if checkpoint is None else 1)  # a resumed run must take its weights from the file
+        model = TENSOR_PARALLEL_MODELS[run["model"]]()
+        held = HeldState("blocks" if hasattr(model, "blocks") else "model.model.layers")
+        trainer = trainer_for(run["strategy"], 1 if checkpoint is None else 2, [recorder, held])
         try:
-            trainer.fit(model, *(loaders or ()))
+            trainer.fit(model, *(loaders_for(model) or ()), ckpt_path=checkpoint)
+            if run.get("save_pretrained"):
+                trainer.strategy.save_pretrained(out / "pretrained")
         except Exception as error:
             if not run.get("expect_error"):
                 raise
