@@ -88,6 +88,7 @@ from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.trace.stage_summary import (
     StageSummary,
     build_stage_summary,
+    largest_shard,
     model_checkpoint_note,
     outside_warning,
     self_checkpointing_warning,
@@ -134,7 +135,7 @@ class BuiltPipeline:
         """Start the run on the model moved to its device: identical replicated state, metrics synced within
         replicas, the epoch-end hooks on the last stage, Lightning's summary of the whole model, the last stage's
         random state on every stage. What undoes the changes to the user's objects, for teardown."""
-        self.start_identical()
+        self.start_identical(module._trainer.precision if module._trainer is not None else None)
         self.sync_metrics_within_replicas(module)
         undo = [
             self.share_outside_call_outputs(module),
@@ -142,15 +143,16 @@ class BuiltPipeline:
             summarize_whole_model(
                 callbacks, self.runtime.stage, self.pipelined.ranges,  # type: ignore[union-attr]
                 {name: where for name, _, where in self.outside}, self.outside_modules.showing_whole_model,
+                sharded_over=self.groups.layout.num_replicas if self.sharding is not None else 1,
             ),
         ]
         self.runtime.share_outcome(module, StepOutcome())  # every stage starts from the last stage's random state
         return undo
 
-    def start_identical(self) -> None:
+    def start_identical(self, precision: str | None = None) -> None:
         """Start identical where training keeps things identical: parameters outside the pipelined module on every
         rank (from rank 0), tied parameters, and each stage's parameters and buffers on its replicas (from replica
-        0)."""
+        0); then, with ``data_parallel`` sharding, the stage sharded (in Lightning's ``precision``)."""
         layout = self.groups.layout
         with torch.no_grad():
             for tensor in self.replicated:
@@ -167,16 +169,21 @@ class BuiltPipeline:
             stage = self.runtime.stage
             blocks = [(stage.region.names[i], stage.originals[i]) for i in stage.indices]
             sharding = shard_stage(blocks, self.settings.data_parallel, self.groups.replicas,  # type: ignore[arg-type]
-                                   self.groups.device, kept_whole, self.groups.watchdog)
+                                   self.groups.device, kept_whole, self.groups.watchdog, self._held_outside_modules(),
+                                   precision)
             object.__setattr__(self, "sharding", sharding)  # the one field set after building: see `sharding`
             stage, engine = self.runtime.stage, self.runtime.engine
             engine.backward_done = lambda k: sharding.micro_batch_done(stage.originals[i] for i in stage.chunk_ranges[k])
 
+    def _held_outside_modules(self) -> list[tuple[str, nn.Module]]:
+        """The outside modules this stage holds and some other stage does not, by name."""
+        pieces = self.pipelined.outside.items() if self.pipelined is not None else ()
+        return [(name, module) for name, (module, stages, _) in pieces if self.groups.stage in stages]
+
     def _held_outside_tensors(self) -> list[Tensor]:
         """The tensors of the outside modules this stage holds and some other stage does not."""
-        pieces = self.pipelined.outside.values() if self.pipelined is not None else ()
-        mine = [module for module, stages, _ in pieces if self.groups.stage in stages]
-        return [t for module in mine for t in [*module.parameters(), *module.buffers()]]
+        modules = [module for _, module in self._held_outside_modules()]
+        return [t for module in modules for t in [*module.parameters(), *module.buffers()]]
 
     def agree_on_gradient_overflow(self, precision: Any) -> None:
         """With a gradient scaler (16-mixed), an overflow on one stage skips the step on every stage."""
@@ -263,7 +270,21 @@ class BuiltPipeline:
             ideal_bubble=ideal_bubble(
                 schedule, num_stages, self.config.num_micro_batches, self.settings.virtual_stages  # type: ignore[arg-type]
             ),
+            data_parallel=self.settings.data_parallel,  # type: ignore[arg-type]
+            num_replicas=self.groups.layout.num_replicas,
+            held_per_rank=self._held_per_rank() if self.settings.data_parallel != "replicate" else None,
         )
+
+    def _held_per_rank(self) -> list[int]:
+        """FSDP hook: each chunk's parameters held by the rank with the largest shards, a parameter that several
+        blocks share (tied: kept whole) counted whole."""
+        layers, replicas = self.pipelined.sequential, self.groups.layout.num_replicas  # type: ignore[union-attr]
+        users: dict[int, int] = {}
+        for layer in layers:
+            for parameter in layer.parameters():
+                users[id(parameter)] = users.get(id(parameter), 0) + 1
+        return [sum(p.numel() if users[id(p)] > 1 else largest_shard(p.shape, replicas)
+                    for i in chunk for p in layers[i].parameters()) for chunk in self.plan.ranges]
 
     def announce(self, module: LightningModule, summary: StageSummary, category: type[Warning]) -> None:
         """Print the stage summary, and warn of much of the model left outside the pipeline and of layers that
@@ -278,13 +299,13 @@ class BuiltPipeline:
         if checkpointing_themselves and self.settings.recompute != "never":
             rank_zero_warn(self_checkpointing_warning(self.settings.recompute), category=category)  # type: ignore[arg-type]
 
-    def put_whole_model_back(self, module: LightningModule) -> None:
+    def put_whole_model_back(self, module: LightningModule, optimizers: Sequence[Any] = ()) -> None:
         """After the run: the user's pipelined module back in ``module`` (see
         :func:`~lightning_pipe.checkpoints.whole_model.restore_whole_model`); nothing once the stages were lost."""
         if self.pipelined is None:
             return
-        if self.sharding is not None:  # FSDP hook: the blocks whole again, from every replica's shard
-            self.sharding.make_whole()
+        if self.sharding is not None:  # FSDP hook: the modules (and ``optimizers``) whole again, from every shard
+            self.sharding.make_whole(optimizers)
         groups = self.groups
         restore_whole_model(
             module, self.pipelined, groups.stage_ranks, groups.rank, groups.pipeline, groups.device, self.deferred,
