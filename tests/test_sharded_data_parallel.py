@@ -78,13 +78,19 @@ TWO_BY_TWO = [
     {**RESUMED, "name": "shard_resumed", "strategy": {"num_stages": 2, "data_parallel": "shard"}},
     {**RESUMED, "name": "shard_resumed_dcp", "save_after_fit": True,
      "strategy": {"num_stages": 2, "data_parallel": "full_shard", "save_distributed_checkpoint": True}},
-    {**RESUMED, "name": "replicate_then_shard", "first_strategy": {"data_parallel": "replicate"},
+    # (a torch.distributed.checkpoint of whole tensors, read into the shards)
+    {**RESUMED, "name": "replicate_then_shard",
+     "first_strategy": {"data_parallel": "replicate", "save_distributed_checkpoint": True},
      "strategy": {"num_stages": 2, "data_parallel": "full_shard", "schedule": "1f1b"}},
     {**RESUMED, "name": "shard_then_replicate", "first_strategy": {"data_parallel": "shard"},
      "strategy": {"num_stages": 2, "data_parallel": "replicate"}},
     # Written at 2 stages x 2 replicas, resumed on 4 stages x 1 (the other layout), against the replicated same.
     {**RESUMED, "name": "replicated_then_4x1", "first_strategy": {"num_stages": 2}, "strategy": {"num_stages": 4}},
     {**RESUMED, "name": "shard_then_4x1", "first_strategy": {"num_stages": 2, "data_parallel": "full_shard"},
+     "strategy": {"num_stages": 4}},
+    # A torch.distributed.checkpoint of shards (DTensors) read whole on the other layout.
+    {**RESUMED, "name": "shard_dcp_then_4x1",
+     "first_strategy": {"num_stages": 2, "data_parallel": "shard", "save_distributed_checkpoint": True},
      "strategy": {"num_stages": 4}},
 ]
 # 4 stages x 2 replicas (8 processes): the tie then joins stage 1 and stage 3.
@@ -292,7 +298,8 @@ def test_checkpoints_of_sharded_stages_resume_exactly_and_on_the_other_layout(la
     for name in RESUMED_RUNS:
         assert relative_weight_error(initial, straight, merged_state_dict(run_dir / name)) < 1e-5, name
     other_layout = merged_state_dict(run_dir / "replicated_then_4x1")
-    assert relative_weight_error(initial, other_layout, merged_state_dict(run_dir / "shard_then_4x1")) < 1e-5
+    for name in ("shard_then_4x1", "shard_dcp_then_4x1"):
+        assert relative_weight_error(initial, other_layout, merged_state_dict(run_dir / name)) < 1e-5, name
     assert relative_weight_error(initial, straight, other_layout) > 1e-2  # the layouts' second epochs differ
 
 
@@ -324,6 +331,28 @@ def test_plan_says_what_each_rank_holds_in_every_data_parallel_mode(tmp_path, ca
     assert "data_parallel='replicate'     8.00 GiB  (exceeds the budget of 7.00 GiB)" in out
     assert "data_parallel='shard'         6.00 GiB  (fits the budget of 7.00 GiB)" in out
     assert "data_parallel='full_shard'    2.00 GiB  (fits the budget of 7.00 GiB)" in out
+
+
+def test_plan_says_what_each_rank_holds_from_a_transformers_configs_shapes(capsys):
+    """A Llama of 4 blocks of 36,992 parameters, its 64,000-parameter embedding on the first stage and head (and
+    norm) on the loss stage, built on the meta device: at 2 x 2 the larger stage holds 2 blocks, the head and the norm
+    (138,048 parameters): 16 bytes each replicated, 8 sharded over 2, plus 6 (bf16 weights, fp32 gradient) for the
+    whole stage under shard or for the largest module (the head) under full_shard."""
+    config = ("llama:hidden_size=64,intermediate_size=128,num_hidden_layers=4,num_attention_heads=4,"
+              "num_key_value_heads=2,vocab_size=1000")
+    plan_command(["--transformers-config", config, "--layouts", "2x2", "4x1", "--memory-budget", "2MiB",
+                  "--precision", "bf16-mixed"])
+    out = capsys.readouterr().out
+    assert "0.28 M parameters, 4 blocks in 'model.layers'; model.embed_tokens (64.00 K) on the stage of" in out
+    stage = 2 * 36992 + 64000 + 64
+    rows = [f"| 2 stages x 2 replicas | replicate | 0.14 M parameters | {16 * stage / 2**20:.2f} MiB | no | none |",
+            f"| 2 stages x 2 replicas | shard | 0.14 M parameters | {(8 + 6) * stage / 2**20:.2f} MiB | yes |",
+            f"| 2 stages x 2 replicas | full_shard | 0.14 M parameters | {(8 * stage + 6 * 64000) / 2**20:.2f} MiB | yes",
+            "| 4 stages x 1 replicas | replicate |"]
+    assert all(row in out for row in rows), out
+    with pytest.raises(SystemExit):
+        plan_command(["--transformers-config", config, "--layouts", "8by8"])
+    assert "--layouts '8by8' is invalid; give stages x replicas, as 8x8 or 16x4" in capsys.readouterr().err
 
 
 def test_a_stalled_replica_is_named_while_its_peers_wait_in_the_sharded_collectives(tmp_path):
