@@ -14,7 +14,7 @@ May import: every folder below it (``config`` to ``integration``). Imported by: 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -35,11 +35,9 @@ from lightning_pipe.execution.batchnorm import defer as defer_batch_norms
 from lightning_pipe.execution.compiling import check_compiled, compile_stage, uncompiled_name
 from lightning_pipe.execution.engine import PipelineEngine
 from lightning_pipe.execution.gradients import (
-    add_gradients,
     agree_on_gradient_overflow,
     clip_grad_norm_over_pipeline,
     reduce_gradients,
-    swap_gradients,
 )
 from lightning_pipe.execution.materialize import ModuleInit, global_seed, holds_meta_tensors, materialize
 from lightning_pipe.execution.outside import (
@@ -59,6 +57,7 @@ from lightning_pipe.execution.random_streams import StageRandomStreams
 from lightning_pipe.execution.replayed_logs import StepOutcome
 from lightning_pipe.execution.runtime import StageRuntime
 from lightning_pipe.execution.stage import StageBlocks
+from lightning_pipe.execution.steps import TrainingStep, training_step_for
 from lightning_pipe.execution.tied import TiedParameters, parameters_shared_across_stages
 from lightning_pipe.integration.lightning_packages import overrides
 from lightning_pipe.integration.model_summary import summarize_whole_model
@@ -125,11 +124,10 @@ class BuiltPipeline:
     outside_modules: OutsideModules  # the outside modules other stages hold, stood in for here
     ownership: OutsideOwnership  # outside parameters held by some stages, not all (an embedding tied to the head)
     runtime: StageRuntime
+    step: TrainingStep  # the training step in its schedule's mode, whole-batch or per-micro-batch
     tracer: PipelineTracer | None  # gathers the stages' timelines; None for one stage or none asked for
     deferred: bool  # the pipelined module was built on the meta device
     pretrained_prefix: str | None = None  # where the pretrained model sits, once its weights were mapped
-    # A per-micro-batch step's gradients, from its `training_step` to Lightning's `backward` (see `swap_gradients`).
-    step_gradients: list[tuple[list[nn.Parameter], list[Tensor | None]]] = field(default_factory=list)
     schedule_choice: ScheduleChoice | None = None  # with schedule="auto": the choice, why, the predicted table
 
     # ---- set-up ------------------------------------------------------------------------------------------------
@@ -179,38 +177,7 @@ class BuiltPipeline:
         if scaler is not None and self.config.num_stages > 1:
             agree_on_gradient_overflow(scaler, self.groups.pipeline, self.groups.device, self.groups.watchdog)
 
-    # ---- a training step ---------------------------------------------------------------------------------------
-
-    def training_step(self, module: LightningModule, model: nn.Module, precision: Any, args: tuple, kwargs: dict) -> Any:
-        """What Lightning's training step gets on this rank: the user's output on the last stage, a stand-in loss
-        elsewhere (Lightning calls backward on it; the pipeline's own backward runs instead)."""
-        runtime = self.runtime
-        # A per-micro-batch step enters the precision's context around each call of the user's step, not around the
-        # backwards it runs in between.
-        if runtime.per_micro_batch:  # its backwards run inside: see `swap_gradients`
-            trainable = [p for p in model.parameters() if p.requires_grad]
-            earlier = swap_gradients(trainable, [None] * len(trainable))
-            outcome, output = runtime.run_step(module, "training_step", args, kwargs)
-            self.step_gradients[:] = [(trainable, swap_gradients(trainable, earlier))]
-        else:
-            with precision.train_step_context():
-                outcome, output = runtime.run_step(module, "training_step", args, kwargs)
-        if outcome.skipped:
-            # Lightning refuses `None` from a distributed training_step. A placeholder loss that `backward` ignores,
-            # and that the optimizer-step closure reports as None, gives one device's behaviour: no update.
-            return torch.zeros((), device=self.groups.device)
-        return output if runtime.is_last else torch.tensor(outcome.loss, device=self.groups.device)
-
-    def backward(self, closure_loss: Tensor, module: LightningModule, precision: Any, *args: Any, **kwargs: Any) -> None:
-        """The step's backward on this stage, between the precision's ``pre_backward`` and ``post_backward``."""
-        if self.runtime.per_micro_batch:  # every backward ran in the step, where its schedule said
-            for parameters, gradients in self.step_gradients:
-                add_gradients(parameters, gradients)
-            self.step_gradients.clear()
-            return
-        if self.runtime.is_last:  # the user's loss.backward(), through the model's head to the blocks' output
-            precision.backward(closure_loss, module, *args, **kwargs)
-        self.runtime.backward()  # the blocks' own backward, micro-batch by micro-batch
+    # ---- gradients ----------------------------------------------------------------------------------------------
 
     def reduce_gradients(self, module: nn.Module) -> None:
         """Sum the replicated parameters' gradients over the pipeline, then average every gradient over replicas."""
@@ -377,9 +344,11 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
     tied = TiedParameters(ties, stage, groups.layout, replicated, groups.timeout)
     compile_stage(module, region, stage, settings.compile_options)
     timeline = StepTimeline(groups.device, enabled=settings.log_bubble_fraction or bool(settings.trace_steps))
+    runtime = _stage_runtime(stage, settings, config, groups, timeline)
     return BuiltPipeline(
         settings, config, groups, region, plan, outside, pipelined, replicated, tied, outside_modules, ownership,
-        runtime=_stage_runtime(module, stage, settings, config, groups, precision, timeline),
+        runtime=runtime,
+        step=training_step_for(runtime),
         tracer=_tracer(module, settings, config, groups, timeline),
         deferred=deferred,
         pretrained_prefix=pretrained.mapping.prefix if pretrained is not None else None,
@@ -568,12 +537,10 @@ def _make_real(
 
 
 def _stage_runtime(
-    module: LightningModule,
     stage: StageBlocks,
     settings: PipelineSettings,
     config: PipelineParallelConfig,
     groups: PipelineGroups,
-    precision: Any,
     timeline: StepTimeline,
 ) -> StageRuntime:
     """The engine that runs the schedule on ``stage``, in the runtime that runs a step on this rank."""
@@ -589,18 +556,8 @@ def _stage_runtime(
         random_streams=streams,
     )
     return StageRuntime(
-        groups, engine, stage, scale_loss=partial(_scaled_micro_batch_loss, module, precision),
-        step_context=precision.train_step_context,
-        on_model_checkpoint=partial(rank_zero_info, model_checkpoint_note(settings.recompute)),
+        groups, engine, stage, on_model_checkpoint=partial(rank_zero_info, model_checkpoint_note(settings.recompute))
     )
-
-
-def _scaled_micro_batch_loss(module: LightningModule, precision: Any, loss: Tensor) -> Tensor:
-    """What a per-micro-batch step back-propagates of a micro-batch's (weighted) loss: divided over Lightning's
-    gradient accumulation, and scaled by the gradient scaler, as Lightning does with one step's loss."""
-    loss = loss / module.trainer.accumulate_grad_batches
-    scaler = getattr(precision, "scaler", None)
-    return scaler.scale(loss) if scaler is not None else loss
 
 
 def _tracer(

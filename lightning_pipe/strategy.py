@@ -403,7 +403,7 @@ class GPipeStrategyMixin(PipelineView):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.lightning_module is not None and self.model is not None
-        return self._built.training_step(self.lightning_module, self.model, self.precision_plugin, args, kwargs)
+        return self._built.step.training_step(self.lightning_module, self.model, self.precision_plugin, args, kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -432,14 +432,14 @@ class GPipeStrategyMixin(PipelineView):
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         module = self.lightning_module
         assert module is not None
-        if self._built.runtime.step_skipped:
+        if self._built.step.skipped:
             return closure_loss
         self.pre_backward(closure_loss)
         # Lightning's hooks run around this call in either mode. A per-micro-batch step ran every backward where its
         # schedule said, each micro-batch's loss scaled as the precision scales this one: here on_before_backward
         # comes after the fact, and the scaler only starts its scale on a stage without loss.
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self._built.backward(closure_loss, module, self.precision_plugin, optimizer, *args, **kwargs)
+        self._built.step.backward(closure_loss, module, self.precision_plugin, optimizer, *args, **kwargs)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         if (observation := self._built.observe_step(module.trainer)) is not None:
@@ -453,7 +453,7 @@ class GPipeStrategyMixin(PipelineView):
     ) -> Any:
         def closure_then_reduce_gradients() -> Any:
             result = closure()
-            if self._built.runtime.step_skipped:  # training_step returned None: tell the precision, as one device would
+            if self._built.step.skipped:  # training_step returned None: tell the precision, as one device would
                 return None
             assert self.lightning_module is not None
             self._built.reduce_gradients(self.lightning_module)
