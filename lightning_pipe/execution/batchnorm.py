@@ -89,8 +89,7 @@ def revert(module: nn.Module) -> None:
         if isinstance(child, DeferredBatchNorm):
             for name in _ACCUMULATORS:
                 delattr(child, name)
-            # `isinstance`: a BatchNorm that is itself a pipelined block has a routed subclass of its deferred class.
-            child.__class__ = next(base for base, deferred in _deferred_classes.items() if isinstance(child, deferred))
+            child.__class__ = next(base for base, deferred in _deferred_classes.items() if deferred is type(child))
 
 
 @contextmanager

@@ -4,9 +4,7 @@ The model keeps its code: its ``nn.Sequential`` still runs its children in order
 ``h = block(h, mask, ...)``. At set-up every block of the region is reached through a stand-in:
 
 * a block of another stage is replaced by a :class:`RemoteBlock` (no parameters here);
-* a block of this stage stays where it is (its state-dict keys do not change); its calls are routed: its class
-  becomes a subclass of itself whose call (``nn.Module.__call__``, under any ``__call__`` of the block's own class,
-  such as Hugging Face's gradient checkpointing layers) is answered by the pipeline, unless the stage runs its blocks.
+* a block of this stage stays where it is (its state-dict keys do not change); its ``forward`` is routed.
 
 Both answer the model's calls through what :meth:`StageBlocks.route` is given (the runtime's
 :class:`~lightning_pipe.execution.block_calls.BlockCalls`): each call is checked, recorded and answered with a
@@ -18,7 +16,6 @@ arguments, split along the batch dimension where they have it; inside that run a
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -119,8 +116,10 @@ class StageBlocks:
         self._running = False  # real blocks run (on a micro-batch, or on the meta device): their calls go straight through
         self._nested_tensor_setting: tuple[nn.TransformerEncoder, bool] | None = None
         # Compiled calls of local blocks, run on micro-batches (a block compiled in place, or by `compile_stage`):
-        # the model's own call of a block reaches the routing uncompiled, for it drives the pipeline.
+        # the model's own call of a block must reach the routing uncompiled, for it drives the pipeline.
         self.compiled_calls: dict[int, Callable[..., Any]] = {}
+        self._compiled_in_place: set[int] = set()
+        self._own_forwards: dict[int, Callable[..., Any] | None] = {}  # per routed local block: its instance forward
         self._undo: list[Callable[[], None]] = []
 
     # ---- the stand-ins -------------------------------------------------------------------------------------------
@@ -140,10 +139,14 @@ class StageBlocks:
             if index not in self.indices:
                 replace_submodule(self.model, name, RemoteBlock(index, name, block, answer))
                 continue
-            compiled = getattr(block, "_compiled_call_impl", None)  # `block.compile()`: read, never replaced
-            if compiled is not None:
-                self.compiled_calls.setdefault(index, compiled)
-            _route(block, self, index, answer)
+            if index not in self._own_forwards:  # routed for the first time
+                # A forward set on the instance (e.g. by another library) stays the block's own.
+                self._own_forwards[index] = block.__dict__.get("forward")
+                if getattr(block, "_compiled_call_impl", None) is not None:  # `block.compile()`
+                    self.compiled_calls[index], block._compiled_call_impl = block._compiled_call_impl, None
+                    self._compiled_in_place.add(index)
+            block.forward = self._routed_forward(block, self._own_forwards[index], index, answer)  # type: ignore[method-assign]
+            block._compiled_call_impl = self._routed_call(index, block, answer)
 
     def uninstall(self) -> None:
         """Put every original block back (with their weights as they are), and their own ``forward``."""
@@ -156,8 +159,10 @@ class StageBlocks:
         for index, (name, block) in enumerate(zip(self.region.names, self.originals)):
             if index not in self.indices:
                 replace_submodule(self.model, name, block)
-            else:
-                _unroute(block)
+            elif index in self._own_forwards:
+                block.__dict__.pop("forward", None)
+                block._compiled_call_impl = self.compiled_calls[index] if index in self._compiled_in_place else None
+        self._own_forwards = {}
 
     @contextlib.contextmanager
     def showing_whole_model(self) -> Iterator[None]:
@@ -169,18 +174,40 @@ class StageBlocks:
             if index not in self.indices:
                 stand_ins[index] = stand_in = self.model.get_submodule(name)
                 original = self.originals[index]
-                _route(original, self, index, stand_in.answer)  # answered as the stand-in's; its placeholder runs it
+                # Answered as the stand-in's calls are; its placeholder still runs it.
+                original._compiled_call_impl = self._routed_call(index, original, stand_in.answer)
                 replace_submodule(self.model, name, original)
         try:
             yield
         finally:
             for index, stand_in in stand_ins.items():
-                _unroute(self.originals[index])
+                self.originals[index]._compiled_call_impl = None
                 replace_submodule(self.model, self.region.names[index], stand_in)
 
     def on_uninstall(self, undo: Callable[[], None]) -> None:
         """Run ``undo`` when the original blocks are put back (after the run)."""
         self._undo.append(undo)
+
+    def _routed_forward(
+        self, block: nn.Module, own: Callable[..., Any] | None, index: int, answer: Answer
+    ) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if self._running:  # looked up at call time: the class may change (deferred BatchNorm)
+                return (own or type(block).forward.__get__(block))(*args, **kwargs)
+            return answer(index, args, kwargs)
+
+        return forward
+
+    def _routed_call(self, index: int, block: nn.Module, answer: Answer) -> Callable[..., Any]:
+        """What ``block(...)`` runs (nn.Module's ``_compiled_call_impl``): the model's call is answered without the
+        block's hooks and the global module hooks, which fire when the block runs on a micro-batch."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self._running:
+                return block._call_impl(*args, **kwargs)
+            return answer(index, args, kwargs)
+
+        return call
 
     def modules(self) -> Iterator[nn.Module]:
         for block in self.blocks:
@@ -276,46 +303,6 @@ class StageBlocks:
             name = lambda i: names[i + 1] if names and i + 1 < len(names) else None  # noqa: E731
             return tuple(part(value, name(i)) for i, value in enumerate(values))
         return {key: part(value, key) for key, value in values.items()}
-
-
-class _Routed(nn.Module):
-    """Between a routed block's own class and ``nn.Module`` (see :func:`_routed_class`): the block's call, which the
-    model's code makes, goes to its route (:func:`_route`)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.__dict__[_ROUTE](self, args, kwargs)
-
-
-_ROUTE = "_lightning_pipe_route"  # on a routed block: the function its calls go to
-
-
-@functools.cache
-def _routed_class(kind: type[nn.Module]) -> type[nn.Module]:
-    """``kind`` with :class:`_Routed` between it and ``nn.Module``: a ``__call__`` of ``kind``'s own still runs
-    first, and its ``super().__call__`` reaches the routing. Named as ``kind``: the model reads as it was built."""
-    return type(kind.__name__, (kind, _Routed), {"__module__": kind.__module__, "__qualname__": kind.__qualname__})
-
-
-def _route(block: nn.Module, stage: StageBlocks, index: int, answer: Answer) -> None:
-    """Answer the model's calls of ``block`` (block ``index`` of ``stage``) with ``answer``; while the stage runs its
-    blocks, the block runs as ``nn.Module`` runs it (its hooks, its ``compile()``). A function, not the stage: a copy
-    of the model (``copy.deepcopy``) shares it."""
-
-    def route(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        if stage._running:
-            return nn.Module.__call__(module, *args, **kwargs)
-        return answer(index, args, kwargs)
-
-    block.__dict__[_ROUTE] = route
-    if not isinstance(block, _Routed):
-        block.__class__ = _routed_class(type(block))
-
-
-def _unroute(block: nn.Module) -> None:
-    """``block`` as it was before :func:`_route`: its own class (unless something since gave it another)."""
-    block.__dict__.pop(_ROUTE, None)
-    if type(block).__bases__[-1:] == (_Routed,):
-        block.__class__ = type(block).__bases__[0]
 
 
 def _not_routed_yet(name: str, index: int, args: tuple, kwargs: dict) -> Any:
