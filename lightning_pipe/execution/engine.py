@@ -117,21 +117,14 @@ class ChunkForward:
     micro-batch is skipped); on the last chunk of a per-micro-batch step, the caller hands back the micro-batch's
     scaled loss (:attr:`loss`), where its backward starts."""
 
-    __slots__ = ("action", "_engine", "ran", "loss")
+    __slots__ = ("action", "chunk", "micro_batch", "_engine", "ran", "loss")
 
     def __init__(self, action: Action, engine: PipelineEngine) -> None:
         self.action = action
+        self.chunk, self.micro_batch = action.chunk, action.micro_batch
         self._engine = engine
         self.ran = False
         self.loss: Tensor | None = None
-
-    @property
-    def chunk(self) -> int:
-        return self.action.chunk
-
-    @property
-    def micro_batch(self) -> int:
-        return self.action.micro_batch
 
     def run(self, call: ChunkCall, own_input: Activation | None = None, part: int = 0, parts: int = 1) -> Activation | None:
         """The chunk on this micro-batch: its input ``own_input`` on the first chunk (else received, or handed over on

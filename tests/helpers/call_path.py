@@ -91,7 +91,7 @@ def documented_walks(architecture: str) -> dict[str, list[tuple[int, str]]]:
         title, *lines = block.splitlines()
         walk = []
         for line in lines:
-            found = re.match(r"^( *)(lightning_pipe/[\w/]+\.py:[\w.]+)", line)
+            found = re.match(r"^( *)(lightning_pipe/[\w/]+\.py:[\w.<>]+)", line)
             if found:
                 walk.append((len(found.group(1)) // 2, found.group(2)))
         walks[title.lstrip("# ").strip()] = walk
@@ -100,8 +100,9 @@ def documented_walks(architecture: str) -> dict[str, list[tuple[int, str]]]:
 
 def missing_from(walk: list[tuple[int, str]], nodes: list[Node]) -> list[str]:
     """The documented lines the recorded calls do not show where the walk puts them: each line must be a call made
-    (directly or through code outside the package's documented lines) by the line above it at one depth less, after
-    the line's documented elder siblings; top-level lines are calls anywhere, in order."""
+    (directly or through code the walk does not show) from inside the line above it at one depth less, after the
+    line's documented elder siblings; a top-level line is any call of its function. Each line is matched to a call
+    under which all its documented lines are found, if there is one."""
     children: dict[int, list[int]] = {}
     for index, (parent, _) in enumerate(nodes):
         children.setdefault(parent, []).append(index)
@@ -114,25 +115,48 @@ def missing_from(walk: list[tuple[int, str]], nodes: list[Node]) -> list[str]:
             stack += reversed(children.get(node, []))
         return found
 
-    missing = []
-    matched: dict[int, int] = {}  # depth -> the node matched at that depth most recently
-    after: dict[int, int] = {}  # depth -> the node index the next line at that depth must come after
+    def subtrees(lines: list[tuple[int, str]]) -> list[tuple[str, list[tuple[int, str]]]]:
+        """The lines at the first line's depth, each with the lines below it."""
+        found: list[tuple[str, list[tuple[int, str]]]] = []
+        for depth, name in lines:
+            if depth == lines[0][0]:
+                found.append((name, []))
+            else:
+                found[-1][1].append((depth, name))
+        return found
+
+    def unmatched(lines: list[tuple[int, str]], candidates: list[int]) -> list[str]:
+        """The lines (siblings in order, with what is below them) not found among ``candidates`` (in call order)."""
+        missing, floor = [], -1
+        for name, below in subtrees(lines):
+            best: tuple[int, list[str]] | None = None
+            for node in (i for i in candidates if i > floor and nodes[i][1] == name):
+                left = unmatched(below, descendants(node)) if below else []
+                if best is None or len(left) < len(best[1]):
+                    best = (node, left)
+                if not left:
+                    break
+            if best is None:
+                missing += [name] + [f"{n} (below {name})" for _, n in below]
+                continue
+            floor = best[0]
+            missing += best[1]
+        return missing
+
+    everywhere = list(range(len(nodes)))
+    return [name for top in subtrees(walk) for name in unmatched([(0, top[0]), *top[1]], everywhere)]
+
+
+def walk_entries(walk: list[tuple[int, str]]) -> tuple[int, Counter[str]]:
+    """A documented walk's hops (a line in another file than the line it is called from) and how many times it
+    enters each file."""
+    entries: Counter[str] = Counter()
+    hops, stack = 0, []
     for depth, name in walk:
-        if depth == 0:
-            candidates = list(range(len(nodes)))
-        elif depth - 1 in matched:
-            candidates = descendants(matched[depth - 1])
-        else:
-            missing.append(f"{name} (its parent line was not found)")
-            continue
-        floor = after.get(depth, -1)
-        found = next((i for i in candidates if i > floor and nodes[i][1] == name), None)
-        if found is None:
-            missing.append(name)
-            continue
-        matched[depth] = found
-        after[depth] = found
-        for deeper in [d for d in matched if d > depth]:
-            del matched[deeper]
-            after.pop(deeper, None)
-    return missing
+        del stack[depth:]
+        file = name.partition(":")[0]
+        if not stack or stack[-1] != file:
+            entries[file] += 1
+            hops += bool(stack)
+        stack.append(file)
+    return hops, entries
