@@ -217,6 +217,7 @@ class PipelineEngine:
         self.virtual_stages = virtual_stages
         self.random_streams = random_streams
         self.last_chunk = stage.num_chunks - 1
+        self._owners = {k: schedule.owner(k, stage.num_stages) for k in range(stage.num_chunks)}
         self._step = _StepState()
         self._batch_norms = {
             chunk: [m for i in chunk_range for m in stage.originals[i].modules() if isinstance(m, _BatchNorm)]
@@ -245,7 +246,8 @@ class PipelineEngine:
         return self.last_chunk in self.stage.chunk_ranges
 
     def owner(self, chunk: int) -> int:
-        return self.schedule.owner(chunk, self.stage.num_stages)
+        """The stage that holds ``chunk`` (asked for every message: known once)."""
+        return self._owners[chunk]
 
     def _here(self, chunk: int) -> bool:
         return self.owner(chunk) == self.stage.stage_index

@@ -15,6 +15,7 @@ with the other stages, which replay it (:mod:`lightning_pipe.execution.replayed_
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from functools import partial
@@ -134,7 +135,7 @@ class StageRuntime:
         """Run ``user_code`` as a step: its calls of this stage's ``chunks`` (by default every one) run by
         ``runs_chunk(call)``, checked against a batch of ``batch_size`` (by default the call's). What it returns,
         or ``None`` where it was handed off."""
-        self.calls.begin_step(in_step=True, targets=chunks)
+        self.calls.begin_step(in_step=True, targets=chunks, frame=sys._getframe())
         self._runs_chunk, self._batch_size, self._called = runs_chunk, batch_size, False
         try:
             return user_code()
