@@ -1,11 +1,13 @@
 """The pipeline built on one rank: the user's model split into stages, and what runs this rank's.
 
-:func:`build_pipeline` checks that every rank built the same model, finds the region (the blocks to pipeline),
-decides the partition on global rank 0, plans the pretrained weights' load, puts this rank's
+:func:`build_pipeline` is two steps. :func:`decide_pipeline` decides what every rank must agree on: it checks that
+every rank built the same model, finds the region (the blocks to pipeline) and decides the partition on global rank
+0. :func:`assemble_rank` builds this rank's part: it plans the pretrained weights' load, puts this rank's
 :class:`~lightning_pipe.execution.stage.StageBlocks` into the model, makes its tensors real and fills them, and
-builds the engine, the step runtime and the tracer. What it built is one :class:`BuiltPipeline`, which the strategy
-keeps from ``setup`` to the interpreter's exit, and whose methods do the pipeline's share of the strategy's hooks
-(replicated state, gradient reductions, clipping, the stage summary, observing a step).
+builds the engine, the step runtime, the training step in its schedule's mode, the gradients and the tracer. What it
+built is one :class:`BuiltPipeline`, which the strategy keeps from ``setup`` to the interpreter's exit; the strategy
+holds the runtime, the training step and the gradients directly, and the pipeline's own methods start the run,
+report the stages and put the whole model back.
 
 May import: every folder below it (``config`` to ``integration``). Imported by: the strategy and its
 ``pytorch_lightning`` twin only.
@@ -34,11 +36,7 @@ from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.execution.batchnorm import defer as defer_batch_norms
 from lightning_pipe.execution.compiling import check_compiled, compile_stage, uncompiled_name
 from lightning_pipe.execution.engine import PipelineEngine
-from lightning_pipe.execution.gradients import (
-    agree_on_gradient_overflow,
-    clip_grad_norm_over_pipeline,
-    reduce_gradients,
-)
+from lightning_pipe.execution.gradients import StageGradients
 from lightning_pipe.execution.materialize import ModuleInit, global_seed, holds_meta_tensors, materialize
 from lightning_pipe.execution.outside import (
     OutsideModules,
@@ -125,6 +123,7 @@ class BuiltPipeline:
     ownership: OutsideOwnership  # outside parameters held by some stages, not all (an embedding tied to the head)
     runtime: StageRuntime
     step: TrainingStep  # the training step in its schedule's mode, whole-batch or per-micro-batch
+    gradients: StageGradients  # this rank's gradients before the optimizer step
     tracer: PipelineTracer | None  # gathers the stages' timelines; None for one stage or none asked for
     deferred: bool  # the pipelined module was built on the meta device
     pretrained_prefix: str | None = None  # where the pretrained model sits, once its weights were mapped
@@ -170,32 +169,6 @@ class BuiltPipeline:
         pieces = self.pipelined.outside.values() if self.pipelined is not None else ()
         mine = [module for module, stages, _ in pieces if self.groups.stage in stages]
         return [t for module in mine for t in [*module.parameters(), *module.buffers()]]
-
-    def agree_on_gradient_overflow(self, precision: Any) -> None:
-        """With a gradient scaler (16-mixed), an overflow on one stage skips the step on every stage."""
-        scaler = getattr(precision, "scaler", None)
-        if scaler is not None and self.config.num_stages > 1:
-            agree_on_gradient_overflow(scaler, self.groups.pipeline, self.groups.device, self.groups.watchdog)
-
-    # ---- gradients ----------------------------------------------------------------------------------------------
-
-    def reduce_gradients(self, module: nn.Module) -> None:
-        """Sum the replicated parameters' gradients over the pipeline, then average every gradient over replicas."""
-        watchdog = self.groups.watchdog
-        reduce_gradients(self.replicated, self.groups.pipeline, average=False, watchdog=watchdog)
-        self.tied.sum_gradients()
-        self.ownership.sum_gradients(watchdog)
-        if self.groups.layout.num_replicas > 1:
-            trainable = [p for p in module.parameters() if p.requires_grad]
-            reduce_gradients(trainable, self.groups.replicas, average=True, watchdog=watchdog)
-
-    def clip_grad_norm(self, parameters: Any, clip_val: float) -> None:
-        """``clip_grad_norm_`` over the whole model (see :func:`clip_grad_norm_over_pipeline`)."""
-        groups = self.groups
-        clip_grad_norm_over_pipeline(
-            parameters, self.replicated, clip_val, groups.pipeline, groups.device,
-            [*self.tied.counted_elsewhere, *self.ownership.counted_elsewhere], groups.watchdog,
-        )
 
     # ---- what it reports ---------------------------------------------------------------------------------------
 
@@ -289,17 +262,37 @@ class BuiltPipeline:
                 metric.process_group = self.groups.replicas
 
 
+@dataclass(frozen=True)
+class PipelineDecision:
+    """What every rank decides alike at set-up, before any builds its stage: the settings (with ``schedule="auto"``,
+    the configuration chosen), the blocks and how they are split, and which stages hold each outside module."""
+
+    settings: PipelineSettings
+    config: PipelineParallelConfig  # the resolved stage and micro-batch counts
+    region: Region
+    layers: nn.Sequential  # the region's blocks in order, for the partition plan and the whole model
+    plan: PartitionPlan
+    held: list[list[int]]  # the blocks each stage holds
+    module_stages: dict[str, frozenset[int]]  # the stages holding each outside module
+    outside: list[tuple[str, int, str]]
+    choice: ScheduleChoice | None
+
+
 def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: PipelineGroups, precision: Any) -> BuiltPipeline:
     """Split ``module`` into stages and build this rank's: a collective, called on every rank at set-up.
-    ``precision`` is the strategy's precision plugin (its dtype, step context and gradient scaler)."""
+    ``precision`` is the strategy's precision plugin (its dtype and gradient scaler)."""
+    return assemble_rank(module, decide_pipeline(module, settings, groups), groups, precision)
+
+
+def decide_pipeline(module: LightningModule, settings: PipelineSettings, groups: PipelineGroups) -> PipelineDecision:
+    """Decide the pipeline on every rank alike (rank 0 decides what measurements could make differ): a collective."""
     config = settings.pipeline_config(groups.num_stages)
     check_every_rank_built_the_same_model(module, groups.layout)
     region = broadcast_object(  # every rank splits the same blocks
         find_pipelined_region(module, settings, config.num_stages, module._trainer), 0, groups.rank, groups.watchdog
     )
     check_compiled(module, region)
-    blocks = region.blocks(module)
-    layers = nn.Sequential(*blocks)  # the blocks in order, for the partition plan and the whole model
+    layers = nn.Sequential(*region.blocks(module))
     choice = None
     if settings.is_auto:  # the configuration chosen now, before the chunks are cut (lightning_pipe.auto_schedule)
         settings, choice = decide_schedule(module, layers, settings, groups)
@@ -309,6 +302,17 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
     held = _blocks_held_by_stage(plan, settings, config.num_stages)
     module_stages = outside_module_stages(places, held, groups)
     outside = outside_rows(module, region, module_stages, config.num_stages)
+    return PipelineDecision(settings, config, region, layers, plan, held, module_stages, outside, choice)
+
+
+def assemble_rank(
+    module: LightningModule, decision: PipelineDecision, groups: PipelineGroups, precision: Any
+) -> BuiltPipeline:
+    """This rank's part of the pipeline ``decision`` describes: its stage put into ``module`` and made real, the
+    outside modules it does not hold stood in for, its runtime, training step and gradients."""
+    settings, config, region, layers = decision.settings, decision.config, decision.region, decision.layers
+    plan, held, module_stages, outside = decision.plan, decision.held, decision.module_stages, decision.outside
+    blocks = list(layers)
     ties = parameters_shared_across_stages(blocks, held)  # before materialising replaces parameters
     holders, sources, names_of = parameter_holders(module, module_stages)
     built_real = built_real_everywhere(module, list(module_stages), groups)
@@ -349,10 +353,11 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
         settings, config, groups, region, plan, outside, pipelined, replicated, tied, outside_modules, ownership,
         runtime=runtime,
         step=training_step_for(runtime),
+        gradients=StageGradients(groups, replicated, tied, ownership),
         tracer=_tracer(module, settings, config, groups, timeline),
         deferred=deferred,
         pretrained_prefix=pretrained.mapping.prefix if pretrained is not None else None,
-        schedule_choice=choice,
+        schedule_choice=decision.choice,
     )
 
 

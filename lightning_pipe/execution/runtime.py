@@ -91,6 +91,25 @@ class StageRuntime:
             stage, self._run_chunk, self._outside_step_starts, self._share_last_output, on_model_checkpoint
         )
 
+    def note_requeue_asked(self) -> None:
+        """SLURM asked this rank to requeue (its signal handler says so; the loss stage's count travels on)."""
+        self.requeues_asked += 1
+
+    def take_due_requeue(self) -> bool:
+        """Whether an outcome asked every stage to requeue before this training step (asked once)."""
+        due, self.requeue_due = self.requeue_due, False
+        return due
+
+    def expect_epoch_last_batch(self, size: int | None) -> None:
+        """The training DataLoader's smaller last batch, if it has one: the BatchNorm check covers it from step one."""
+        self.epoch_last_batch = size
+
+    def step_output(self, module: LightningModule, hook: str, args: tuple, kwargs: dict) -> Any:
+        """The user's ``hook`` step (validation, test, predict) through the pipeline: its output on the loss stage,
+        ``None`` on the others."""
+        _, output = self.run_step(module, hook, args, kwargs)
+        return output if self.is_last else None
+
     @property
     def is_last(self) -> bool:
         """Whether this stage computes the model's output: the loss, the metrics, the step's results."""
