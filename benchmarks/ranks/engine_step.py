@@ -91,6 +91,6 @@ class EngineStep:
 
     def backward(self, output: Activation | None, target: Tensor) -> None:
         """The backward of a whole-batch step whose forward returned ``output``."""
-        if self.runtime.is_last:
+        if self.runtime.is_loss_stage:
             F.mse_loss(output, target).backward()  # to the leaves of the blocks' output
         self.engine.backward_phase()

@@ -108,11 +108,12 @@ class StageRuntime:
         """The user's ``hook`` step (validation, test, predict) through the pipeline: its output on the loss stage,
         ``None`` on the others."""
         _, output = self.run_step(module, hook, args, kwargs)
-        return output if self.is_last else None
+        return output if self.is_loss_stage else None
 
     @property
-    def is_last(self) -> bool:
-        """Whether this stage computes the model's output: the loss, the metrics, the step's results."""
+    def is_loss_stage(self) -> bool:
+        """Whether this is the loss stage: it holds the model's last chunk (the last stage, but stage 0 under zbv)
+        and computes the model's output, the loss, the metrics, the step's results."""
         return self.engine.holds_last_chunk
 
     # ---- the step ------------------------------------------------------------------------------------------------
@@ -122,7 +123,7 @@ class StageRuntime:
         stage learns the outcome. The step's output is the user's on the last stage, ``None`` elsewhere."""
         user_step = partial(getattr(module, hook), *args, **kwargs)
         outcome = StepOutcome()
-        if self.is_last:
+        if self.is_loss_stage:
             with recording_logs(module) as records:
                 output = self.forward_step(user_step)
             loss = loss_value(output) if hook == "training_step" else None
@@ -142,7 +143,7 @@ class StageRuntime:
         output = self.run_user_code(user_step, self.engine.forward_chunk)
         if not self._called:  # the step returned before reaching the blocks: so must the other stages' have
             self.engine.skip_step()
-        return output if self.is_last else None
+        return output if self.is_loss_stage else None
 
     def run_user_code(
         self,
@@ -245,7 +246,7 @@ class StageRuntime:
     def run_on_last_stage(self, module: LightningModule, user_hook: Callable[[], None]) -> None:
         """Run a hook that consumes step results (``on_*_epoch_end``) where they are; replay what it logs."""
         outcome = StepOutcome()
-        if self.is_last:
+        if self.is_loss_stage:
             with recording_logs(module) as records:
                 user_hook()
             outcome.logs = records
@@ -259,7 +260,7 @@ class StageRuntime:
         groups = self.groups
         if groups.num_stages == 1:
             return outcome
-        if self.is_last:
+        if self.is_loss_stage:
             outcome.random_states = random_states(groups.device)
             asked = self.requeues_asked  # read once: a signal handled meanwhile goes with the next outcome
             outcome.requeue, self._requeues_shared = asked > self._requeues_shared, asked
@@ -269,7 +270,7 @@ class StageRuntime:
         except RuntimeError as error:
             raise self._outcome_not_shared(error) from error
         self.requeue_due |= outcome.requeue
-        if not self.is_last:
+        if not self.is_loss_stage:
             if outcome.metric_states:
                 load_metric_states(module, outcome.metric_states)
             replay_logs(module, outcome.logs)
@@ -280,14 +281,14 @@ class StageRuntime:
     def _outcome_wait(self) -> Wait:
         """The outcome's broadcast as the stall watchdog reports it: on the last stage, or by it on the others."""
         groups = self.groups
-        if self.is_last:
+        if self.is_loss_stage:
             return groups.watchdog.collective("the step's results (loss, logs)", groups.meta, sending=True)
         return Wait("the step's results (loss, logs)", (groups.loss_rank,))
 
     def _outcome_not_shared(self, error: RuntimeError) -> PipelineCommunicationError:
         """The error when the last stage's results could not be shared: which stage waited for which."""
         groups, timeout = self.groups, self.groups.timeout
-        if self.is_last:
+        if self.is_loss_stage:
             waited = "sending the step's results (loss, logs) to the other stages"
             return failed_wait(groups.describe(), waited, "another stage of its pipeline", timeout, error)
         last = groups.describe(groups.layout.loss_stage)

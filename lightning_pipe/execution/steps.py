@@ -59,7 +59,7 @@ class WholeBatchStep:
         """The step's backward on this stage, between the precision's ``pre_backward`` and ``post_backward``: on the
         loss stage the user's ``loss.backward()`` through the model's head to the blocks' output, then the blocks' own
         backward, micro-batch by micro-batch."""
-        if self.runtime.is_last:
+        if self.runtime.is_loss_stage:
             precision.backward(closure_loss, module, *args, **kwargs)
         self.runtime.engine.backward_phase()
 
@@ -133,7 +133,7 @@ class MicroBatchStep:
                 forward.loss = _scaled(module, precision, loss * weights[m])
         engine.end_step()
         outcome, output = StepOutcome(), None
-        if runtime.is_last:
+        if runtime.is_loss_stage:
             ran = {m: weights[m] for m in results}
             logs = merged_logs(records, ran)
             replay_logs(module, logs)  # what the steps logged, once for the whole step
@@ -178,7 +178,7 @@ def _lightning_output(runtime: StageRuntime, outcome: StepOutcome, output: Any) 
         # Lightning refuses `None` from a distributed training_step. A placeholder loss that `backward` ignores,
         # and that the optimizer-step closure reports as None, gives one device's behaviour: no update.
         return torch.zeros((), device=runtime.groups.device)
-    return output if runtime.is_last else torch.tensor(outcome.loss, device=runtime.groups.device)
+    return output if runtime.is_loss_stage else torch.tensor(outcome.loss, device=runtime.groups.device)
 
 
 def _scaled(module: LightningModule, precision: Any, loss: Tensor) -> Tensor:
