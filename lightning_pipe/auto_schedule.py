@@ -1,7 +1,8 @@
 """``schedule="auto"``: at set-up, the configuration predicted fastest within the memory budget, the same on every rank.
 
 Global rank 0 profiles the pipelined blocks (:func:`~lightning_pipe.partition.profiling.block_cost_model`: forward,
-input gradient, weight gradient and bytes, at the smallest and the largest micro-batch a candidate uses), ranks every
+input gradient, weight gradient and bytes, at the smallest and the largest micro-batch a candidate uses; on
+``example_input_array`` or ``sample=``, else on the first training batch, through the training step), ranks every
 configuration with :mod:`lightning_pipe.schedules.choice` and broadcasts the fastest that fits; every rank then runs
 with settings that name it, as if the user had written them. The order is sound because the processes start (and
 their rank layout is fixed) with the loss on the last stage, which every schedule ``auto`` may choose keeps: ``zbv``,
@@ -26,7 +27,7 @@ from lightning_pipe.config import ranges_from_sizes, split_evenly
 from lightning_pipe.execution.process_groups import PipelineGroups, decided_on_rank_zero
 from lightning_pipe.partition.balance import min_max_partition
 from lightning_pipe.partition.microbatch import batch_size_of
-from lightning_pipe.partition.profiling import block_cost_model
+from lightning_pipe.partition.profiling import TrainingBatch, block_cost_model, profiling_input
 from lightning_pipe.partition.step_probe import first_training_batch, random_state_kept
 from lightning_pipe.schedules.choice import (
     AUTO_SCHEDULES,
@@ -108,17 +109,18 @@ def plan_schedule(
     candidates = candidates_for(settings, num_stages, batch_size, len(layers), schedules)
     counts = [c.num_micro_batches for c in candidates]
     sizes = (max(1, batch_size // max(counts)), max(1, batch_size // min(counts)))
-    sample = settings.sample if settings.sample is not None else getattr(module, "example_input_array", None)
+    sample = profiling_input(settings.sample, module)  # during a fit without one, the first training batch
     if sample is None:
         raise ValueError(
-            "schedule='auto' profiles every block on a sample input, but the LightningModule has no"
-            " example_input_array and GPipeStrategy got no sample; set `self.example_input_array = <an input of"
-            " forward>` in the module's __init__, pass GPipeStrategy(sample=...), or choose the schedule yourself."
+            "schedule='auto' profiles every block on a sample input, but there is none: GPipeStrategy got no"
+            " sample, the LightningModule has no example_input_array, and the training DataLoader's first batch"
+            " could not be read at set-up; set `self.example_input_array = <an input of forward>` in the module's"
+            " __init__, pass GPipeStrategy(sample=...), or choose the schedule yourself."
         )
     model = block_cost_model(module, layers, sample, device, sizes)
+    source = f"profiled on {device}" + (", on the first training batch" if isinstance(sample, TrainingBatch) else "")
     return ranked_choice(
-        model, settings, num_stages, batch_size, memory_budget, candidates, f"profiled on {device}",
-        runtime=runtime_costs(device.type),
+        model, settings, num_stages, batch_size, memory_budget, candidates, source, runtime=runtime_costs(device.type)
     )
 
 

@@ -61,11 +61,15 @@ def check_stage_count(num_layers: int, num_stages: int) -> None:
     """Raise, naming the limit, unless every one of ``num_stages`` stages can get a layer."""
     if num_stages > num_layers:
         raise ValueError(
-            f"num_stages={num_stages} but the pipelined module has only {num_layers} layers;"
-            f" use at most {num_layers} stages, or split the model into more layers."
+            f"num_stages={num_stages} but the pipelined module has only {num_layers} block{_s(num_layers)};"
+            f" use at most {num_layers} stage{_s(num_layers)}, or split the model into more blocks."
             if num_layers > 0
-            else "the pipelined module has no layers; pipeline a module that holds the layers to split."
+            else "the pipelined module has no blocks; pipeline a module that holds the blocks to split."
         )
+
+
+def _s(count: int) -> str:
+    return "" if count == 1 else "s"
 
 
 def ranges_from_sizes(sizes: Sequence[int]) -> list[range]:

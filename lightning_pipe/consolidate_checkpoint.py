@@ -5,12 +5,15 @@ The file holds the whole model and every optimizer state numbered as on one devi
 ``save_distributed_checkpoint=False`` writes: it loads with ``torch.load`` or ``LightningModule.load_from_checkpoint``
 without this package, or resumes a pipeline of any stage count. It is written one stage at a time (see
 :func:`lightning_pipe.checkpoints.sharded.consolidate`), so the command needs about one stage's memory, not the model's.
+A checkpoint that is not whole (a save that did not finish, a shard cut short, parts of different saves) is refused
+before anything is written, naming what is wrong and the newest complete checkpoint beside it.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from lightning_pipe.checkpoints.integrity import ShardedCheckpointError, check_sharded_checkpoint
 from lightning_pipe.checkpoints.sharded import consolidate, is_sharded_checkpoint
 
 
@@ -22,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
         " file that loads anywhere (torch.load, LightningModule.load_from_checkpoint), one stage at a time: peak"
         " memory about one stage.",
     )
-    parser.add_argument("sharded_dir", help="the sharded checkpoint: a directory holding .metadata")
+    parser.add_argument("sharded_dir", help="the sharded checkpoint: a directory")
     parser.add_argument("out", help="the checkpoint file to write")
     parser.add_argument(
         "--weights-only", action=argparse.BooleanOptionalAction, default=None,
@@ -31,8 +34,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if not is_sharded_checkpoint(args.sharded_dir):
-        parser.error(f"{args.sharded_dir!r} is not a sharded checkpoint (a directory holding .metadata)")
-    consolidate(args.sharded_dir, args.out, weights_only=args.weights_only)
+        parser.error(f"{args.sharded_dir!r} is not a sharded checkpoint (a directory)")
+    try:
+        checked = check_sharded_checkpoint(args.sharded_dir)
+    except ShardedCheckpointError as error:
+        parser.exit(1, f"{parser.prog}: error: {error}\n")
+    consolidate(checked.directory, args.out, weights_only=args.weights_only)
     print(f"wrote {args.out}")
 
 

@@ -34,7 +34,7 @@ from lightning_pipe.checkpoints.pretrained import PretrainedLoad, PretrainedWeig
 from lightning_pipe.checkpoints.whole_model import WholeModelLayout, restore_whole_model, tied_aliases
 from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.execution.batchnorm import defer as defer_batch_norms
-from lightning_pipe.execution.compiling import check_compiled, compile_stage, uncompiled_name
+from lightning_pipe.execution.compiling import check_compiled, compile_stage, compiles_in_first_steps, uncompiled_name
 from lightning_pipe.execution.engine import PipelineEngine
 from lightning_pipe.execution.gradients import StageGradients
 from lightning_pipe.execution.materialize import ModuleInit, global_seed, holds_meta_tensors, materialize
@@ -66,6 +66,7 @@ from lightning_pipe.partition.balance import (
     recompute_fraction,
     stage_ranges,
 )
+from lightning_pipe.partition.collected_outputs import check_nothing_collected_inside_blocks
 from lightning_pipe.partition.fingerprint import different_models_message, fingerprint_digest, model_fingerprint
 from lightning_pipe.partition.placement import (
     balance_charges,
@@ -74,19 +75,8 @@ from lightning_pipe.partition.placement import (
     replicated_outside_parameters,
     where_held,
 )
-from lightning_pipe.partition.region import (
-    MAX_OUTSIDE_SHARE,
-    Region,
-    find_region,
-    outside_share,
-    suggested_chain,
-)
-from lightning_pipe.partition.step_probe import (
-    first_training_batch,
-    fit_training_step,
-    random_state_kept,
-    training_step_on,
-)
+from lightning_pipe.partition.region import Region, TooFewBlocks, chosen_region, suggested_chain
+from lightning_pipe.partition.step_probe import first_batch_step, fit_training_step, random_state_kept
 from lightning_pipe.partition.topology import PipelineLayout
 from lightning_pipe.schedules.simulator import ideal_bubble
 from lightning_pipe.settings import PipelineSettings
@@ -126,6 +116,7 @@ class BuiltPipeline:
     gradients: StageGradients  # this rank's gradients before the optimizer step
     tracer: PipelineTracer | None  # gathers the stages' timelines; None for one stage or none asked for
     deferred: bool  # the pipelined module was built on the meta device
+    compiles: bool  # torch.compile compiles code of this rank in its first steps (see StallRule: not measured before)
     pretrained_prefix: str | None = None  # where the pretrained model sits, once its weights were mapped
     schedule_choice: ScheduleChoice | None = None  # with schedule="auto": the choice, why, the predicted table
 
@@ -292,6 +283,7 @@ def decide_pipeline(module: LightningModule, settings: PipelineSettings, groups:
         find_pipelined_region(module, settings, config.num_stages, module._trainer), 0, groups.rank, groups.watchdog
     )
     check_compiled(module, region)
+    check_nothing_collected_inside_blocks(module, region, config.num_stages)
     layers = nn.Sequential(*region.blocks(module))
     choice = None
     if settings.is_auto:  # the configuration chosen now, before the chunks are cut (lightning_pipe.auto_schedule)
@@ -356,24 +348,35 @@ def assemble_rank(
         gradients=StageGradients(groups, replicated, tied, ownership),
         tracer=_tracer(module, settings, config, groups, timeline),
         deferred=deferred,
+        compiles=compiles_in_first_steps(module, stage),
         pretrained_prefix=pretrained.mapping.prefix if pretrained is not None else None,
         schedule_choice=decision.choice,
     )
 
 
 def check_partition_before_launch(
-    model: LightningModule, trainer: Trainer | None, settings: PipelineSettings, num_processes: int
+    model: LightningModule, trainer: Trainer | None, settings: PipelineSettings, num_processes: int,
+    fit_loaders: Any = None,
 ) -> None:
-    """Raise the partition's errors (no Sequential, too many stages, a bad balance) before processes start."""
-    if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+    """Raise the partition's errors (no Sequential, too many stages, a bad balance) before processes start;
+    ``fit_loaders``: the ``train_dataloaders`` given to ``trainer.fit``."""
+    fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+    if fitting:
         require_automatic_optimization(model)
     if overrides(model, "configure_model"):
         return  # the layers may exist only once configure_model has run, in each process: set-up checks them
-    region = find_pipelined_region(model, settings, settings.pipeline_config(num_processes).num_stages, trainer)
+    num_stages = settings.pipeline_config(num_processes).num_stages
+    try:
+        region = find_pipelined_region(model, settings, num_stages, trainer, fit_loaders)
+    except TooFewBlocks as refused:
+        if refused.step_unread:
+            return  # set-up reads the first batch (a DataModule's, once set up) and decides with its step
+        raise
     check_compiled(model, region)
     balance = settings.balance if isinstance(settings.balance, list) else None
     stage_ranges(settings.chunk_config(num_processes), len(region), balance)
-    profiling_sample(settings.balance, settings.sample, model)
+    if not fitting:  # a fit profiles on its first training batch where there is no sample: set-up reads it
+        profiling_sample(settings.balance, settings.sample, model)
 
 
 def check_every_stage_holds_parameters(module: LightningModule, stage: StageBlocks, groups: PipelineGroups) -> None:
@@ -424,20 +427,19 @@ def check_every_rank_built_the_same_model(module: LightningModule, layout: Pipel
 
 
 def find_pipelined_region(
-    module: LightningModule, settings: PipelineSettings, num_stages: int, trainer: Trainer | None = None
+    module: LightningModule, settings: PipelineSettings, num_stages: int, trainer: Trainer | None = None,
+    fit_loaders: Any = None,
 ) -> Region:
-    """The blocks to pipeline (see :func:`find_region`); with the ``trainer`` of a fit, also those that the
-    training step chains, when what the model and its ``forward`` show leaves much of the model outside."""
+    """The blocks to pipeline (see :func:`chosen_region`); with the ``trainer`` of a fit, also those that the
+    training step chains, when what the model and its ``forward`` show leaves much of the model outside
+    (``fit_loaders``: the ``train_dataloaders`` given to ``trainer.fit``, before the fit attaches them)."""
     sample = settings.sample if settings.sample is not None else getattr(module, "example_input_array", None)
-    name = uncompiled_name(module, settings.module_name)
-    region = find_region(module, name, sample, num_stages=num_stages)
     fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-    if name is None and fitting and outside_share(module, region) > MAX_OUTSIDE_SHARE:
-        with random_state_kept():
-            batch = first_training_batch(trainer, module)  # type: ignore[arg-type]
-            if batch is not None:
-                region = find_region(module, name, sample, training_step_on(batch), num_stages)
-    return region
+    read_step = partial(first_batch_step, trainer, module, fit_loaders) if fitting else None
+    return chosen_region(
+        module, uncompiled_name(module, settings.module_name), sample, read_step, num_stages,
+        settings.virtual_stages or 1,
+    )
 
 
 def decide_partition(
@@ -521,7 +523,9 @@ def _install_stage(
     index, num_stages = groups.stage, groups.num_stages
     chunks = settings.schedule.chunks(index, num_stages, settings.virtual_stages)  # type: ignore[union-attr]
     local = {k: plan.ranges[k] for k in chunks}
-    stage = StageBlocks(module, region, local, index, num_stages, num_chunks=len(plan.ranges))
+    holders = {i: s for s in range(num_stages) for k in settings.schedule.chunks(s, num_stages, settings.virtual_stages)  # type: ignore[union-attr]
+               for i in plan.ranges[k]}
+    stage = StageBlocks(module, region, local, index, num_stages, num_chunks=len(plan.ranges), block_stages=holders)
     stage.install()  # before materialising: the other stages' blocks are taken out
     return stage
 

@@ -66,14 +66,20 @@ class PipelineSettings:
     balance: list[int] | BalanceMode | None = None
     """Layers per stage, e.g. ``[3, 5]``, or how to choose them: ``"uniform"`` (the default: equal layer counts),
     ``"parameters"`` (equal parameter counts), ``"time"`` (equal forward + backward time, profiled per layer on the
-    device) or ``"memory"`` (equal parameter + activation bytes, profiled). The profiled modes need a sample input;
-    every rank applies the split that global rank 0 decided."""
+    device) or ``"memory"`` (equal parameter + activation bytes, profiled). The profiled modes run on ``sample``,
+    else ``example_input_array``, else in a fit on the first training batch (through the training step); every rank
+    applies the split that global rank 0 decided."""
     module_name: str | tuple[str, ...] | None = None
-    """Dotted path of the ``nn.Sequential`` to pipeline (``"net.model"``), or consecutive sibling modules; by default
-    the outermost ``nn.Sequential`` with the most parameters."""
+    """Dotted path of the ``nn.Sequential`` or ``nn.ModuleList`` to pipeline (``"net.model"``), or consecutive
+    sibling modules (``["model.conv1", ..., "model.fc"]``); by default the outermost container, or chain observed on
+    ``example_input_array``, with the most parameters, and where that leaves more than a fifth of them outside, the
+    chain the training step calls on the first training batch, if one splits better (see
+    :func:`lightning_pipe.partition.region.chosen_region`; a region of fewer blocks than stages is refused, naming the
+    chain to give here)."""
     sample: Any = field(default=None, compare=False, repr=False)
     """An input of the LightningModule's ``forward`` (as ``example_input_array``, which is used when this is
-    ``None``) to profile the layers with for ``balance="time"`` or ``"memory"``."""
+    ``None``) to profile the blocks with for ``balance="time"`` or ``"memory"`` and ``schedule="auto"``; with neither,
+    a fit profiles on its first training batch."""
     trace_steps: tuple[int, ...] = ()
     """Training steps (``trainer.global_step`` values) whose timeline of every stage is written as a Chrome trace to
     ``trace_dir/gpipe_trace.json``, whose absolute path is printed when it is first written (see
@@ -154,7 +160,7 @@ class PipelineSettings:
     stall_watchdog: bool = True
     """End the run on every rank when, in a training step, a wait on another rank (activations, gradients, the
     step's results, the gradient reductions and barriers) lasts longer than ``max(stall_floor, stall_multiple * the
-    slowest recent step)``, or ``stall_first_step`` in a first step, naming the rank that stopped and writing every
+    slowest recent step)``, or the first step's bound in a first step, naming the rank that stopped and writing every
     rank's Python stack to ``default_root_dir/stall_stacks/`` (see :mod:`lightning_pipe.reliability.watchdog`).
     Validation, checkpoints and epoch ends are left to the strategy's ``timeout``, which stays the hard limit
     everywhere."""
@@ -162,10 +168,12 @@ class PipelineSettings:
     """How many times the slowest of the last 100 regular training steps a wait may last."""
     stall_floor: float = StallRule.floor_s
     """The shortest bound, in seconds (a ``timedelta`` is accepted and converted)."""
-    stall_first_step: float = StallRule.first_step_s
+    stall_first_step: float | None = StallRule.first_step_s
     """The bound on a wait in a first step (a run's first two, an epoch's first, the first after validation or a
     checkpoint, the first with a batch of new shapes), which may compile or allocate for long: seconds or a
-    ``timedelta``. Where the regular bound is longer, that one."""
+    ``timedelta``. ``None`` (the default) derives it from what the set-up measured: ``max(2 * stall_floor,
+    stall_multiple * the set-up's seconds)``, 600 s when ``torch.compile`` compiles in the first steps (see
+    :class:`~lightning_pipe.reliability.stall_rule.StallRule`). Where the regular bound is longer, that one."""
     key: InitVar[str] = ""
 
     def __post_init__(self, key: str) -> None:
@@ -508,14 +516,16 @@ def _checked_stall_floor(floor: Any, key: str) -> float:
     return float(seconds)
 
 
-def _checked_stall_first_step(first_step: Any, key: str) -> float:
+def _checked_stall_first_step(first_step: Any, key: str) -> float | None:
+    if first_step is None:
+        return None  # derived from what the set-up measured
     seconds = first_step.total_seconds() if isinstance(first_step, timedelta) else first_step
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
         raise ValueError(
             f"{key}stall_first_step={first_step!r} is invalid; give the bound on a wait in a first step (a run's first,"
             " an epoch's first, the first after validation or a checkpoint, which may compile or allocate for long) in"
-            f" seconds, a positive number (default {StallRule.first_step_s:g}) or a timedelta, or turn the watchdog"
-            f" off with {key}stall_watchdog=False."
+            " seconds, a positive number or a timedelta, or None (the default: derived from what the set-up measured,"
+            f" a minute for most models), or turn the watchdog off with {key}stall_watchdog=False."
         )
     return float(seconds)
 

@@ -8,6 +8,7 @@ holds (this rank's runtime, its training step, its gradients) and the checkpoint
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -70,6 +71,7 @@ from lightning_pipe.partition.balance import Balance
 from lightning_pipe.partition.topology import PipelineLayout
 from lightning_pipe.pipeline import BuiltPipeline, build_pipeline, check_partition_before_launch
 from lightning_pipe.pipeline import require_automatic_optimization
+from lightning_pipe.reliability.stall_rule import StartUp
 from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog, batch_shape
 from lightning_pipe.schedules.actions import PipelineSchedule, StageActions
 from lightning_pipe.settings import PipelineSettings, RecomputeMode
@@ -92,6 +94,9 @@ class PipelineView:
     _layout: PipelineLayout | None
     _groups: PipelineGroups | None
     _pipeline: BuiltPipeline | None  # built in `setup`, kept after the run for its checkpoints
+    _runtime: StageRuntime | None
+    _training: TrainingStep | None  # the training step, in the mode its schedule chose
+    _gradients: StageGradients | None
     _last_observation: StepObservation | None
     num_processes: int
     num_nodes: int
@@ -188,7 +193,7 @@ class GPipeStrategyMixin(PipelineView):
         pretrained: str | Path | PretrainedWeights | Mapping[str, Any] | None = None,
         init_module: Callable[[str, nn.Module], None] | None = None,
         stall_watchdog: bool = True, stall_multiple: float = 10.0, stall_floor: float | timedelta = 30.0,
-        stall_first_step: float | timedelta = 600.0, memory_budget: int | str | None = None,
+        stall_first_step: float | timedelta | None = None, memory_budget: int | str | None = None,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -203,16 +208,12 @@ class GPipeStrategyMixin(PipelineView):
         self._layout: PipelineLayout | None = None
         self._groups: PipelineGroups | None = None
         self._pipeline: BuiltPipeline | None = None  # built in `setup`, kept after the run for its checkpoints
-        # From `setup` on, what does the step hooks' work: the runtime, the training step (in its mode), the gradients.
-        self._runtime: StageRuntime | None = None
-        self._training: TrainingStep | None = None
-        self._gradients: StageGradients | None = None
+        self._runtime = self._training = self._gradients = None  # from `setup` on: what does the step hooks' work
         self._watchdog: StallWatchdog = UNWATCHED
         # What `setup` started or changed in the user's objects: the signals heard, the hooks, the model summary.
         self._undo_at_teardown: list[Callable[[], None]] = []
         self._last_observation: StepObservation | None = None
-        self._failed = False
-        self._ending_started_ranks = False
+        self._failed = self._ending_started_ranks = False
 
     # ---- configuration -------------------------------------------------------------------------------------------
 
@@ -335,6 +336,7 @@ class GPipeStrategyMixin(PipelineView):
         module, fitting = self.lightning_module, trainer.state.fn == TrainerFn.FITTING
         if fitting:
             require_automatic_optimization(module)
+        started = time.monotonic()  # what the set-up takes bounds the first steps' waits (see StallRule)
         self._pipeline = pipeline = build_pipeline(module, self._settings, self.groups, self.precision_plugin)
         self._runtime, self._training, self._gradients = pipeline.runtime, pipeline.step, pipeline.gradients
         self._settings = pipeline.settings  # with schedule="auto", the configuration chosen
@@ -344,6 +346,7 @@ class GPipeStrategyMixin(PipelineView):
         self._undo_at_teardown += pipeline.start(module, trainer.callbacks)
         self._setup_optimization(trainer, fitting)
         if fitting:
+            self._watchdog.startup_measured(StartUp(time.monotonic() - started, pipeline.compiles))
             self._watchdog.start(Path(trainer.default_root_dir))
 
     def _setup_optimization(self, trainer: Trainer, fitting: bool) -> None:
@@ -354,9 +357,8 @@ class GPipeStrategyMixin(PipelineView):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
         gradients, precision = self._gradients, self.precision_plugin
-        assert gradients is not None
-        precision.clip_grad_by_norm = partial(gradients.clip_grad_by_norm, precision)  # type: ignore[method-assign]
-        gradients.agree_on_overflow(precision)
+        precision.clip_grad_by_norm = partial(gradients.clip_grad_by_norm, precision)  # type: ignore
+        gradients.agree_on_overflow(precision)  # type: ignore[union-attr]
 
     @contextmanager
     @override
@@ -451,8 +453,7 @@ class GPipeStrategyMixin(PipelineView):
             result = closure()
             if self._training.skipped:  # type: ignore[union-attr]  # training_step returned None: as one device would
                 return None
-            assert self.lightning_module is not None
-            self._gradients.reduce(self.lightning_module)  # type: ignore[union-attr]
+            self._gradients.reduce(self.lightning_module)  # type: ignore[union-attr, arg-type]
             return result
 
         result = super().optimizer_step(optimizer, closure_then_reduce_gradients, model, **kwargs)

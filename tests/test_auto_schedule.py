@@ -11,12 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra.utils import instantiate
 
 from helpers.compare import merged_state_dict, rank_results, relative_weight_error, single_device_run
 from helpers.launch import launch
 from helpers.models import MODELS
-from lightning_pipe.auto_schedule import candidates_for, check_module_takes_auto, settled
+from lightning_pipe.auto_schedule import candidates_for, check_module_takes_auto, plan_schedule, settled
 from lightning_pipe.integration.hydra_schema import validate_config
 from lightning_pipe.schedules.choice import (
     AUTO_SCHEDULES, BlockCosts, Configuration, CostModel, choose, configurations, plan_table, rank_configurations,
@@ -101,6 +102,14 @@ def test_a_module_whose_results_auto_would_change_is_refused_naming_the_fix():
         PipelineSettings(memory_budget="1GB")
 
 
+def test_auto_with_no_sample_and_no_training_batch_names_the_fix():
+    """Outside a fit (here: no trainer) there is no first training batch to profile on either."""
+    model = MODELS["emulated"]()
+    with pytest.raises(ValueError, match=r"^schedule='auto' profiles every block on a sample input, but there is none"
+                                         r".*example_input_array.*GPipeStrategy\(sample=\.\.\.\)"):
+        plan_schedule(model, model.net.model, PipelineSettings(schedule="auto"), 2, 16, torch.device("cpu"), None)
+
+
 def test_hydra_strategy_schedule_auto_configures_the_strategy():
     cfg = composed("strategy.schedule=auto", "strategy.memory_budget=512MiB")
     validate_config(cfg)
@@ -114,7 +123,11 @@ def test_hydra_strategy_schedule_auto_configures_the_strategy():
 # ---- the strategy, on 2 processes -------------------------------------------------------------------------------
 
 AUTO = {"model": "auto_emulated", "num_micro_batches": None, "checkpoint": None, "strategy": {"schedule": "auto"}}
-RUNS = [{**AUTO, "name": "auto"}, {**AUTO, "name": "auto_budget", "memory_budget_below": "auto"}]
+RUNS = [
+    {**AUTO, "name": "auto"}, {**AUTO, "name": "auto_budget", "memory_budget_below": "auto"},
+    # No example_input_array: the blocks profiled on the first training batch, for the choice and the split.
+    {**AUTO, "name": "auto_on_the_batch", "model": "emulated", "strategy": {"schedule": "auto", "balance": "time"}},
+]
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +154,17 @@ def test_a_budget_that_excludes_the_fastest_gives_a_choice_that_fits(fitted):
     assert "exceed the memory budget" in limited["message"]
 
 
-@pytest.mark.parametrize("name", ["auto", "auto_budget"])
+def test_without_an_example_input_auto_profiles_on_the_first_training_batch_and_every_rank_takes_its_choice(fitted):
+    """``schedule="auto"`` and ``balance="time"``: global rank 0 profiles the blocks through the training step on the
+    first training batch; every rank runs the same configuration and the same split."""
+    results = rank_results(fitted / "auto_on_the_batch")
+    assert len(results) == 2 and results[0]["choice"] == results[1]["choice"]
+    assert results[0]["chunk_ranges"] == results[1]["chunk_ranges"]
+    choice = results[0]["choice"]
+    assert choice["schedule"] in AUTO_SCHEDULES and ", on the first training batch;" in choice["message"]
+
+
+@pytest.mark.parametrize("name", ["auto", "auto_budget", "auto_on_the_batch"])
 def test_auto_trains_as_one_device_on_the_whole_batch(fitted, name):
     run = next(r for r in RUNS if r["name"] == name)
     initial, expected, _ = single_device_run(run)

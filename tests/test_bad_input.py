@@ -18,12 +18,16 @@ def fit(model, strategy, devices=2):
 
 
 class NoSequential(PipeClassifier):
+    """One module holds every layer, and the step chains nothing: there is nothing to split (with a head after
+    ``net``, the step's chain ``net, head`` would be pipelined)."""
+
     def __init__(self):
         super().__init__()
-        self.net = nn.Linear(12, 16)
+        self.net = nn.Linear(12, 3)
+        del self.head
 
     def forward(self, x):
-        return self.head(self.net(x.view(len(x), -1)))
+        return self.net(x.view(len(x), -1))
 
 
 @pytest.mark.parametrize(
@@ -40,9 +44,11 @@ def test_partition_errors_raise_before_launch(model, strategy, error, message):
         fit(model, strategy)
 
 
-def test_more_stages_than_layers_names_the_limit():
-    model = PipeClassifier(depth=2)  # 2 layers: Linear, Tanh
-    with pytest.raises(ValueError, match="num_stages=3 but the pipelined module has only 2 layers; use at most 2"):
+def test_more_stages_than_blocks_names_the_region_and_the_limit():
+    model = PipeClassifier(depth=2)  # 2 blocks: Linear, Tanh
+    with pytest.raises(ValueError, match=r"^num_stages=3 needs at least 3 blocks to pipeline, but the pipelined blocks"
+                                         r" are 'net.model' \(an nn.Sequential of 2 blocks\), the container holding"
+                                         r" the most parameters .*; use at most 2 stages\.$"):
         fit(model, GPipeStrategy(), devices=3)
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from helpers.launch import launch
-from helpers.models import PipeClassifier
+from helpers.models import PipeClassifier, loaders
 from lightning_pipe import GPipeStrategy, PipelineParallelConfig
 from lightning_pipe.partition.balance import min_max_partition, plan_partition, ranges_from_sizes, recompute_fraction, stage_costs
 from lightning_pipe.partition.profiling import pipelined_input, profile_layers
@@ -167,7 +167,7 @@ def test_uniform_and_explicit_balance_need_no_profiling():
 def test_profiled_balance_without_a_sample_names_the_fix():
     model = Wrapper(unbalanced_layers())
     config = PipelineParallelConfig(num_stages=2, num_micro_batches=2)
-    with pytest.raises(ValueError, match=r"balance='time' profiles every layer.*example_input_array.*sample="):
+    with pytest.raises(ValueError, match=r"balance='time' profiles every block.*example_input_array.*first training batch.*sample="):
         plan_partition(model, model.layers, config, "time")
 
 
@@ -176,13 +176,14 @@ def test_unknown_balance_mode_is_rejected():
         GPipeStrategy(balance="fast")
 
 
-def test_profiled_balance_without_a_sample_fails_before_launch():
+def test_profiled_balance_without_a_sample_outside_a_fit_fails_before_launch():
+    """A fit profiles on its first training batch (``BALANCE_RUNS``' ``time_on_the_batch``); a validation has none."""
     from lightning.pytorch import Trainer
 
-    trainer = Trainer(strategy=GPipeStrategy(balance="memory"), accelerator="cpu", devices=2, max_steps=1,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    with pytest.raises(ValueError, match="balance='memory' profiles every layer"):
-        trainer.fit(PipeClassifier())
+    trainer = Trainer(strategy=GPipeStrategy(balance="memory"), accelerator="cpu", devices=2, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match="balance='memory' profiles every block on a sample input, but there is none"):
+        trainer.validate(PipeClassifier(), loaders(16, 16, 16)[1])
 
 
 def test_summary_reports_imbalance_of_the_split():
@@ -213,6 +214,7 @@ BALANCE_RUNS = [
     {"name": "parameters", "balance": "parameters"},
     {"name": "time", "balance": "time"},  # profiles with the model's example_input_array
     {"name": "memory", "balance": "memory", "sample": True, "example_input_array": False},  # with sample=
+    {"name": "time_on_the_batch", "balance": "time", "example_input_array": False},  # the first training batch's
     # Two chunks per stage: the 8 layers split into 4 chunks (interleaved: chunk k on stage k % 2; ZB-V: in a V).
     {"name": "explicit_interleaved", "balance": [1, 3, 2, 2], "strategy": {"schedule": "interleaved_1f1b"}},
     {"name": "parameters_interleaved", "balance": "parameters", "strategy": {"schedule": "interleaved_1f1b"}},

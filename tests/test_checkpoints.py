@@ -11,6 +11,7 @@ import torch
 from helpers.launch import launch, launches_started_with_first_test, run_python
 from helpers.models import ProjectModule
 from helpers.scenarios import fit_epochs
+from lightning_pipe.checkpoints.sharded import committed_directory
 
 
 def relative_error(expected: dict, initial: dict, actual: dict) -> float:
@@ -141,8 +142,9 @@ def test_sharded_checkpoint_of_four_stages_resumes_on_two(single_device, tmp_pat
     first, resumed = tmp_path / "four", tmp_path / "two"
     launch("checkpoints_worker.py", {"devices": 4, "out": str(first), "epochs": 1, "strategy": sharded}, first)
     checkpoint = first / "ckpt" / "last.ckpt"
-    assert checkpoint.is_dir() and (checkpoint / ".metadata").is_file()
-    assert len(list(checkpoint.glob("*.distcp"))) == 4  # one shard per rank, nothing gathered
+    files = committed_directory(checkpoint)  # the step directory its `current` link names
+    assert (files / ".metadata").is_file()
+    assert len(list(files.glob("*.distcp"))) == 4  # one shard per rank, nothing gathered
     spec = {"devices": 2, "out": str(resumed), "epochs": 2, "ckpt_path": str(checkpoint), "strategy": sharded}
     launch("checkpoints_worker.py", spec, resumed)
     for rank in range(2):

@@ -17,6 +17,7 @@ from torchmetrics import MeanMetric
 from helpers.deferred_models import DEPTH, DeferredClassifier, EagerClassifier, fit, layers
 from helpers.launch import launch, launches_started_with_first_test, run_python
 from lightning_pipe import GPipeStrategy, PipelineParallelConfig, init_weights
+from lightning_pipe.checkpoints.sharded import committed_directory
 from lightning_pipe.execution.materialize import holds_meta_tensors, layer_seed, mark_held_elsewhere, materialize
 from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.partition.balance import plan_partition
@@ -315,7 +316,7 @@ def test_consolidating_takes_about_one_stage_of_memory(four_stages, tmp_path):
     shard) holding about one shard at a time: its peak over the same command on a tiny checkpoint stays within the
     largest shard plus a slack, far below the whole checkpoint."""
     run = four_stages["dir"] / "peaks"
-    shards = [path.stat().st_size for path in (run / "measured.ckpt").glob("*.distcp")]
+    shards = [path.stat().st_size for path in committed_directory(run / "measured.ckpt").glob("*.distcp")]
     assert len(shards) == 4
     footprint = consolidation_peak(run / "tiny.ckpt", tmp_path / "tiny.ckpt")
     peak = consolidation_peak(run / "measured.ckpt", tmp_path / "measured.ckpt")
@@ -331,7 +332,7 @@ def test_checkpoints_are_sharded_and_consolidate_into_the_gathered_file(four_sta
     run wrote, and that file loads with torch.load in a process that never imports lightning_pipe."""
     sharded = four_stages["dir"] / "deferred" / "ckpt" / "last.ckpt"
     for directory in (sharded, four_stages["dir"] / "deferred" / "after_fit.ckpt"):
-        assert directory.is_dir() and len(list(directory.glob("*.distcp"))) == 4, directory
+        assert directory.is_dir() and len(list(committed_directory(directory).glob("*.distcp"))) == 4, directory
     out = tmp_path / "consolidated.ckpt"
     run_python("-m", "lightning_pipe.consolidate_checkpoint", sharded, out, cwd=tmp_path / "consolidate")
     script = f"""

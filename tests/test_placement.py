@@ -12,7 +12,9 @@ from torch import nn
 from helpers.stock_models import STOCK_MODELS
 from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.partition.balance import charged, plan_partition
-from lightning_pipe.partition.placement import EVERY, LOSS, observe_places, outside_modules, parameter_holders
+from lightning_pipe.partition.placement import (
+    EVERY, LOSS, observe_places, outside_modules, parameter_holders, unobserved_note,
+)
 from lightning_pipe.partition.region import Region, find_region
 from lightning_pipe.partition.step_probe import training_step_on
 from lightning_pipe.trace.stage_summary import build_stage_summary
@@ -48,6 +50,10 @@ EXPECTED = {
              "model.model.decoder.embed_tokens": {2}, "model.model.decoder.embed_positions": {2},
              "model.model.decoder.layernorm_embedding": {2}, "model.lm_head": {LOSS}},
     "resnet18": {"model.fc": {LOSS}},
+    # Mixtures of experts, whose blocks cannot run on the meta device: answered with their input's shapes there.
+    "mixtral": {"model.model.embed_tokens": {0}, "model.model.norm": {LOSS}, "model.lm_head": {LOSS}},
+    "qwen2_moe": {"model.model.embed_tokens": {0}, "model.model.norm": {LOSS}, "model.lm_head": {LOSS}},
+    "topk_moe": {"embedding": {0}, "norm": {LOSS}, "head": {LOSS}},
 }
 
 
@@ -112,7 +118,14 @@ def test_a_step_that_cannot_run_on_the_meta_device_keeps_every_module_on_every_s
         h.sum().item() > 0 and None  # reads a value: answered on the meta device
         raise RuntimeError("a step that needs real values")
 
-    assert set(observe_places(model, region, step).places.values()) == {frozenset({EVERY})}
+    places = observe_places(model, region, step)
+    assert set(places.places.values()) == {frozenset({EVERY})}
+    assert places.unobserved == "RuntimeError: a step that needs real values"
+    assert unobserved_note(places, model, region).startswith(
+        "The training step could not run on the meta device on the first batch's shapes (RuntimeError: a step that"
+        " needs real values), so where the modules outside the pipelined blocks are needed could not be seen: they"
+        " stay on every stage, each held and run by every stage: embed ("
+    )
 
 
 def test_a_parameter_tied_between_the_embedding_and_the_head_is_held_by_both_their_stages():

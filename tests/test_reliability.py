@@ -471,7 +471,7 @@ def test_crash_while_writing_a_checkpoint_leaves_the_previous_one(tmp_path):
 
 MISUSE_ERRORS = {
     "non-tensor": (
-        "TypeError: the output of pipeline stage 0 for micro-batch 0 is a dict (item 0); only a tensor or a tuple of"
+        "TypeError: the output of model chunk 0 for micro-batch 0 is a dict (item 0); only a tensor or a tuple of"
         " tensors can flow between pipeline stages"
     ),
     "batch-dim": (

@@ -4,12 +4,19 @@ the multi-process runs of test_reliability.py show it across real ranks)."""
 from __future__ import annotations
 
 import base64
+import json
 import pickle
+import socket
+import subprocess
+import sys
+import time
 import traceback
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+from lightning_pipe.reliability.lost_ranks import publish_process
 from lightning_pipe.reliability.root_cause import PipelineCommunicationError
 from lightning_pipe.reliability.root_cause import PipelineStageError, RecordedFailure, StageTraceback, raising_the_root_cause
 
@@ -100,3 +107,28 @@ def test_without_a_process_group_errors_pass_unchanged():
     assert not dist.is_initialized()
     with pytest.raises(PipelineCommunicationError):
         raising_the_root_cause(lose_a_peer, None, KEY)
+
+
+def test_a_peer_killed_inside_a_collective_is_named_from_the_published_processes(store, monkeypatch):
+    """gloo's error in a collective names no rank: the one whose published process has ended is named, with what
+    this rank was doing. Rank 1 stands in as a child process that has ended (a zombie until reaped, as a killed rank
+    is until its launcher reaps it); the one-rank group of this test counts two ranks for it."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.01)
+    publish_process("stage 1 (rank 0)")  # this process: running
+    record = {"host": socket.gethostname(), "pid": child.pid, "name": "stage 0 (rank 1)"}
+    store.set("lightning_pipe/process/1", json.dumps(record))
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+
+    def save_checkpoint():
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1922: Connection reset by peer")
+
+    with pytest.raises(PipelineCommunicationError) as raised:
+        raising_the_root_cause(save_checkpoint, None, KEY)
+    child.wait()
+    assert str(raised.value).startswith(
+        "rank 0 lost stage 0 (rank 1) while saving a checkpoint: its process ended without a Python error"
+    ), str(raised.value)
+    assert str(raised.value).endswith("([gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1922: Connection reset by peer)")
+    assert not store.check([KEY]), "a lost-peer error is a consequence, never recorded as the cause"

@@ -138,7 +138,7 @@ INVALID = {
         {"stall_first_step": -1},
         "{key}stall_first_step=-1 is invalid; give the bound on a wait in a first step (a run's first, an epoch's"
         " first, the first after validation or a checkpoint, which may compile or allocate for long) in seconds, a"
-        " positive number (default 600)",
+        " positive number or a timedelta, or None (the default: derived from what the set-up measured",
     ),
 }
 
@@ -234,7 +234,8 @@ def test_valid_settings_are_kept_in_one_form():
 
 
 def test_stall_settings_become_the_watchdog_rule_or_none_when_off():
-    assert PipelineSettings().stall_rule == StallRule(multiple=10.0, floor_s=30.0, first_step_s=600.0)
+    # No stall_first_step: the first steps' bound is derived from what the set-up measured (see test_stall_watchdog.py).
+    assert PipelineSettings().stall_rule == StallRule(multiple=10.0, floor_s=30.0, first_step_s=None)
     assert PipelineSettings(
         stall_floor=timedelta(minutes=2), stall_multiple=4, stall_first_step=timedelta(minutes=20)
     ).stall_rule == StallRule(4.0, 120.0, 1200.0)
@@ -283,5 +284,5 @@ def test_profiled_balance_takes_the_sample_or_the_example_input_and_names_the_fi
     model.example_input_array = example
     assert profiling_sample("memory", None, model) is example
     assert profiling_sample("parameters", None, nn.Linear(2, 2)) is None  # needs no sample
-    with pytest.raises(ValueError, match=r"^balance='time' profiles every layer on a sample input.*sample=<one batch>"):
+    with pytest.raises(ValueError, match=r"^balance='time' profiles every block on a sample input, but there is none.*sample=<one batch>"):
         profiling_sample("time", None, nn.Linear(2, 2))

@@ -1,6 +1,7 @@
 """A rank that stops making progress is named within seconds, not after the 30-minute timeout: the stall watchdog ends
 the run on every rank, each rank's error names its own wait and the rank that stopped, and every rank's Python stack
-is written; legitimately slow phases (the first step, validation, a checkpoint) do not trip it.
+is written; legitimately slow phases (the first step, a slow loader's first batch, validation, a checkpoint) do not
+trip it.
 
 The rule is tested directly (:mod:`lightning_pipe.reliability.stall_rule`); the runs launch ``workers/reliability_faults_worker.py``
 (as ``test_reliability.py`` does) with a low floor, so that a stall ends in seconds.
@@ -17,10 +18,12 @@ from pathlib import Path
 import pytest
 
 from lightning_pipe.reliability.stall_rule import (
+    COMPILING_FIRST_STEP_S,
     WARMUP_STEPS,
     WINDOW,
     RankState,
     StallRule,
+    StartUp,
     StepClock,
     Verdict,
     Wait,
@@ -70,6 +73,26 @@ def test_first_steps_get_the_first_step_bound_until_a_step_is_timed():
     clock.step_starts(now, epoch=1, batch=0, batch_shape=(16, 4))
     assert clock.first_step and clock.bound_s == pytest.approx(50.0)
     assert RULE.explain(10.0, first_step=True) == "5 x the slowest recent step (10.00 s), at least 3 s"
+
+
+def test_first_steps_bound_is_derived_from_what_the_set_up_measured_unless_given():
+    """Without stall_first_step, a first step's waits may last stall_multiple x the set-up's time, at least twice the
+    floor: a minute by default, so that a deadlock in a first step ends within two minutes (the ending takes 5-31 s,
+    docs/reliability.md); longer where the set-up was slow (a slow loader's first batch, a big model made real), ten
+    minutes while torch.compile compiles (not measured before it runs). A given stall_first_step is the bound."""
+    default = StallRule()
+    assert default.first_step_bound_s(0.0, StartUp(seconds=2.5)) == 60.0 < 120.0
+    assert default.first_step_bound_s(0.0, StartUp(seconds=12.0)) == pytest.approx(120.0)  # a slow set-up: 10 x
+    assert default.first_step_bound_s(0.0, StartUp(seconds=2.5, compiles=True)) == COMPILING_FIRST_STEP_S
+    assert StallRule(first_step_s=600.0).first_step_bound_s(0.0, StartUp(seconds=2.5)) == 600.0
+    assert StallRule(first_step_s=45.0).first_step_bound_s(0.0, StartUp(seconds=12.0, compiles=True)) == 45.0
+    assert default.explain(0.0, first_step=True, startup=StartUp(seconds=2.5)) == (
+        "a first step's bound: 10 x the set-up's 2.50 s, at least 2 x stall_floor = 60 s"
+    )
+    clock = StepClock(StallRule(multiple=5.0, floor_s=3.0))
+    clock.startup = StartUp(seconds=4.0)
+    clock.step_starts(0.0, epoch=0, batch=0, batch_shape=(16, 4))
+    assert clock.first_step and clock.bound_s == pytest.approx(20.0)
 
 
 @pytest.mark.parametrize(
@@ -138,6 +161,9 @@ def test_stall_message_names_the_wait_against_the_bound_and_the_rank_that_stoppe
 # ---- stalls end the run, naming the rank that stopped ----------------------------------------------------------------
 
 WATCHDOG = {"stall_floor": 3.0, "stall_multiple": 5.0}  # a wait in a regular step may last 3 s (steps take ~0.1 s)
+# The stalls of regular steps keep their first steps' bound far above theirs: a loaded machine must not end those runs
+# in a first step. The runs of the first step's rule derive it (at least 2 x the floor: 6 s).
+REGULAR_STEPS_WATCHDOG = {**WATCHDOG, "stall_first_step": 60.0}
 # The stalls, each where user code runs: a rank that sleeps inside its step (a pipelined layer of a middle stage, or the
 # first stage's step before the pipelined call), a callback stuck at a batch's end (the other ranks then wait in
 # Lightning's own per-step broadcast, which the pipeline does not make), and a training data loader that blocks.
@@ -157,10 +183,16 @@ SLOW_CASES = {
     for launcher in ("gpipe", "gpipe_spawn", "gpipe_fork")
     for kind, faults in STALLS.items()
 }
-# A rank stuck in its run's first step (a deadlock of its own), with a first-step bound of 5 s: the run ends as after
-# any stall, seconds after the bound, instead of after the 30-minute timeout.
-FIRST_STEP_WATCHDOG = {**WATCHDOG, "stall_first_step": 5.0}
+# A rank stuck in its run's first step (a deadlock of its own), under the default first-step rule (derived from the
+# set-up's time, at least twice the floor: 6 s here, a minute by default): the run ends as after any stall, seconds
+# after the bound, instead of after ten minutes (the former default) or the 30-minute timeout.
 FIRST_STEP_STALL = ("gpipe", 2, [fault("stall", "step", 0, batch=0)])
+# A data set whose first read in a process takes 8 s (it opens its files), longer than the first-step rule's floor
+# (6 s): the set-up reads the first batch on rank 0 (the last stage), so rank 0's first read in the fit is quick and
+# its first step waits for the first stage, whose first read comes in the fit. The set-up's time covers it.
+SLOW_FIRST_BATCH_S = 8.0
+SLOW_FIRST_BATCH = [{**fault("busy", "loader", stage, batch=0), "seconds": SLOW_FIRST_BATCH_S, "once": True}
+                    for stage in (0, 1)]
 # Legitimately slow phases, each sleeping twice the bound that would apply if it were a regular step's: the first step
 # (on the first stage; 6 s, below its first-step bound of 20 s), a validation step (first stage), and a checkpoint's
 # save (rank 0, the writer). Two epochs, a checkpoint every 4 steps.
@@ -172,7 +204,7 @@ SLOW_PHASES = [
 ]
 
 
-def run_stall(case: tuple, tmp_path: Path, watchdog: dict = WATCHDOG) -> FaultRun:
+def run_stall(case: tuple, tmp_path: Path, watchdog: dict = REGULAR_STEPS_WATCHDOG) -> FaultRun:
     launcher, devices, faults = case
     return run_with_faults(tmp_path, devices, faults, launcher, watchdog=watchdog)
 
@@ -186,7 +218,8 @@ def run_slow_phases(tmp_path: Path) -> FaultRun:
 def pooled_stalls(tmp_path_factory) -> dict[str, FaultRun]:
     jobs = {name: partial(run_stall, case) for name, case in CASES.items()}
     jobs["slow-phases"] = run_slow_phases
-    jobs["first-step"] = partial(run_stall, FIRST_STEP_STALL, watchdog=FIRST_STEP_WATCHDOG)
+    jobs["first-step"] = partial(run_stall, FIRST_STEP_STALL, watchdog=WATCHDOG)
+    jobs["slow-first-batch"] = lambda tmp: run_with_faults(tmp, 2, SLOW_FIRST_BATCH, "gpipe", watchdog=WATCHDOG)
     with ThreadPoolExecutor(max_workers=4) as pool:
         futures = {name: pool.submit(job, tmp_path_factory.mktemp(name)) for name, job in jobs.items()}
     runs = {name: future.result() for name, future in futures.items()}
@@ -234,13 +267,32 @@ def test_callback_stall_is_found_while_the_others_wait_in_lightnings_broadcast(p
 
 
 def test_deadlocked_first_step_ends_the_run_named_within_seconds(pooled_stalls):
-    """The run's very first step, which the regular bound does not cover, is bounded by stall_first_step (5 s
-    here; 10 minutes by default): the same report as any stall, every process gone seconds after the bound."""
+    """The run's very first step, which the regular bound does not cover, is bounded by the default first-step rule
+    (stall_multiple x the set-up's time, at least 2 x stall_floor: 6 s here, a minute by default): the same report as
+    any stall, every process gone seconds after the bound, well within two minutes."""
     run = pooled_stalls["first-step"]
-    check_stall_named(run, 2, FIRST_STEP_STALL[2], bound_s=FIRST_STEP_WATCHDOG["stall_first_step"])
+    check_stall_named(run, 2, FIRST_STEP_STALL[2], bound_s=2 * WATCHDOG["stall_floor"])
+    assert run.seconds_to_exit < 120
     assert "stage 0 (rank 1) stopped making progress in batch 0 of epoch 0" in run.stderr, run.stderr[-6000:]
-    assert "(a first step's bound, stall_first_step=5 s)" in run.stderr
+    derived = r"\(a first step's bound: 5 x the set-up's ([\d.]+) s, at least 2 x stall_floor = 6 s\)"
+    rule = re.search(derived, run.stderr)
+    assert rule, run.stderr[-6000:]
+    bound = re.search(r"longer than its bound of ([\d.]+) s", run.stderr)
+    assert bound and float(bound.group(1)) == pytest.approx(max(6.0, 5 * float(rule.group(1))), abs=0.1)
     assert "raise GPipeStrategy(stall_first_step=...)" in run.stderr
+
+
+def test_a_slow_loaders_first_batch_passes_the_first_step_rule_it_measured(pooled_stalls):
+    """The first stage's first batch takes 8 s, longer than the rule's floor (6 s), while the last stage waits for it
+    in its first step: the set-up took that long too (it read the first batch), so the derived bound covers it and
+    the run finishes without the watchdog firing."""
+    run = pooled_stalls["slow-first-batch"]
+    assert run.returncode == 0 and not run.leftovers, run.stderr[-6000:]
+    assert {name: end["ended"] for name, end in run.ends.items()} == {"rank0": "finished", "rank1": "finished"}
+    assert not (run.out / "stall_stacks").exists(), "the watchdog fired"
+    slow = json.loads((run.out / "busy-loader-1.json").read_text())  # the first stage's read, in the fit
+    assert slow["seconds"] == SLOW_FIRST_BATCH_S > 2 * WATCHDOG["stall_floor"]
+    assert slow["first_step_bound"] >= WATCHDOG["stall_multiple"] * SLOW_FIRST_BATCH_S
 
 
 def test_slow_first_step_validation_and_checkpoint_do_not_trip_the_watchdog(pooled_stalls):

@@ -2,6 +2,7 @@
 
 Holds: optimizer states numbered by parameter name (``optimizer_states``), the whole model gathered from and split
 back onto the stages (``whole_model``), sharded checkpoints through ``torch.distributed.checkpoint`` (``sharded``),
+committed whole or not at all (``commit``) and checked whole before they are read (``integrity``),
 weights read from files a tensor at a time (``stored_weights``), stored names placed as ``from_pretrained`` places
 them (``stored_names``), pretrained weights mapped onto the model
 (``pretrained``), the Hugging Face export (``export``), and what the strategy's checkpoint hooks do on one rank

@@ -11,9 +11,17 @@ saved with any stage count loads with any other:
 * ``order``: the whole model's state-dict keys and parameter names, in order (to number a consolidated file);
 * ``lightning``: everything else Lightning saves (loops, callbacks, schedulers, hyper-parameters).
 
+* ``parts/stage<s>-replica<r>``: what each rank's part says about itself (which save wrote it, its step, the layout),
+  written by that rank (see :mod:`lightning_pipe.checkpoints.integrity`).
+
 Every entry is a tensor or a plain value (numbers, strings, lists, dicts): they are read with the caller's
 ``weights_only``, so a checkpoint that holds other objects is refused under ``weights_only=True``, as
 ``torch.load`` refuses them. :func:`consolidate` writes one file from a sharded checkpoint, one stage at a time.
+
+On disk a checkpoint is a directory whose ``current`` link names the step directory holding the
+``torch.distributed.checkpoint`` files (``current -> step-8-<save>``), so that a new save replaces it by switching
+the link (:mod:`lightning_pipe.checkpoints.commit`); a directory holding ``.metadata`` itself (written before, or by
+``torch.distributed.checkpoint`` directly) is read as it is.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import mmap
 import os
 import pickle
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,18 +47,39 @@ from torch.distributed.checkpoint.planner import ReadItem
 from lightning_pipe.checkpoints.optimizer_states import NamedOptimizerState, global_group_names, merge_optimizer_states
 
 SHARDED = "gpipe_sharded"  # marks a checkpoint dict that holds only this rank's share
+METADATA = ".metadata"  # torch.distributed.checkpoint's index of every entry, written last
+COMMITTED = "current"  # the link, in a checkpoint directory, to the step directory that holds its files
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
-    return Path(path).is_dir() and (Path(path) / ".metadata").is_file()
+    """Whether ``path`` is a sharded checkpoint, whole or not: a checkpoint directory (one-file checkpoints are
+    files)."""
+    return Path(path).is_dir()
+
+
+def committed_directory(path: str | Path) -> Path:
+    """The directory whose files ``torch.distributed.checkpoint`` reads: the step directory the checkpoint's
+    ``current`` link names, else ``path`` itself."""
+    path = Path(path)
+    pointer = path / COMMITTED
+    return path / os.readlink(pointer) if pointer.is_symlink() else path
 
 
 # ---- a rank's share ------------------------------------------------------------------------------------------------
 
 
-def save(checkpoint: dict[str, Any], path: str | Path, state_keys: list[str], parameter_order: list[str]) -> None:
-    """Write this rank's share; ``checkpoint["optimizer_states"]`` holds :class:`NamedOptimizerState` objects.
-    ``state_keys`` and ``parameter_order`` are the whole model's, in order."""
+def save(
+    checkpoint: dict[str, Any],
+    path: str | Path,
+    state_keys: list[str],
+    parameter_order: list[str],
+    records: Mapping[str, Any] | None = None,
+    storage_writer: dcp.StorageWriter | None = None,
+) -> None:
+    """Write this rank's share into the directory ``path`` (through ``storage_writer`` if given);
+    ``checkpoint["optimizer_states"]`` holds :class:`NamedOptimizerState` objects. ``state_keys`` and
+    ``parameter_order`` are the whole model's, in order; ``records`` are entries of this rank's own (its part's
+    record)."""
     flat: dict[str, Any] = {f"model/{key}": value for key, value in checkpoint["state_dict"].items()}
     for i, named in enumerate(checkpoint.get("optimizer_states", [])):
         for name, entries in named.state.items():
@@ -61,8 +91,13 @@ def save(checkpoint: dict[str, Any], path: str | Path, state_keys: list[str], pa
     flat["order"] = {"state_keys": list(state_keys), "parameter_order": list(parameter_order),
                      "checkpoint": list(checkpoint)}
     flat["lightning"] = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    flat.update(records or {})
     # Not flattened: a dict entry is stored as one value, so that its keys need not be valid names.
-    dcp.save(flat, checkpoint_id=str(path), planner=DefaultSavePlanner(flatten_state_dict=False))
+    planner = DefaultSavePlanner(flatten_state_dict=False)
+    if storage_writer is None:
+        dcp.save(flat, checkpoint_id=str(path), planner=planner)
+    else:
+        dcp.save(flat, storage_writer=storage_writer, planner=planner)
 
 
 def load(
@@ -71,6 +106,7 @@ def load(
     """This rank's share: weights for ``state_keys`` and, per optimizer, the state of its parameter groups'
     names (``optimizer_names[i]``), numbered as the local optimizer numbers them. Nothing else is read.
     ``weights_only`` as for ``torch.load`` (``None``: torch's default)."""
+    path = committed_directory(path)
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     local_names = [{name for group in groups for name in group} for groups in optimizer_names]
     wanted: dict[str, Any] = {}
@@ -123,6 +159,7 @@ def consolidate(path: str | Path, out: str | Path, weights_only: bool | None = N
     over fake tensors); then the tensors of one shard (one rank's stage) at a time are read and written into their
     places through a shared memory map, which is dropped before the next shard. Peak memory: about one stage.
     """
+    path = committed_directory(path)
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     entries = metadata.state_dict_metadata
     values = {key: None for key, meta in entries.items() if not isinstance(meta, TensorStorageMetadata)}
@@ -214,14 +251,21 @@ class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
 def read_entries(path: str | Path, tensors: dict[str, Tensor]) -> None:
     """Fill ``tensors`` in place (cast to their dtype) from the entries of those names of the sharded checkpoint
     ``path``; nothing else is read."""
-    _read(path, tensors, weights_only=True)
+    _read(committed_directory(path), tensors, weights_only=True)
 
 
-def _read(path: str | Path, state_dict: dict[str, Any], weights_only: bool | None) -> None:
-    """Fill ``state_dict`` (tensors in place, other values replaced) from the sharded checkpoint ``path``."""
+def read_local(directory: str | Path, state_dict: dict[str, Any], weights_only: bool | None = True) -> None:
+    """Fill ``state_dict`` from the files of ``directory`` in this process alone, whatever the other ranks do (no
+    collective: each rank checks a checkpoint by itself)."""
+    _read(directory, state_dict, weights_only, no_dist=True)
+
+
+def _read(path: str | Path, state_dict: dict[str, Any], weights_only: bool | None, no_dist: bool = False) -> None:
+    """Fill ``state_dict`` (tensors in place, other values replaced) from the ``torch.distributed.checkpoint``
+    directory ``path``."""
     planner = _WeightsOnlyLoadPlanner(path, weights_only)
     try:
-        dcp.load(state_dict, checkpoint_id=str(path), planner=planner)
+        dcp.load(state_dict, checkpoint_id=str(path), planner=planner, no_dist=no_dist)
     except CheckpointException:
         if planner.refused is not None:  # torch wraps it with every rank's traceback: raise it as it is
             raise planner.refused from None

@@ -30,6 +30,7 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 TORCH_FILE = "pytorch_model.bin"
 TORCH_INDEX = "pytorch_model.bin.index.json"
 SHARDED_CHECKPOINT_MARK = ".metadata"  # a torch.distributed.checkpoint directory (see lightning_pipe.checkpoints.sharded)
+SHARDED_CHECKPOINT_LINK = "current"  # a sharded checkpoint's link to the step directory holding its files
 # The dtype names of the safetensors format (its specification), as torch dtypes.
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -83,7 +84,7 @@ def open_stored_weights(path: str | Path) -> StoredWeights:
     naming what was looked for when ``path`` holds none of them."""
     path = Path(path)
     if path.is_dir():
-        if (path / SHARDED_CHECKPOINT_MARK).is_file():
+        if _is_sharded_checkpoint(path):
             return _ShardedCheckpoint.open(path)
         for name, opener in ((SAFETENSORS_INDEX, _Safetensors.from_index), (SAFETENSORS_FILE, _Safetensors.from_file),
                              (TORCH_INDEX, _TorchFiles.from_index), (TORCH_FILE, _TorchFiles.from_file)):
@@ -108,8 +109,8 @@ def check_stored_weights_path(path: str | Path) -> None:
     tensor, and no more than a directory listing for a directory."""
     path = Path(path)
     if path.is_dir():
-        marks = (SHARDED_CHECKPOINT_MARK, SAFETENSORS_INDEX, SAFETENSORS_FILE, TORCH_INDEX, TORCH_FILE)
-        if not any((path / mark).is_file() for mark in marks):
+        marks = (SAFETENSORS_INDEX, SAFETENSORS_FILE, TORCH_INDEX, TORCH_FILE)
+        if not (_is_sharded_checkpoint(path) or any((path / mark).is_file() for mark in marks)):
             open_stored_weights(path)  # raises, naming what it looked for
     elif not path.is_file():
         open_stored_weights(path)
@@ -229,6 +230,9 @@ class _ShardedCheckpoint(StoredWeights):
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+        from lightning_pipe.checkpoints.integrity import check_sharded_checkpoint
+
+        path = check_sharded_checkpoint(path).directory  # refused here if it is not whole
         metadata = FileSystemReader(str(path)).read_metadata()
         files = {index.fqn: storage.relative_path for index, storage in metadata.storage_data.items()}
         entries = {
@@ -246,6 +250,11 @@ class _ShardedCheckpoint(StoredWeights):
         for name, tensors in targets.items():
             for tensor in tensors[1:]:
                 tensor.copy_(tensors[0])
+
+
+def _is_sharded_checkpoint(path: Path) -> bool:
+    """A sharded checkpoint of this package: its files, or the link to them (see lightning_pipe.checkpoints.sharded)."""
+    return (path / SHARDED_CHECKPOINT_MARK).is_file() or (path / SHARDED_CHECKPOINT_LINK).is_symlink()
 
 
 def read_tensors(weights: StoredWeights, names: Iterable[str]) -> dict[str, Tensor]:

@@ -22,11 +22,12 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
+from lightning_pipe.checkpoints.commit import save_committed
 from lightning_pipe.checkpoints.export import export_pretrained_by_stage, library_model_prefix, parse_size
+from lightning_pipe.checkpoints.integrity import check_sharded_checkpoint, refuse_interrupted_save
 from lightning_pipe.checkpoints.optimizer_states import name_optimizer_state
 from lightning_pipe.checkpoints.sharded import SHARDED, is_sharded_checkpoint
 from lightning_pipe.checkpoints.sharded import load as load_sharded
-from lightning_pipe.checkpoints.sharded import save as save_sharded
 from lightning_pipe.checkpoints.whole_model import (
     WholeModelLayout,
     group_names,
@@ -71,12 +72,18 @@ class StageCheckpoints:
     ) -> dict[str, Any] | None:
         """A sharded checkpoint's share for this rank, or a local checkpoint file memory-mapped
         (``torch.load(mmap=True)``), not read: its tensors take memory only where a rank copies them out. None for
-        other checkpoint IO (remote paths, custom plugins: not ``default_io``), which Lightning's reads."""
-        if is_sharded_checkpoint(path):
+        other checkpoint IO (remote paths, custom plugins: not ``default_io``), which Lightning's reads. A sharded
+        checkpoint that is not whole is refused on every rank alike, before anything is read (see
+        :mod:`lightning_pipe.checkpoints.integrity`)."""
+        local = "://" not in str(path)
+        if local and is_sharded_checkpoint(path):
             assert self.module is not None
+            checked = check_sharded_checkpoint(path)
             names = [group_names(self.module, optimizer) for optimizer in optimizers]
-            return load_sharded(path, set(self.module.state_dict()), names, weights_only)
-        local_file = "://" not in str(path) and Path(path).is_file()
+            return load_sharded(checked.directory, set(self.module.state_dict()), names, weights_only)
+        if local:
+            refuse_interrupted_save(path)
+        local_file = local and Path(path).is_file()
         if not (local_file and default_io and self.num_stages > 1):
             return None
         return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
@@ -118,8 +125,9 @@ class StageCheckpoints:
     def write(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None, after_spawned_ranks: bool
     ) -> bool:
-        """Write ``checkpoint`` sharded, each rank its own stage; False where Lightning's checkpoint IO writes the
-        whole model on rank 0. Raises where the stages' optimizer states are out of reach."""
+        """Write ``checkpoint`` sharded, each rank its own stage, committed whole or not at all (see
+        :mod:`lightning_pipe.checkpoints.commit`); False where Lightning's checkpoint IO writes the whole model on
+        rank 0. Raises where the stages' optimizer states are out of reach."""
         if self.pipelined is None and "optimizer_states" in checkpoint:
             refuse_checkpoint_without_stages(after_spawned_ranks, filepath)
         if not (self.sharded and self._split):
@@ -128,8 +136,12 @@ class StageCheckpoints:
             raise TypeError("sharded checkpoints are written with torch.distributed.checkpoint, which takes no"
                             f" storage_options (got {storage_options!r}); pass save_distributed_checkpoint=False to"
                             " write one file through the checkpoint IO plugin.")
-        assert self.pipelined is not None
-        save_sharded(checkpoint, filepath, self.pipelined.state_keys, self.pipelined.parameter_order)
+        if "://" in str(filepath):
+            raise ValueError(f"sharded checkpoints are written into a local (or mounted) directory, and {filepath!r} is"
+                             " remote; pass save_distributed_checkpoint=False to write one file through the"
+                             " checkpoint IO plugin (fsspec).")
+        assert self.pipelined is not None and self.groups is not None
+        save_committed(checkpoint, filepath, self.pipelined.state_keys, self.pipelined.parameter_order, self.groups)
         return True
 
     def load_optimizer_states(

@@ -30,9 +30,12 @@ from lightning_pipe.execution.call_order import (
     map_tensors,
     tensors_of,
 )
-from lightning_pipe.execution.placeholders import Placeholders, fresh_meta
+from lightning_pipe.execution.learned_outputs import LearnedOutputs
+from lightning_pipe.execution.placeholders import Placeholders, fresh_meta, needing_gradients_as_real
 from lightning_pipe.execution.stage import StageBlocks
+from lightning_pipe.partition.collected_outputs import check_nothing_collected_now
 from lightning_pipe.partition.hooks import hooks_set_aside
+from lightning_pipe.partition.microbatch import as_tensors
 
 
 class BlockCalls:
@@ -51,6 +54,7 @@ class BlockCalls:
         begin_outside_step: Callable[[], None] = lambda: None,
         share_outside_output: Callable[[Any], Any] = lambda output: output,
         on_model_checkpoint: Callable[[], None] = lambda: None,
+        learned: Callable[[BlockCalls], LearnedOutputs] | None = None,
     ) -> None:
         self.stage = stage
         self._run_chunk = run_chunk
@@ -59,12 +63,15 @@ class BlockCalls:
         self._on_model_checkpoint = on_model_checkpoint
         self._said_model_checkpoints = False
         self.chain = CallChain(stage.region.names, stage.originals)
-        self.placeholders = Placeholders(stage.originals, stage.running_blocks)
+        # The outputs of blocks that cannot run on the meta device, learned from their stage (see learned_outputs).
+        learned_outputs = learned(self) if learned is not None else LearnedOutputs(stage, in_step=lambda: self.in_step)
+        self.placeholders = Placeholders(stage.originals, stage.running_blocks, learned_outputs)
         self.in_step = False
         self.targets: frozenset[int] = frozenset(stage.chunk_ranges)  # the chunks this call of the user's step runs
         # The frame that started this call of the user's step: a model checkpoint around a block call lies between the
         # call and that frame, so the search for one stops there (None: outside a step, the whole stack).
         self._step_frame: FrameType | None = None
+        self._chunk_starts = {r[0]: chunk for chunk, r in stage.chunk_ranges.items() if chunk > 0}  # block -> chunk
         stage.route(self.model_call)
 
     def begin_step(self, in_step: bool, targets: Iterable[int] | None = None, frame: FrameType | None = None) -> None:
@@ -108,8 +115,8 @@ class BlockCalls:
         wants_gradients = any(t.requires_grad for t in tensors_of(frame.f_locals["args"]))
         with torch.set_grad_enabled(wants_gradients):
             output = self.block_called(index, args, kwargs)
-        if not any(t.requires_grad for t in tensors_of(output)):
-            return output  # a placeholder
+        if not any(t.requires_grad and not t.is_meta for t in tensors_of(output)):
+            return output  # a placeholder (on the meta device), or a real output that needs no gradient
         call = self.chain.calls[-1]
         call.graph_output, call.output = output, map_tensors(output, Tensor.detach)
         return call.output
@@ -131,21 +138,33 @@ class BlockCalls:
 
     def block_called(self, index: int, args: tuple, kwargs: dict) -> Any:
         """A call of block ``index`` by the model's code: checked, recorded, answered."""
+        if index == 0:
+            check_nothing_collected_now(self.stage.num_stages)
         if index == 0 and not self.in_step:
             self.begin_step(in_step=False)
             self._begin_outside_step()
         restart, sources = self.chain.check(index, args, kwargs)
+        if index in self._chunk_starts and not restart:
+            # The previous chunk's output, a placeholder where another stage runs that chunk: refused here as that
+            # stage refuses it, rather than with the error the block would raise on it.
+            as_tensors(args[0], f"the output of model chunk {self._chunk_starts[index] - 1}")
         # NOTE: a key/value cache (Hugging Face's DynamicCache) would gather every micro-batch's keys and values, and
         # the placeholders' meta-device ones: training needs none, so the pipelined blocks get none.
         args, kwargs = _without_caches(args), _without_caches(kwargs)
         carried = tuple(key for key in sources.values() if key[0] < self.chain.segment_start)
         call = BlockCall(index, args, kwargs, restart=restart, carried=carried, sources=sources)
         self.chain.calls.append(call)
-        output = None
+        output = placeholder = None
         chunk = self.stage.chunk_ends.get(index)
         if chunk is not None and chunk in self.targets:
+            placeholder = self.placeholders.share(index, args, kwargs)
             output = self._run_chunk(chunk)
-        call.output = output if output is not None else self.placeholders.output(index, args, kwargs)
+        if output is not None:
+            call.output = output
+        else:
+            if placeholder is None:
+                placeholder = self.placeholders.output(index, args, kwargs)
+            call.output = needing_gradients_as_real(placeholder, self.stage.originals[index], args, kwargs)
         if index == len(self.stage.region) - 1 and not self.in_step:
             call.output = self._share_outside_output(output)
         self.chain.record(call)

@@ -96,6 +96,12 @@ def compile_stage(model: nn.Module, region: Region, stage: StageBlocks, options:
         stage.compiled_calls[index] = compiler(partial(_call_for(type(block)), block))
 
 
+def compiles_in_first_steps(model: nn.Module, stage: StageBlocks) -> bool:
+    """Whether ``torch.compile`` will compile code of this rank in its first steps: the stage's blocks (compiled by
+    the strategy, in place, or wrapped), or any module of ``model`` that a ``torch.compile`` wrapper holds."""
+    return bool(stage.compiled_calls) or any(isinstance(module, OptimizedModule) for module in model.modules())
+
+
 def _call(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return layer._call_impl(*args, **kwargs)
 

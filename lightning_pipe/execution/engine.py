@@ -58,6 +58,7 @@ from lightning_pipe.execution.recomputation import recompute_later, unchanged_ru
 from lightning_pipe.execution.split_backward import WeightGradients, backward_input
 from lightning_pipe.execution.call_order import ChainKey, ChunkCall
 from lightning_pipe.execution.stage import StageBlocks
+from lightning_pipe.execution.step_agreement import StepSignature
 from lightning_pipe.partition import microbatch
 from lightning_pipe.partition.microbatch import Activation
 from lightning_pipe.schedules.actions import Action, ActionKind, PipelineSchedule, RecomputeMode
@@ -153,6 +154,7 @@ class _StepState:
     gradient_inboxes: dict[int, GradientInbox] = field(default_factory=dict)
     sends: _SendsInFlight = field(default_factory=lambda: _SendsInFlight())  # kept until they complete
     sent_metas: dict[int, tuple[TensorMeta, ...]] = field(default_factory=dict)  # per peer: the last activation's
+    announced: set[int] = field(default_factory=set)  # the stages this step's signature was sent to
 
     def wait_sends(self, done_only: bool = False) -> None:
         """Wait for this step's sends to complete (``done_only``: release the completed ones, wait for none), each
@@ -161,6 +163,14 @@ class _StepState:
             self.sends.release_completed()
         else:
             self.sends.wait_all()
+
+    def signed(self, peer: int, signature: StepSignature | None) -> StepSignature | None:
+        """The step's ``signature`` (see :mod:`lightning_pipe.execution.step_agreement`) in its first message to
+        ``peer``, which compares it with its own before using the message; none in the others."""
+        if signature is None or peer in self.announced:
+            return None
+        self.announced.add(peer)
+        return signature
 
 
 class _SendsInFlight:
@@ -219,6 +229,7 @@ class PipelineEngine:
         self.last_chunk = stage.num_chunks - 1
         self._owners = {k: schedule.owner(k, stage.num_stages) for k in range(stage.num_chunks)}
         self._step = _StepState()
+        self.step_signature: StepSignature | None = None  # the step run now, as neighbours must: `_StepState.signed`
         self._batch_norms = {
             chunk: [m for i in chunk_range for m in stage.originals[i].modules() if isinstance(m, _BatchNorm)]
             for chunk, chunk_range in stage.chunk_ranges.items()
@@ -362,7 +373,8 @@ class PipelineEngine:
         link = self.links[peer]
         # The receiver posted no guess of the next message's shapes after this one (see ActivationInbox): none is
         # expected.
-        works = link.send_skip(Header(SKIP, m, step.num_micro_batches, chunk=k + 1), step.sent_metas.pop(peer, None))
+        header = Header(SKIP, m, step.num_micro_batches, chunk=k + 1, step=self._step.signed(peer, self.step_signature))
+        works = link.send_skip(header, step.sent_metas.pop(peer, None))
         step.sends.append((link, works, "the activations"))
 
     # ---- skipped whole-batch steps ----------------------------------------------------------------------------
@@ -379,8 +391,9 @@ class PipelineEngine:
                         f" {self.stage.stage_index}'s step returned before reaching chunk {k}" + _SAME_PATH
                     )
             if k < self.last_chunk and not self._here(k + 1):
-                link = self.links[self.owner(k + 1)]
-                self._step.sends.append((link, [link.send_header(Header(SKIP, chunk=k + 1))], "the activations"))
+                peer = self.owner(k + 1)
+                link, header = self.links[peer], Header(SKIP, chunk=k + 1, step=self._step.signed(peer, self.step_signature))
+                self._step.sends.append((link, [link.send_header(header)], "the activations"))
         self._step.wait_sends()
 
     # ---- executing actions ---------------------------------------------------------------------------------------
@@ -424,7 +437,7 @@ class PipelineEngine:
         peer = self.owner(sending_chunk)
         step = self._step
         if peer not in step.inboxes:
-            step.inboxes[peer] = ActivationInbox(self.links[peer], partial(self._expected_from, peer))
+            step.inboxes[peer] = ActivationInbox(self.links[peer], partial(self._expected_from, peer), self.step_signature)
         return step.inboxes[peer]
 
     def _expected_from(self, peer: int) -> list[Key]:
@@ -490,7 +503,7 @@ class PipelineEngine:
         metas = tuple(TensorMeta(tuple(t.shape), t.dtype, needs) for t, needs in zip(outputs, out.requires_grad))
         peer = self.owner(k + 1)
         start = self.timeline.now()
-        header = Header(ACTIVATION, m, step.num_micro_batches, metas, out.is_tuple, k + 1, out.carried)
+        header = Header(ACTIVATION, m, step.num_micro_batches, metas, out.is_tuple, k + 1, out.carried, self._step.signed(peer, self.step_signature))
         link = self.links[peer]
         # The receiver posted this message's receive with the previous message's shapes (see ActivationInbox).
         works = link.send_activation(header, outputs, step.sent_metas.get(peer))

@@ -9,12 +9,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_pipe.execution.p2p import SKIP, Header, Link, PendingHeader, PostedTensors
+from lightning_pipe.execution.step_agreement import PipelineMismatchError, StepSignature, check_same_step
+
+__all__ = ["ActivationInbox", "GradientInbox", "Key", "PipelineMismatchError"]
 
 Key = tuple[int, int]  # (chunk, micro-batch)
-
-
-class PipelineMismatchError(RuntimeError):
-    """The stages of one pipeline disagree about what happens in a step."""
 
 
 class ActivationInbox:
@@ -23,12 +22,15 @@ class ActivationInbox:
     The next message's header and tensors are received while this stage computes: their receives are posted when
     the current one is taken, the tensors' with its shapes (the sender corrects a wrong guess, see
     :meth:`Link.send_activation`), as one packed message where the link packs them. Each (chunk, micro-batch) is
-    received into buffers of its own, reused from step to step.
+    received into buffers of its own, reused from step to step. The step's first message says which step the sender
+    runs, on which batch: unless it is this stage's ``step`` (``None``: not in a step), nothing of it is used (see
+    :mod:`lightning_pipe.execution.step_agreement`).
     """
 
-    def __init__(self, link: Link, expected: Callable[[], list[Key]]) -> None:
+    def __init__(self, link: Link, expected: Callable[[], list[Key]], step: StepSignature | None = None) -> None:
         self.link = link
         self._expected = expected
+        self._step = step  # compared with the first message's, then None
         self._order: list[Key] | None = None
         self._index = 0
         self._header: Header | None = None  # the next message's, when read ahead
@@ -40,6 +42,9 @@ class ActivationInbox:
         if self._header is None:
             self._header = self._pending.wait() if self._pending is not None else self.link.recv_header()
             self._pending = None
+            if self._step is not None:
+                check_same_step(self._step, self._header.step, *self.link.names())
+                self._step = None
         return self._header
 
     def take(self, k: int, m: int) -> tuple[Header, tuple[Tensor, ...]]:

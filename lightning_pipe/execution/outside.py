@@ -2,8 +2,9 @@
 :mod:`lightning_pipe.partition.placement`): the embeddings by the first stage, the head by the loss stage.
 
 On a stage that does not hold one, an :class:`AbsentModule` stands in its place: no parameters, no gradient, no
-optimizer state. Its call answers zeros shaped as the module's output (computed on the meta device): on that stage
-nothing reads the values, only the shapes flow on to blocks that run elsewhere. What a parameter's holders do
+optimizer state. Its call answers zeros shaped as the module's output (computed on the meta device), needing a
+gradient where that output would: on that stage nothing reads the values, only the shapes (and whether a gradient
+is needed, which the model's reentrant checkpoints read) flow on to blocks that run elsewhere. What a parameter's holders do
 together (:class:`OutsideOwnership`): start from the same values, sum their gradients, count them once in the
 gradient norm. A parameter held by every stage stays one of the pipeline's replicated parameters.
 """
@@ -18,16 +19,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_pipe.execution.call_order import map_tensors
 from lightning_pipe.execution.gradients import reduce_gradients
 from lightning_pipe.execution.materialize import holds_meta_tensors
-from lightning_pipe.execution.placeholders import SIGNATURES_KEPT, signature
+from lightning_pipe.execution.placeholders import SIGNATURES_KEPT, needing_gradients_as_real, signature
 from lightning_pipe.execution.process_groups import PipelineGroups, broadcast_object
 from lightning_pipe.execution.stage import StandIn, replace_submodule
 from lightning_pipe.partition.hooks import hooks_set_aside
-from lightning_pipe.partition.placement import EVERY, OutsidePlaces, observe_places, outside_modules
+from lightning_pipe.partition.placement import EVERY, OutsidePlaces, observe_places, outside_modules, unobserved_note
 from lightning_pipe.partition.region import Region
 from lightning_pipe.partition.step_probe import fit_training_step, random_state_kept
 from lightning_pipe.partition.topology import PipelineLayout
@@ -37,7 +39,8 @@ from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog
 class AbsentModule(StandIn):
     """Stands where an outside module that other stages hold was (``where``: which, in words). A call answers zeros
     with the shapes and dtypes of the module's output, on ``device``: computed on the meta device once per input
-    signature (it is called once per micro-batch under the per-micro-batch schedules)."""
+    signature (it is called once per micro-batch under the per-micro-batch schedules), needing a gradient where the
+    module's output would (see :func:`~lightning_pipe.execution.placeholders.needing_gradients_as_real`)."""
 
     _own_attributes = ("_original", "_meta_state", "_outputs")
 
@@ -65,7 +68,8 @@ class AbsentModule(StandIn):
                 if len(self._outputs) >= SIGNATURES_KEPT:
                     self._outputs.clear()  # signatures that change every step (a growing sequence) must not pile up
                 self._outputs[key] = output
-        return map_tensors(output, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.device))
+        zeros = map_tensors(output, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.device))
+        return needing_gradients_as_real(zeros, self._original, args, kwargs)
 
     forward = __call__
 
@@ -187,6 +191,9 @@ def decide_outside_places(module: LightningModule, region: Region, groups: Pipel
     )
     if groups.rank == 0 and groups.num_stages > 1:
         places = _observed_places(module, region, names) or places
+        note = unobserved_note(places, module, region)
+        if note is not None:
+            rank_zero_warn(note)
     places = broadcast_object(places, 0, groups.rank, groups.watchdog)
     module.__dict__[_OUTSIDE_PLACES] = places
     return places
@@ -206,8 +213,8 @@ def _observed_places(module: LightningModule, region: Region, names: list[str]) 
     try:
         with random_state_kept():
             return observe_places(module, region, step, names)
-    except Exception:  # an unusual step: every stage holds every module, as the model was built
-        return None
+    except Exception as error:  # an unusual step: every stage holds every module, as the model was built
+        return OutsidePlaces({name: frozenset({EVERY}) for name in names}, unobserved=f"{type(error).__name__}: {error}")
 
 
 def built_real_everywhere(module: LightningModule, names: list[str], groups: PipelineGroups) -> dict[str, bool]:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_pipe.execution.step_agreement import UNCHECKED, StepSignature, decode_signature, encode_signature
 from lightning_pipe.reliability.root_cause import PipelineCommunicationError
 from lightning_pipe.reliability.stall_rule import Wait
 from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog
@@ -67,7 +68,9 @@ class TensorMeta:
 class Header:
     """The header of one message: its kind, which micro-batch of how many and for which model chunk, and the tensors
     that follow: the travelling value's, then those of the earlier blocks' outputs ``carried`` with it (each named by
-    its block's index and item, ``None`` for the whole output)."""
+    its block's index and item, ``None`` for the whole output). A step's first message to a stage carries the
+    sender's ``step`` too, which the receiver compares with its own (:mod:`lightning_pipe.execution.step_agreement`;
+    decoded, :data:`~lightning_pipe.execution.step_agreement.UNCHECKED` where it did not fit)."""
 
     kind: int
     micro_batch: int = 0
@@ -76,11 +79,12 @@ class Header:
     is_tuple: bool = False
     chunk: int = 0  # the chunk that receives the tensors as its input
     carried: tuple[tuple[int, int | None], ...] = ()
+    step: StepSignature | None | object = None
 
     def encode(self) -> Tensor:
         """The header as the tensor that travels (read-only: a step sends the same few headers every step, each
-        encoded once)."""
-        return _encoded(self)
+        encoded once; a step's first message, which carries the step's signature, is encoded anew)."""
+        return _encoded(self) if self.step is None else self._encode()
 
     def _encode(self) -> Tensor:
         values = [self.kind, self.micro_batch, self.num_micro_batches, self.chunk, int(self.is_tuple), len(self.tensors)]
@@ -93,6 +97,8 @@ class Header:
                     " convert it (e.g. with .float()) in the last layer of the sending stage."
                 )
             values += [_DTYPE_CODES[meta.dtype], int(meta.requires_grad), len(meta.shape), *meta.shape]
+        if len(values) < HEADER_LENGTH:
+            values += encode_signature(self.step, HEADER_LENGTH - len(values))  # type: ignore[arg-type]
         if len(values) > HEADER_LENGTH:
             raise ValueError(
                 f"an activation of {len(self.tensors)} tensors with shapes {[m.shape for m in self.tensors]} does"
@@ -118,7 +124,8 @@ class Header:
             shape = tuple(values[pos + 3 : pos + 3 + ndim])
             metas.append(TensorMeta(shape, _DTYPES[dtype_code], bool(requires_grad)))
             pos += 3 + ndim
-        return Header(kind, micro_batch, num_micro_batches, tuple(metas), bool(is_tuple), chunk, carried)
+        step = decode_signature(values[pos:]) if pos < HEADER_LENGTH else UNCHECKED  # a full header: no room left
+        return Header(kind, micro_batch, num_micro_batches, tuple(metas), bool(is_tuple), chunk, carried, step)
 
 
 @functools.lru_cache(maxsize=256)  # a step sends the same headers every step: one per micro-batch and chunk
@@ -348,6 +355,11 @@ class Link:
         except RuntimeError as error:
             raise self.failure(what, micro_batch, sending, error) from error
 
+    def names(self) -> tuple[str, str]:
+        """This stage and the neighbour, ``"stage 1 (rank 0)"``, as errors name them."""
+        me = f"stage {self.stage} (rank {dist.get_rank() if dist.is_initialized() else '?'})"
+        return me, f"stage {self.peer_stage} (rank {self.peer})"
+
     def awaited(self, what: str, micro_batch: int | None, sending: bool = False) -> Wait:
         """What a wait on this neighbour is for, as the stall watchdog reports it."""
         return Wait(what if micro_batch is None else f"{what} of micro-batch {micro_batch}", (self.peer,), sending)
@@ -356,8 +368,7 @@ class Link:
         self, what: str, micro_batch: int | None, sending: bool, error: BaseException
     ) -> PipelineCommunicationError:
         """The error for a failed wait on this neighbour: who waited for whom, and for what."""
-        me = f"stage {self.stage} (rank {dist.get_rank() if dist.is_initialized() else '?'})"
-        peer = f"stage {self.peer_stage} (rank {self.peer})"
+        me, peer = self.names()
         if micro_batch is not None:
             what = f"{what} of micro-batch {micro_batch}"
         waited = f"waiting for {peer} to receive {what}" if sending else f"waiting for {what} from {peer}"

@@ -1,4 +1,5 @@
-"""A block's output computed on the meta device: what the model's code gets for a block that runs elsewhere or later."""
+"""A block's output computed on the meta device (or learned from its stage): what the model's code gets for a block
+that runs elsewhere or later."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pipe.execution.call_order import map_tensors
+from lightning_pipe.execution.call_order import map_tensors, tensors_of
+from lightning_pipe.execution.learned_outputs import LearnedOutputs
 from lightning_pipe.partition.hooks import hooks_set_aside
 
 SIGNATURES_KEPT = 8
@@ -19,14 +21,20 @@ _PLAIN = (bool, int, float, str, torch.dtype, torch.device, type(None))
 class Placeholders:
     """The meta-device outputs of the region's blocks (``originals``), each block run there once per input signature.
 
-    ``running_blocks`` is the stage's context in which a block's call runs the block itself, not its stand-in.
+    ``running_blocks`` is the stage's context in which a block's call runs the block itself, not its stand-in;
+    ``learned`` gives the outputs of blocks that cannot run on the meta device, from the stage holding each
+    (without it, such a block's error is raised).
     """
 
     def __init__(
-        self, originals: list[nn.Module], running_blocks: Callable[[], contextlib.AbstractContextManager]
+        self,
+        originals: list[nn.Module],
+        running_blocks: Callable[[], contextlib.AbstractContextManager],
+        learned: LearnedOutputs | None = None,
     ) -> None:
         self.originals = originals
         self._running_blocks = running_blocks
+        self.learned = learned  # the outputs of blocks that cannot run on the meta device, from their stage
         self._meta_states: dict[int, dict[str, Tensor]] = {}
         self._meta_outputs: dict[int, dict[Hashable, Any]] = {}  # per block: its meta output, by input signature
 
@@ -35,27 +43,68 @@ class Placeholders:
 
         The block runs there once per input signature (training mode, the arguments' shapes, strides and dtypes,
         their plain values); later calls with the same signature get fresh meta tensors shaped as that output. An
-        argument or output that holds anything else (an object, a named tuple) makes the block run every time.
+        argument or output that holds anything else (an object, a named tuple) makes the block run every time. A
+        block whose code cannot run there (it depends on values) gets its output from the stage that holds it
+        (:mod:`lightning_pipe.execution.learned_outputs`), as often. ``reuse=False``: computed anew, sent to no one.
         """
         block = self.originals[index]
         known = self._meta_outputs.setdefault(index, {})
         key = _signature_of_call(block.training, args, kwargs) if reuse else None
         if key is not None and key in known:
             return map_tensors(known[key], fresh_meta)
-        if index not in self._meta_states:
-            self._meta_states[index] = {
-                name: torch.empty_like(t, device="meta") for name, t in _state(block).items()
-            }
-        with self._running_blocks(), torch.no_grad(), hooks_set_aside(block.modules()):  # no user hook sees meta tensors
-            output = torch.func.functional_call(
-                block, self._meta_states[index], map_tensors(args, _to_meta), map_tensors(kwargs, _to_meta),
-                strict=False,
-            )
+        output = self._computed(index, args, kwargs, send=reuse)
         if key is not None and signature(output) is not None:
             if len(known) >= SIGNATURES_KEPT:
                 known.clear()  # signatures that change every step (a growing sequence) must not pile up
             known[key] = map_tensors(output, fresh_meta)
         return output
+
+    def share(self, index: int, args: tuple, kwargs: dict) -> Any:
+        """On the stage holding block ``index``, at a call that runs it for real (the last block of a chunk): the
+        stages that call it without holding it get its output from here if it cannot run on the meta device. The
+        placeholder, if one was computed for them (``None`` otherwise)."""
+        if self.learned is not None and self.learned.receivers(index):
+            return self.output(index, args, kwargs)
+        return None
+
+    def _computed(self, index: int, args: tuple, kwargs: dict, send: bool) -> Any:
+        # NOTE: the meta device is tried for every new input signature, also after a failure: every stage calling
+        # the block decides alike whether its holder sends the output, with no message about it.
+        learned = self.learned
+        block = self.originals[index]
+        if index not in self._meta_states:
+            self._meta_states[index] = {
+                name: torch.empty_like(t, device="meta") for name, t in _state(block).items()
+            }
+        try:
+            with self._running_blocks(), torch.no_grad(), hooks_set_aside(block.modules()):  # no user hook sees meta tensors
+                return torch.func.functional_call(
+                    block, self._meta_states[index], map_tensors(args, _to_meta), map_tensors(kwargs, _to_meta),
+                    strict=False,
+                )
+        except Exception as error:  # code that depends on values (a mixture of experts' routing)
+            if learned is None:
+                raise
+            learned.cannot_run_on_meta(index, error)
+            return learned.output(index, args, kwargs, send)
+
+
+def needing_gradients_as_real(output: Any, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """``output``, what a stand-in answers for a call of ``module`` that runs elsewhere, with its floating-point
+    tensors needing a gradient where the real output would: gradients on, and the module trainable or an input
+    needing one.
+
+    Code after the call can tell: a reentrant ``torch.utils.checkpoint`` around a later block computes with
+    gradients only if one of its inputs needs one, so an answer that needs none would cut this stage's graph there,
+    and its backward would never send the gradient the stage before waits for.
+    """
+    if not torch.is_grad_enabled():
+        return output
+    if not any(p.requires_grad for p in module.parameters()) and not any(
+        t.requires_grad for t in tensors_of((args, kwargs))
+    ):
+        return output
+    return map_tensors(output, lambda t: t.requires_grad_() if t.is_leaf and t.is_floating_point() else t)
 
 
 def fresh_meta(tensor: Tensor) -> Tensor:

@@ -30,6 +30,7 @@ from torch import Tensor
 from lightning_pipe.execution.block_calls import BlockCalls
 from lightning_pipe.execution.call_order import ChunkCall
 from lightning_pipe.execution.engine import PipelineEngine
+from lightning_pipe.execution.learned_outputs import LearnedOutputs, OutputMessages
 from lightning_pipe.execution.p2p import failed_wait
 from lightning_pipe.execution.process_groups import PipelineGroups, broadcast_over_cpu_group
 from lightning_pipe.execution.replayed_logs import (
@@ -43,6 +44,7 @@ from lightning_pipe.execution.replayed_logs import (
     replay_logs,
 )
 from lightning_pipe.execution.stage import StageBlocks
+from lightning_pipe.execution.step_agreement import step_signature_of
 from lightning_pipe.partition import microbatch
 from lightning_pipe.reliability.root_cause import PipelineCommunicationError
 from lightning_pipe.reliability.stall_rule import Wait
@@ -87,8 +89,10 @@ class StageRuntime:
         self._requeues_shared = 0  # of those, the ones the last stage's outcomes have told the pipeline about
         self.requeue_due = False  # an outcome said so: every stage requeues before its next training step
         self._outside_call = False  # a call outside a step reached the blocks; its output not yet shared
+        messages = OutputMessages(groups) if groups.num_stages > 1 else None
         self.calls = BlockCalls(
-            stage, self._run_chunk, self._outside_step_starts, self._share_last_output, on_model_checkpoint
+            stage, self._run_chunk, self._outside_step_starts, self._share_last_output, on_model_checkpoint,
+            learned=lambda calls: LearnedOutputs(stage, lambda: calls.in_step, messages),
         )
 
     def note_requeue_asked(self) -> None:
@@ -103,6 +107,11 @@ class StageRuntime:
     def expect_epoch_last_batch(self, size: int | None) -> None:
         """The training DataLoader's smaller last batch, if it has one: the BatchNorm check covers it from step one."""
         self.epoch_last_batch = size
+
+    def sign_step(self, module: LightningModule, hook: str, args: tuple, kwargs: dict) -> None:
+        """What the stages must agree on for the step about to run (see lightning_pipe.execution.step_agreement)."""
+        if self.groups.num_stages > 1:
+            self.engine.step_signature = step_signature_of(module, hook, args, kwargs)
 
     def step_output(self, module: LightningModule, hook: str, args: tuple, kwargs: dict) -> Any:
         """The user's ``hook`` step (validation, test, predict) through the pipeline: its output on the loss stage,
@@ -121,6 +130,7 @@ class StageRuntime:
     def run_step(self, module: LightningModule, hook: str, args: tuple, kwargs: dict) -> tuple[StepOutcome, Any]:
         """Run one whole-batch step of the user's ``hook`` (``"training_step"``, ...) through the pipeline; every
         stage learns the outcome. The step's output is the user's on the last stage, ``None`` elsewhere."""
+        self.sign_step(module, hook, args, kwargs)
         user_step = partial(getattr(module, hook), *args, **kwargs)
         outcome = StepOutcome()
         if self.is_loss_stage:
@@ -192,6 +202,7 @@ class StageRuntime:
 
     def _outside_step_starts(self) -> None:
         """The model's code reached the pipelined blocks outside a step: every stage must, see below."""
+        self.engine.step_signature = None
         if self.groups.num_stages > 1:
             self._all_stages_call_the_model()
             self._outside_call = True

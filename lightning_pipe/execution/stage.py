@@ -101,6 +101,7 @@ class StageBlocks:
         num_stages: int,
         unsplit_arguments: Sequence[str] = (),
         num_chunks: int | None = None,
+        block_stages: Mapping[int, int] | None = None,
     ) -> None:
         self.model = model
         self.region = region
@@ -109,6 +110,8 @@ class StageBlocks:
         self.num_chunks = num_chunks if num_chunks is not None else num_stages
         self.stage_index = stage_index
         self.num_stages = num_stages
+        # The stage holding each block of the region (this stage's, when not given: a stage on its own).
+        self.block_stages = dict(block_stages) if block_stages is not None else {i: stage_index for i in self.indices}
         self.unsplit_arguments = frozenset(unsplit_arguments)
         self.originals = region.blocks(model)  # every block as the user built it (the remote ones are not used)
         self.blocks = [self.originals[i] for i in self.indices]

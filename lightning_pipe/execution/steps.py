@@ -105,6 +105,7 @@ class MicroBatchStep:
         where they are); the loss stage merges what the steps logged and returned into one step's worth, which every
         stage then replays."""
         runtime, engine = self.runtime, self.runtime.engine
+        runtime.sign_step(module, "training_step", args, kwargs)
         batch, rest = args[0], args[1:]
         parts = microbatch.split_batch(batch, engine.num_micro_batches)
         sizes = [microbatch.batch_size_of(part) for part in parts]

@@ -104,15 +104,17 @@ class GPipeStrategyConfig:
     :func:`validate_config` checks that its target imports as a function.)"""
     stall_watchdog: bool = True
     """End the run when a wait on another rank in a training step lasts longer than ``max(stall_floor, stall_multiple
-    * the slowest recent step)`` (``stall_first_step`` in a first step), naming the rank that stopped and writing
+    * the slowest recent step)`` (the first step's bound in a first step), naming the rank that stopped and writing
     every rank's stack (``stall_stacks/``)."""
     stall_multiple: float = 10.0
     """How many times the slowest of the last 100 regular training steps a wait may last."""
     stall_floor: float = 30.0
     """The shortest bound on a wait, in seconds."""
-    stall_first_step: float = 600.0
+    stall_first_step: Optional[float] = None
     """The bound on a wait in a first step (a run's first two, an epoch's first, the first after validation or a
-    checkpoint, the first with new shapes), in seconds; the regular bound where that is longer."""
+    checkpoint, the first with new shapes), in seconds; null derives it from what the set-up measured
+    (``max(2 * stall_floor, stall_multiple * the set-up's seconds)``, 600 s while torch.compile compiles); the
+    regular bound where that is longer."""
 
 
 def register_configs() -> None:

@@ -46,8 +46,9 @@ from lightning_pipe.reliability.root_cause import (
     next_failure_key,
     raising_the_root_cause,
 )
+from lightning_pipe.reliability.lost_ranks import publish_process
 from lightning_pipe.reliability.stop_signals import StopSignals
-from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog
+from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog, close_gloo_groups
 from lightning_pipe.settings import PipelineSettings
 
 log = logging.getLogger(__name__)
@@ -62,12 +63,14 @@ class ModelCheck:
     """A launcher mixin: check the model before launching, so that bad input fails in the launching process; and run
     the trainer's function on every rank under :func:`raising_the_root_cause`."""
 
-    check_model: Callable[[LightningModule, Trainer | None], None] | None = None
+    # Called with the model, the trainer and, as ``fit_loaders``, the function's next argument (a fit's
+    # ``train_dataloaders``: the first batch's training step may show which blocks to pipeline).
+    check_model: Callable[..., None] | None = None
     _exceptions_dir: str | None = None  # where ranks started by spawn or fork leave the exception they end with
 
     def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
         if self.check_model is not None and args and lightning_module_base(args[0]) is not None:
-            self.check_model(args[0], trainer)
+            self.check_model(args[0], trainer, fit_loaders=args[1] if len(args) > 1 else None)
         function = partial(raising_the_root_cause, function, trainer, next_failure_key())
         # Lightning calls ``function`` once it has started the other ranks (popen launcher) and its observer.
         function = partial(_watching_started_ranks, self, function)
@@ -224,9 +227,11 @@ def start_process_groups(
     device_id = device if device.type != "cpu" else None
     _init_dist_connection(cluster_environment, backend, timeout=timeout, device_id=device_id)
     world_size = layout.num_stages * layout.num_replicas
+    names = {r: f"stage {layout.stage(r)} (rank {r})" for r in range(world_size)}
+    if world_size > 1:
+        publish_process(names[rank])  # so that a rank that dies in a collective can be named (see lost_ranks)
     watchdog = UNWATCHED
     if settings.stall_rule is not None and world_size > 1:
-        names = {r: f"stage {layout.stage(r)} (rank {r})" for r in range(world_size)}
         watchdog = StallWatchdog(settings.stall_rule, rank, names, timeout)
     return init_pipeline_groups(layout, rank, device, backend, timeout, settings.mesh_order, watchdog)
 
@@ -275,6 +280,7 @@ def _watching_started_ranks(launcher: _Launcher, function: Callable, *args: Any,
     """Run ``function``, watching the ranks that ``launcher`` started (popen launcher; others start none here)."""
     procs = getattr(launcher, "procs", None)
     if procs:
+        _retire_lightning_observer(procs)
         watcher = threading.Thread(
             target=_watch_started_ranks, args=(procs, os.getpid()), name="lightning-pipe-rank-watcher", daemon=True
         )
@@ -282,14 +288,28 @@ def _watching_started_ranks(launcher: _Launcher, function: Callable, *args: Any,
     return function(*args, **kwargs)
 
 
-def _watch_started_ranks(procs: list[subprocess.Popen], launching_pid: int) -> None:
-    """Take a started rank that failed out of the list Lightning's child-process observer watches.
+def _retire_lightning_observer(procs: list[subprocess.Popen]) -> None:
+    """Lightning's child-process observer of ``procs`` stops (at its next look, finding none to watch): the watcher
+    of :func:`_watch_started_ranks` does its job.
 
     NOTE: within 5 s of a started rank's failure, the observer SIGKILLs the launching process (and every rank), so
     that none lingers. On a loaded machine that comes before the launching process has raised the run's cause: the
-    user sees a bare SIGKILL instead of the failing stage's exception. The launching process ends on its own once it
-    next waits on the failed rank (the peer is lost, the cause re-raised); only if it is still running
-    ``_FAILED_RANK_GRACE_S`` later are it and the ranks killed, as the observer would.
+    user sees a bare SIGKILL instead of the failing stage's exception. Taking the failed rank out of the observer's
+    list as soon as it fails still loses that race where the observer looks first (seen with a rank killed inside a
+    sharded checkpoint's collectives, on 2 cores under a load of 10).
+    """
+    for thread in threading.enumerate():
+        if getattr(thread, "_child_processes", None) is procs:
+            thread._child_processes = []  # type: ignore[attr-defined]
+
+
+def _watch_started_ranks(procs: list[subprocess.Popen], launching_pid: int) -> None:
+    """Take a started rank that failed out of the list of started ranks (which Lightning's child-process observer
+    watched, see :func:`_retire_lightning_observer`).
+
+    The launching process ends on its own once it next waits on the failed rank (the peer is lost, the cause
+    re-raised); only if it is still running ``_FAILED_RANK_GRACE_S`` later are it and the ranks killed, as Lightning's
+    observer would.
     """
     started = list(procs)
     deadline = None
@@ -326,10 +346,15 @@ def _end_started_ranks(procs: list[subprocess.Popen]) -> None:
     (30 minutes by default) or, stuck in user code, forever. At exit, this process's error is already printed;
     a rank that caught the same error and is finishing gets a few seconds, then SIGKILL (a process blocked in a
     receive runs no Python signal handler). The ranks leave the list that Lightning's child-process observer
-    watches first, so that it does not answer their end by killing this process.
+    watches first, so that it does not answer their end by killing this process. This process's gloo connections
+    are closed first: a rank blocked in a wait on it then fails at once and ends with the run's cause, which this
+    process recorded (:mod:`~lightning_pipe.reliability.root_cause`), instead of being killed without a word.
     """
     started = list(procs)
     procs.clear()
+    if not _process_groups_at_exit["destroy"] and any(proc.poll() is None for proc in started):
+        # The run failed: a rank blocked in a wait on this process fails now, and ends with the run's cause.
+        close_gloo_groups()
     deadline = time.monotonic() + _STARTED_RANKS_GRACE_S
     for proc in started:
         with suppress(subprocess.TimeoutExpired):

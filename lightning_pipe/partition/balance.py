@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_pipe.config import PipelineParallelConfig, check_stage_count, ranges_from_sizes, split_evenly
 from lightning_pipe.partition.memory_estimate import estimate_block_memory, held_micro_batches, memory_costs
-from lightning_pipe.partition.profiling import LayerProfile, pipelined_input, profile_layers
+from lightning_pipe.partition.profiling import LayerProfile, pipelined_input, profile_layers, profiling_input
 from lightning_pipe.schedules.builtin import SCHEDULES
 
 BalanceMode = Literal["uniform", "parameters", "time", "memory"]
@@ -222,16 +222,20 @@ def needs_sample(balance: Balance) -> bool:
 
 
 def profiling_sample(balance: Balance, sample: Any, module: nn.Module) -> Any:
-    """The input to profile the layers with: ``sample``, else ``module``'s ``example_input_array``. Raises, naming
-    the fix, when ``balance`` profiles and there is neither."""
-    if sample is None:
+    """The input to profile the layers with (:func:`~lightning_pipe.partition.profiling.profiling_input`):
+    ``sample``, else ``module``'s ``example_input_array``, else during a fit the first training batch. Raises, naming
+    the fix, when ``balance`` profiles and there is none."""
+    if needs_sample(balance):
+        sample = profiling_input(sample, module)
+    elif sample is None:
         sample = getattr(module, "example_input_array", None)
     if sample is None and needs_sample(balance):
         raise ValueError(
-            f"balance={balance!r} profiles every layer on a sample input, but the LightningModule has no"
-            " example_input_array and GPipeStrategy got no sample; set `self.example_input_array = <one batch of"
-            " forward's input>` in the module's __init__, or pass GPipeStrategy(sample=<one batch>), or use"
-            " balance='parameters' or a list of layers per stage."
+            f"balance={balance!r} profiles every block on a sample input, but there is none: GPipeStrategy got no"
+            " sample, the LightningModule has no example_input_array, and there is no first training batch to"
+            " profile on (outside a fit, or a DataLoader that cannot be read at set-up); set"
+            " `self.example_input_array = <one batch of forward's input>` in the module's __init__, or pass"
+            " GPipeStrategy(sample=<one batch>), or use balance='parameters' or a list of blocks per stage."
         )
     return sample
 
@@ -253,7 +257,8 @@ def plan_partition(
 
     ``None`` and ``"uniform"`` split the layers evenly; a list gives layers per stage; ``"parameters"`` balances
     parameter counts; ``"time"`` and ``"memory"`` profile every layer on ``device`` with ``sample`` (an input of
-    ``module``'s forward; by default its ``example_input_array``) and balance forward-plus-backward time (the forward
+    ``module``'s forward; by default its ``example_input_array``, else during a fit the first training batch: see
+    :func:`profiling_sample`) and balance forward-plus-backward time (the forward
     counted ``1 + recompute_fraction`` times, as re-computation repeats it) or parameter-plus-activation bytes.
 
     ``"memory"`` on layers built on the meta device (no weights to profile) estimates instead

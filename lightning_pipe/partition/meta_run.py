@@ -19,15 +19,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 def run_on_meta(
     model: nn.Module, calling: Callable[[nn.Module], Any], extra_modes: Sequence[TorchDispatchMode] = (),
-    gradients: bool = False,
+    gradients: bool = False, errors: list[Exception] | None = None,
 ) -> Any:
     """``calling(model)`` on the meta device, without gradients (with them, ``gradients``: autograd records the graph
     and saves what backward would need, still taking no memory): no memory, the model's attributes as they were
     after, ``extra_modes`` entered around it. Its output, or ``None`` when it fails part-way (code that cannot run on
-    the meta device): what observers saw until then still counts. The caller sets the user's hooks aside
-    (:func:`~lightning_pipe.partition.hooks.hooks_set_aside`) before registering its own."""
+    the meta device; the error appended to ``errors``): what observers saw until then still counts. The caller sets
+    the user's hooks aside (:func:`~lightning_pipe.partition.hooks.hooks_set_aside`) before registering its own."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_attributes_kept(model))
+        stack.enter_context(attributes_kept(model))
         stack.enter_context(_MetaScalars())
         for mode in extra_modes:
             stack.enter_context(mode)
@@ -40,8 +40,53 @@ def run_on_meta(
         try:
             with torch.set_grad_enabled(gradients):
                 return torch.func.functional_call(_Calling(model, calling), meta_state, (), strict=False)
-        except Exception:
+        except Exception as error:
+            if errors is not None:
+                errors.append(error)
             return None
+
+
+@contextlib.contextmanager
+def blocks_answered_when_they_fail(blocks: Sequence[nn.Module], failures: list[str]) -> Iterator[None]:
+    """While open, a block whose code fails on the meta device (code that depends on values: a mixture of experts'
+    routing) returns new meta tensors shaped as its first argument, as a residual block's output is, instead of
+    raising; each failure's block and error in ``failures``. Enough to follow a step past its blocks (where the
+    values around them go), never to compute with: a stage learns the real shapes from the block's stage."""
+    def answering(block: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def answered(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return forward(*args, **kwargs)
+            except Exception as error:
+                if not args:
+                    raise
+                failures.append(f"{type(block).__name__}: {type(error).__name__}: {_first_line(error)}")
+                return _like(args[0])
+        return answered
+
+    own = [block.__dict__.get("forward") for block in blocks]
+    for block, forward in zip(blocks, own):
+        block.forward = answering(block, forward or type(block).forward.__get__(block))  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for block, forward in zip(blocks, own):
+            if forward is None:
+                block.__dict__.pop("forward", None)
+            else:
+                block.forward = forward  # type: ignore[method-assign]
+
+
+def _like(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value, device="meta")
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        return type(value)(_like(item) for item in value)
+    return value
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else ""
 
 
 class _MetaScalars(TorchDispatchMode):
@@ -56,7 +101,7 @@ class _MetaScalars(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _attributes_kept(model: nn.Module) -> Iterator[None]:
+def attributes_kept(model: nn.Module) -> Iterator[None]:
     """Every module of ``model`` keeps the attributes it had: what code run inside sets or adds is undone."""
     saved = [(module, dict(module.__dict__)) for module in model.modules()]
     try:

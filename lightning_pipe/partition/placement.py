@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_pipe.partition.hooks import hooks_set_aside
-from lightning_pipe.partition.meta_run import run_on_meta
+from lightning_pipe.partition.meta_run import blocks_answered_when_they_fail, run_on_meta
 from lightning_pipe.partition.region import Region, outside_parameters
 
 EVERY = "every"  # runs on every stage
@@ -44,6 +44,9 @@ class OutsidePlaces:
     ``{EVERY}``. ``modules`` lists the outside modules in the model's order."""
 
     places: dict[str, frozenset[Place]]
+    # Why the training step could not be followed on the meta device (its error), if it could not: every outside
+    # module then stays on every stage (see `unobserved_note`).
+    unobserved: str | None = None
 
     def stages(self, name: str, block_stage: Callable[[int], int], loss_stage: int, num_stages: int) -> frozenset[int]:
         """The stages that hold module ``name``, given the stage of each block and the loss stage."""
@@ -59,7 +62,6 @@ class OutsidePlaces:
             return "every stage"
         words = ["the loss stage" if p == LOSS else f"the stage of {block_names[p]}" for p in sorted(places, key=str)]  # type: ignore[index]
         return ", ".join(words)
-
 
 def outside_modules(model: nn.Module, region: Region) -> list[str]:
     """The outermost modules outside the region that hold parameters and share none with a block, in the model's
@@ -93,18 +95,43 @@ def observe_places(
     names = list(outside_modules(model, region) if names is None else names)
     observer = _FlowObserver(model, region, names)
     finished: list[Any] = []
+    errors: list[Exception] = []
 
     def step(model: nn.Module) -> Any:
         finished.append(output := calling(model))
         return output
 
-    with hooks_set_aside(model.modules()), observer.hooks():
-        run_on_meta(model, step, extra_modes=[observer.mode])
+    # A block whose code depends on values (a mixture of experts) cannot run on the meta device: answered by its
+    # input's shapes, the step goes on past it (only where values go is observed, never what they are).
+    blocks, failed_blocks = region.blocks(model), []
+    with hooks_set_aside(model.modules()), observer.hooks(), blocks_answered_when_they_fail(blocks, failed_blocks):
+        run_on_meta(model, step, extra_modes=[observer.mode], errors=errors)
     if not finished:  # the step failed part-way on the meta device: where its outputs went is not known
-        return OutsidePlaces({name: frozenset({EVERY}) for name in names})
+        error = errors[0] if errors else None
+        why = f"{type(error).__name__}: {_first_line(error)}" if error is not None else "it did not finish"
+        return OutsidePlaces({name: frozenset({EVERY}) for name in names}, unobserved=why)
     observer.reached(finished[0], ("loss",))
     called = {name: places for name in names if (places := observer.places_of(name)) is not None}
     return OutsidePlaces({name: called.get(name) or _places_of_uncalled(model, name, called) for name in names})
+
+
+def unobserved_note(places: OutsidePlaces, model: nn.Module, region: Region) -> str | None:
+    """What the start-up says when the training step could not be followed on the meta device: why, and that every
+    module outside the blocks therefore stays on every stage (named, with its share of the parameters)."""
+    if places.unobserved is None or not places.places:
+        return None
+    names = list(places.places)
+    counts = {name: sum(p.numel() for p in model.get_submodule(name).parameters()) for name in names}
+    total = sum(p.numel() for p in model.parameters()) or 1
+    listed = ", ".join(f"{name} ({counts[name] / total:.0%})" for name in names)
+    return (
+        f"The training step could not run on the meta device on the first batch's shapes ({places.unobserved}),"
+        " so where the modules outside the pipelined blocks are needed could not be seen: they stay on every stage,"
+        f" each held and run by every stage: {listed}. Training is as on one device; only the memory and the time"
+        " of those modules are spent on every stage. To place them (an embedding on the first stage, a head and a"
+        " loss on the last), make the code outside the blocks runnable on the meta device: it cannot read values"
+        " (a Python number from a tensor, torch.nonzero, indexing by a boolean mask)."
+    )
 
 
 def parameter_holders(
@@ -242,6 +269,11 @@ class _FlowObserver:
             else:
                 return {EVERY}
         return places
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else ""
 
 
 class _Propagation(TorchDispatchMode):

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from lightning_pipe.partition import microbatch
 from lightning_pipe.partition.microbatch import Activation
+from lightning_pipe.partition.step_probe import first_training_batch, random_state_kept, training_step_on
 from lightning_pipe.schedules.choice import BlockCosts, CostModel
 
 
@@ -49,13 +50,37 @@ class _Captured(BaseException):
         self.value = value
 
 
+@dataclass(frozen=True)
+class TrainingBatch:
+    """A batch of the training DataLoader to profile with, where no input of ``forward`` is known: the blocks' input
+    is what the training step on it passes to the first block."""
+
+    batch: Any
+
+
+def profiling_input(sample: Any, module: nn.Module) -> Any:
+    """What to profile ``module``'s blocks on: ``sample``, else ``module``'s ``example_input_array``, else during a
+    fit the first training batch (a :class:`TrainingBatch`, read with the random state kept); ``None`` where there is
+    none of them."""
+    if sample is None:
+        sample = getattr(module, "example_input_array", None)
+    trainer = getattr(module, "_trainer", None)
+    if sample is not None or trainer is None or trainer.state.fn != "fit":
+        return sample
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    with random_state_kept():
+        batch = first_training_batch(trainer, module, device)
+    return None if batch is None else TrainingBatch(batch)
+
+
 def pipelined_input(module: nn.Module, sequential: nn.Sequential, sample: Any) -> Activation:
     """The input the pipelined ``sequential`` receives when ``module`` is called on ``sample``.
 
     ``sample`` is an input of ``module``'s ``forward`` (a LightningModule's ``example_input_array``): a tuple is
-    passed as positional arguments, a dict as keyword arguments, anything else as the one argument. The call runs in
-    eval mode without gradients and stops where ``sequential`` would start, so no layer runs, no running statistic
-    changes and the random number generators end as they began.
+    passed as positional arguments, a dict as keyword arguments, anything else as the one argument; or a
+    :class:`TrainingBatch`, which the module's ``training_step`` is called on (``self.log`` doing nothing). The call
+    runs in eval mode without gradients and stops where ``sequential`` would start, so no layer runs, no running
+    statistic changes and the random number generators end as they began.
     """
 
     def capture(_module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -65,11 +90,16 @@ def pipelined_input(module: nn.Module, sequential: nn.Sequential, sample: Any) -
     handle = sequential[0].register_forward_pre_hook(capture)
     modes = {submodule: submodule.training for submodule in module.modules()}
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    sample = move_data_to_device(sample, device)
+    if isinstance(sample, TrainingBatch):
+        sample = TrainingBatch(move_data_to_device(sample.batch, device))
+    else:
+        sample = move_data_to_device(sample, device)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=_rng_devices(device)):
             module.eval()
-            if isinstance(sample, tuple):
+            if isinstance(sample, TrainingBatch):
+                training_step_on(sample.batch)(module)
+            elif isinstance(sample, tuple):
                 module(*sample)
             elif isinstance(sample, dict):
                 module(**sample)
@@ -81,6 +111,12 @@ def pipelined_input(module: nn.Module, sequential: nn.Sequential, sample: Any) -
         handle.remove()
         for submodule, training in modes.items():
             submodule.training = training
+    if isinstance(sample, TrainingBatch):
+        raise ValueError(
+            f"{type(module).__name__}'s training_step on the first training batch never called the pipelined blocks"
+            " (their first is never called), so their input is unknown; set `example_input_array` or pass"
+            " GPipeStrategy(sample=...) with an input of forward that calls them."
+        )
     raise ValueError(
         f"calling {type(module).__name__} on the sample never called the pipelined nn.Sequential, so its input is"
         " unknown; make the LightningModule's forward call the pipelined module, or pass a sample that does."

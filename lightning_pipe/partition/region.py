@@ -93,6 +93,21 @@ def find_region(
         return container_region(model, module_name)
     if module_name is not None:
         return _sibling_region(model, list(module_name))
+    region = _largest_region(model, sample, step, num_stages)
+    if region is None:
+        raise ValueError(
+            f"{type(model).__name__} contains no nn.Sequential or nn.ModuleList to pipeline; hold the blocks to split"
+            " in one (e.g. `self.layers = nn.ModuleList(blocks)`), pass module_name=['a', 'b', ...] naming"
+            " consecutive sibling modules that the forward calls one after another, or set `example_input_array` so"
+            " that the strategy can observe which modules the forward chains."
+        )
+    return region
+
+
+def _largest_region(
+    model: nn.Module, sample: Any, step: Callable[[nn.Module], Any] | None, num_stages: int | None
+) -> Region | None:
+    """What :func:`find_region` chooses without ``module_name``; ``None`` where it finds nothing to pipeline."""
     candidates = [container_region(model, name) for name, _ in _outermost_containers(model)]
     chains = observed_chains(model, partial(_forward, sample)) if sample is not None else []
     fine = [r for r in [*candidates, *(c for c in chains if len(c) >= MIN_CHAIN)] if len(r) > 0]
@@ -106,12 +121,120 @@ def find_region(
         weighed = [*([best] if best is not None else []), *(c for c in chains if c not in fine)]
         if weighed:  # the first of equals: the container or fine chain
             return min(weighed, key=lambda region: largest_stage(model, region, num_stages))
-    raise ValueError(
-        f"{type(model).__name__} contains no nn.Sequential or nn.ModuleList to pipeline; hold the blocks to split"
-        " in one (e.g. `self.layers = nn.ModuleList(blocks)`), pass module_name=['a', 'b', ...] naming consecutive"
-        " sibling modules that the forward calls one after another, or set `example_input_array` so that the"
-        " strategy can observe which modules the forward chains."
-    )
+    return best
+
+
+class TooFewBlocks(ValueError):
+    """The region has fewer blocks than the pipeline has model chunks. ``step_unread``: the training step, whose
+    chains might have given a longer region, was not observed because its batch could not be read (before the
+    processes start, from a DataModule: set-up, where the batch can be read, decides)."""
+
+    def __init__(self, message: str, step_unread: bool) -> None:
+        super().__init__(message)
+        self.step_unread = step_unread
+
+
+def chosen_region(
+    model: nn.Module,
+    module_name: str | Sequence[str] | None,
+    sample: Any,
+    read_step: Callable[[], Callable[[nn.Module], Any] | None] | None,
+    num_stages: int,
+    virtual_stages: int = 1,
+) -> Region:
+    """The region to pipeline over ``num_stages`` stages of ``virtual_stages`` chunks: :func:`find_region`'s, and
+    where that leaves more than ``MAX_OUTSIDE_SHARE`` of the parameters outside or finds nothing, also the chains
+    that the training step calls. ``read_step()`` gives the step on the first training batch's shapes (``None``
+    where that batch cannot be read); ``read_step`` is ``None`` outside a fit. A region of fewer blocks than chunks
+    is refused (:class:`TooFewBlocks`), naming it, why it was chosen, and the fixes."""
+    step, read = None, False
+    try:
+        region = find_region(model, module_name, sample, num_stages=num_stages)
+    except ValueError:
+        if module_name is not None or read_step is None:
+            raise
+        region = None
+    much_outside = region is None or outside_share(model, region) > MAX_OUTSIDE_SHARE
+    if module_name is None and read_step is not None and much_outside:
+        read, step = True, read_step()
+        if step is not None:
+            region = find_region(model, None, sample, step, num_stages)
+        elif region is None:
+            region = find_region(model, None, sample, num_stages=num_stages)  # raises, naming the fixes
+    assert region is not None
+    chunks = num_stages * virtual_stages
+    if len(region) < chunks:
+        observed = [*(["the forward on the sample input"] if sample is not None else []),
+                    *(["the training step on the first training batch"] if step is not None else [])]
+        unread = read and step is None
+        message = too_few_blocks_message(
+            model, region, module_name, num_stages, virtual_stages, observed, unread, outside_a_fit=read_step is None
+        )
+        raise TooFewBlocks(message, step_unread=unread)
+    return region
+
+
+def too_few_blocks_message(
+    model: nn.Module, region: Region, module_name: str | Sequence[str] | None, num_stages: int, virtual_stages: int,
+    observed: Sequence[str], step_unread: bool, outside_a_fit: bool,
+) -> str:
+    """Why ``region`` cannot be cut into ``num_stages * virtual_stages`` chunks: the region, how it was chosen,
+    what was observed, and the fixes (a ``module_name=[...]`` chain, ``example_input_array``, fewer stages)."""
+    chunks = num_stages * virtual_stages
+    counts = f"num_stages={num_stages}" + (f" with virtual_stages={virtual_stages}" if virtual_stages > 1 else "")
+    blocks = f"{len(region)} block{'s' if len(region) != 1 else ''}"
+    if region.container is not None:
+        held = f"'{region.container}' (an nn.{type(model.get_submodule(region.container)).__name__} of {blocks})"
+    else:
+        held = f"the chain '{region.label}' ({blocks})"
+    if module_name is not None:
+        why = f"module_name={module_name!r} names {held}"
+    else:
+        seen = " or ".join(observed)
+        chosen = ("the container holding the most parameters" if region.container is not None
+                  else f"the chain observed in {seen} that splits best")
+        why = f"the pipelined blocks are {held}, {chosen}"
+        if (share := outside_share(model, region)) > 0:
+            why += f" ({1 - share:.0%} of the model's; the other {share:.0%} would run whole on every stage)"
+        if observed and region.container is not None:
+            why += f"; no chain observed in {seen} holds more blocks"
+        elif not observed:
+            unseen = ("the first training batch could not be read here" if step_unread
+                      else "this is not a fit, whose training step could show them" if outside_a_fit
+                      else "the training step was not run")
+            why += (". The chains of modules the model calls could not be observed: it has no example_input_array"
+                    f" (nor GPipeStrategy(sample=...)), and {unseen}")
+    fixes = []
+    if (chain := enclosing_chain(model, region, chunks)) is not None:
+        fixes.append(f"name the chain of modules around it, if the model calls them one after another in this order:"
+                     f" module_name={chain}")
+    if module_name is None and not observed:
+        fixes.append("set `self.example_input_array = <an input of forward>` in the module's __init__, so that the"
+                     " strategy observes the chain the forward calls")
+    stages = max(1, len(region) // virtual_stages)
+    fixes.append(f"use at most {stages} stage{'s' if stages != 1 else ''}")
+    return f"{counts} needs at least {chunks} blocks to pipeline, but {why}; {', or '.join(fixes)}."
+
+
+def enclosing_chain(model: nn.Module, region: Region, num_blocks: int) -> list[str] | None:
+    """Consecutive children of the region's closest ancestor that holds at least ``num_blocks`` of them, from the
+    first that holds parameters to the last (and at least the one holding the region): the chain that
+    ``module_name=[...]`` could name to pipeline more of the model than ``region`` does. ``None`` where no ancestor
+    has one."""
+    path = (region.container if region.container is not None else region.names[0]).split(".")
+    while path:
+        inner = path[-1]
+        path = path[:-1]
+        parent = model.get_submodule(".".join(path)) if path else model
+        children = [(name, child) for name, child in parent.named_children()]
+        names = [name for name, _ in children]
+        holding = [i for i, (_, child) in enumerate(children) if next(child.parameters(), None) is not None]
+        first = min([*holding, names.index(inner)])
+        last = max([*holding, names.index(inner)])
+        chain = [".".join([*path, name]) for name in names[first:last + 1]]
+        if len(chain) >= num_blocks and tuple(chain) != region.names:
+            return chain
+    return None
 
 
 def suggested_chain(model: nn.Module, region: Region) -> list[str] | None:

@@ -12,7 +12,7 @@ the random state that training then starts from.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -30,31 +30,47 @@ def random_state_kept() -> Iterator[None]:
         _set_rng_states(states)
 
 
-def first_training_batch(trainer: Any, module: nn.Module) -> Any | None:
-    """The first batch of the training DataLoader, through the module's batch hooks, on the meta device; ``None``
-    when there is no training DataLoader or it cannot be read here. Before the fit attaches its data (the check
-    before the processes start), the module's own ``train_dataloader``, if it has one."""
+def first_training_batch(
+    trainer: Any, module: nn.Module, device: torch.device = torch.device("meta"), loaders: Any = None
+) -> Any | None:
+    """The first batch of the training DataLoader, through the module's batch hooks, on ``device`` (by default the
+    meta device: its shapes only); ``None`` when there is no training DataLoader or it cannot be read here. Before
+    the fit attaches its data (the check before the processes start): ``loaders``, the ``train_dataloaders`` given
+    to ``trainer.fit``, where it is one loader (a DataModule's ``setup`` has not run yet), else the module's own
+    ``train_dataloader``, if it has one."""
     source = trainer.fit_loop._data_source
     try:
         try:
             loader = source.dataloader()
         except Exception:  # not attached yet: Lightning's own hook, where the module defines none, raises too
-            loader = module.train_dataloader()
+            loader = loaders if _one_loader(loaders) else module.train_dataloader()
         batch = next(iter(loader))
         batch = module._on_before_batch_transfer(batch, 0)
-        return module._apply_batch_transfer_handler(batch, torch.device("meta"), 0)
+        return module._apply_batch_transfer_handler(batch, device, 0)
     except Exception:  # an unusual loader or hook: the region is found without the step
         return None
 
 
+def _one_loader(loaders: Any) -> bool:
+    """Whether ``loaders`` is one iterable of batches: not a DataModule, nor a collection of loaders."""
+    return (isinstance(loaders, Iterable) and not isinstance(loaders, (Mapping, list, tuple))
+            and not hasattr(loaders, "train_dataloader"))
+
+
 def fit_training_step(module: nn.Module) -> Callable[[nn.Module], Any] | None:
-    """During a fit, the training step on the first training batch's shapes (:func:`training_step_on`), the batch read
-    with the random state kept; ``None`` outside a fit (``TrainerFn.FITTING``) or where the batch cannot be read."""
+    """During a fit, the training step on the first training batch's shapes (:func:`first_batch_step`); ``None``
+    outside a fit (``TrainerFn.FITTING``) or where the batch cannot be read."""
     trainer = getattr(module, "_trainer", None)
     if trainer is None or trainer.state.fn != "fit":
         return None
+    return first_batch_step(trainer, module)
+
+
+def first_batch_step(trainer: Any, module: nn.Module, loaders: Any = None) -> Callable[[nn.Module], Any] | None:
+    """The training step on the first training batch's shapes (:func:`training_step_on`), the batch read with the
+    random state kept (``loaders``: see :func:`first_training_batch`); ``None`` where the batch cannot be read."""
     with random_state_kept():
-        batch = first_training_batch(trainer, module)
+        batch = first_training_batch(trainer, module, loaders=loaders)
     return None if batch is None else training_step_on(batch)
 
 

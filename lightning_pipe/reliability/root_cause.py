@@ -3,7 +3,9 @@ error that its neighbours see next.
 
 The rank whose own code raises first records its exception in the store all ranks share; a rank that fails because
 it lost that peer re-raises the recorded exception (:func:`raising_the_root_cause`); after the stall watchdog ended the
-run, it raises its own stall error, which names the rank that stopped. Under spawn and fork, the
+run, it raises its own stall error, which names the rank that stopped; where the peer ended without a Python error
+(killed) inside a collective, whose error does not say which rank it lost, it names the rank that is gone
+(:mod:`~lightning_pipe.reliability.lost_ranks`). Under spawn and fork, the
 launching process raises a failed rank's exception itself instead of torch's text (:func:`leaving_the_exception`,
 :func:`left_exception`).
 """
@@ -23,6 +25,7 @@ from typing import Any
 import torch.distributed as dist
 from lightning.pytorch import Trainer
 
+from lightning_pipe.reliability.lost_ranks import lost_rank_message
 from lightning_pipe.reliability.stop_signals import stop_exception
 from lightning_pipe.reliability.watchdog import stall_found_here
 
@@ -87,6 +90,8 @@ def raising_the_root_cause(function: Callable, trainer: Trainer | None, key: str
         if stop is not None:  # its waits failed because the rank was told to stop (SIGTERM, SIGINT)
             raise stop from error
         recorded = _recorded(key)
+        if recorded is None and not _names_its_peer(error):  # a peer that ended without a Python error
+            raise PipelineCommunicationError(lost_rank_message(error, _who(_rank(), _stage(trainer)))) from error
         if recorded is None or recorded.rank == _rank():
             raise
         raise _recreated(recorded, error, trainer) from StageTraceback(recorded)
@@ -131,6 +136,15 @@ def _lost_a_peer(error: BaseException) -> bool:
         ):
             return True
         error = error.__cause__  # type: ignore[assignment]
+    return False
+
+
+def _names_its_peer(error: BaseException | None) -> bool:
+    """Whether ``error`` is (or follows from) a failed wait that names the rank it waited on."""
+    while error is not None:
+        if isinstance(error, PipelineCommunicationError):
+            return True
+        error = error.__cause__
     return False
 
 

@@ -4,11 +4,12 @@ Pure logic, no processes (the watchdog that applies it is :mod:`lightning_pipe.r
 
 * :class:`StallRule`: the bound on a wait, ``max(floor, multiple * the slowest recent training step)``.
 * :class:`StepClock`: the bookkeeping of training steps. A *regular* step gets the bound learned from the run. A
-  *first* step gets the generous ``first_step_s``: one of the first steps of a run (``torch.compile``'s first calls,
-  allocations, a resumed run's first steps), the first of an epoch or the first after an uneven phase (validation, a
-  checkpoint, the epoch's end hooks), or one whose batch has a shape no earlier step had (a smaller last batch, the
-  BatchNorm check and a recompilation that come with it). The uneven phases themselves get only the hard
-  ``timeout``. Only regular steps' durations (start to next start) set the bound.
+  *first* step gets the first step's bound (see :class:`StallRule`): one of the first steps of a run
+  (``torch.compile``'s first calls, allocations, a resumed run's first steps), the first of an epoch or the first
+  after an uneven phase (validation, a checkpoint, the epoch's end hooks), or one whose batch has a shape no earlier
+  step had (a smaller last batch, the BatchNorm check and a recompilation that come with it). The uneven phases
+  themselves get only the hard ``timeout``. Only regular steps' durations (start to next start) set the bound.
+* :class:`StartUp`: what the set-up measured, from which the first step's bound is derived.
 * :class:`Wait`, :class:`RankState`, :func:`stalled_ranks`: what each rank waits for and on whom, and from all ranks'
   answers, which rank stopped: one that others wait on and that waits on no one.
 * :func:`stall_message`: the error each rank raises, naming its own wait and the rank that stopped.
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 
 WARMUP_STEPS = 2  # the first steps of a run get the first-step bound and are not timed (compilation, allocation)
 WINDOW = 100  # the regular steps whose slowest sets the bound
+FIRST_STEP_FLOORS = 2  # a first step's derived bound is at least this many times the floor (60 s by default)
+COMPILING_FIRST_STEP_S = 600.0  # a first step's bound where a compilation runs in it: not measured before it runs
 
 
 class PipelineStallError(Exception):
@@ -33,26 +36,60 @@ class PipelineStallError(Exception):
 
 
 @dataclass(frozen=True)
+class StartUp:
+    """What the set-up measured before the first step: how long it took (``seconds``: finding the blocks, taking the
+    first training batch and running the training step on it on the meta device, profiling where asked, making the
+    stage's weights real or reading them), and whether a compilation will run in the first steps (``compiles``),
+    which nothing measures before it runs."""
+
+    seconds: float = 0.0
+    compiles: bool = False
+
+
+@dataclass(frozen=True)
 class StallRule:
     """A wait on another rank during a regular training step may last ``max(floor_s, multiple * slowest)`` seconds,
     ``slowest`` being the slowest of the last ``WINDOW`` regular steps; during a first step (see :class:`StepClock`)
-    ``first_step_s``, or the regular bound where that is longer."""
+    the first step's bound, or the regular bound where that is longer.
+
+    The first step's bound is ``first_step_s`` where the user gave one. Otherwise it is derived from what the set-up
+    measured (:class:`StartUp`): ``max(FIRST_STEP_FLOORS * floor_s, multiple * the set-up's seconds)`` (a minute by
+    default, so that a deadlock in a first step ends in about a minute), or ``COMPILING_FIRST_STEP_S`` when a
+    compilation runs in it. What makes a first step slow legitimately, the set-up did once already: it took the first
+    batch from the loader (a slow loader's first batch), ran the step's code (on the meta device) and made the
+    weights real (a big model)."""
 
     multiple: float = 10.0
     floor_s: float = 30.0
-    first_step_s: float = 600.0
+    first_step_s: float | None = None
 
     def bound_s(self, slowest_step_s: float) -> float:
         return max(self.floor_s, self.multiple * slowest_step_s)
 
-    def first_step_bound_s(self, slowest_step_s: float) -> float:
-        return max(self.first_step_s, self.bound_s(slowest_step_s))
+    def first_step_own_s(self, startup: StartUp) -> float:
+        """The first step's own bound, before the regular bound is considered (see the class)."""
+        if self.first_step_s is not None:
+            return self.first_step_s
+        if startup.compiles:
+            return COMPILING_FIRST_STEP_S
+        return max(FIRST_STEP_FLOORS * self.floor_s, self.multiple * startup.seconds)
 
-    def explain(self, slowest_step_s: float, first_step: bool = False) -> str:
+    def first_step_bound_s(self, slowest_step_s: float, startup: StartUp = StartUp()) -> float:
+        return max(self.first_step_own_s(startup), self.bound_s(slowest_step_s))
+
+    def explain(self, slowest_step_s: float, first_step: bool = False, startup: StartUp = StartUp()) -> str:
         """How the bound came about, for the error: ``"10 x the slowest recent step (0.41 s), at least 30 s"``, or for
-        a first step ``"a first step's bound, stall_first_step=600 s"``."""
-        if first_step and self.first_step_bound_s(slowest_step_s) == self.first_step_s:
-            return f"a first step's bound, stall_first_step={self.first_step_s:g} s"
+        a first step ``"a first step's bound: 10 x the set-up's 2.10 s, at least 2 x stall_floor = 60 s"``."""
+        own = self.first_step_own_s(startup)
+        if first_step and self.first_step_bound_s(slowest_step_s, startup) == own:
+            if self.first_step_s is not None:
+                return f"a first step's bound, stall_first_step={self.first_step_s:g} s"
+            if startup.compiles:
+                return f"a first step's bound, {own:g} s while torch.compile compiles (its time is not measured before)"
+            return (
+                f"a first step's bound: {self.multiple:g} x the set-up's {startup.seconds:.2f} s, at least"
+                f" {FIRST_STEP_FLOORS} x stall_floor = {FIRST_STEP_FLOORS * self.floor_s:g} s"
+            )
         return f"{self.multiple:g} x the slowest recent step ({slowest_step_s:.2f} s), at least {self.floor_s:g} s"
 
 
@@ -68,6 +105,7 @@ class StepClock:
 
     def __init__(self, rule: StallRule) -> None:
         self.rule = rule
+        self.startup = StartUp()  # what the set-up measured: see `StallRule.first_step_own_s`
         self.durations: deque[float] = deque(maxlen=WINDOW)
         self.steps = 0  # training steps started in this run
         self.epoch: int | None = None
@@ -90,7 +128,7 @@ class StepClock:
         self.epoch, self.batch, self._started, self._interrupted, self._ended = epoch, batch, now, False, False
         self.first_step = not (self._regular and self.durations)
         slowest = self.slowest_s
-        self.bound_s = self.rule.first_step_bound_s(slowest) if self.first_step else self.rule.bound_s(slowest)
+        self.bound_s = self.first_step_bound_s if self.first_step else self.rule.bound_s(slowest)
 
     def step_ends(self) -> None:
         self._ended = True
@@ -100,6 +138,15 @@ class StepClock:
         self._interrupted = True
         self.bound_s = None
         self.first_step = False
+
+    @property
+    def first_step_bound_s(self) -> float:
+        """The bound a first step would get now."""
+        return self.rule.first_step_bound_s(self.slowest_s, self.startup)
+
+    def explain(self) -> str:
+        """How the bound in force came about (see :meth:`StallRule.explain`)."""
+        return self.rule.explain(self.slowest_s, self.first_step, self.startup)
 
     @property
     def slowest_s(self) -> float:

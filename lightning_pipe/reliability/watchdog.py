@@ -52,6 +52,7 @@ from lightning_pipe.reliability.stall_rule import (
     PipelineStallError,
     RankState,
     StallRule,
+    StartUp,
     StepClock,
     Verdict,
     Wait,
@@ -141,6 +142,11 @@ class StallWatchdog:
             with contextlib.suppress(ValueError):  # not the main thread: the handler stays (it passes the signal on)
                 signal.signal(_SIGNAL, self._previous_handler if self._previous_handler is not None else signal.SIG_DFL)
                 self._handling_signal = False
+
+    def startup_measured(self, startup: StartUp) -> None:
+        """What the set-up measured, from which the first steps' bound is derived (see :class:`StallRule`)."""
+        if self.clock is not None:
+            self.clock.startup = startup
 
     def step_starts(self, epoch: int, batch: int, batch_shape: Any) -> None:
         if self.clock is not None:
@@ -258,7 +264,7 @@ class StallWatchdog:
             last_step_s=self.clock.last_step_s,
             bound_s=bound,
             stacks=str(self._stacks_file()),
-            note=self.clock.rule.explain(self.clock.slowest_s, self.clock.first_step) if bound is not None else "",
+            note=self.clock.explain() if bound is not None else "",
             first_step=self.clock.first_step,
         )
 

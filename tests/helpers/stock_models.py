@@ -702,6 +702,21 @@ def checkpoint_seq(functions, x, every: int = 1):
     return x
 
 
+class PatchEmbedding(nn.Module):
+    """The patches embedded, the class token put first and the position embedding added, in one module (as Hugging
+    Face's ``ViTEmbeddings`` and many hand-written ViTs hold them): what it returns is all the blocks get."""
+
+    def __init__(self, dim: int, patch: int, size: int) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(3, dim, kernel_size=patch, stride=patch)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.randn(1, (size // patch) ** 2 + 1, dim) * 0.02)
+
+    def forward(self, images: Tensor) -> Tensor:
+        x = self.proj(images).flatten(2).transpose(1, 2)
+        return torch.cat([self.cls_token.expand(len(x), -1, -1), x], dim=1) + self.pos_embed
+
+
 class ViT(nn.Module):
     """A small vision transformer as timm and hand-written ones are laid out (patch embedding, class token, position
     embedding, ``blocks``, ``norm``, ``head``), whose forward calls its blocks under ``torch.utils.checkpoint`` in
@@ -709,19 +724,29 @@ class ViT(nn.Module):
 
     * ``"loop"``: ``for block in self.blocks: x = checkpoint(block, x, use_reentrant=False)`` (litgpt, most GPTs);
     * ``"loop_reentrant"``: the same with ``use_reentrant=True`` (older code);
+    * ``"every_other_reentrant"``: only every other block (the odd ones) checkpointed, reentrant: a block called
+      plainly, then one under the checkpoint;
     * ``"sequential"``: ``checkpoint_sequential(self.blocks, 2, x)``, with its default (reentrant) mode;
     * ``"timm"``: timm's ``checkpoint_seq(self.blocks, x, every=2)``: segments of two blocks, non-reentrant;
     * ``"trunk"``: ``checkpoint(lambda x: self.norm(self.blocks(x)), x, use_reentrant=False)``: the blocks and the norm
       after them in one checkpoint, whose re-computation in backward runs the norm again on the blocks' output.
+
+    With ``embedding_module=True`` the class token and the position embedding live in the patch embedding (a
+    :class:`PatchEmbedding`), as in Hugging Face's ViT: the blocks' input then comes from that one module, which
+    only the first stage holds.
     """
 
     def __init__(self, checkpointing: str, depth: int = 4, dim: int = 32, patch: int = 8, size: int = 32,
-                 classes: int = 10) -> None:
+                 classes: int = 10, embedding_module: bool = False) -> None:
         super().__init__()
         self.checkpointing = checkpointing
-        self.patch_embed = nn.Conv2d(3, dim, kernel_size=patch, stride=patch)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
-        self.pos_embed = nn.Parameter(torch.randn(1, (size // patch) ** 2 + 1, dim) * 0.02)
+        self.embedding_module = embedding_module
+        if embedding_module:
+            self.patch_embed = PatchEmbedding(dim, patch, size)
+        else:
+            self.patch_embed = nn.Conv2d(3, dim, kernel_size=patch, stride=patch)
+            self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+            self.pos_embed = nn.Parameter(torch.randn(1, (size // patch) ** 2 + 1, dim) * 0.02)
         self.blocks = nn.Sequential(*(
             nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=2 * dim, dropout=0.0, batch_first=True,
                                        norm_first=True)
@@ -731,8 +756,11 @@ class ViT(nn.Module):
         self.head = nn.Linear(dim, classes)
 
     def forward(self, images: Tensor) -> Tensor:
-        x = self.patch_embed(images).flatten(2).transpose(1, 2)
-        x = torch.cat([self.cls_token.expand(len(x), -1, -1), x], dim=1) + self.pos_embed
+        if self.embedding_module:
+            x = self.patch_embed(images)
+        else:
+            x = self.patch_embed(images).flatten(2).transpose(1, 2)
+            x = torch.cat([self.cls_token.expand(len(x), -1, -1), x], dim=1) + self.pos_embed
         if not self.training:
             x = self.blocks(x)
         elif self.checkpointing == "loop":
@@ -741,6 +769,9 @@ class ViT(nn.Module):
         elif self.checkpointing == "loop_reentrant":
             for block in self.blocks:
                 x = checkpoint(block, x, use_reentrant=True)
+        elif self.checkpointing == "every_other_reentrant":
+            for index, block in enumerate(self.blocks):
+                x = checkpoint(block, x, use_reentrant=True) if index % 2 else block(x)
         elif self.checkpointing == "sequential":
             x = checkpoint_sequential(self.blocks, 2, x, use_reentrant=True)
         elif self.checkpointing == "timm":
@@ -753,8 +784,8 @@ class ViT(nn.Module):
 class ViTClassifier(ImageClassifier):
     """The ViT on 32x32 images; ``checkpointing`` says how its forward checkpoints its blocks (see :class:`ViT`)."""
 
-    def __init__(self, checkpointing: str = "loop", **kwargs) -> None:
-        super().__init__(ViT(checkpointing), **kwargs)
+    def __init__(self, checkpointing: str = "loop", embedding_module: bool = False, **kwargs) -> None:
+        super().__init__(ViT(checkpointing, embedding_module=embedding_module), **kwargs)
         self.example_input_array = None  # users of transformers rarely set one
 
 
@@ -788,3 +819,6 @@ BLOCKS: dict[str, list[str]] = {
     "vit": ["model.blocks"],
     "autoencoder": ["encoder", "decoder"],
 }
+
+# The mixture-of-experts models build on the classes above; their module adds them to STOCK_MODELS and BLOCKS.
+import helpers.moe_models  # noqa: E402,F401

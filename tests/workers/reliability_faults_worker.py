@@ -7,6 +7,10 @@ SPEC: {"devices": N, "out": DIR, "strategy": "gpipe" | "gpipe_spawn" | "gpipe_fo
        "num_stages": S (optional, default N: with fewer stages than devices, the pipeline has replicas),
        "watchdog": {"stall_floor": s, "stall_multiple": k} | false (optional: GPipeStrategy's stall settings, or off),
        "epochs": E (optional, default 1), "checkpoint_every": n (optional: a checkpoint every n training steps),
+       "batch_size_by_rank": {"R": size, ...} (optional: rank R's training loader batches that many samples; else 16),
+       "train_batches_by_rank": {"R": n, ...} (optional: rank R's training set holds n batches; else 6),
+       "iterable": true (optional: the training set is an iterable one, without a length),
+       "sharded_checkpoints": true (optional: GPipeStrategy(save_distributed_checkpoint=True)),
        "faults": [{"kind": KIND, "where": WHERE, "stage": S, "phase": "train" | "val", "batch": B,
                    "epoch": e (optional: only in that epoch)}, ...]}
 WHERE: "step", "layer", "hook" (at the start of a batch), "hook_end" (at its end), "loader" (the training data loader
@@ -14,8 +18,11 @@ reading batch B on stage S's rank) or "checkpoint" (a callback's on_save_checkpo
 KIND: "raise", "sigkill", "sigterm" or "stall" (anywhere); "sigterm_launcher" or "sigint_launcher" (the rank sends
 the signal to its parent, the launching process, as a scheduler or Ctrl-C would, then is stuck); "sigusr1_all" (the
 rank sends SIGUSR1 to every rank, as SLURM does before a job's time limit, then goes on); "slow" (sleeps twice the bound the stall watchdog would set
-now, then goes on); "busy" (sleeps the fault's "seconds", then goes on: a rank busy in its own work); or a misuse by a pipelined layer (``where="layer"``): its output is
-"non_tensor" (a dict), "batch_dim" (the first row only), "dtype" (float64 where the next stage has float32) or
+now, then goes on); "busy" (sleeps the fault's "seconds", then goes on: a rank busy in its own work; with "once",
+only the first time it is due in the process, as a data set that opens its files on its first read, writing
+OUT/busy-WHERE-R.json: the seconds, and the first step's bound in force once training started); or a misuse by a pipelined layer (``where="layer"``): its output is
+"non_tensor" (a dict), "non_tensor_everywhere" (a dict on every rank, as a user's block returns it: the
+placeholders other ranks compute on the meta device too), "batch_dim" (the first row only), "dtype" (float64 where the next stage has float32) or
 "nan" (NaN: the loss becomes NaN); or "skip" (``where="step"``, stage 0): the first stage's step returns before the
 pipelined call while the last stage's calls it.
 
@@ -52,7 +59,7 @@ from helpers.process_exit import skip_the_last_collection
 skip_the_last_collection()  # in every process that runs this script, ranks included
 
 FAULT_MESSAGE = "injected fault"
-MISUSES = ("non_tensor", "batch_dim", "dtype", "nan", "skip")
+MISUSES = ("non_tensor", "non_tensor_everywhere", "batch_dim", "dtype", "nan", "skip")
 _where_we_are = {"phase": None, "batch": -1, "epoch": 0}  # set by Position on every rank before each step
 
 
@@ -111,6 +118,16 @@ class LoadingFaults(torch.utils.data.Dataset):
         return self.data[index]
 
 
+class Streamed(torch.utils.data.IterableDataset):
+    """A dataset read as a stream, without a length (as a web dataset or a generator is)."""
+
+    def __init__(self, data: torch.utils.data.Dataset) -> None:
+        self.data = data
+
+    def __iter__(self):
+        return (self.data[index] for index in range(len(self.data)))
+
+
 class LossRecorder(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -122,6 +139,7 @@ class LossRecorder(Callback):
 class Faults:
     def __init__(self, specs: list[dict], out: Path | None) -> None:
         self.specs, self.out = specs, out
+        self._fired_once: set[int] = set()  # the faults with "once" that fired in this process (by index)
         self.strategy: Any = None  # set at the start of training: its stall watchdog's clock sets the "slow" sleeps
 
     def stages(self, where: str) -> set[int]:
@@ -144,9 +162,10 @@ class Faults:
             if spec["kind"] not in MISUSES:
                 self._fire(spec)
 
-    def misuse_due(self, where: str, stage: int) -> str | None:
+    def misuse_due(self, where: str, stage: int, kind: str | None = None) -> str | None:
+        """The misuse due here (only ``kind``, if given), recorded as fired."""
         for spec in self.due(where, stage):
-            if spec["kind"] in MISUSES:
+            if spec["kind"] in MISUSES and spec["kind"] == (kind or spec["kind"]):
                 self._record(spec)
                 return spec["kind"]
         return None
@@ -169,7 +188,16 @@ class Faults:
             time.sleep(seconds)
             return
         if spec["kind"] == "busy":
+            if spec.get("once"):
+                if self.specs.index(spec) in self._fired_once:
+                    return
+                self._fired_once.add(self.specs.index(spec))
             time.sleep(spec["seconds"])
+            if self.out is not None and spec.get("once"):
+                clock = self.strategy._watchdog.clock if self.strategy is not None else None
+                bound = clock.first_step_bound_s if clock is not None else None
+                name = f"busy-{spec['where']}-{_rank()}.json"
+                (self.out / name).write_text(json.dumps({"seconds": spec["seconds"], "first_step_bound": bound}))
             return
         self._record(spec)
         if spec["kind"] == "sigkill":
@@ -201,6 +229,8 @@ class Tripwire(nn.Module):
         self.layer, self.stage, self.faults = layer, stage, faults
 
     def forward(self, x):
+        if self.faults.misuse_due("layer", self.stage, "non_tensor_everywhere"):  # as a user's block would: on
+            return {"features": self.layer(x)}  # every rank, its placeholders on the meta device included
         if x.is_meta:  # another stage's placeholder of this layer's output (shapes only): not where it runs
             return self.layer(x)
         self.faults.fire_if_due("layer", self.stage)
@@ -258,10 +288,12 @@ class FaultyModel(LightningModule):
 
 def fit(
     devices: int, faults: Faults, strategy: Any = "auto", hidden: int = 16, stages: int | None = None,
-    epochs: int = 1, checkpoint_every: int | None = None,
+    epochs: int = 1, checkpoint_every: int | None = None, batch_size: int = 16, train_batches: int = 6,
+    iterable: bool = False,
 ) -> tuple[FaultyModel, Trainer, list]:
-    """``epochs`` epochs of 6 training and 6 validation batches of 16 on ``stages`` stages (default: ``devices``),
-    with a checkpoint every ``checkpoint_every`` training steps."""
+    """``epochs`` epochs of ``train_batches`` training batches of ``batch_size`` (from an iterable training set, if
+    ``iterable``: Lightning then learns the epoch's end only as it comes) and 6 validation batches of 16 on ``stages``
+    stages (default: ``devices``), with a checkpoint every ``checkpoint_every`` training steps."""
     seed_everything(0)
     model = FaultyModel(stages or devices, faults, hidden)
     recorder = LossRecorder()
@@ -270,13 +302,14 @@ def fit(
         callbacks.append(ModelCheckpoint(dirpath="ckpt", every_n_train_steps=checkpoint_every, save_top_k=-1))
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=devices if strategy != "auto" else 1, max_epochs=epochs,
-        limit_train_batches=6, limit_val_batches=6, num_sanity_val_steps=0, logger=False,
+        limit_train_batches=None if iterable else train_batches, limit_val_batches=6, num_sanity_val_steps=0, logger=False,
         enable_checkpointing=checkpoint_every is not None, enable_progress_bar=False, enable_model_summary=False,
         callbacks=callbacks,
     )
-    train_set = LoadingFaults(classification_data(96), 16, faults)
+    train_set = LoadingFaults(classification_data(batch_size * train_batches), batch_size, faults)
     train_set.trainer = trainer
-    trainer.fit(model, DataLoader(train_set, batch_size=16), DataLoader(classification_data(96), batch_size=16))
+    train_loader = DataLoader(Streamed(train_set) if iterable else train_set, batch_size=batch_size)
+    trainer.fit(model, train_loader, DataLoader(classification_data(96), batch_size=16))
     return model, trainer, recorder.losses
 
 
@@ -292,12 +325,18 @@ def run(spec: dict, out: Path) -> None:
         stages = spec.get("num_stages")  # fewer than devices: data-parallel replicas of the pipeline
         watchdog = spec.get("watchdog")
         kwargs |= {"stall_watchdog": False} if watchdog is False else (watchdog or {})
+        if spec.get("sharded_checkpoints"):
+            kwargs["save_distributed_checkpoint"] = True
         strategy = lightning_pipe.GPipeStrategy(stages, num_micro_batches=4, start_method=start_method, **kwargs)
         # A misuse: a model size that depends on the rank (LOCAL_RANK is set in the ranks the launcher starts).
         hidden = spec.get("hidden_by_rank", {}).get(os.environ.get("LOCAL_RANK", "0"), 16)
         faults = Faults(spec.get("faults", []), out)
+        # A misuse: data loaders that differ by rank (a batch size, or a number of batches).
+        batch_size = spec.get("batch_size_by_rank", {}).get(os.environ.get("LOCAL_RANK", "0"), 16)
+        train_batches = spec.get("train_batches_by_rank", {}).get(os.environ.get("LOCAL_RANK", "0"), 6)
         model, trainer, losses = fit(
-            spec["devices"], faults, strategy, hidden, stages, spec.get("epochs", 1), spec.get("checkpoint_every")
+            spec["devices"], faults, strategy, hidden, stages, spec.get("epochs", 1), spec.get("checkpoint_every"),
+            batch_size, train_batches, spec.get("iterable", False),
         )
         name = "launcher" if spawned else f"rank{trainer.global_rank}"
         (out / f"{name}.json").write_text(json.dumps({"ended": "finished", "losses": losses}))

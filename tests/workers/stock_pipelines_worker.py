@@ -3,8 +3,8 @@
 Usage: python stock_pipelines_worker.py SPEC.json
 (SPEC: {"devices": N, "out": DIR, "steps": S, "runs": [{"name": ..., "model": ..., "strategy": {...}}, ...]})
 Each run writes DIR/NAME/rank{R}.pt (the model's state dict after fit) and DIR/NAME/rank{R}.json (per-step losses,
-a run with ``drop_gradient_of`` is the negative control; with ``predict``, DIR/NAME/predictions.pt after fit; with
-``save``, DIR/NAME/model.ckpt; with ``validate``, DIR/NAME/validated{R}.json, ``trainer.validate``'s metrics; with
+a run with ``drop_gradient_of``, ``unsummed_outside`` or ``stand_ins_without_gradients`` is a negative control; with
+``predict``, DIR/NAME/predictions.pt after fit; with ``save``, DIR/NAME/model.ckpt; with ``validate``, DIR/NAME/validated{R}.json, ``trainer.validate``'s metrics; with
 ``hooks``, DIR/NAME/hooks{R}.json: the calls of value-reading hooks on every block, see :func:`value_reading_hooks`;
 with ``summary`` ({"max_depth": D, "rich": bool}), DIR/NAME/summary.txt on rank 0: what Lightning's ModelSummary or
 RichModelSummary callback printed, and DIR/NAME/stages.json: the strategy's pipelined region and its replicated
@@ -23,7 +23,11 @@ from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
 from torch import nn
 
 import lightning_pipe
-from helpers.negative_controls import drop_gradient_of, leave_outside_gradients_unsummed
+from helpers.negative_controls import (
+    answer_stand_ins_without_gradients,
+    drop_gradient_of,
+    leave_outside_gradients_unsummed,
+)
 from helpers.recording import StepLossRecording
 from helpers.stock_models import BLOCKS, STOCK_MODELS
 from helpers.process_exit import skip_the_last_collection
@@ -128,6 +132,8 @@ def main(spec_path):
         restore = drop_gradient_of(run["drop_gradient_of"]) if run.get("drop_gradient_of") is not None else None
         if run.get("unsummed_outside"):
             restore = leave_outside_gradients_unsummed()
+        if run.get("stand_ins_without_gradients"):
+            restore = answer_stand_ins_without_gradients()
         if run.get("expect_error"):  # a run that must fail at set-up, on every rank: the error's first line
             try:
                 trainer.fit(model)
