@@ -356,9 +356,9 @@ class GPipeStrategyMixin(PipelineView):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-        gradients, precision = self._gradients, self.precision_plugin
-        precision.clip_grad_by_norm = partial(gradients.clip_grad_by_norm, precision)  # type: ignore
-        gradients.agree_on_overflow(precision)  # type: ignore[union-attr]
+        precision = self.precision_plugin  # through the strategy: the precision must not hold the groups at exit
+        precision.clip_grad_by_norm = lambda *args: self._gradients.clip_grad_by_norm(precision, *args)  # type: ignore
+        self._gradients.agree_on_overflow(precision)  # type: ignore[union-attr]
 
     @contextmanager
     @override
