@@ -42,6 +42,7 @@ from sections import (
     bench_pipeline,
     bench_pretrained,
     bench_schedules,
+    bench_sharding,
     bench_step_agreement,
     bench_watchdog,
 )
@@ -52,7 +53,8 @@ DOCS = REPO / "docs"
 # The sections in reading order (tests/test_benchmarks.py checks that every module of sections/ is here).
 SECTIONS: tuple[ModuleType, ...] = (
     bench_pipeline, bench_peer, bench_schedules, bench_emulated, bench_accuracy, bench_overhead, bench_watchdog,
-    bench_step_agreement, bench_memory, bench_balance, bench_bubble, bench_memory_setup, bench_holding, bench_pretrained, bench_gpt2,
+    bench_step_agreement, bench_memory, bench_balance, bench_bubble, bench_memory_setup, bench_holding,
+    bench_sharding, bench_pretrained, bench_gpt2,
 )
 # Written by `benchmarks/gpu_check.py` when it runs on a GPU; the page shows it (or says that CUDA is untested).
 GPU_CHECK_SUMMARY = BENCHMARKS / "gpu_check_summary.txt"

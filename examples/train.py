@@ -3,6 +3,7 @@
     python examples/train.py                                  # 2 stages on the CPU, a minute or two
     python examples/train.py strategy.num_stages=4 strategy.num_micro_batches=16
     python examples/train.py trainer=gpu                      # one CUDA device per stage
+    python examples/train.py trainer.devices=4 strategy.num_stages=2 strategy.data_parallel=shard  # 2 replicas sharding each stage
     python examples/train.py -m strategy.num_stages=1,2,4     # a sweep: comparison.csv and .md in its directory
     python examples/train.py hydra.run.dir=DIR ckpt_path=last # resume the run in DIR from its last checkpoint
 

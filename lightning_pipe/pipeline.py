@@ -16,6 +16,7 @@ May import: every folder below it (``config`` to ``integration``). Imported by: 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -27,6 +28,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
+from torch.optim import Optimizer
 from torchmetrics import Metric
 
 from lightning_pipe.auto_schedule import ScheduleChoice, decide_schedule
@@ -54,6 +56,7 @@ from lightning_pipe.execution.process_groups import (
 from lightning_pipe.execution.random_streams import StageRandomStreams
 from lightning_pipe.execution.replayed_logs import StepOutcome
 from lightning_pipe.execution.runtime import StageRuntime
+from lightning_pipe.execution.sharding import StageSharding, shard_stage
 from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.execution.steps import TrainingStep, training_step_for
 from lightning_pipe.execution.tied import TiedParameters, parameters_shared_across_stages
@@ -68,6 +71,7 @@ from lightning_pipe.partition.balance import (
 )
 from lightning_pipe.partition.collected_outputs import check_nothing_collected_inside_blocks
 from lightning_pipe.partition.fingerprint import different_models_message, fingerprint_digest, model_fingerprint
+from lightning_pipe.partition.memory_estimate import StateLayout
 from lightning_pipe.partition.placement import (
     balance_charges,
     outside_rows,
@@ -119,6 +123,9 @@ class BuiltPipeline:
     compiles: bool  # torch.compile compiles code of this rank in its first steps (see StallRule: not measured before)
     pretrained_prefix: str | None = None  # where the pretrained model sits, once its weights were mapped
     schedule_choice: ScheduleChoice | None = None  # with schedule="auto": the choice, why, the predicted table
+    # With data_parallel="shard" or "full_shard": the stage's blocks sharded over its replicas (FSDP2), once the
+    # replicas hold the same values (`start_identical`).
+    sharding: StageSharding | None = None
 
     # ---- set-up ------------------------------------------------------------------------------------------------
 
@@ -154,6 +161,16 @@ class BuiltPipeline:
                 stage = self.runtime.stage
                 for tensor in [*stage.parameters(), *stage.buffers(), *self._held_outside_tensors()]:
                     dist.broadcast(tensor.data, src=source, group=self.groups.replicas)
+        if self.settings.data_parallel != "replicate":  # FSDP hook: the replicas' identical blocks sharded now
+            kept_whole = [*self.replicated, *self.tied.parameters, *self.ownership.parameters]
+            stage = self.runtime.stage
+            blocks = [(stage.region.names[i], stage.originals[i]) for i in stage.indices]
+            sharding = shard_stage(blocks, self.settings.data_parallel, self.groups.replicas,  # type: ignore[arg-type]
+                                   self.groups.device, kept_whole, self.groups.watchdog)
+            object.__setattr__(self, "sharding", sharding)  # the one field set after building: see `sharding`
+            self.gradients.shard(sharding)
+            stage, engine = self.runtime.stage, self.runtime.engine
+            engine.backward_done = lambda k: sharding.micro_batch_done(stage.originals[i] for i in stage.chunk_ranges[k])
 
     def _held_outside_tensors(self) -> list[Tensor]:
         """The tensors of the outside modules this stage holds and some other stage does not."""
@@ -203,6 +220,8 @@ class BuiltPipeline:
         :func:`~lightning_pipe.checkpoints.whole_model.restore_whole_model`); nothing once the stages were lost."""
         if self.pipelined is None:
             return
+        if self.sharding is not None:  # FSDP hook: the blocks whole again, from every replica's shard
+            self.sharding.make_whole()
         groups = self.groups
         restore_whole_model(
             module, self.pipelined, groups.stage_ranks, groups.rank, groups.pipeline, groups.device, self.deferred,
@@ -469,6 +488,7 @@ def decide_partition(
             return plan_partition(
                 module, sequential, config, settings.balance, settings.sample, groups.device, fraction, charges,
                 step, settings.schedule.per_micro_batch,  # type: ignore[union-attr]
+                StateLayout(settings.data_parallel, groups.layout.num_replicas),
             )
 
     return decided_on_rank_zero(decide, "partition the model", groups.rank, groups.watchdog)
@@ -585,3 +605,10 @@ def _tracer(
         trace_path=trace_dir / TRACE_FILE_NAME if groups.rank == 0 else None,
         ideal_bubble=partial(ideal_bubble, settings.schedule, config.num_stages, virtual_stages=settings.virtual_stages),
     )
+
+
+def whole_view(pipeline: BuiltPipeline | None, optimizers: Sequence[Optimizer] = ()) -> AbstractContextManager[None]:
+    """FSDP hook: checkpoints read and write the blocks sharded over the replicas as whole tensors (see
+    :meth:`~lightning_pipe.execution.sharding.StageSharding.whole_view`)."""
+    sharding = pipeline.sharding if pipeline is not None else None
+    return sharding.whole_view(optimizers) if sharding is not None and sharding.blocks else nullcontext()

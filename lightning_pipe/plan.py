@@ -35,7 +35,9 @@ from lightning_pipe.schedules.choice import (
     AUTO_SCHEDULES, BlockCosts, CostModel, PlannedConfiguration, choose, runtime_costs,
 )
 from lightning_pipe.schedules.planner import RuntimeCosts
-from lightning_pipe.settings import PipelineSettings
+from lightning_pipe.partition.balance import min_max_partition, ranges_from_sizes
+from lightning_pipe.partition.memory_estimate import StateLayout
+from lightning_pipe.settings import DATA_PARALLEL_MODES, PipelineSettings
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
                         " action (default: the costs file's, else the value measured for the device type)")
     parser.add_argument("--send-time", type=float, default=None, help="milliseconds a message takes to arrive"
                         " (default: the costs file's, else the value measured for the device type)")
+    parser.add_argument("--replicas", type=int, default=1, help="data-parallel replicas of the pipeline: the state"
+                        " each rank holds is shown for every data_parallel mode (default 1)")
     parser.add_argument("--top", type=int, default=15, help="rows of the table shown (default 15)")
     parser.add_argument("--draw", type=Path, default=None, help="draw the best three's predicted timelines here")
     args = parser.parse_args(argv)
@@ -82,8 +86,33 @@ def main(argv: list[str] | None = None) -> None:
     if chosen.configuration.schedule not in AUTO_SCHEDULES and auto:
         print(f"schedule='auto' would choose {choose(auto).configuration} (it leaves zbv, whose loss is on stage 0,"
               " to you).")
+    print("\n" + state_per_rank([b.parameter_bytes for b in model.small], num_stages, args.replicas,
+                                settings.memory_budget))
     if args.draw is not None:
         _draw(rows[:3], num_stages, args.draw)
+
+
+def state_per_rank(block_bytes: list[float], num_stages: int, replicas: int, budget: int | None = None) -> str:
+    """What the rank of the largest stage (blocks split by their parameter bytes) holds of parameters, gradients and
+    Adam's two moments, for each ``data_parallel`` mode over ``replicas``; whether that leaves room in ``budget``.
+
+    >>> print(state_per_rank([2**30] * 8, 4, 2))  # doctest: +NORMALIZE_WHITESPACE
+    State per rank, 4 stages x 2 replicas (the largest stage's blocks: parameters, gradients, Adam's two moments;
+    the modules outside the blocks and the activations not counted):
+      data_parallel='replicate'   8.00 GiB
+      data_parallel='shard'       8.00 GiB
+      data_parallel='full_shard'  4.00 GiB
+    """
+    ranges = ranges_from_sizes(min_max_partition(block_bytes, num_stages))
+    largest = max(sum(block_bytes[i] for i in r) for r in ranges)
+    lines = [f"State per rank, {num_stages} stages x {replicas} replicas (the largest stage's blocks: parameters,"
+             " gradients, Adam's two moments;\nthe modules outside the blocks and the activations not counted):"]
+    for mode in DATA_PARALLEL_MODES if replicas > 1 else ("replicate",):
+        held = StateLayout(mode, replicas).copies() * largest
+        verdict = "fits" if budget is not None and held <= budget else "exceeds"
+        room = "" if budget is None else f"  ({verdict} the budget of {budget / 2**30:.2f} GiB)"
+        lines.append(f"  data_parallel={mode!r:<13} {held / 2**30:6.2f} GiB{room}")
+    return "\n".join(lines)
 
 
 def _costs(args: argparse.Namespace) -> tuple[CostModel, int, int, Any, RuntimeCosts]:

@@ -41,6 +41,7 @@ from lightning_pipe.schedules.simulator import check_schedule
 RECOMPUTE_MODES: tuple[str, ...] = get_args(RecomputeMode)
 MESH_ORDERS: tuple[tuple[str, str], ...] = (("pp", "dp"), ("dp", "pp"))
 START_METHODS: tuple[str, ...] = ("popen", "spawn", "fork", "forkserver")
+DATA_PARALLEL_MODES: tuple[str, ...] = ("replicate", "shard", "full_shard")
 MICRO_BATCHES_PER_STAGE = 4  # the default: GPipe's bubble (S-1)/(M+S-1) is then below a fifth
 
 
@@ -99,6 +100,14 @@ class PipelineSettings:
     when ``devices * num_nodes`` is a multiple of ``num_stages`` (the replicas of the pipeline average their
     gradients). ``("pp", "dp")``, as in torchtitan and Megatron, keeps the heavier gradient all-reduce on the fast
     links inside a node and sends only activations across nodes."""
+    data_parallel: str = "replicate"
+    """What the data-parallel replicas of a stage hold (when ``devices * num_nodes`` is a multiple of
+    ``num_stages``): ``"replicate"`` (the default: every replica holds the stage's whole parameters, gradients and
+    optimizer state, and the replicas average their gradients in one all-reduce), ``"shard"`` (each block of the
+    stage sharded over its replicas with torch's FSDP2, ``fully_shard``: weights gathered once per step and kept
+    for all its micro-batches, gradients reduce-scattered once per optimizer step, optimizer state sharded: ZeRO-2)
+    or ``"full_shard"`` (the same, the weights gathered again for each micro-batch's forward and backward: ZeRO-3,
+    least memory, more communication). docs/memory.md says when to pick which."""
     start_method: str = "popen"
     """``"popen"`` (re-run the script per process), ``"spawn"``, ``"fork"`` or ``"forkserver"``, as for DDP."""
     save_distributed_checkpoint: bool | None = None
@@ -200,6 +209,7 @@ class PipelineSettings:
             "trace_steps": _checked_trace_steps(self.trace_steps, key),
             "trace_dir": _checked_trace_dir(self.trace_dir, key),
             "mesh_order": _checked_mesh_order(self.mesh_order, key),
+            "data_parallel": _checked_data_parallel(self.data_parallel, key),
             "start_method": _checked_start_method(self.start_method, key),
             "schedule": schedule,
             "virtual_stages": virtual_stages,
@@ -220,6 +230,7 @@ class PipelineSettings:
                 raise ValueError(f"{key}{name}={value!r} is invalid; use {choices}.")
         for name, value in checked.items():  # the checked, normalised values (a frozen dataclass)
             object.__setattr__(self, name, value)
+        _refuse_with_sharding(checked["data_parallel"], self.deferred_batch_norm, checked["compile"], key)
         if num_stages is not None:  # else the strategy does once the process count is known
             self.check_schedule(self.pipeline_config(num_stages))
 
@@ -272,6 +283,7 @@ class PipelineSettings:
             check_one_count_per_stage(self.balance, self.pipeline_config(total).num_stages,
                                       virtual_stages=self.virtual_stages or 1, schedule=self.schedule.name)  # type: ignore[union-attr]
         config = self.pipeline_config(total)  # validates the resolved counts
+        check_data_parallel(self.data_parallel, config.num_stages, num_processes, num_nodes)
         if self.num_stages is None:  # with num_stages set, __post_init__ ran the user's schedule already
             self.check_schedule(config)
 
@@ -368,6 +380,21 @@ def check_process_count(num_stages: int, devices: int, num_nodes: int, key: str 
         )
 
 
+def check_data_parallel(
+    mode: str, num_stages: int, devices: int, num_nodes: int, key: str = "", trainer_key: str = ""
+) -> None:
+    """Raise when ``mode`` shards a stage over its replicas but ``devices * num_nodes`` processes make one replica:
+    there would be nothing to shard over."""
+    if mode == "replicate" or devices * num_nodes > num_stages:
+        return
+    raise ValueError(
+        f"{key}data_parallel={mode!r} shards each stage over its data-parallel replicas, but {trainer_key}devices="
+        f"{devices} on {trainer_key}num_nodes={num_nodes} with {key}num_stages={num_stages} make one replica of the"
+        f" pipeline: nothing to shard over. Use {key}data_parallel='replicate' (the default), or set"
+        f" {trainer_key}devices to a multiple of {num_stages} (2 * {num_stages} for two replicas)."
+    )
+
+
 def counts_from_config(
     config: PipelineParallelConfig | Mapping[str, Any], num_micro_batches: int | None
 ) -> tuple[int | None, int | None]:
@@ -452,6 +479,29 @@ def _checked_mesh_order(mesh_order: Any, key: str) -> tuple[str, str]:
             " neighbouring ranks)."
         )
     return order  # type: ignore[return-value]
+
+
+def _checked_data_parallel(mode: Any, key: str) -> str:
+    if mode not in DATA_PARALLEL_MODES:
+        raise ValueError(
+            f"{key}data_parallel={mode!r} is invalid; use 'replicate' (every replica holds the whole stage, the"
+            " default), 'shard' (each block sharded over the replicas with FSDP2, gathered once per step) or"
+            " 'full_shard' (gathered again for every micro-batch: least memory)."
+        )
+    return mode  # type: ignore[no-any-return]
+
+
+def _refuse_with_sharding(mode: str, deferred_batch_norm: bool, compile: Any, key: str) -> None:
+    """The combinations with a sharded stage not shown equal to one device yet, refused rather than run differently."""
+    if mode == "replicate":
+        return
+    for name, on in (("compile", compile is not False), ("deferred_batch_norm", deferred_batch_norm)):
+        if on:
+            raise ValueError(
+                f"{key}data_parallel={mode!r} with {key}{name}={compile if name == 'compile' else True!r} is not"
+                " supported yet: a block sharded with FSDP2 has not been shown to train as on one device with it."
+                f" Use {key}data_parallel='replicate' with {key}{name}, or leave {key}{name} out."
+            )
 
 
 def _checked_start_method(start_method: Any, key: str) -> str:

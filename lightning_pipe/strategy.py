@@ -70,7 +70,7 @@ from lightning_pipe.integration.lightning_packages import LIGHTNING, LightningPa
 from lightning_pipe.partition.balance import Balance
 from lightning_pipe.partition.topology import PipelineLayout
 from lightning_pipe.pipeline import BuiltPipeline, build_pipeline, check_partition_before_launch
-from lightning_pipe.pipeline import require_automatic_optimization
+from lightning_pipe.pipeline import require_automatic_optimization, whole_view as _whole_view
 from lightning_pipe.reliability.stall_rule import StartUp
 from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog, batch_shape
 from lightning_pipe.schedules.actions import PipelineSchedule, StageActions
@@ -94,9 +94,6 @@ class PipelineView:
     _layout: PipelineLayout | None
     _groups: PipelineGroups | None
     _pipeline: BuiltPipeline | None  # built in `setup`, kept after the run for its checkpoints
-    _runtime: StageRuntime | None
-    _training: TrainingStep | None  # the training step, in the mode its schedule chose
-    _gradients: StageGradients | None
     _last_observation: StepObservation | None
     num_processes: int
     num_nodes: int
@@ -187,6 +184,7 @@ class GPipeStrategyMixin(PipelineView):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen", sample: Any = None,
         trace_steps: Sequence[int] = (), trace_dir: str | Path | None = None, log_bubble_fraction: bool = True,
         deferred_batch_norm: bool = False, mesh_order: tuple[str, str] = ("pp", "dp"),
+        data_parallel: Literal["replicate", "shard", "full_shard"] = "replicate",
         save_distributed_checkpoint: bool | None = None, gather_model_after_run: bool = False,
         schedule: str | PipelineSchedule | StageActions = "gpipe", virtual_stages: int | None = None,
         compile: bool | Mapping[str, Any] = False,
@@ -484,18 +482,21 @@ class GPipeStrategyMixin(PipelineView):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if not self._checkpoints().load_model_state(checkpoint, strict):
-            super().load_model_state_dict(checkpoint, strict=strict)
+        with _whole_view(self._pipeline):
+            if not self._checkpoints().load_model_state(checkpoint, strict):
+                super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._watchdog.uneven_phase()  # a checkpoint: gathered here, written by rank 0 while the others wait
-        return self._checkpoints().module_state()
+        with _whole_view(self._pipeline):
+            return self._checkpoints().module_state()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         self._watchdog.uneven_phase()
-        return self._checkpoints().optimizer_state(optimizer)
+        with _whole_view(self._pipeline, [optimizer]):
+            return self._checkpoints().optimizer_state(optimizer)
 
     @override
     def save_checkpoint(
@@ -507,10 +508,7 @@ class GPipeStrategyMixin(PipelineView):
             super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0 writes the whole model
 
     def save_pretrained(
-        self,
-        directory: str | Path,
-        prefix: str | None = None,
-        dtype: torch.dtype | str | None = None,
+        self, directory: str | Path, prefix: str | None = None, dtype: torch.dtype | str | None = None,
         max_shard_size: str | int | None = None,
     ) -> None:
         """Write the model as a Hugging Face directory that ``from_pretrained`` loads, each stage its own shard (cut
@@ -521,8 +519,9 @@ class GPipeStrategyMixin(PipelineView):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if not self._checkpoints().load_optimizer_states(self.optimizers, checkpoint, self.root_device):
-            super().load_optimizer_state_dict(checkpoint)
+        with _whole_view(self._pipeline, self.optimizers):
+            if not self._checkpoints().load_optimizer_states(self.optimizers, checkpoint, self.root_device):
+                super().load_optimizer_state_dict(checkpoint)
 
     # ---- collectives ---------------------------------------------------------------------------------------------
 
@@ -598,3 +597,4 @@ GPipeStrategy.lightning_package = LightningPackage(
     TorchCheckpointIO, _ForwardRedirection,
 )
 register_package(GPipeStrategy.lightning_package)
+

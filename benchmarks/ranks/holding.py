@@ -4,6 +4,7 @@ optimizer state) and its peak resident memory, run by run."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from harness.rank import run_rank
@@ -88,8 +90,13 @@ class Held(Callback):
     def __init__(self) -> None:
         self.parts: dict[str, int] = {}
         self.peak_bytes = 0
+        self.step_seconds: list[float] = []  # each training step's, batch start to batch end
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._started = time.perf_counter()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        self.step_seconds.append(time.perf_counter() - self._started)
         parameters = list(pl_module.parameters())
         state = [t for opt in trainer.optimizers for s in opt.state.values() for t in s.values()
                  if isinstance(t, Tensor) and t.dim() > 0]
@@ -132,6 +139,7 @@ def _run(spec: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     whole = _whole_model_bytes(width, depth)
     blocks = [len(row.layers) for row in strategy.stage_summary().rows]
     return {"stage": strategy.stage_index, "parts": held.parts, "peak_bytes": held.peak_bytes, "whole": whole,
+            "step_seconds": held.step_seconds,
             "blocks_per_stage": blocks, "read_bytes": _stored_bytes(options.get("pretrained"), read)}
 
 
@@ -193,7 +201,9 @@ def _pretrained_file(directory: str, width: int, depth: int) -> str:
 
 
 def _bytes(tensors: list[Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """The bytes this rank holds of ``tensors``: of a tensor sharded over the replicas (a DTensor), its shard."""
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 if __name__ == "__main__":

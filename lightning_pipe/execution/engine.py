@@ -55,6 +55,7 @@ from lightning_pipe.execution.inboxes import ActivationInbox, GradientInbox, Key
 from lightning_pipe.execution.p2p import ACTIVATION, SKIP, Header, Link, TensorMeta
 from lightning_pipe.execution.random_streams import StageRandomStreams
 from lightning_pipe.execution.recomputation import recompute_later, unchanged_running_stats
+from lightning_pipe.execution.sharding import weights_in_graph
 from lightning_pipe.execution.split_backward import WeightGradients, backward_input
 from lightning_pipe.execution.call_order import ChainKey, ChunkCall
 from lightning_pipe.execution.stage import StageBlocks
@@ -226,6 +227,7 @@ class PipelineEngine:
         self.schedule = schedule
         self.virtual_stages = virtual_stages
         self.random_streams = random_streams
+        self.backward_done: Callable[[int], None] | None = None  # FSDP hook: chunk k's backward of a micro-batch ended
         self.last_chunk = stage.num_chunks - 1
         self._owners = {k: schedule.owner(k, stage.num_stages) for k in range(stage.num_chunks)}
         self._step = _StepState()
@@ -234,10 +236,7 @@ class PipelineEngine:
             chunk: [m for i in chunk_range for m in stage.originals[i].modules() if isinstance(m, _BatchNorm)]
             for chunk, chunk_range in stage.chunk_ranges.items()
         }
-        self._weights = {
-            chunk: [p for i in chunk_range for p in stage.originals[i].parameters() if p.requires_grad]
-            for chunk, chunk_range in stage.chunk_ranges.items()
-        }
+        self._blocks = {chunk: [stage.originals[i] for i in chunk_range] for chunk, chunk_range in stage.chunk_ranges.items()}
         # Intervals of forward, backward, sends and waits, for the bubble metric and traces (off: no-op calls).
         self.timeline = timeline if timeline is not None else StepTimeline(torch.device("cpu"), enabled=False)
         # Every action but a forward (see `execute`) runs by this table: one handler per kind.
@@ -547,8 +546,8 @@ class PipelineEngine:
         # Not split: a forward re-computed by torch.utils.checkpoint (re-computed again by each half), and compiled
         # blocks (their backward computes every gradient at once, in each half).
         if split and edges and not micro_batch.recomputed and not self.stage.compiled_calls:
-            side_leaves = [leaf for _, leaf in micro_batch.call.leaves.values()]
-            input_grads, micro_batch.weights = backward_input(edges, grads, needing, [*self._weights[k], *side_leaves])
+            weights = [*weights_in_graph(self._blocks[k]), *(leaf for _, leaf in micro_batch.call.leaves.values())]
+            input_grads, micro_batch.weights = backward_input(edges, grads, needing, weights)
             for leaf, input_grad in zip(needing, input_grads):
                 leaf.grad = input_grad
         elif edges:
@@ -603,6 +602,8 @@ class PipelineEngine:
         at the call's leaves go on into the model's own code."""
         step = self._step
         call = step.micro_batches.pop((k, m)).call
+        if self.backward_done is not None:
+            self.backward_done(k)
         state = step.calls[id(call)]
         state.back_propagated += 1
         if state.back_propagated == len(state.forwarded):
@@ -661,7 +662,7 @@ def _where_it_failed(
     if stage.region.container is None:
         note += f" ({call.describe(stage.region.names)})"
     received = sorted({str(t.dtype) for t in inputs if t.is_floating_point()})
-    own = sorted({str(p.dtype) for p in engine._weights[call.chunk] if p.is_floating_point()})
+    own = sorted({str(p.dtype) for b in engine._blocks[call.chunk] for p in b.parameters() if p.is_floating_point()})
     if call.chunk > 0 and ("dtype" in str(error) or "scalar type" in str(error)) and received != own:
         note += (
             f"; it received {', '.join(received)} from stage {engine.owner(call.chunk - 1)} but its parameters are"

@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_pipe.execution.sharding import StageSharding, local_squared_norm, scale_sharded_gradients, scaler_refused
 from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog
 
 if TYPE_CHECKING:  # those modules sum their gradients through this one
@@ -78,10 +80,13 @@ def clip_grad_norm_over_pipeline(
     device: torch.device,
     counted_elsewhere: Iterable[nn.Parameter] = (),
     watchdog: StallWatchdog = UNWATCHED,
+    shards: dist.ProcessGroup | None = None,
 ) -> None:
     """``clip_grad_norm_`` over the whole model: this stage's norm combined with the others' over the pipeline's
     ``group``, the ``replicated`` parameters (identical on every stage after the gradient sum) counted once, and
-    the ``counted_elsewhere`` ones (copies of a parameter that another stage also holds) not here.
+    the ``counted_elsewhere`` ones (copies of a parameter that another stage also holds) not here. A parameter
+    sharded over the replica group ``shards`` (a DTensor, see :mod:`lightning_pipe.execution.sharding`) counts
+    the squares of every replica's shard, gathered over ``shards`` and added in rank order.
 
     Every rank clips by the same bits, so that the copies of a replicated parameter never drift apart: each rank's
     squared norm is gathered and the parts are added in rank order on every rank, and the replicated parameters'
@@ -92,17 +97,27 @@ def clip_grad_norm_over_pipeline(
     replicated_ids = {id(p) for p in replicated}
     elsewhere_ids = {id(p) for p in counted_elsewhere}
     own = [p.grad for p in params if id(p) not in replicated_ids and id(p) not in elsewhere_ids]
-    part = _squared_norm(own, device)
+    sharded = [g for g in own if isinstance(g, DTensor)]  # FSDP hook: this rank holds a shard of each
+    part = _squared_norm([g for g in own if not isinstance(g, DTensor)], device)
+    if shards is not None:
+        part = part + _sum_over(local_squared_norm(sharded, device), shards, watchdog, "the sharded gradients' norm")
     ranks = dist.get_process_group_ranks(group) if dist.get_world_size(group) > 1 else [dist.get_rank()]
     if dist.get_rank() == min(ranks):
         part = part + _squared_norm([p.grad for p in replicated if id(p) in held], device)
-    parts = [part]
-    if len(ranks) > 1:
-        parts = [torch.empty_like(part) for _ in ranks]
-        work = dist.all_gather(parts, part, group=group, async_op=True)
-        watchdog.wait([work], watchdog.collective("the gradient norm over the pipeline", group), group)
-    total_norm = torch.stack(parts).sum().sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, clip_val, total_norm)
+    total_norm = _sum_over(part, group, watchdog, "the gradient norm over the pipeline") if len(ranks) > 1 else part
+    total_norm = total_norm.sqrt()
+    torch.nn.utils.clip_grads_with_norm_([p for p in params if not isinstance(p.grad, DTensor)], clip_val, total_norm)
+    if shards is not None:  # the coefficient clip_grads_with_norm_ applies, on each rank's shards
+        scale_sharded_gradients([p for p in params if isinstance(p.grad, DTensor)],
+                                (clip_val / (total_norm + 1e-6)).clamp(max=1.0))
+
+
+def _sum_over(part: Tensor, group: dist.ProcessGroup, watchdog: StallWatchdog, what: str) -> Tensor:
+    """Every rank's ``part`` gathered over ``group`` and added in rank order: the same bits on every rank."""
+    parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
+    work = dist.all_gather(parts, part, group=group, async_op=True)
+    watchdog.wait([work], watchdog.collective(what, group), group)
+    return torch.stack(parts).sum()
 
 
 def _squared_norm(tensors: list[Tensor], device: torch.device) -> Tensor:
@@ -160,6 +175,11 @@ class StageGradients:
         self.replicated = replicated
         self.tied = tied
         self.ownership = ownership
+        self.sharding: StageSharding | None = None  # with data_parallel="shard": the stage's blocks sharded (FSDP2)
+
+    def shard(self, sharding: StageSharding) -> None:
+        """The stage's blocks are sharded over its replicas from now on (see :mod:`lightning_pipe.execution.sharding`)."""
+        self.sharding = sharding
 
     def reduce(self, module: nn.Module) -> None:
         """Sum the replicated parameters' gradients over the pipeline, then average every gradient over replicas."""
@@ -167,8 +187,11 @@ class StageGradients:
         reduce_gradients(self.replicated, groups.pipeline, average=False, watchdog=groups.watchdog)
         self.tied.sum_gradients()
         self.ownership.sum_gradients(groups.watchdog)
+        if self.sharding is not None:  # FSDP hook: the sharded blocks' gradients reduce-scattered, averaged
+            self.sharding.reduce_scatter_gradients()
         if groups.layout.num_replicas > 1:
-            trainable = [p for p in module.parameters() if p.requires_grad]
+            sharded = self.sharding.is_sharded if self.sharding is not None else lambda p: False
+            trainable = [p for p in module.parameters() if p.requires_grad and not sharded(p)]
             reduce_gradients(trainable, groups.replicas, average=True, watchdog=groups.watchdog)
 
     def clip_grad_by_norm(self, precision: Any, optimizer: Optimizer, clip_val: float) -> None:
@@ -178,10 +201,13 @@ class StageGradients:
         clip_grad_norm_over_pipeline(
             precision.main_params(optimizer), self.replicated, clip_val, groups.pipeline, groups.device,
             [*self.tied.counted_elsewhere, *self.ownership.counted_elsewhere], groups.watchdog,
+            shards=groups.replicas if self.sharding is not None else None,
         )
 
     def agree_on_overflow(self, precision: Any) -> None:
         """With a gradient scaler (16-mixed), an overflow on one stage skips the step on every stage."""
         scaler = getattr(precision, "scaler", None)
+        if scaler is not None and self.sharding is not None:  # FSDP hook
+            raise NotImplementedError(scaler_refused(self.sharding.mode))
         if scaler is not None and self.groups.num_stages > 1:
             agree_on_gradient_overflow(scaler, self.groups.pipeline, self.groups.device, self.groups.watchdog)

@@ -155,6 +155,11 @@ class OutsideOwnership:
             if stage != key[0]:
                 self.counted_elsewhere.append(parameter)
 
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's copies: kept whole on every replica (never sharded), their gradients summed over holders."""
+        return [parameter for parameter, _, _ in self._held]
+
     def start_identical(self) -> None:
         with torch.no_grad():
             for parameter, group, source in self._held:

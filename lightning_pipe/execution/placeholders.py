@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_pipe.execution.call_order import map_tensors, tensors_of
 from lightning_pipe.execution.learned_outputs import LearnedOutputs
@@ -74,7 +75,7 @@ class Placeholders:
         block = self.originals[index]
         if index not in self._meta_states:
             self._meta_states[index] = {
-                name: torch.empty_like(t, device="meta") for name, t in _state(block).items()
+                name: _meta_copy(t) for name, t in _state(block).items()
             }
         try:
             with self._running_blocks(), torch.no_grad(), hooks_set_aside(block.modules()):  # no user hook sees meta tensors
@@ -141,6 +142,14 @@ def signature(value: Any) -> Hashable | None:
             keys.append((key, found))
         return (type(value).__name__, tuple(keys))
     return None
+
+
+def _meta_copy(tensor: Tensor) -> Tensor:
+    """``tensor`` on the meta device; a block sharded over its replicas (a DTensor: lightning_pipe.execution.sharding)
+    by its whole shape."""
+    if isinstance(tensor, DTensor):
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    return torch.empty_like(tensor, device="meta")
 
 
 def _state(block: nn.Module) -> dict[str, Tensor]:

@@ -121,6 +121,11 @@ class TiedParameters:
                 setattr(parameter, ONE_DEVICE_NAME, f"{stage.region.names[first_index]}.{first_name}")
 
     @property
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's copies: kept whole on every replica (never sharded), their gradients summed over holders."""
+        return [parameter for parameter, _, _ in self._held]
+
+    @property
     def counted_elsewhere(self) -> list[nn.Parameter]:
         """Copies whose gradient another stage counts in the model's gradient norm (the first stage holding each)."""
         return self._counted_elsewhere

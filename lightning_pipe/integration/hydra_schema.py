@@ -33,7 +33,7 @@ from lightning.fabric.plugins.environments import (
 from omegaconf import OmegaConf
 
 from lightning_pipe.config import PipelineParallelConfig
-from lightning_pipe.settings import PipelineSettings, check_process_count
+from lightning_pipe.settings import PipelineSettings, check_data_parallel, check_process_count
 
 START_METHOD_RESOLVER = "lightning_pipe.start_method"
 
@@ -72,6 +72,10 @@ class GPipeStrategyConfig:
     mesh_order: list[str] = field(default_factory=lambda: ["pp", "dp"])
     """Rank layout over pipeline and data-parallel replicas, outermost first, when ``trainer.devices *
     trainer.num_nodes`` is a multiple of ``num_stages``: ``[pp, dp]`` keeps a replica's all-reduce within a node."""
+    data_parallel: str = "replicate"
+    """What a stage's data-parallel replicas hold: ``replicate`` (each the whole stage; gradients all-reduced),
+    ``shard`` (each block sharded over the replicas with FSDP2, gathered once per step: ZeRO-2) or ``full_shard``
+    (gathered for every micro-batch: ZeRO-3, least memory)."""
     save_distributed_checkpoint: Optional[bool] = None
     """Write sharded checkpoints (each rank its own stage) instead of one file gathered on rank 0; null: sharded
     for a model built on the meta device (in ``configure_model``), one file otherwise."""
@@ -151,7 +155,7 @@ def validate_config(config: Mapping[str, Any]) -> PipelineParallelConfig:
         raise ValueError("the config has no 'strategy' group; add '- strategy: gpipe' to its defaults list.")
     pipeline = validate_strategy_config(config["strategy"], key="strategy")
     if "trainer" in config:
-        _check_process_count(config["trainer"], pipeline.num_stages)
+        _check_process_count(config["trainer"], pipeline.num_stages, config["strategy"].get("data_parallel", "replicate"))
     return pipeline
 
 
@@ -188,11 +192,12 @@ def _with_init_module_resolved(strategy: Mapping[str, Any], key: str) -> Mapping
     return {**strategy, "init_module": function}
 
 
-def _check_process_count(trainer: Mapping[str, Any], num_stages: int) -> None:
+def _check_process_count(trainer: Mapping[str, Any], num_stages: int, data_parallel: str) -> None:
     devices, num_nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
     if isinstance(devices, bool) or not isinstance(devices, int) or not isinstance(num_nodes, int):
         return  # "auto", a device list or a string: Lightning resolves it, and the strategy checks the result
     check_process_count(num_stages, devices, num_nodes, key="strategy.", trainer_key="trainer.")
+    check_data_parallel(data_parallel, num_stages, devices, num_nodes, key="strategy.", trainer_key="trainer.")
 
 
 def _processes_started_externally() -> bool:

@@ -22,7 +22,12 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
 from lightning_pipe.config import PipelineParallelConfig, check_stage_count, ranges_from_sizes, split_evenly
-from lightning_pipe.partition.memory_estimate import estimate_block_memory, held_micro_batches, memory_costs
+from lightning_pipe.partition.memory_estimate import (
+    StateLayout,
+    estimate_block_memory,
+    held_micro_batches,
+    memory_costs,
+)
 from lightning_pipe.partition.profiling import LayerProfile, pipelined_input, profile_layers, profiling_input
 from lightning_pipe.schedules.builtin import SCHEDULES
 
@@ -251,6 +256,7 @@ def plan_partition(
     charges: Sequence[tuple[int, nn.Module]] = (),
     step: Callable[[nn.Module], Any] | None = None,
     loss_per_micro_batch: bool = False,
+    state_layout: StateLayout = StateLayout(),
 ) -> PartitionPlan:
     """The split of ``sequential``'s layers for ``balance``; ``charges``: modules outside the layers that the stage
     of a layer holds (see :func:`charged`).
@@ -264,7 +270,8 @@ def plan_partition(
     ``"memory"`` on layers built on the meta device (no weights to profile) estimates instead
     (:mod:`lightning_pipe.partition.memory_estimate`): state from the parameters' shapes, activations from
     ``step(module)`` (the training step on the first batch's shapes; else ``module``'s forward on ``sample``) run on
-    the meta device, the loss's held for the whole batch, or one micro-batch with ``loss_per_micro_batch``.
+    the meta device, the loss's held for the whole batch, or one micro-batch with ``loss_per_micro_batch``; the
+    blocks' state held as ``state_layout`` says (sharded over a stage's replicas with ``data_parallel="shard"``).
     """
     layers = [
         LayerInfo(
@@ -285,7 +292,7 @@ def plan_partition(
     profiles = None
     if balance == "memory" and any(t.is_meta for t in (*sequential.parameters(), *sequential.buffers())):
         calling = step if step is not None else None if sample is None else partial(_forward_on_meta, sample)
-        blocks = estimate_block_memory(module, list(sequential), calling, charges)
+        blocks = estimate_block_memory(module, list(sequential), calling, charges, state_layout)
         micro_batches = config.num_micro_batches
         outside_share = 1 / micro_batches if loss_per_micro_batch else 1.0  # the loss on the whole batch, or on one
         costs = memory_costs(blocks, held_micro_batches(micro_batches, recompute_fraction), outside_share)

@@ -66,14 +66,37 @@ def held_micro_batches(num_micro_batches: int, recompute_fraction: float) -> flo
     return max(1.0, kept) / num_micro_batches
 
 
-def state_bytes(parameters: Sequence[nn.Parameter], training: bool = True) -> int:
+@dataclass(frozen=True)
+class StateLayout:
+    """How the ``replicas`` of a stage hold its blocks' state: GPipeStrategy's ``data_parallel``.
+
+    >>> [StateLayout(mode, 4).copies() for mode in ("replicate", "shard", "full_shard")]
+    [4, 3.0, 1.0]
+    """
+
+    data_parallel: str = "replicate"
+    replicas: int = 1
+
+    def copies(self, trained: bool = True) -> float:
+        """Parameter-sized tensors a rank holds at its step's peak for each parameter of its stage's blocks: the
+        parameter, and when ``trained`` its gradient and :data:`OPTIMIZER_STATES` tensors. ``"replicate"`` holds
+        them all; ``"full_shard"`` a ``1/replicas`` share of each (the running block's gathered weights and gradient
+        aside); ``"shard"`` those shares and, during the step, the stage's whole weights and whole gradient."""
+        held = 1 + (1 + OPTIMIZER_STATES) * trained
+        if self.data_parallel == "replicate" or self.replicas == 1:
+            return held
+        whole_during_step = (2 if trained else 1) if self.data_parallel == "shard" else 0
+        return whole_during_step + held / self.replicas
+
+
+def state_bytes(parameters: Sequence[nn.Parameter], training: bool = True, layout: StateLayout = StateLayout()) -> int:
     """A parameter's bytes, and when ``training``, those of its gradient and :data:`OPTIMIZER_STATES` tensors of its
-    size for each one that requires a gradient."""
-    total = 0
+    size for each one that requires a gradient; held as ``layout`` says (by default whole)."""
+    total = 0.0
     for p in parameters:
         size = p.numel() * p.element_size()
-        total += size * (1 + (1 + OPTIMIZER_STATES) * (training and p.requires_grad))
-    return total
+        total += size * layout.copies(training and p.requires_grad)
+    return round(total)
 
 
 def estimate_block_memory(
@@ -81,13 +104,15 @@ def estimate_block_memory(
     blocks: Sequence[nn.Module],
     calling: Callable[[nn.Module], Any] | None,
     charges: Sequence[tuple[int, nn.Module]] = (),
+    layout: StateLayout = StateLayout(),
 ) -> list[BlockMemory]:
-    """Each block's :class:`BlockMemory`, without weights: the state from shapes and dtypes (``charges``: outside
-    modules added to the block whose stage holds them), the activations from ``calling(model)`` (the training step
-    on the first batch's shapes) run on the meta device. ``calling`` is ``None`` outside training: no gradient, no
-    optimizer state, nothing saved. Raises, naming the fix, when the step cannot run on the meta device."""
+    """Each block's :class:`BlockMemory`, without weights: the state from shapes and dtypes, held as ``layout`` says
+    (``charges``: outside modules added to the block whose stage holds them, whole on every replica), the
+    activations from ``calling(model)`` (the training step on the first batch's shapes) run on the meta device.
+    ``calling`` is ``None`` outside training: no gradient, no optimizer state, nothing saved. Raises, naming the
+    fix, when the step cannot run on the meta device."""
     training = calling is not None
-    own = [state_bytes(list(block.parameters()), training) for block in blocks]
+    own = [state_bytes(list(block.parameters()), training, layout) for block in blocks]
     for index, module in charges:
         own[index] += state_bytes(list(module.parameters()), training)
     if calling is None:

@@ -274,6 +274,39 @@ class TiedEverywhere(TiedOutsideOnly):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
+class SyncedTiedAcrossStages(TiedAcrossStages):
+    """A weight shared by two stages' blocks, the loss logged as the average over the data-parallel replicas."""
+
+    sync_dist = True
+
+
+class SyncedTiedOutsideOnly(TiedOutsideOnly):
+    """GPT-2's tie outside the blocks, the loss logged as the average over the data-parallel replicas."""
+
+    sync_dist = True
+
+
+class Branch(nn.Module):
+    """Linear ``a`` or ``b``, chosen by the sign of the input's first value: some micro-batches (and so some replicas)
+    use one, some the other; the meta device's shape-only runs take ``b``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) if not x.is_meta and x[0, 0] > 0 else self.b(x)
+
+
+class BranchingClassifier(PipeClassifier):
+    """Layer 2 uses one of two linear layers per call, by its input's values: a replica may leave one without a
+    gradient where another replica computed one."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+        self.net.model[2] = Branch(16)
+
+
 COMPILE_BACKEND = "counted_aot_eager"
 compiled_graphs = 0  # graphs compiled with COMPILE_BACKEND in this process
 
@@ -429,7 +462,8 @@ def sequence_loaders(train_samples: int, val_samples: int, batch_size: int) -> t
 MODELS = {"auto_emulated": AutoEmulatedClassifier, "batchnorm_before": BatchNormBeforeTheBlocks, "dropout": DropoutClassifier, "two_dropouts": TwoDropoutsClassifier, "synced": SyncedLogging, "batchnorm": BatchNormClassifier, "one_batchnorm": OneBatchNormClassifier, "classifier": PipeClassifier, "tuple": TupleClassifier, "skips": SkipsSomeSteps, "skips_before": SkipsBeforeTheModel, "skips_some": SkipsSomeMicroBatches, "poisoned": PoisonedGradient, "deferred": DeferredPipeClassifier, "resettable": ResettablePipeClassifier,
           "tied": TiedAcrossStages, "tied_momentum": TiedWithMomentum,
           "tied_deferred": DeferredTiedAcrossStages, "tied_outside": TiedToOutside, "tied_outside_only": TiedOutsideOnly,
-          "tied_everywhere": TiedEverywhere,
+          "tied_everywhere": TiedEverywhere, "synced_tied": SyncedTiedAcrossStages,
+          "synced_tied_outside": SyncedTiedOutsideOnly, "branching": BranchingClassifier,
           "compiled": CompiledPipelined, "compiled_layers": CompiledLayers, "counts": CountsForwards,
           "sequences": SequenceClassifier, "llama": stock_models.LlamaModule, "token_mean_llama": stock_models.TokenMeanLlama,
           "sample_weighted_llama": partial(stock_models.LlamaModule, weight_by_samples=True),

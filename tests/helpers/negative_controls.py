@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from lightning_pipe.execution import inboxes
 
@@ -60,3 +61,35 @@ def answer_stand_ins_without_gradients() -> Callable[[], None]:
         block_calls.needing_gradients_as_real, outside.needing_gradients_as_real = originals
 
     return undo
+
+
+def reduce_scatter_without_averaging() -> Callable[[], None]:
+    """The gradients of blocks sharded over the replicas (``data_parallel="shard"``) are reduce-scattered as the sum
+    over the replicas, not their average; returns what undoes it."""
+    from lightning_pipe.execution.sharding import StageSharding
+
+    original = StageSharding.reduce_scatter_gradients
+
+    def summed(self):
+        original(self)
+        replicas = torch.distributed.get_world_size(self.group)
+        for block in self.blocks:  # the average times the replica count (gloo has no pre-multiplied sum)
+            for parameter in block.parameters():
+                if isinstance(parameter.grad, DTensor):  # a shard's gradient (a tied weight stays whole)
+                    parameter.grad.to_local().mul_(replicas)
+
+    StageSharding.reduce_scatter_gradients = summed
+    return lambda: setattr(StageSharding, "reduce_scatter_gradients", original)
+
+
+def record_clipping_norms(norms: list[str]) -> Callable[[], None]:
+    """Append every total norm that clipping scales by (``clip_grads_with_norm_``'s), as the exact hex of its float,
+    to ``norms``; returns what undoes it."""
+    original = torch.nn.utils.clip_grads_with_norm_
+
+    def clip(parameters, max_norm, total_norm, *args, **kwargs):
+        norms.append(float(total_norm).hex())
+        return original(parameters, max_norm, total_norm, *args, **kwargs)
+
+    torch.nn.utils.clip_grads_with_norm_ = clip
+    return lambda: setattr(torch.nn.utils, "clip_grads_with_norm_", original)

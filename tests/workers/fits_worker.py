@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
@@ -22,7 +22,13 @@ import lightning_pipe
 from helpers import models
 from helpers.models import MODELS, loaders, sequence_loaders
 from helpers.stock_models import padded_token_loaders
-from helpers.negative_controls import clip_one_ulp_apart, drop_gradient_of
+from helpers.negative_controls import (
+    clip_one_ulp_apart,
+    drop_gradient_of,
+    record_clipping_norms,
+    reduce_scatter_without_averaging,
+)
+from torch.distributed.tensor import DTensor
 from helpers.recording import MetricRecorder
 from lightning_pipe.execution import tied
 from lightning_pipe.schedules.builtin import gpipe_schedule
@@ -64,6 +70,47 @@ def leave_tied_gradients_unsummed():
     return lambda: setattr(tied.TiedParameters, "sum_gradients", original)
 
 
+class CollectiveCounter:
+    """Counts FSDP2's all-gathers and reduce-scatters (``dist.all_gather_single``, ``dist.reduce_scatter_single``,
+    which its collectives call) in each training step."""
+
+    def __init__(self):
+        self.per_step, self.current = [], {"all_gather": 0, "reduce_scatter": 0}
+        self.originals = dist.all_gather_single, dist.reduce_scatter_single
+        dist.all_gather_single = self._counted("all_gather", self.originals[0])
+        dist.reduce_scatter_single = self._counted("reduce_scatter", self.originals[1])
+
+    def _counted(self, kind, original):
+        def call(*args, **kwargs):
+            self.current[kind] += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    def step_ends(self):
+        self.per_step.append(self.current)
+        self.current = {"all_gather": 0, "reduce_scatter": 0}
+
+    def restore(self):
+        dist.all_gather_single, dist.reduce_scatter_single = self.originals
+
+
+class StepEnds(Callback):
+    """Marks the end of each training step for a :class:`CollectiveCounter`."""
+
+    def __init__(self, counter):
+        self.counter = counter
+
+    def on_train_batch_end(self, *args, **kwargs):
+        self.counter.step_ends()
+
+
+def whole_state_dict(model):
+    """The model's state dict with each tensor sharded over the replicas (FSDP2's DTensors) gathered whole: a
+    collective over each stage's replicas, in the same key order on all of them."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+
+
 def main(spec_path):
     spec = json.loads(Path(spec_path).read_text())
     # Registered before any run: it runs after lightning_pipe's own exit handler, and records what that left.
@@ -85,6 +132,11 @@ def main(spec_path):
             restore = leave_tied_gradients_unsummed()
         if run.get("clip_one_ulp_apart"):
             restore = clip_one_ulp_apart()
+        if run.get("unaveraged_shards"):
+            restore = reduce_scatter_without_averaging()
+        norms = []
+        undo_norms = record_clipping_norms(norms) if run.get("record_clipping_norms") else None
+        counter = CollectiveCounter() if run.get("count_collectives") else None
         recorder = MetricRecorder()
         if run.get("schedule") == "backwards_in_forward_order":  # a test-only schedule, defined in its test
             from test_equivalence import backwards_in_forward_order
@@ -97,6 +149,7 @@ def main(spec_path):
         out = Path(spec["out"]) / run["name"]
 
         def trainer_for(max_epochs: int, checkpoints: bool, strategy: dict) -> Trainer:
+            checkpoints = checkpoints or run.get("enable_checkpointing", False)
             return Trainer(
                 strategy=lightning_pipe.GPipeStrategy(
                     num_micro_batches=run.get("num_micro_batches"),
@@ -112,7 +165,7 @@ def main(spec_path):
                 default_root_dir=str(out),
                 enable_progress_bar=False,
                 enable_model_summary=False,
-                callbacks=[recorder],
+                callbacks=[recorder] + ([StepEnds(counter)] if counter is not None else []),
                 **run.get("trainer", {}),
                 plugins=[MixedPrecision("16-mixed", "cpu")] if run.get("fp16") else None,
             )
@@ -138,12 +191,23 @@ def main(spec_path):
             masks = record_dropout_masks(model, run.get("batch_size", 16) // run["num_micro_batches"])
         # Re-computations then run to the end (not only as far as backward needs), so the hooks record them too.
         with torch.utils.checkpoint.set_checkpoint_early_stop(False) if masks is not None else nullcontext():
-            trainer.fit(model, train, val, ckpt_path=checkpoint_path)
+            try:
+                trainer.fit(model, train, val, ckpt_path=checkpoint_path)
+            except Exception as error:
+                if not run.get("expect_error"):  # a run that must fail at set-up: its message, and no later run
+                    raise
+                out.mkdir(parents=True, exist_ok=True)
+                (out / f"error{trainer.global_rank}.txt").write_text(f"{type(error).__name__}: {error}")
+                return
         if restore:
             restore()
+        if undo_norms is not None:
+            undo_norms()
+        if counter is not None:
+            counter.restore()
         out.mkdir(parents=True, exist_ok=True)
         rank = trainer.global_rank
-        torch.save(model.state_dict(), out / f"rank{rank}.pt")
+        torch.save(whole_state_dict(model), out / f"rank{rank}.pt")
         if masks is not None:
             torch.save(masks, out / f"masks{rank}.pt")
         if run.get("save_after_fit"):  # in the launching process of spawn/fork: the stages' optimizers are gone
@@ -154,12 +218,18 @@ def main(spec_path):
             trainer.save_checkpoint(out / "weights.ckpt", weights_only=True)
         summary = recorder.summary()
         summary["compiled_graphs"] = models.compiled_graphs - graphs_before  # by torch.compile in this run
+        if run.get("record_clipping_norms"):
+            summary["clipping_norms"] = norms
         pipeline = trainer.strategy._pipeline  # what was built (None in the launching process of spawn/fork)
         plan = pipeline.plan if pipeline is not None else None
         if plan is not None:
             summary["chunk_ranges"] = [[r.start, r.stop] for r in plan.ranges]
         if hasattr(model, "forward_counts"):
             summary["forward_counts"] = model.forward_counts()
+        if counter is not None:
+            summary["collectives_per_step"] = counter.per_step
+            blocks = pipeline.runtime.stage.blocks if pipeline is not None else []
+            summary["blocks_with_parameters"] = sum(any(True for _ in block.parameters()) for block in blocks)
         choice = pipeline.schedule_choice if pipeline is not None else None
         if choice is not None:  # schedule="auto": what it chose, as this rank runs it
             settings = trainer.strategy._settings

@@ -150,6 +150,7 @@ class Faults:
         return [
             spec for spec in self.specs if (spec["where"], spec["stage"], spec["phase"], spec["batch"]) == position
             and spec.get("epoch", _where_we_are["epoch"]) == _where_we_are["epoch"]
+            and spec.get("rank", _rank()) == _rank()  # "rank": one replica of the stage only
         ]
 
     def fire_if_loading(self, batch: int, stage: int) -> None:

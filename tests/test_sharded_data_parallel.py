@@ -1,0 +1,282 @@
+"""Pipeline x sharded data parallel (``data_parallel="shard"`` and ``"full_shard"``, torch's FSDP2): each stage's blocks
+sharded over its replicas train as one device does, every schedule, with clipping and tied parameters; one gather and
+one reduce-scatter per block per step under "shard"; what is not supported yet is refused at set-up."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+from helpers.compare import merged_state_dict, rank_results, relative_weight_error, single_device_run
+from helpers.launch import launch, started_together
+from test_reliability import assert_ended_fast_everywhere, fault, run_with_faults
+from lightning_pipe import GPipeStrategy
+from lightning_pipe.checkpoints.sharded import consolidate
+from lightning_pipe.execution.sharding import refuse_sharded_already
+from lightning_pipe.integration.hydra_schema import validate_config
+from lightning_pipe.plan import main as plan_command
+from lightning_pipe.schedules.choice import BlockCosts
+
+# Per replica 8 samples a step (4 micro-batches of 2); one device takes both replicas' 16 in the order the
+# distributed sampler deals them. Clipping at 0.1 clips every step (the norms are 0.3-0.7).
+CLIP = {"gradient_clip_val": 0.1}
+SHARDED = {"num_micro_batches": 4, "batch_size": 8, "trainer": CLIP, "record_clipping_norms": True,
+           "count_collectives": True}
+
+
+def sharded(name: str, model: str, num_stages: int, mode: str, schedule: str = "gpipe", **extra) -> dict:
+    strategy = {"num_stages": num_stages, "data_parallel": mode, "schedule": schedule}
+    return {**SHARDED, "name": name, "model": model, "strategy": strategy, **extra}
+
+
+# 2 stages x 2 replicas: both modes, GPipe and three per-micro-batch schedules (ZB-V's loss on stage 0, zero bubble's
+# deferred weight gradients), a weight tied across the two stages' blocks (kept whole, summed, then averaged) and
+# GPT-2's tie outside the blocks; the negative control sums the replicas' shards instead of averaging them.
+RESUMED = {"model": "tied_momentum", "num_micro_batches": 4, "batch_size": 8, "max_epochs": 2, "resume_after_epoch": True,
+           "lr": 0.2}
+RESUMED_RUNS = ("shard_resumed", "shard_resumed_dcp", "replicate_then_shard", "shard_then_replicate")
+TWO_BY_TWO = [
+    sharded("shard_gpipe", "synced_tied", 2, "shard"),
+    sharded("full_shard_1f1b", "synced_tied_outside", 2, "full_shard", "1f1b"),
+    sharded("shard_zbv", "synced_tied", 2, "shard", "zbv"),
+    sharded("full_shard_zero_bubble", "synced_tied", 2, "full_shard", "zero_bubble"),
+    sharded("unaveraged", "synced_tied", 2, "shard", unaveraged_shards=True),
+    # 50 steps of Adam with both ties: every rank's clipping norm, and every copy of a replicated tensor, the same bits.
+    sharded("fifty_steps", "tied_everywhere", 2, "shard", "1f1b", train_samples=800, val_samples=16),
+    # bf16 autocast (Lightning's precision, as with replicated stages): losses as one device's within 1e-2.
+    sharded("bf16", "synced_tied", 2, "shard", "1f1b", trainer={**CLIP, "precision": "bf16-mixed"}),
+    # Interleaved 1F1B: two chunks per stage, each block sharded alike.
+    sharded("shard_interleaved", "synced_tied", 2, "shard", "interleaved_1f1b"),
+    # A block's branch taken by some micro-batches and replicas only: both modes against replicated stages.
+    {**SHARDED, "name": "branching_replicate", "model": "branching", "strategy": {"num_stages": 2}},
+    sharded("branching_shard", "branching", 2, "shard"),
+    sharded("branching_full_shard", "branching", 2, "full_shard", "1f1b"),
+    # Checkpointed after epoch 1 (momentum: optimizer state), resumed for epoch 2: each against the same resume with
+    # replicated stages. Sharded to sharded (one file; and torch.distributed.checkpoint), replicated <-> sharded.
+    {**RESUMED, "name": "replicated_resumed", "strategy": {"num_stages": 2}},
+    {**RESUMED, "name": "shard_resumed", "strategy": {"num_stages": 2, "data_parallel": "shard"}},
+    {**RESUMED, "name": "shard_resumed_dcp",
+     "strategy": {"num_stages": 2, "data_parallel": "full_shard", "save_distributed_checkpoint": True}},
+    {**RESUMED, "name": "replicate_then_shard", "first_strategy": {"data_parallel": "replicate"},
+     "strategy": {"num_stages": 2, "data_parallel": "full_shard", "schedule": "1f1b"}},
+    {**RESUMED, "name": "shard_then_replicate", "first_strategy": {"data_parallel": "shard"},
+     "strategy": {"num_stages": 2, "data_parallel": "replicate"}},
+    # Written at 2 stages x 2 replicas, resumed on 4 stages x 1 (the other layout), against the replicated same.
+    {**RESUMED, "name": "replicated_then_4x1", "first_strategy": {"num_stages": 2}, "strategy": {"num_stages": 4}},
+    {**RESUMED, "name": "shard_then_4x1", "first_strategy": {"num_stages": 2, "data_parallel": "full_shard"},
+     "strategy": {"num_stages": 4}},
+]
+# 4 stages x 2 replicas (8 processes): the tie then joins stage 1 and stage 3.
+FOUR_BY_TWO = [
+    sharded("shard_gpipe", "synced_tied", 4, "shard"),
+    sharded("full_shard_zbv", "synced_tied_outside", 4, "full_shard", "zbv"),
+    sharded("shard_1f1b", "synced_tied", 4, "shard", "1f1b"),
+    sharded("with_fp16", "synced", 4, "full_shard", fp16=True, expect_error=True),  # last: it fails at set-up
+]
+SHARDED_FITS = [run for run in TWO_BY_TWO if run.get("strategy", {}).get("data_parallel", "replicate") != "replicate"
+                and "resume_after_epoch" not in run]
+MATCHING = {"two_by_two": [run for run in SHARDED_FITS if run["name"] not in ("unaveraged", "fifty_steps", "bf16")
+                           and run["model"] != "branching"],
+            "four_by_two": FOUR_BY_TWO[:-1]}
+
+
+def fits(runs: list[dict], devices: int, tmp_path: Path) -> Path:
+    launch("fits_worker.py", {"devices": devices, "out": str(tmp_path), "runs": runs}, tmp_path, timeout=900)
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    jobs = {"two_by_two": partial(fits, TWO_BY_TWO, 4), "four_by_two": partial(fits, FOUR_BY_TWO, 8)}
+    return started_together({name: partial(job, tmp_path_factory.mktemp(name)) for name, job in jobs.items()})
+
+
+def one_device(model: str, **changes) -> tuple[dict, dict, dict]:
+    return single_device_run({"model": model, "batch_size": 16, "shuffled_like_distributed_sampler": True,
+                              "trainer": CLIP, "train_samples": 80, **changes})
+
+
+def weight_error_and_losses(run_dir: Path, model: str) -> tuple[float, list[tuple[list, list]]]:
+    initial, expected, metrics = one_device(model)
+    error = relative_weight_error(initial, expected, merged_state_dict(run_dir))
+    return error, [(result["train_losses"], metrics["train_losses"]) for result in rank_results(run_dir)]
+
+
+@pytest.mark.parametrize("layout", ["two_by_two", "four_by_two"])
+def test_sharded_stages_match_one_device_with_clipping_and_ties(launches, layout):
+    run_dirs = launches[layout].result()
+    for run in MATCHING[layout]:
+        error, losses = weight_error_and_losses(run_dirs / run["name"], run["model"])
+        assert error < 1e-5, f"{layout} {run['name']}: weights {error:.2e} of their change from one device's"
+        for ours, expected in losses:
+            assert ours == pytest.approx(expected, rel=1e-5), f"{layout} {run['name']}: per-step losses"
+
+
+def test_a_sharded_runs_distributed_checkpoint_consolidates_to_the_replicated_runs_file(launches, tmp_path):
+    """consolidate_checkpoint makes one file of the torch.distributed.checkpoint directory a full_shard run wrote: the
+    whole model and its optimizer state, as the one-file checkpoint of the replicated run after the same epoch."""
+    run_dir = launches["two_by_two"].result()
+    consolidate(next((run_dir / "shard_resumed_dcp" / "checkpoints").glob("*.ckpt")), tmp_path / "one.ckpt")
+    ours = torch.load(tmp_path / "one.ckpt", weights_only=True)
+    replicated = torch.load(next((run_dir / "replicated_resumed" / "checkpoints").glob("*.ckpt")), weights_only=True)
+    initial = one_device(RESUMED["model"], lr=RESUMED["lr"])[0]
+    assert relative_weight_error(initial, replicated["state_dict"], ours["state_dict"]) < 1e-5
+    momenta = [(ours_state["momentum_buffer"], theirs["momentum_buffer"]) for ours_state, theirs in zip(
+        ours["optimizer_states"][0]["state"].values(), replicated["optimizer_states"][0]["state"].values())]
+    assert len(momenta) == len(replicated["state_dict"]) - 1  # every parameter's, the tied weight's once
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in momenta)
+
+
+def test_a_branch_some_replicas_skip_reduces_as_with_replicated_stages(launches):
+    """Where only some replicas computed a gradient for a parameter, every replica still reduce-scatters the same
+    tensors (no hang), and the result is the replicated stages' (whose all-reduce averages in the others' zeros)."""
+    run_dir = launches["two_by_two"].result()
+    initial = one_device("branching")[0]
+    replicated = merged_state_dict(run_dir / "branching_replicate")
+    for name in ("branching_shard", "branching_full_shard"):
+        assert relative_weight_error(initial, replicated, merged_state_dict(run_dir / name)) < 1e-5, name
+
+
+def test_shards_summed_instead_of_averaged_differ_from_one_device(launches):
+    error, losses = weight_error_and_losses(launches["two_by_two"].result() / "unaveraged", "synced_tied")
+    assert error > 1e-2
+    assert any(ours != pytest.approx(expected, rel=1e-5) for ours, expected in losses)
+
+
+def test_every_rank_clips_by_the_same_norm_and_keeps_replicated_tensors_identical(launches):
+    for layout, runs in (("two_by_two", SHARDED_FITS), ("four_by_two", FOUR_BY_TWO[:-1])):
+        for run in runs:
+            run_dir = launches[layout].result() / run["name"]
+            merged_state_dict(run_dir)  # raises where a tensor held by several ranks differs in any bit
+            norms = [result["clipping_norms"] for result in rank_results(run_dir)]
+            assert len(norms[0]) >= (50 if run["name"] == "fifty_steps" else 5)
+            assert all(rank_norms == norms[0] for rank_norms in norms), f"{layout} {run['name']}: clipping norms"
+
+
+def test_shard_gathers_and_reduce_scatters_each_block_once_per_step_not_per_micro_batch(launches):
+    for layout, runs in (("two_by_two", SHARDED_FITS), ("four_by_two", FOUR_BY_TWO[:-1])):
+        for run in runs:
+            if run["strategy"]["data_parallel"] != "shard":
+                continue
+            for result in rank_results(launches[layout].result() / run["name"]):
+                blocks = result["blocks_with_parameters"]  # each sharded: the Linear layers (a Tanh has none)
+                steps = result["collectives_per_step"]  # the first also holds the sanity check's validation
+                assert blocks > 0 and len(steps) >= 5
+                expected = {"all_gather": blocks, "reduce_scatter": blocks}
+                assert all(step == expected for step in steps[1:]), f"{layout} {run['name']}: {steps}"
+
+
+def test_full_shard_gathers_and_reduce_scatters_for_each_micro_batch(launches):
+    """ZeRO-3: a block's weights gathered for each micro-batch's forward and again for its backward, and its gradient
+    reduce-scattered after each micro-batch's backward (both halves, under zero bubble's split backward)."""
+    for layout, name in (("two_by_two", "full_shard_zero_bubble"), ("two_by_two", "full_shard_1f1b"),
+                         ("four_by_two", "full_shard_zbv")):
+        for result in rank_results(launches[layout].result() / name):
+            blocks, micro_batches = result["blocks_with_parameters"], 4
+            for step in result["collectives_per_step"][1:]:
+                assert step["reduce_scatter"] == micro_batches * blocks, (layout, name, step)
+                assert step["all_gather"] >= 2 * micro_batches * blocks, (layout, name, step)
+
+
+def test_sharding_one_replica_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="data_parallel='shard' shards each stage over its data-parallel replicas"
+                                         ".*make one replica.*Use data_parallel='replicate'"):
+        Trainer(strategy=GPipeStrategy(num_stages=2, data_parallel="shard"), accelerator="cpu", devices=2)
+    with pytest.raises(ValueError, match="strategy.data_parallel='full_shard'.*trainer.devices=2"):
+        validate_config({"strategy": {"num_stages": 2, "data_parallel": "full_shard"}, "trainer": {"devices": 2}})
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"data_parallel": "zero3"}, "data_parallel='zero3' is invalid; use 'replicate'"),
+    ({"data_parallel": "shard", "compile": True}, "data_parallel='shard' with compile=True is not supported yet"),
+    ({"data_parallel": "full_shard", "deferred_batch_norm": True}, "with deferred_batch_norm=True is not supported"),
+])
+def test_bad_data_parallel_settings_are_refused_where_they_enter(options, message):
+    with pytest.raises(ValueError, match=message):
+        GPipeStrategy(**options)
+
+
+def test_bf16_autocast_losses_match_one_device(launches):
+    _, _, expected = single_device_run({"model": "synced_tied", "batch_size": 16, "shuffled_like_distributed_sampler":
+                                        True, "trainer": {**CLIP, "precision": "bf16-mixed"}})
+    for result in rank_results(launches["two_by_two"].result() / "bf16"):
+        assert result["train_losses"] == pytest.approx(expected["train_losses"], rel=1e-2)
+
+
+def test_the_fp16_gradient_scaler_with_sharded_stages_is_refused_at_set_up(launches):
+    errors = sorted((launches["four_by_two"].result() / "with_fp16").glob("error*.txt"))
+    assert len(errors) == 8
+    for error in errors:
+        assert error.read_text().startswith("NotImplementedError: precision='16-mixed' with"
+                                            " data_parallel='full_shard' is not supported yet")
+
+
+def test_checkpoints_of_sharded_stages_resume_exactly_and_on_the_other_layout(launches):
+    """A checkpoint of a sharded run holds whole tensors (gathered from the shards: one file, or one
+    torch.distributed.checkpoint directory) and resumes sharded or replicated; the result is that of the same
+    checkpoint and resume with replicated stages. (Not two epochs without a break: the worker seeds the resumed run
+    differently, and Lightning's distributed sampler shuffles the second epoch by that seed.)"""
+    run_dir = launches["two_by_two"].result()
+    initial = one_device(RESUMED["model"], lr=RESUMED["lr"])[0]
+    straight = merged_state_dict(run_dir / "replicated_resumed")
+    assert [path.is_dir() for path in (run_dir / "shard_resumed_dcp" / "checkpoints").glob("*.ckpt")] == [True]
+    for name in RESUMED_RUNS:
+        assert relative_weight_error(initial, straight, merged_state_dict(run_dir / name)) < 1e-5, name
+    other_layout = merged_state_dict(run_dir / "replicated_then_4x1")
+    assert relative_weight_error(initial, other_layout, merged_state_dict(run_dir / "shard_then_4x1")) < 1e-5
+    assert relative_weight_error(initial, straight, other_layout) > 1e-2  # the layouts' second epochs differ
+
+
+def test_a_block_the_user_sharded_is_refused_by_name():
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        blocks = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4)))
+        fully_shard(blocks[1][0], mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))
+        refuse_sharded_already([("net.model.0", blocks[0])])  # not wrapped: taken
+        with pytest.raises(ValueError, match="the pipelined module 'net.model.1.0' was already wrapped with"
+                                             " fully_shard.*use GPipeStrategy\\(data_parallel='shard'\\)"):
+            refuse_sharded_already([("net.model.0", blocks[0]), ("net.model.1", blocks[1])])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_plan_says_what_each_rank_holds_in_every_data_parallel_mode(tmp_path, capsys):
+    block = BlockCosts(samples=4, forward=0.004, input_gradient=0.004, weight_gradient=0.004, activation_bytes=4e6,
+                       input_bytes=1e6, parameter_bytes=2.0**30)  # 1 GiB of parameters a block, 2 blocks a stage
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"batch_size": 32, "small": [dataclasses.asdict(block)] * 8,
+                                 "large": [dataclasses.asdict(block.scaled(16))] * 8}))
+    plan_command(["--costs", str(costs), "--stages", "4", "--replicas", "4", "--memory-budget", "7GiB"])
+    out = capsys.readouterr().out
+    # Per parameter: 4 copies replicated (weight, gradient, Adam's two moments); sharded over 4 replicas, 1 (full_shard)
+    # or 1 plus the whole weight and gradient the step holds (shard).
+    assert "State per rank, 4 stages x 4 replicas" in out
+    assert "data_parallel='replicate'     8.00 GiB  (exceeds the budget of 7.00 GiB)" in out
+    assert "data_parallel='shard'         6.00 GiB  (fits the budget of 7.00 GiB)" in out
+    assert "data_parallel='full_shard'    2.00 GiB  (fits the budget of 7.00 GiB)" in out
+
+
+def test_a_stalled_replica_is_named_while_its_peers_wait_in_the_sharded_collectives(tmp_path):
+    """Stage 0 of replica 1 (rank 3) stalls in a layer: its pipeline's next stage (rank 1) waits for its activation,
+    and rank 1's other replica (rank 0) for rank 1 in the all-gather of their sharded weights, a wait the stall
+    watchdog bounds: the run ends naming rank 3, and the table names the sharded collective."""
+    stall = [{**fault("stall", "layer", 0, batch=1), "rank": 3}]
+    watchdog = {"stall_floor": 3.0, "stall_multiple": 5.0, "stall_first_step": 5.0, "data_parallel": "shard"}
+    run = run_with_faults(tmp_path, 4, stall, "gpipe", num_stages=2, watchdog=watchdog)
+    assert_ended_fast_everywhere(run)
+    assert "The rank that stopped: stage 0 (rank 3) (awaited, and waiting on no other rank)." in run.stderr, \
+        run.stderr[-6000:]
+    assert re.search(r"stage 1 \(rank 0\) waited [\d.]+ s for the sharded weights' all-gather over the replicas from"
+                     r" stage 1 \(rank 1\)", run.stderr), run.stderr[-6000:]
