@@ -1,8 +1,10 @@
 """Sharded checkpoints through ``torch.distributed.checkpoint``: each rank writes and reads only its own stage.
 
 The default for a model built on the meta device, and ``GPipeStrategy(save_distributed_checkpoint=True)`` for any
-model: nothing is gathered on one host. Keys are named after the whole model, never after a rank, so a checkpoint
-saved with any stage count loads with any other:
+model: nothing is gathered on one host. A stage sharded over its replicas (``data_parallel="shard"``, FSDP2) writes
+its DTensors as they are, each replica its shard's rows, and reads into them the same way (``torch.distributed.
+checkpoint`` reshards what another layout wrote). Keys are named after the whole model, never after a rank, so a
+checkpoint saved with any stage count (and any replica count, sharded or not) loads with any other:
 
 * ``model/<state-dict key>``: weights (a parameter held by every stage is written once);
 * ``optimizer<i>/state/<parameter name>/<entry>``: the optimizer state of each parameter (momentum, ``step``...);
