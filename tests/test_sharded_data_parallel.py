@@ -225,6 +225,9 @@ def test_shard_gathers_and_reduce_scatters_each_block_once_per_step_not_per_micr
                 continue
             results = rank_results(launches[layout].result() / run["name"])
             assert sum(result["outside_sharded"] for result in results) > 0  # the last stage's head
+            table = results[0]["stage_table"]  # what each rank holds, in the start-up table
+            assert "Params/rank" in table.splitlines()[1]
+            assert "data_parallel='shard': each stage sharded over its 2 replicas (FSDP2)" in table
             for result in results:
                 blocks = result["blocks_with_parameters"]  # each sharded: the Linear layers (a Tanh has none)
                 steps = result["collectives_per_step"]  # the first also holds the sanity check's validation

@@ -238,6 +238,7 @@ def main(spec_path):
             summary["blocks_with_parameters"] = sum(any(True for _ in block.parameters()) for block in blocks)
             summary["outside_sharded"] = counter.outside_sharded
             summary["collective_dtypes"] = {kind: sorted(dtypes) for kind, dtypes in counter.dtypes.items()}
+            summary["stage_table"] = str(trainer.strategy.stage_summary())
         choice = pipeline.schedule_choice if pipeline is not None else None
         if choice is not None:  # schedule="auto": what it chose, as this rank runs it
             settings = trainer.strategy._settings
