@@ -79,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     sections, failed = [], False
     for section in SECTIONS:
         name = _name(section)
-        if args.only and name not in args.only and name in kept:
-            sections.append(kept[name])
+        if args.only and name not in args.only:  # kept as last measured; a section never measured stays absent
+            if name in kept:
+                sections.append(kept[name])
             continue
         start = time.perf_counter()
         load_before = _load_average()

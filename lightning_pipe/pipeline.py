@@ -1,11 +1,13 @@
 """The pipeline built on one rank: the user's model split into stages, and what runs this rank's.
 
-:func:`build_pipeline` checks that every rank built the same model, finds the region (the blocks to pipeline),
-decides the partition on global rank 0, plans the pretrained weights' load, puts this rank's
+:func:`build_pipeline` is two steps. :func:`decide_pipeline` decides what every rank must agree on: it checks that
+every rank built the same model, finds the region (the blocks to pipeline) and decides the partition on global rank
+0. :func:`assemble_rank` builds this rank's part: it plans the pretrained weights' load, puts this rank's
 :class:`~lightning_pipe.execution.stage.StageBlocks` into the model, makes its tensors real and fills them, and
-builds the engine, the step runtime and the tracer. What it built is one :class:`BuiltPipeline`, which the strategy
-keeps from ``setup`` to the interpreter's exit, and whose methods do the pipeline's share of the strategy's hooks
-(replicated state, gradient reductions, clipping, the stage summary, observing a step).
+builds the engine, the step runtime, the training step in its schedule's mode, the gradients and the tracer. What it
+built is one :class:`BuiltPipeline`, which the strategy keeps from ``setup`` to the interpreter's exit; the strategy
+holds the runtime, the training step and the gradients directly, and the pipeline's own methods start the run,
+report the stages and put the whole model back.
 
 May import: every folder below it (``config`` to ``integration``). Imported by: the strategy and its
 ``pytorch_lightning`` twin only.
@@ -13,8 +15,9 @@ May import: every folder below it (``config`` to ``integration``). Imported by: 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
+from torch.optim import Optimizer
 from torchmetrics import Metric
 
 from lightning_pipe.auto_schedule import ScheduleChoice, decide_schedule
@@ -34,13 +38,7 @@ from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.execution.batchnorm import defer as defer_batch_norms
 from lightning_pipe.execution.compiling import check_compiled, compile_stage, compiles_in_first_steps, uncompiled_name
 from lightning_pipe.execution.engine import PipelineEngine
-from lightning_pipe.execution.gradients import (
-    add_gradients,
-    agree_on_gradient_overflow,
-    clip_grad_norm_over_pipeline,
-    reduce_gradients,
-    swap_gradients,
-)
+from lightning_pipe.execution.gradients import StageGradients
 from lightning_pipe.execution.materialize import ModuleInit, global_seed, holds_meta_tensors, materialize
 from lightning_pipe.execution.outside import (
     OutsideModules,
@@ -58,9 +56,16 @@ from lightning_pipe.execution.process_groups import (
 from lightning_pipe.execution.random_streams import StageRandomStreams
 from lightning_pipe.execution.replayed_logs import StepOutcome
 from lightning_pipe.execution.runtime import StageRuntime
-from lightning_pipe.execution.sharding import StageSharding, scaler_refused, shard_stage
+from lightning_pipe.execution.sharding import StageSharding, shard_stage
 from lightning_pipe.execution.stage import StageBlocks
-from lightning_pipe.execution.tensor_parallel import BlockPlans, StageTensorParallel, parallelize_stage, resolve_plan
+from lightning_pipe.execution.tensor_parallel import (
+    BlockPlans,
+    StageTensorParallel,
+    parallelize_stage,
+    refuse_split_ties,
+    resolve_plan,
+)
+from lightning_pipe.execution.steps import TrainingStep, training_step_for
 from lightning_pipe.execution.tied import TiedParameters, parameters_shared_across_stages
 from lightning_pipe.integration.lightning_packages import overrides
 from lightning_pipe.integration.model_summary import summarize_whole_model
@@ -89,6 +94,7 @@ from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.trace.stage_summary import (
     StageSummary,
     build_stage_summary,
+    largest_shard,
     model_checkpoint_note,
     outside_warning,
     self_checkpointing_warning,
@@ -118,12 +124,12 @@ class BuiltPipeline:
     outside_modules: OutsideModules  # the outside modules other stages hold, stood in for here
     ownership: OutsideOwnership  # outside parameters held by some stages, not all (an embedding tied to the head)
     runtime: StageRuntime
+    step: TrainingStep  # the training step in its schedule's mode, whole-batch or per-micro-batch
+    gradients: StageGradients  # this rank's gradients before the optimizer step
     tracer: PipelineTracer | None  # gathers the stages' timelines; None for one stage or none asked for
     deferred: bool  # the pipelined module was built on the meta device
     compiles: bool  # torch.compile compiles code of this rank in its first steps (see StallRule: not measured before)
     pretrained_prefix: str | None = None  # where the pretrained model sits, once its weights were mapped
-    # A per-micro-batch step's gradients, from its `training_step` to Lightning's `backward` (see `swap_gradients`).
-    step_gradients: list[tuple[list[nn.Parameter], list[Tensor | None]]] = field(default_factory=list)
     schedule_choice: ScheduleChoice | None = None  # with schedule="auto": the choice, why, the predicted table
     # With data_parallel="shard" or "full_shard": the stage's blocks sharded over its replicas (FSDP2), once the
     # replicas hold the same values (`start_identical`).
@@ -138,7 +144,7 @@ class BuiltPipeline:
         """Start the run on the model moved to its device: identical replicated state, metrics synced within
         replicas, the epoch-end hooks on the last stage, Lightning's summary of the whole model, the last stage's
         random state on every stage. What undoes the changes to the user's objects, for teardown."""
-        self.start_identical()
+        self.start_identical(module._trainer.precision if module._trainer is not None else None)
         self.sync_metrics_within_replicas(module)
         undo = [
             self.share_outside_call_outputs(module),
@@ -146,15 +152,16 @@ class BuiltPipeline:
             summarize_whole_model(
                 callbacks, self.runtime.stage, self.pipelined.ranges,  # type: ignore[union-attr]
                 {name: where for name, _, where in self.outside}, self.outside_modules.showing_whole_model,
+                sharded_over=self.groups.layout.num_replicas if self.sharding is not None else 1,
             ),
         ]
         self.runtime.share_outcome(module, StepOutcome())  # every stage starts from the last stage's random state
         return undo
 
-    def start_identical(self) -> None:
+    def start_identical(self, precision: str | None = None) -> None:
         """Start identical where training keeps things identical: parameters outside the pipelined module on every
         rank (from rank 0), tied parameters, and each stage's parameters and buffers on its replicas (from replica
-        0)."""
+        0); then, with ``data_parallel`` sharding, the stage sharded (in Lightning's ``precision``)."""
         layout = self.groups.layout
         with torch.no_grad():
             for tensor in self.replicated:
@@ -171,6 +178,7 @@ class BuiltPipeline:
             split = parallelize_stage(((i, stage.originals[i]) for i in stage.indices), self.tensor_plan,
                                       groups.mesh["tp"], groups.tensor_parallel)  # type: ignore[index, arg-type]
             object.__setattr__(self, "tensor_parallel", split)  # set after building, as `sharding`
+            self.gradients.split(split)
         if self.settings.data_parallel != "replicate":  # FSDP hook: the replicas' identical blocks sharded now
             kept_whole = [*self.replicated, *self.tied.parameters, *self.ownership.parameters]
             stage = self.runtime.stage
@@ -178,79 +186,22 @@ class BuiltPipeline:
             # With split blocks, FSDP2 shards over the replicas' dimension of the run's mesh, beside the split's.
             mesh = self.groups.mesh["dp"] if self.tensor_plan is not None else None  # type: ignore[index]
             sharding = shard_stage(blocks, self.settings.data_parallel, self.groups.replicas,  # type: ignore[arg-type]
-                                   self.groups.device, kept_whole, self.groups.watchdog, mesh)
+                                   self.groups.device, kept_whole, self.groups.watchdog, self._held_outside_modules(),
+                                   precision, mesh)
             object.__setattr__(self, "sharding", sharding)  # the one field set after building: see `sharding`
+            self.gradients.shard(sharding)
             stage, engine = self.runtime.stage, self.runtime.engine
             engine.backward_done = lambda k: sharding.micro_batch_done(stage.originals[i] for i in stage.chunk_ranges[k])
 
+    def _held_outside_modules(self) -> list[tuple[str, nn.Module]]:
+        """The outside modules this stage holds and some other stage does not, by name."""
+        pieces = self.pipelined.outside.items() if self.pipelined is not None else ()
+        return [(name, module) for name, (module, stages, _) in pieces if self.groups.stage in stages]
+
     def _held_outside_tensors(self) -> list[Tensor]:
         """The tensors of the outside modules this stage holds and some other stage does not."""
-        pieces = self.pipelined.outside.values() if self.pipelined is not None else ()
-        mine = [module for module, stages, _ in pieces if self.groups.stage in stages]
-        return [t for module in mine for t in [*module.parameters(), *module.buffers()]]
-
-    def agree_on_gradient_overflow(self, precision: Any) -> None:
-        """With a gradient scaler (16-mixed), an overflow on one stage skips the step on every stage."""
-        scaler = getattr(precision, "scaler", None)
-        if scaler is not None and self.sharding is not None:  # FSDP hook
-            raise NotImplementedError(scaler_refused(self.settings.data_parallel))
-        if scaler is not None and self.config.num_stages > 1:
-            agree_on_gradient_overflow(scaler, self.groups.pipeline, self.groups.device, self.groups.watchdog)
-
-    # ---- a training step ---------------------------------------------------------------------------------------
-
-    def training_step(self, module: LightningModule, model: nn.Module, precision: Any, args: tuple, kwargs: dict) -> Any:
-        """What Lightning's training step gets on this rank: the user's output on the last stage, a stand-in loss
-        elsewhere (Lightning calls backward on it; the pipeline's own backward runs instead)."""
-        runtime = self.runtime
-        # A per-micro-batch step enters the precision's context around each call of the user's step, not around the
-        # backwards it runs in between.
-        if runtime.per_micro_batch:  # its backwards run inside: see `swap_gradients`
-            trainable = [p for p in model.parameters() if p.requires_grad]
-            earlier = swap_gradients(trainable, [None] * len(trainable))
-            outcome, output = runtime.run_step(module, "training_step", args, kwargs)
-            self.step_gradients[:] = [(trainable, swap_gradients(trainable, earlier))]
-        else:
-            with precision.train_step_context():
-                outcome, output = runtime.run_step(module, "training_step", args, kwargs)
-        if outcome.skipped:
-            # Lightning refuses `None` from a distributed training_step. A placeholder loss that `backward` ignores,
-            # and that the optimizer-step closure reports as None, gives one device's behaviour: no update.
-            return torch.zeros((), device=self.groups.device)
-        return output if runtime.is_last else torch.tensor(outcome.loss, device=self.groups.device)
-
-    def backward(self, closure_loss: Tensor, module: LightningModule, precision: Any, *args: Any, **kwargs: Any) -> None:
-        """The step's backward on this stage, between the precision's ``pre_backward`` and ``post_backward``."""
-        if self.runtime.per_micro_batch:  # every backward ran in the step, where its schedule said
-            for parameters, gradients in self.step_gradients:
-                add_gradients(parameters, gradients)
-            self.step_gradients.clear()
-            return
-        if self.runtime.is_last:  # the user's loss.backward(), through the model's head to the blocks' output
-            precision.backward(closure_loss, module, *args, **kwargs)
-        self.runtime.backward()  # the blocks' own backward, micro-batch by micro-batch
-
-    def reduce_gradients(self, module: nn.Module) -> None:
-        """Sum the replicated parameters' gradients over the pipeline, then average every gradient over replicas."""
-        watchdog = self.groups.watchdog
-        reduce_gradients(self.replicated, self.groups.pipeline, average=False, watchdog=watchdog)
-        self.tied.sum_gradients()
-        self.ownership.sum_gradients(watchdog)
-        if self.sharding is not None:  # FSDP hook: the sharded blocks' gradients reduce-scattered, averaged
-            self.sharding.reduce_scatter_gradients()
-        if self.groups.layout.num_replicas > 1:
-            sharded = self.sharding.is_sharded if self.sharding is not None else lambda p: False
-            trainable = [p for p in module.parameters() if p.requires_grad and not sharded(p)]
-            reduce_gradients(trainable, self.groups.replicas, average=True, watchdog=watchdog)
-
-    def clip_grad_norm(self, parameters: Any, clip_val: float) -> None:
-        """``clip_grad_norm_`` over the whole model (see :func:`clip_grad_norm_over_pipeline`)."""
-        groups = self.groups
-        clip_grad_norm_over_pipeline(
-            parameters, self.replicated, clip_val, groups.pipeline, groups.device,
-            [*self.tied.counted_elsewhere, *self.ownership.counted_elsewhere], groups.watchdog,
-            shards=groups.stage_holders if self.sharding is not None or self.tensor_parallel is not None else None,
-        )
+        modules = [module for _, module in self._held_outside_modules()]
+        return [t for module in modules for t in [*module.parameters(), *module.buffers()]]
 
     # ---- what it reports ---------------------------------------------------------------------------------------
 
@@ -274,7 +225,21 @@ class BuiltPipeline:
             ideal_bubble=ideal_bubble(
                 schedule, num_stages, self.config.num_micro_batches, self.settings.virtual_stages  # type: ignore[arg-type]
             ),
+            data_parallel=self.settings.data_parallel,  # type: ignore[arg-type]
+            num_replicas=self.groups.layout.num_replicas,
+            held_per_rank=self._held_per_rank() if self.settings.data_parallel != "replicate" else None,
         )
+
+    def _held_per_rank(self) -> list[int]:
+        """FSDP hook: each chunk's parameters held by the rank with the largest shards, a parameter that several
+        blocks share (tied: kept whole) counted whole."""
+        layers, replicas = self.pipelined.sequential, self.groups.layout.num_replicas  # type: ignore[union-attr]
+        users: dict[int, int] = {}
+        for layer in layers:
+            for parameter in layer.parameters():
+                users[id(parameter)] = users.get(id(parameter), 0) + 1
+        return [sum(p.numel() if users[id(p)] > 1 else largest_shard(p.shape, replicas)
+                    for i in chunk for p in layers[i].parameters()) for chunk in self.plan.ranges]
 
     def announce(self, module: LightningModule, summary: StageSummary, category: type[Warning]) -> None:
         """Print the stage summary, and warn of much of the model left outside the pipeline and of layers that
@@ -289,15 +254,15 @@ class BuiltPipeline:
         if checkpointing_themselves and self.settings.recompute != "never":
             rank_zero_warn(self_checkpointing_warning(self.settings.recompute), category=category)  # type: ignore[arg-type]
 
-    def put_whole_model_back(self, module: LightningModule) -> None:
+    def put_whole_model_back(self, module: LightningModule, optimizers: Sequence[Any] = ()) -> None:
         """After the run: the user's pipelined module back in ``module`` (see
         :func:`~lightning_pipe.checkpoints.whole_model.restore_whole_model`); nothing once the stages were lost."""
         if self.pipelined is None:
             return
-        if self.sharding is not None:  # FSDP hook: the blocks whole again, from every replica's shard
-            self.sharding.make_whole()
-        if self.tensor_parallel is not None:  # TP hook: the blocks whole again, from every tensor-parallel slice
-            self.tensor_parallel.make_whole()
+        if self.sharding is not None:  # FSDP hook: the modules (and ``optimizers``) whole again, from every shard
+            self.sharding.make_whole(optimizers)
+        if self.tensor_parallel is not None:  # TP hook: the blocks (and ``optimizers``) whole again, from every slice
+            self.tensor_parallel.make_whole(optimizers)
         groups = self.groups
         restore_whole_model(
             module, self.pipelined, groups.stage_ranks, groups.rank, groups.pipeline, groups.device, self.deferred,
@@ -348,9 +313,30 @@ class BuiltPipeline:
                 metric.process_group = self.groups.replicas
 
 
+@dataclass(frozen=True)
+class PipelineDecision:
+    """What every rank decides alike at set-up, before any builds its stage: the settings (with ``schedule="auto"``,
+    the configuration chosen), the blocks and how they are split, and which stages hold each outside module."""
+
+    settings: PipelineSettings
+    config: PipelineParallelConfig  # the resolved stage and micro-batch counts
+    region: Region
+    layers: nn.Sequential  # the region's blocks in order, for the partition plan and the whole model
+    plan: PartitionPlan
+    held: list[list[int]]  # the blocks each stage holds
+    module_stages: dict[str, frozenset[int]]  # the stages holding each outside module
+    outside: list[tuple[str, int, str]]
+    choice: ScheduleChoice | None
+
+
 def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: PipelineGroups, precision: Any) -> BuiltPipeline:
     """Split ``module`` into stages and build this rank's: a collective, called on every rank at set-up.
-    ``precision`` is the strategy's precision plugin (its dtype, step context and gradient scaler)."""
+    ``precision`` is the strategy's precision plugin (its dtype and gradient scaler)."""
+    return assemble_rank(module, decide_pipeline(module, settings, groups), groups, precision)
+
+
+def decide_pipeline(module: LightningModule, settings: PipelineSettings, groups: PipelineGroups) -> PipelineDecision:
+    """Decide the pipeline on every rank alike (rank 0 decides what measurements could make differ): a collective."""
     config = settings.pipeline_config(groups.num_stages)
     check_every_rank_built_the_same_model(module, groups.layout)
     region = broadcast_object(  # every rank splits the same blocks
@@ -358,8 +344,7 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
     )
     check_compiled(module, region)
     check_nothing_collected_inside_blocks(module, region, config.num_stages)
-    blocks = region.blocks(module)
-    layers = nn.Sequential(*blocks)  # the blocks in order, for the partition plan and the whole model
+    layers = nn.Sequential(*region.blocks(module))
     choice = None
     if settings.is_auto:  # the configuration chosen now, before the chunks are cut (lightning_pipe.auto_schedule)
         settings, choice = decide_schedule(module, layers, settings, groups)
@@ -369,6 +354,17 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
     held = _blocks_held_by_stage(plan, settings, config.num_stages)
     module_stages = outside_module_stages(places, held, groups)
     outside = outside_rows(module, region, module_stages, config.num_stages)
+    return PipelineDecision(settings, config, region, layers, plan, held, module_stages, outside, choice)
+
+
+def assemble_rank(
+    module: LightningModule, decision: PipelineDecision, groups: PipelineGroups, precision: Any
+) -> BuiltPipeline:
+    """This rank's part of the pipeline ``decision`` describes: its stage put into ``module`` and made real, the
+    outside modules it does not hold stood in for, its runtime, training step and gradients."""
+    settings, config, region, layers = decision.settings, decision.config, decision.region, decision.layers
+    plan, held, module_stages, outside = decision.plan, decision.held, decision.module_stages, decision.outside
+    blocks = list(layers)
     ties = parameters_shared_across_stages(blocks, held)  # before materialising replaces parameters
     holders, sources, names_of = parameter_holders(module, module_stages)
     built_real = built_real_everywhere(module, list(module_stages), groups)
@@ -379,6 +375,7 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
     if settings.tensor_parallel_size > 1:  # TP hook: the plan checked against the whole model, on every rank alike
         tensor_plan = resolve_plan(module, region.names, blocks, settings.tensor_parallel_plan,
                                    settings.tensor_parallel_size)
+        refuse_split_ties(tensor_plan, [(tie.places, region.names) for tie in ties])
     stage = _install_stage(module, region, plan, settings, groups)
     held_elsewhere = {name: stages for name, stages in module_stages.items() if groups.stage not in stages}
     outside_modules = OutsideModules(
@@ -408,14 +405,17 @@ def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: 
     tied = TiedParameters(ties, stage, groups.layout, replicated, groups.timeout)
     compile_stage(module, region, stage, settings.compile_options)
     timeline = StepTimeline(groups.device, enabled=settings.log_bubble_fraction or bool(settings.trace_steps))
+    runtime = _stage_runtime(stage, settings, config, groups, timeline)
     return BuiltPipeline(
         settings, config, groups, region, plan, outside, pipelined, replicated, tied, outside_modules, ownership,
-        runtime=_stage_runtime(module, stage, settings, config, groups, precision, timeline),
+        runtime=runtime,
+        step=training_step_for(runtime),
+        gradients=StageGradients(groups, replicated, tied, ownership),
         tracer=_tracer(module, settings, config, groups, timeline),
         deferred=deferred,
         compiles=compiles_in_first_steps(module, stage),
         pretrained_prefix=pretrained.mapping.prefix if pretrained is not None else None,
-        schedule_choice=choice,
+        schedule_choice=decision.choice,
         tensor_plan=tensor_plan,
     )
 
@@ -613,12 +613,10 @@ def _make_real(
 
 
 def _stage_runtime(
-    module: LightningModule,
     stage: StageBlocks,
     settings: PipelineSettings,
     config: PipelineParallelConfig,
     groups: PipelineGroups,
-    precision: Any,
     timeline: StepTimeline,
 ) -> StageRuntime:
     """The engine that runs the schedule on ``stage``, in the runtime that runs a step on this rank."""
@@ -634,18 +632,8 @@ def _stage_runtime(
         random_streams=streams,
     )
     return StageRuntime(
-        groups, engine, stage, scale_loss=partial(_scaled_micro_batch_loss, module, precision),
-        step_context=precision.train_step_context,
-        on_model_checkpoint=partial(rank_zero_info, model_checkpoint_note(settings.recompute)),
+        groups, engine, stage, on_model_checkpoint=partial(rank_zero_info, model_checkpoint_note(settings.recompute))
     )
-
-
-def _scaled_micro_batch_loss(module: LightningModule, precision: Any, loss: Tensor) -> Tensor:
-    """What a per-micro-batch step back-propagates of a micro-batch's (weighted) loss: divided over Lightning's
-    gradient accumulation, and scaled by the gradient scaler, as Lightning does with one step's loss."""
-    loss = loss / module.trainer.accumulate_grad_batches
-    scaler = getattr(precision, "scaler", None)
-    return scaler.scale(loss) if scaler is not None else loss
 
 
 def _tracer(
@@ -664,3 +652,29 @@ def _tracer(
         trace_path=trace_dir / TRACE_FILE_NAME if groups.rank == 0 else None,
         ideal_bubble=partial(ideal_bubble, settings.schedule, config.num_stages, virtual_stages=settings.virtual_stages),
     )
+
+
+def whole_view(
+    pipeline: BuiltPipeline | None, optimizers: Sequence[Optimizer] = (), as_shards: bool = False
+) -> AbstractContextManager[None]:
+    """FSDP and TP hook: one-file checkpoints read and write the modules sharded over the replicas as whole tensors
+    (see :meth:`~lightning_pipe.execution.sharding.StageSharding.whole_view`); sharded ones (``as_shards``) their
+    DTensors as they are, each rank its shard. Blocks split with tensor parallelism are whole in both (see
+    :meth:`~lightning_pipe.execution.tensor_parallel.StageTensorParallel.whole_view`), so that a checkpoint resumes
+    on another tensor-parallel size."""
+    sharding = pipeline.sharding if pipeline is not None else None
+    split = pipeline.tensor_parallel if pipeline is not None else None
+    if split is not None and split.blocks:  # TP hook: the sharded DTensors of split blocks are whole too
+        return _both_whole(sharding, split, optimizers)
+    if as_shards or sharding is None or not sharding.modules:
+        return nullcontext()
+    return sharding.whole_view(optimizers)
+
+
+@contextmanager
+def _both_whole(
+    sharding: StageSharding | None, split: StageTensorParallel, optimizers: Sequence[Optimizer]
+) -> Iterator[None]:
+    with sharding.whole_view(optimizers) if sharding is not None and sharding.modules else nullcontext():
+        with split.whole_view(optimizers):
+            yield

@@ -1,12 +1,9 @@
 """``GPipeStrategy``: Lightning's bridge to the pipeline, from launch to teardown.
 
 Its hooks follow the order in which Lightning calls them: construction, launch, process groups, model setup, the
-steps, backward and the optimizer step, checkpoints, collectives, teardown. Each hands the work on to the module
-named for it: :mod:`~lightning_pipe.settings` (every setting, checked once), :mod:`~lightning_pipe.integration.launchers`
-(starting and ending the ranks), :mod:`~lightning_pipe.execution.process_groups` (the process groups, this rank's
-place, the watched collectives), :mod:`~lightning_pipe.pipeline` (building the pipeline and its share of the hooks),
-:mod:`~lightning_pipe.execution.runtime` (running a step on this rank's stage), :mod:`~lightning_pipe.execution.gradients`
-(gradients across processes) and :mod:`~lightning_pipe.checkpoints.strategy_io` (checkpoints and exports).
+steps, backward and the optimizer step, checkpoints, collectives, teardown. Each hands the work on to the object
+that does it: the settings (checked once), the launchers, the process groups, the pipeline built at set-up and what it
+holds (this rank's runtime, its training step, its gradients) and the checkpoints (``checkpoints.strategy_io``).
 """
 
 from __future__ import annotations
@@ -43,11 +40,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pipe.checkpoints.pretrained import PretrainedWeights
+from lightning_pipe.checkpoints.sharded import SHARDED
 from lightning_pipe.checkpoints.strategy_io import StageCheckpoints
 from lightning_pipe.config import PipelineParallelConfig
 from lightning_pipe.execution.batchnorm import epoch_last_batch_reached
 from lightning_pipe.execution.batchnorm import revert as revert_batch_norms
-from lightning_pipe.execution.gradients import stop_agreeing_on_gradient_overflow
+from lightning_pipe.execution.gradients import StageGradients, stop_agreeing_on_gradient_overflow
 from lightning_pipe.execution.materialize import meta_tensors_left_in_place
 from lightning_pipe.execution.process_groups import (
     PipelineGroups,
@@ -56,6 +54,8 @@ from lightning_pipe.execution.process_groups import (
     reduce_tensor,
     world_barrier,
 )
+from lightning_pipe.execution.runtime import StageRuntime
+from lightning_pipe.execution.steps import TrainingStep
 from lightning_pipe.integration.launchers import (
     CheckedMultiProcessingLauncher,
     CheckedSubprocessScriptLauncher,
@@ -71,7 +71,7 @@ from lightning_pipe.integration.lightning_packages import LIGHTNING, LightningPa
 from lightning_pipe.partition.balance import Balance
 from lightning_pipe.partition.topology import PipelineLayout
 from lightning_pipe.pipeline import BuiltPipeline, build_pipeline, check_partition_before_launch
-from lightning_pipe.pipeline import require_automatic_optimization
+from lightning_pipe.pipeline import require_automatic_optimization, whole_view as _whole_view
 from lightning_pipe.reliability.stall_rule import StartUp
 from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog, batch_shape
 from lightning_pipe.schedules.actions import PipelineSchedule, StageActions
@@ -149,11 +149,6 @@ class PipelineView:
         """The bubble and the per-stage busy time of the last logged or traced training step, on every rank."""
         return self._last_observation
 
-    @property
-    def _built(self) -> BuiltPipeline:
-        assert self._pipeline is not None, "the pipeline exists once the strategy has set the model up"
-        return self._pipeline
-
 
 class GPipeStrategyMixin(PipelineView):
     """GPipe pipeline parallelism: the model's layers split into stages, one per process and device::
@@ -189,9 +184,8 @@ class GPipeStrategyMixin(PipelineView):
         # The other pipeline settings (see PipelineSettings).
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen", sample: Any = None,
         trace_steps: Sequence[int] = (), trace_dir: str | Path | None = None, log_bubble_fraction: bool = True,
-        deferred_batch_norm: bool = False, mesh_order: Sequence[str] = ("pp", "dp"),
-        data_parallel: Literal["replicate", "shard", "full_shard"] = "replicate",
-        tensor_parallel_size: int = 1, tensor_parallel_plan: Mapping[str, Any] | Callable[..., Any] | None = None,
+        deferred_batch_norm: bool = False, mesh_order: Sequence[str] = ("pp", "dp"), tensor_parallel_size: int = 1,
+        data_parallel: Literal["replicate", "shard", "full_shard"] = "replicate", tensor_parallel_plan: Any = None,
         save_distributed_checkpoint: bool | None = None, gather_model_after_run: bool = False,
         schedule: str | PipelineSchedule | StageActions = "gpipe", virtual_stages: int | None = None,
         compile: bool | Mapping[str, Any] = False,
@@ -213,12 +207,12 @@ class GPipeStrategyMixin(PipelineView):
         self._layout: PipelineLayout | None = None
         self._groups: PipelineGroups | None = None
         self._pipeline: BuiltPipeline | None = None  # built in `setup`, kept after the run for its checkpoints
+        self._runtime = self._training = self._gradients = None  # from `setup` on: what does the step hooks' work
         self._watchdog: StallWatchdog = UNWATCHED
         # What `setup` started or changed in the user's objects: the signals heard, the hooks, the model summary.
         self._undo_at_teardown: list[Callable[[], None]] = []
         self._last_observation: StepObservation | None = None
-        self._failed = False
-        self._ending_started_ranks = False
+        self._failed = self._ending_started_ranks = False
 
     # ---- configuration -------------------------------------------------------------------------------------------
 
@@ -319,6 +313,7 @@ class GPipeStrategyMixin(PipelineView):
         """Drop every reference to the process groups (at the interpreter's exit, before they are destroyed)."""
         self._watchdog.stop()
         self._groups = self._pipeline = None  # the pipeline's stage and links reach the groups
+        self._runtime = self._training = self._gradients = None
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
             stop_agreeing_on_gradient_overflow(scaler)
@@ -331,7 +326,7 @@ class GPipeStrategyMixin(PipelineView):
         self.accelerator.setup(trainer)
         stop_signals = hear_signals(
             trainer, self.launcher, self.cluster_environment, self.layout, self.global_rank,
-            lambda: self._pipeline.runtime if self._pipeline is not None else None,
+            lambda: self._runtime,
         )
         self._undo_at_teardown = [stop_signals.stop] if stop_signals is not None else []
         if not self.is_distributed:
@@ -342,6 +337,7 @@ class GPipeStrategyMixin(PipelineView):
             require_automatic_optimization(module)
         started = time.monotonic()  # what the set-up takes bounds the first steps' waits (see StallRule)
         self._pipeline = pipeline = build_pipeline(module, self._settings, self.groups, self.precision_plugin)
+        self._runtime, self._training, self._gradients = pipeline.runtime, pipeline.step, pipeline.gradients
         self._settings = pipeline.settings  # with schedule="auto", the configuration chosen
         pipeline.announce(module, self.stage_summary(), self.lightning_package.possible_user_warning)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -359,8 +355,9 @@ class GPipeStrategyMixin(PipelineView):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
-        self._built.agree_on_gradient_overflow(self.precision_plugin)
+        precision = self.precision_plugin  # through the strategy: the precision must not hold the groups at exit
+        precision.clip_grad_by_norm = lambda *args: self._gradients.clip_grad_by_norm(precision, *args)  # type: ignore
+        self._gradients.agree_on_overflow(precision)  # type: ignore[union-attr]
 
     @contextmanager
     @override
@@ -386,14 +383,14 @@ class GPipeStrategyMixin(PipelineView):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        if self._pipeline is not None and self.lightning_module is not None:  # for the BatchNorm check of step one
-            self._pipeline.runtime.epoch_last_batch = epoch_last_batch_reached(self.lightning_module.trainer)
+        if self._runtime is not None and self.lightning_module is not None:  # for the BatchNorm check of step one
+            self._runtime.expect_epoch_last_batch(epoch_last_batch_reached(self.lightning_module.trainer))
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None:
-            requeue_if_due(trainer, self._pipeline.runtime if self._pipeline is not None else None)
+            requeue_if_due(trainer, self._runtime)
         self._watchdog.step_starts(trainer.current_epoch if trainer is not None else 0, batch_idx, batch_shape(batch))
 
     @override
@@ -408,47 +405,41 @@ class GPipeStrategyMixin(PipelineView):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        assert self.lightning_module is not None and self.model is not None
-        return self._built.training_step(self.lightning_module, self.model, self.precision_plugin, args, kwargs)
+        assert self.lightning_module is not None and self.model is not None and self._training is not None
+        return self._training.training_step(self.lightning_module, self.model, self.precision_plugin, args, kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
-            return self._step_output("validation_step", args, kwargs)
+            return self._runtime.step_output(self.lightning_module, "validation_step", args, kwargs)  # type: ignore
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
-            return self._step_output("test_step", args, kwargs)
+            return self._runtime.step_output(self.lightning_module, "test_step", args, kwargs)  # type: ignore
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
-            return self._step_output("predict_step", args, kwargs)
-
-    def _step_output(self, hook: str, args: tuple, kwargs: dict) -> Any:
-        """The user's step output where it is (the last stage), None on the other stages."""
-        assert self.lightning_module is not None
-        _, output = self._built.runtime.run_step(self.lightning_module, hook, args, kwargs)
-        return output if self._built.runtime.is_last else None
+            return self._runtime.step_output(self.lightning_module, "predict_step", args, kwargs)  # type: ignore
 
     # ---- backward and optimizer step -----------------------------------------------------------------------------
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        module = self.lightning_module
-        assert module is not None
-        if self._built.runtime.step_skipped:
+        module, training = self.lightning_module, self._training
+        assert module is not None and training is not None
+        if training.skipped:
             return closure_loss
         self.pre_backward(closure_loss)
         # Lightning's hooks run around this call in either mode. A per-micro-batch step ran every backward where its
         # schedule said, each micro-batch's loss scaled as the precision scales this one: here on_before_backward
         # comes after the fact, and the scaler only starts its scale on a stage without loss.
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self._built.backward(closure_loss, module, self.precision_plugin, optimizer, *args, **kwargs)
+        training.backward(closure_loss, module, self.precision_plugin, optimizer, *args, **kwargs)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
-        if (observation := self._built.observe_step(module.trainer)) is not None:
+        if self._pipeline is not None and (observation := self._pipeline.observe_step(module.trainer)) is not None:
             self._last_observation = observation
         return closure_loss
 
@@ -459,19 +450,14 @@ class GPipeStrategyMixin(PipelineView):
     ) -> Any:
         def closure_then_reduce_gradients() -> Any:
             result = closure()
-            if self._built.runtime.step_skipped:  # training_step returned None: tell the precision, as one device would
+            if self._training.skipped:  # type: ignore[union-attr]  # training_step returned None: as one device would
                 return None
-            assert self.lightning_module is not None
-            self._built.reduce_gradients(self.lightning_module)
+            self._gradients.reduce(self.lightning_module)  # type: ignore[union-attr, arg-type]
             return result
 
         result = super().optimizer_step(optimizer, closure_then_reduce_gradients, model, **kwargs)
         self._watchdog.step_ends()
         return result
-
-    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        """``clip_grad_norm_`` over the whole model, every stage's share of the norm counted."""
-        self._built.clip_grad_norm(self.precision_plugin.main_params(optimizer), clip_val)
 
     # ---- checkpoints (see lightning_pipe.checkpoints.strategy_io) -----------------------------------------------
 
@@ -497,22 +483,21 @@ class GPipeStrategyMixin(PipelineView):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        with _whole_view(self._pipeline):
+        with _whole_view(self._pipeline, as_shards=bool(checkpoint.get(SHARDED))):
             if not self._checkpoints().load_model_state(checkpoint, strict):
                 super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._watchdog.uneven_phase()  # a checkpoint: gathered here, written by rank 0 while the others wait
-        with _whole_view(self._pipeline):
+        with _whole_view(self._pipeline, as_shards=self._checkpoints().writes_shards):
             return self._checkpoints().module_state()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         self._watchdog.uneven_phase()
-        with _whole_view(self._pipeline, [optimizer]):
+        with _whole_view(self._pipeline, [optimizer], as_shards=self._checkpoints().writes_shards):
             return self._checkpoints().optimizer_state(optimizer)
-
 
     @override
     def save_checkpoint(
@@ -524,22 +509,18 @@ class GPipeStrategyMixin(PipelineView):
             super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0 writes the whole model
 
     def save_pretrained(
-        self,
-        directory: str | Path,
-        prefix: str | None = None,
-        dtype: torch.dtype | str | None = None,
+        self, directory: str | Path, prefix: str | None = None, dtype: torch.dtype | str | None = None,
         max_shard_size: str | int | None = None,
     ) -> None:
-        """Write the model as a Hugging Face directory that ``from_pretrained`` loads, each stage its own shard (cut
-        at ``max_shard_size`` if given); call it on every rank (see
-        :meth:`~lightning_pipe.checkpoints.strategy_io.StageCheckpoints.save_pretrained`)."""
-        with _whole_view(self._pipeline):
+        """Write the model as a Hugging Face directory that ``from_pretrained`` loads, each stage its own shard (cut at
+        ``max_shard_size``); call it on every rank (:meth:`~lightning_pipe.checkpoints.strategy_io.StageCheckpoints.save_pretrained`)."""
+        with _whole_view(self._pipeline):  # TP and FSDP hook: split or sharded blocks written whole
             self._checkpoints().save_pretrained(directory, prefix, dtype, max_shard_size)
         self.barrier()  # every rank returns once the directory is complete
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        with _whole_view(self._pipeline, self.optimizers):
+        with _whole_view(self._pipeline, self.optimizers, as_shards=bool(checkpoint.get(SHARDED))):
             if not self._checkpoints().load_optimizer_states(self.optimizers, checkpoint, self.root_device):
                 super().load_optimizer_state_dict(checkpoint)
 
@@ -589,7 +570,7 @@ class GPipeStrategyMixin(PipelineView):
         if module is not None:
             revert_batch_norms(module)
             if self._pipeline is not None and not self._failed:
-                self._pipeline.put_whole_model_back(module)
+                self._pipeline.put_whole_model_back(module, self.optimizers)
         if self._failed and self._pipeline is not None:  # another stage may be gone: no checkpoint can gather them
             self._pipeline = replace(self._pipeline, pipelined=None)
         # Otherwise the pipeline stays: a checkpoint saved after the run gathers every stage's optimizer state.
@@ -617,15 +598,3 @@ GPipeStrategy.lightning_package = LightningPackage(
     TorchCheckpointIO, _ForwardRedirection,
 )
 register_package(GPipeStrategy.lightning_package)
-
-
-@contextmanager
-def _whole_view(pipeline: BuiltPipeline | None, optimizers: Sequence[Optimizer] = ()) -> Generator[None, None, None]:
-    """FSDP and TP hook: checkpoints read and write the blocks sharded over the replicas, or split over the
-    tensor-parallel ranks, as whole tensors (see :meth:`~lightning_pipe.execution.sharding.StageSharding.whole_view`
-    and :meth:`~lightning_pipe.execution.tensor_parallel.StageTensorParallel.whole_view`)."""
-    sharding = pipeline.sharding if pipeline is not None else None
-    split = pipeline.tensor_parallel if pipeline is not None else None
-    with sharding.whole_view(optimizers) if sharding is not None and sharding.blocks else nullcontext():
-        with split.whole_view(optimizers) if split is not None and split.blocks else nullcontext():
-            yield

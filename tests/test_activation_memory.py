@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.launch import launch, selected_tests_use, started_together
+from helpers.launch import launch, launches_started_with_first_test
 
 MICRO_BATCHES = 8  # as tests/workers/activation_memory_worker.py
 
@@ -30,12 +30,10 @@ def launched(devices: int, tmp: Path):
     return devices, found
 
 
-@pytest.fixture(scope="module", autouse=True)
-def launches(request, tmp_path_factory):
-    """Every launch of this file, started together with its first test."""
-    if not selected_tests_use(request, "peaks"):
-        return {}
-    return started_together({n: partial(launched, n, tmp_path_factory.mktemp(f"activations{n}")) for n in (2, 4)})
+# Every launch of this file, started together with its first test.
+launches = launches_started_with_first_test(
+    ("peaks",), lambda tmp: {n: partial(launched, n, tmp.mktemp(f"activations{n}")) for n in (2, 4)}
+)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}procs")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.launch import launch, run_python, selected_tests_use, started_together
+from helpers.launch import launch, launches_started_with_first_test, run_python
 from helpers.models import ProjectModule
 from helpers.scenarios import fit_epochs
 from lightning_pipe.checkpoints.sharded import committed_directory
@@ -44,13 +44,11 @@ def two_replicas_then_one(out: Path) -> Path:
     return saved
 
 
-@pytest.fixture(scope="module", autouse=True)
-def launches(request, tmp_path_factory):
-    """Both chains of launches, started together with the file's first test: the fits on one device run meanwhile."""
-    if not selected_tests_use(request, "four_stage_epoch", "replicated_checkpoint"):
-        return {}
-    return started_together({"four": partial(four_stages_then_two, tmp_path_factory.mktemp("four")),
-                             "replicas": partial(two_replicas_then_one, tmp_path_factory.mktemp("replicas"))})
+# Both chains of launches, started together with the file's first test: the fits on one device run meanwhile.
+launches = launches_started_with_first_test(("four_stage_epoch", "replicated_checkpoint"), lambda tmp: {
+    "four": partial(four_stages_then_two, tmp.mktemp("four")),
+    "replicas": partial(two_replicas_then_one, tmp.mktemp("replicas")),
+})
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers.compare import merged_state_dict, rank_results, relative_weight_error, single_device_run
-from helpers.launch import launch, selected_tests_use, started_together
+from helpers.launch import launch, launches_started_with_first_test
 from lightning_pipe.schedules.actions import Action
 from lightning_pipe.schedules.builtin import gpipe
 
@@ -88,12 +88,10 @@ def launched(devices: int, tmp: Path) -> tuple[int, Path, dict[str, dict]]:
     return devices, tmp, {run["name"]: run for run in runs}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def launches(request, tmp_path_factory):
-    """The 2- and 4-process launches, started together with the file's first test."""
-    if not selected_tests_use(request, "pipelined"):
-        return {}
-    return started_together({n: partial(launched, n, tmp_path_factory.mktemp(f"equivalence{n}")) for n in (2, 4)})
+# The 2- and 4-process launches, started together with the file's first test.
+launches = launches_started_with_first_test(
+    ("pipelined",), lambda tmp: {n: partial(launched, n, tmp.mktemp(f"equivalence{n}")) for n in (2, 4)}
+)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}procs")

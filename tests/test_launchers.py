@@ -84,3 +84,18 @@ def test_checkpoint_in_the_launching_process_is_refused_or_weights_only(launched
     assert "optimizer_states" not in weights
     _, expected, _ = single_device_run(MODELS["classifier"])
     assert weights["state_dict"].keys() == expected.keys()
+
+
+def test_the_prestarted_server_drops_a_client_that_closes_before_its_request_is_whole():
+    """A test killed while asking for a fork leaves half a request: the server's read ends, it does not spin."""
+    import socket
+
+    from helpers.prestarted import _request_line
+
+    server, client = socket.socketpair()
+    client.sendall(b'{"argv": ["worker.py"')
+    client.close()
+    assert _request_line(server) is None
+    server, client = socket.socketpair()
+    client.sendall(b'{"argv": []}\n')
+    assert _request_line(server) == b'{"argv": []}\n'

@@ -15,7 +15,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 
 from helpers.deferred_models import DEPTH, DeferredClassifier, EagerClassifier, fit, layers
-from helpers.launch import launch, run_python, selected_tests_use, started_together
+from helpers.launch import launch, launches_started_with_first_test, run_python
 from lightning_pipe import GPipeStrategy, PipelineParallelConfig, init_weights
 from lightning_pipe.checkpoints.sharded import committed_directory
 from lightning_pipe.execution.materialize import holds_meta_tensors, layer_seed, mark_held_elsewhere, materialize
@@ -163,13 +163,10 @@ def four_stage_runs(tmp) -> dict:
     return {run["name"]: ranks(tmp / run["name"], 4) for run in runs} | {"checkpoint": last, "dir": tmp}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def launches(request, tmp_path_factory):
-    """Both launches, started with the file's first test: the in-process tests and fits run meanwhile."""
-    if not selected_tests_use(request, "two_stages", "four_stages"):
-        return {}
-    return started_together({"two": partial(two_stage_runs, tmp_path_factory.mktemp("memory2")),
-                             "four": partial(four_stage_runs, tmp_path_factory.mktemp("memory4"))})
+# Both launches, started with the file's first test: the in-process tests and fits run meanwhile.
+launches = launches_started_with_first_test(("two_stages", "four_stages"), lambda tmp: {
+    "two": partial(two_stage_runs, tmp.mktemp("memory2")), "four": partial(four_stage_runs, tmp.mktemp("memory4")),
+})
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers.compare import merged_state_dict, rank_results, relative_weight_error, single_device_run
-from helpers.launch import launch, selected_tests_use, started_together
+from helpers.launch import launch, launches_started_with_first_test
 
 TOLERANCE = 1e-5  # of the total weight change during training
 PER_MICRO_BATCH = ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
@@ -79,12 +79,10 @@ def launched(devices: int, tmp: Path):
     return devices, tmp, {run["name"]: run for run in runs}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def launches(request, tmp_path_factory):
-    """Every launch of this file, started together with its first test."""
-    if not selected_tests_use(request, "pipelined"):
-        return {}
-    return started_together({n: partial(launched, n, tmp_path_factory.mktemp(f"schedules{n}")) for n in (2, 4)})
+# Every launch of this file, started together with its first test.
+launches = launches_started_with_first_test(
+    ("pipelined",), lambda tmp: {n: partial(launched, n, tmp.mktemp(f"schedules{n}")) for n in (2, 4)}
+)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}procs")

@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch import Trainer
 
 from helpers.compare import relative_weight_error
-from helpers.launch import launch, selected_tests_use, started_together
+from helpers.launch import launch, launches_started_with_first_test
 from helpers.moe_models import MOE_MODELS
 from helpers.stock_models import BLOCKS, STOCK_MODELS
 from test_stock_models import STEPS, train_on_one_device
@@ -178,12 +178,10 @@ def launched(devices: int, tmp: Path):
     return devices, tmp
 
 
-@pytest.fixture(scope="module", autouse=True)
-def launches(request, tmp_path_factory):
-    """Every launch of this file, started together with its first test."""
-    if not selected_tests_use(request, "pipelined"):
-        return {}
-    return started_together({n: partial(launched, n, tmp_path_factory.mktemp(f"stock{n}")) for n in sorted(RUNS)})
+# Every launch of this file, started together with its first test.
+launches = launches_started_with_first_test(
+    ("pipelined",), lambda tmp: {n: partial(launched, n, tmp.mktemp(f"stock{n}")) for n in sorted(RUNS)}
+)
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS))

@@ -6,9 +6,16 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.metadata
+import itertools
+import json
 import re
 import sys
 from pathlib import Path
+
+import pytest
+
+from helpers.call_path import documented_walks, missing_from, walk_entries
+from helpers.launch import launch
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "lightning_pipe"
@@ -95,7 +102,7 @@ def test_the_cycle_check_finds_a_cycle():
 
 
 ARCHITECTURE = (REPO / "docs" / "architecture.md").read_text()
-MAX_FILE_LINES, MAX_CLASS_LINES = 700, 450
+MAX_FILE_LINES, MAX_CLASS_LINES, MAX_STRATEGY_LINES = 700, 450, 600
 # Named like the standard library's ``trace``, kept: ``python -m lightning_pipe.trace`` is a command users call.
 KEPT_NAMES = {"trace"}
 
@@ -163,6 +170,9 @@ def test_no_file_or_class_is_too_long_to_hold_in_mind():
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
                 lines = node.end_lineno - node.lineno + 1
                 too_long.append(f"{where}: class {node.name} {lines} lines (at most {MAX_CLASS_LINES})")
+    strategy = len((PACKAGE / "strategy.py").read_text().splitlines())
+    if strategy > MAX_STRATEGY_LINES:  # Lightning's hooks, each handing the work on: nothing more
+        too_long.append(f"lightning_pipe/strategy.py: {strategy} lines (at most {MAX_STRATEGY_LINES})")
     assert not too_long, "\n".join(too_long)
 
 
@@ -175,21 +185,38 @@ def test_no_module_takes_the_name_of_a_standard_or_installed_package():
     assert not clashing, f"modules named like a standard or installed package: {clashing}"
 
 
-def walked_functions() -> list[str]:
-    """The ``file:function`` of each line of docs/architecture.md's walk through a training step."""
-    section = ARCHITECTURE.split("## One training step, walked through", 1)[1]
-    return re.findall(r"^(lightning_pipe/[\w/]+\.py:[\w.]+)", section, re.M)
+WALK_SCHEDULES = ("gpipe", "1f1b")
 
 
-def test_every_function_of_the_walk_through_a_step_exists():
-    walked = walked_functions()
-    assert len(walked) >= 20, f"the walk names {len(walked)} functions: the parser is broken"
-    missing = []
-    for entry in walked:
-        path, _, qualified = entry.partition(":")
-        target = importlib.import_module(path.removesuffix(".py").replace("/", "."))
-        for name in qualified.split("."):
-            target = getattr(target, name, None)
-        if not callable(target):
-            missing.append(entry)
-    assert not missing, f"docs/architecture.md walks through functions that do not exist: {missing}"
+@pytest.fixture(scope="module")
+def recorded_steps(tmp_path_factory) -> Path:
+    """Every call into the package in one training step, on each rank of a 2-stage fit per schedule."""
+    out = tmp_path_factory.mktemp("walk")
+    launch("step_walk_worker.py", {"out": str(out), "schedules": list(WALK_SCHEDULES)}, out)
+    return out
+
+
+def test_the_walks_through_a_step_are_the_recorded_calls(recorded_steps):
+    """docs/architecture.md's walks (forward and backward, first stage and loss stage, gpipe and 1f1b) are what a
+    real step calls, in that order; following the first stage's forward under gpipe enters no file more than twice."""
+    walks = documented_walks(ARCHITECTURE)
+    assert set(walks) == {f"{schedule}, {role}" for schedule in WALK_SCHEDULES for role in ("first stage", "loss stage")}
+    for title, walk in walks.items():
+        schedule, role = (part.strip() for part in title.split(","))
+        records = [json.loads(path.read_text()) for path in sorted((recorded_steps / schedule).glob("rank*.json"))]
+        record = next(r for r in records if r["loss_stage"] == (role == "loss stage"))
+        assert len(walk) >= 15, f"{title}: the walk has {len(walk)} lines: the parser is broken"
+        assert not missing_from(walk, record["nodes"]), f"{title}: not called where the walk says: " + ", ".join(
+            missing_from(walk, record["nodes"])
+        )
+    forward = list(itertools.takewhile(lambda line: line[0] > 0, walks["gpipe, first stage"][1:]))
+    _, entries = walk_entries(walks["gpipe, first stage"][:1] + forward)
+    assert max(entries.values()) <= 2, f"files entered more than twice: {entries.most_common(3)}"
+
+
+def test_the_walk_check_finds_a_call_that_is_not_where_the_walk_says():
+    """Negative control: a line under the wrong caller, or out of order, is named."""
+    nodes = [[-1, "a.py:step"], [0, "b.py:run"], [1, "c.py:chunk"], [0, "b.py:share"]]
+    assert missing_from([(0, "a.py:step"), (1, "b.py:run"), (2, "c.py:chunk"), (1, "b.py:share")], nodes) == []
+    assert missing_from([(0, "a.py:step"), (1, "b.py:share"), (2, "c.py:chunk")], nodes) == ["c.py:chunk"]
+    assert missing_from([(0, "a.py:step"), (1, "b.py:share"), (1, "b.py:run")], nodes) == ["b.py:run"]

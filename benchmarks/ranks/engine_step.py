@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 
 from lightning_pipe.config import PipelineParallelConfig
@@ -18,6 +19,7 @@ from lightning_pipe.execution.engine import PipelineEngine
 from lightning_pipe.execution.process_groups import init_pipeline_groups
 from lightning_pipe.execution.runtime import StageRuntime
 from lightning_pipe.execution.stage import StageBlocks
+from lightning_pipe.execution.steps import MicroBatchStep, training_step_for
 from lightning_pipe.partition.microbatch import Activation
 from lightning_pipe.partition.region import container_region
 from lightning_pipe.partition.topology import PipelineLayout
@@ -25,6 +27,9 @@ from lightning_pipe.schedules.actions import PipelineSchedule
 from lightning_pipe.schedules.builtin import SCHEDULES
 from lightning_pipe.settings import RecomputeMode
 from lightning_pipe.trace.timeline import StepTimeline
+
+
+_NO_PRECISION = Precision()  # full precision: no autocast, no gradient scaler
 
 
 class _MeanSquaredError(LightningModule):
@@ -71,6 +76,7 @@ class EngineStep:
             schedule=schedule, virtual_stages=v, timeline=timeline,
         )
         self.runtime = StageRuntime(groups, self.engine, self.stage)
+        self.training = training_step_for(self.runtime)
 
     def stage_forward(self, x: Tensor) -> Activation | None:
         """The pipelined call of one whole-batch step on this stage: the joined output on the last stage."""
@@ -78,13 +84,13 @@ class EngineStep:
 
     def step(self, x: Tensor, target: Tensor) -> None:
         """Forward and backward of one mini-batch (gradients accumulate in the stage's parameters)."""
-        if self.runtime.per_micro_batch:
-            self.runtime.run_step(self.module, "training_step", ((x, target), 0), {})
+        if isinstance(self.training, MicroBatchStep):
+            self.training.run(self.module, _NO_PRECISION, ((x, target), 0), {})
             return
         self.backward(self.stage_forward(x), target)
 
     def backward(self, output: Activation | None, target: Tensor) -> None:
         """The backward of a whole-batch step whose forward returned ``output``."""
-        if self.runtime.is_last:
+        if self.runtime.is_loss_stage:
             F.mse_loss(output, target).backward()  # to the leaves of the blocks' output
-        self.runtime.backward()
+        self.engine.backward_phase()

@@ -68,18 +68,24 @@ class BlockCalls:
         self.placeholders = Placeholders(stage.originals, stage.running_blocks, learned_outputs)
         self.in_step = False
         self.targets: frozenset[int] = frozenset(stage.chunk_ranges)  # the chunks this call of the user's step runs
+        # The frame that started this call of the user's step: a model checkpoint around a block call lies between the
+        # call and that frame, so the search for one stops there (None: outside a step, the whole stack).
+        self._step_frame: FrameType | None = None
         self._chunk_starts = {r[0]: chunk for chunk, r in stage.chunk_ranges.items() if chunk > 0}  # block -> chunk
         stage.route(self.model_call)
 
-    def begin_step(self, in_step: bool, targets: Iterable[int] | None = None) -> None:
-        """A new call of the model's code: it runs the chunks ``targets`` (by default every chunk of this stage)."""
+    def begin_step(self, in_step: bool, targets: Iterable[int] | None = None, frame: FrameType | None = None) -> None:
+        """A new call of the model's code, made from ``frame`` (when known): it runs the chunks ``targets`` (by default
+        every chunk of this stage)."""
         self.in_step = in_step
+        self._step_frame = frame
         self.targets = frozenset(self.stage.chunk_ranges if targets is None else targets)
         self.chain.begin()
 
     def end_step(self) -> None:
         """The user's step is over: a later call of the model is made outside a step."""
         self.in_step = False
+        self._step_frame = None
 
     def chunk_call(self, chunk: int, detach_side_arguments: bool) -> ChunkCall:
         """What the model's code called ``chunk``'s blocks with in this call (see :meth:`CallChain.chunk_call`)."""
@@ -94,7 +100,7 @@ class BlockCalls:
         without gradients, so the call is computed with them and answered without. Either re-computation in backward
         then gets the first call's output back: no block runs twice for it.
         """
-        phase, frame = _model_checkpoint_phase()
+        phase, frame = _model_checkpoint_phase(self._step_frame)
         if phase is None:
             return self.block_called(index, args, kwargs)
         if phase in (_RECOMPUTE, _RECOMPUTE_REENTRANT):
@@ -144,7 +150,7 @@ class BlockCalls:
             as_tensors(args[0], f"the output of model chunk {self._chunk_starts[index] - 1}")
         # NOTE: a key/value cache (Hugging Face's DynamicCache) would gather every micro-batch's keys and values, and
         # the placeholders' meta-device ones: training needs none, so the pipelined blocks get none.
-        args, kwargs = _map_caches(args, _no_cache), _map_caches(kwargs, _no_cache)
+        args, kwargs = _without_caches(args), _without_caches(kwargs)
         carried = tuple(key for key in sources.values() if key[0] < self.chain.segment_start)
         call = BlockCall(index, args, kwargs, restart=restart, carried=carried, sources=sources)
         self.chain.calls.append(call)
@@ -195,12 +201,12 @@ _REENTRANT_FORWARD = torch_checkpoint.CheckpointFunction.forward.__code__
 _REENTRANT_BACKWARD = torch_checkpoint.CheckpointFunction.backward.__code__
 
 
-def _model_checkpoint_phase() -> tuple[str | None, FrameType | None]:
-    """The innermost ``torch.utils.checkpoint`` phase that the current call is made in, read from the call stack,
-    with its frame: a reentrant checkpoint's forward, a non-reentrant one's, either's re-computation in backward;
-    ``None`` outside."""
+def _model_checkpoint_phase(stop: FrameType | None = None) -> tuple[str | None, FrameType | None]:
+    """The innermost ``torch.utils.checkpoint`` phase that the current call is made in, read from the call stack up
+    to the frame ``stop`` (the user's step, below which no model checkpoint lies), with its frame: a reentrant
+    checkpoint's forward, a non-reentrant one's, either's re-computation in backward; ``None`` outside."""
     frame = sys._getframe(2)
-    while frame is not None:
+    while frame is not None and frame is not stop:
         code = frame.f_code
         if code.co_filename == _CHECKPOINT_SOURCE:
             if code is _REENTRANT_FORWARD:
@@ -233,7 +239,12 @@ def _no_cache(value: Any) -> Any:
     return None if _is_cache(value) else value
 
 
-def _map_caches(values: Any, function: Callable[[Any], Any]) -> Any:
+def _without_caches(values: Any) -> Any:
+    """A call's arguments (a tuple, or a dict of keywords) with every key/value cache replaced by ``None``; the same
+    object when none is one (the common case, checked once per type)."""
+    items = values.values() if isinstance(values, dict) else values
+    if not any(_is_cache_type(type(value)) for value in items):
+        return values
     if isinstance(values, dict):
-        return {key: function(value) for key, value in values.items()}
-    return tuple(function(value) for value in values)
+        return {key: _no_cache(value) for key, value in values.items()}
+    return tuple(_no_cache(value) for value in values)

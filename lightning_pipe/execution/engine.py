@@ -4,17 +4,20 @@ The engine knows nothing of Lightning or of the user's step: :mod:`lightning_pip
 run. A stage holds one model chunk, or several with virtual stages; its actions come from a schedule
 (:mod:`lightning_pipe.schedules`), each naming a chunk and a micro-batch. Two ways to run them:
 
-* **Whole-batch steps** (GPipe, and every forward-only step): the model's code calls a chunk's blocks once with the
-  whole batch. :meth:`PipelineEngine.forward_chunk` then runs the chunk on every micro-batch (receiving the inputs,
-  sending the outputs); on the last chunk it returns the joined output, on whose leaves the user's loss lands.
-  :meth:`PipelineEngine.backward_phase` runs the schedule's backward actions afterwards, from the gradients the
-  next stage sends (or, on the last chunk, those the user's ``loss.backward()`` left on the leaves).
-* **Per-micro-batch steps** (1F1B, interleaved, zero bubble): :meth:`PipelineEngine.run_schedule` runs every action
-  in order; for each forward it runs the user's step on that micro-batch (the runtime hands it in), whose call of
-  the chunk's blocks runs the chunk (:meth:`PipelineEngine.forward_micro_batch`), and each backward of the last
-  chunk starts from that micro-batch's loss.
+Every action runs through one entry, :meth:`PipelineEngine.execute`, and one table, one handler per kind of
+action (``PipelineEngine._handlers``). A forward needs what the model's code called the chunk with: ``execute``
+hands it to its caller as a value, a :class:`ChunkForward`, and goes on once the caller has answered it
+(:meth:`ChunkForward.run`). Two callers answer differently:
 
-Either way every action runs through one table, one handler per kind of action (``PipelineEngine._handlers``).
+* **Whole-batch steps** (GPipe, and every forward-only step): the model's code calls a chunk's blocks once with the
+  whole batch. :meth:`PipelineEngine.forward_chunk` executes the chunk's forwards, answering each with that call's
+  micro-batch; on the last chunk it returns the joined output, on whose leaves the user's loss lands.
+  :meth:`PipelineEngine.backward_phase` executes the schedule's backward actions afterwards, from the gradients the
+  next stage sends (or, on the last chunk, those the user's ``loss.backward()`` left on the leaves).
+* **Per-micro-batch steps** (1F1B, interleaved, zero bubble): :class:`~lightning_pipe.execution.steps.MicroBatchStep`
+  executes the whole schedule and answers each forward by running the user's step on that micro-batch, whose call
+  of the chunk's blocks runs the forward; each backward of the last chunk starts from the loss it hands back
+  (:attr:`ChunkForward.loss`).
 
 Every chunk output that another chunk reads is cut from the graph: the next chunk's input is a leaf (received, or
 handed over on the same stage), and the last chunk's output reaches the user's code as leaves. So each backward
@@ -62,7 +65,7 @@ from lightning_pipe.partition.microbatch import Activation
 from lightning_pipe.schedules.actions import Action, ActionKind, PipelineSchedule, RecomputeMode
 from lightning_pipe.trace.timeline import BACKWARD, FORWARD, SEND, WAIT, StepTimeline
 
-__all__ = ["PipelineEngine", "PipelineMismatchError"]
+__all__ = ["ChunkForward", "PipelineEngine", "PipelineMismatchError"]
 
 _FORWARD_KINDS = ("recv", "forward", "send")
 _SAME_PATH = (
@@ -110,14 +113,29 @@ class _Output:
     carried: tuple[ChainKey, ...] = ()
 
 
-@dataclass
-class _WholeBatchForwards:
-    """The forwards of one chunk call in a whole-batch step: the call, the first chunk's input split into
-    micro-batches, and the last chunk's output of each micro-batch as it comes."""
+class ChunkForward:
+    """A forward of the schedule, handed by :meth:`PipelineEngine.execute` to its caller, who answers it with what the
+    model's code called the chunk with (:meth:`run`), or not at all (the user's step returned before the chunk: the
+    micro-batch is skipped); on the last chunk of a per-micro-batch step, the caller hands back the micro-batch's
+    scaled loss (:attr:`loss`), where its backward starts."""
 
-    call: ChunkCall
-    parts: list[Activation]
-    outputs: dict[int, Activation] = field(default_factory=dict)
+    __slots__ = ("action", "chunk", "micro_batch", "_engine", "ran", "loss")
+
+    def __init__(self, action: Action, engine: PipelineEngine) -> None:
+        self.action = action
+        self.chunk, self.micro_batch = action.chunk, action.micro_batch
+        self._engine = engine
+        self.ran = False
+        self.loss: Tensor | None = None
+
+    def run(self, call: ChunkCall, own_input: Activation | None = None, part: int = 0, parts: int = 1) -> Activation | None:
+        """The chunk on this micro-batch: its input ``own_input`` on the first chunk (else received, or handed over on
+        this stage), the side arguments part ``part`` of ``parts`` of ``call``'s. Its output on the last chunk (as
+        leaves), else ``None``."""
+        self.ran = True
+        engine = self._engine
+        inputs = _input_of(engine._step, self.chunk, self.micro_batch, own_input)
+        return engine._run_micro_batch(self.action, call, inputs, part, parts)
 
 
 @dataclass
@@ -128,10 +146,6 @@ class _StepState:
     actions: list[Action] = field(default_factory=list)  # this stage's schedule for the step
     next_action: int = 0  # the first action not executed yet
     split: set[Key] = field(default_factory=set)  # the pairs whose backward is split into input and weight halves
-    # Where a forward action's work comes from: the user's step, run on (chunk, micro-batch) up to the chunk's blocks
-    # (per-micro-batch steps), or the chunk call the model's code made with the whole batch (whole-batch steps).
-    run_user_step: Callable[[int, int], None] | None = None
-    whole_batch: _WholeBatchForwards | None = None
     micro_batches: dict[Key, _MicroBatch] = field(default_factory=dict)
     skipped: set[Key] = field(default_factory=set)  # per-micro-batch steps: pairs whose step returned before them
     outputs: dict[Key, _Output] = field(default_factory=dict)  # chunk outputs: to send, hand over, or received
@@ -215,6 +229,7 @@ class PipelineEngine:
         self.random_streams = random_streams
         self.backward_done: Callable[[int], None] | None = None  # FSDP hook: chunk k's backward of a micro-batch ended
         self.last_chunk = stage.num_chunks - 1
+        self._owners = {k: schedule.owner(k, stage.num_stages) for k in range(stage.num_chunks)}
         self._step = _StepState()
         self.step_signature: StepSignature | None = None  # the step run now, as neighbours must: `_StepState.signed`
         self._batch_norms = {
@@ -224,10 +239,9 @@ class PipelineEngine:
         self._blocks = {chunk: [stage.originals[i] for i in chunk_range] for chunk, chunk_range in stage.chunk_ranges.items()}
         # Intervals of forward, backward, sends and waits, for the bubble metric and traces (off: no-op calls).
         self.timeline = timeline if timeline is not None else StepTimeline(torch.device("cpu"), enabled=False)
-        # Every action of every step runs through `_execute`, by this table: one handler per kind.
+        # Every action but a forward (see `execute`) runs by this table: one handler per kind.
         self._handlers: dict[ActionKind, Callable[[Action], None]] = {
             "recv": self._receive_input,
-            "forward": self._forward,
             "send": self._send_activation,
             "recv_grad": self._receive_gradient,
             "backward": self._backward,
@@ -242,7 +256,8 @@ class PipelineEngine:
         return self.last_chunk in self.stage.chunk_ranges
 
     def owner(self, chunk: int) -> int:
-        return self.schedule.owner(chunk, self.stage.num_stages)
+        """The stage that holds ``chunk`` (asked for every message: known once)."""
+        return self._owners[chunk]
 
     def _here(self, chunk: int) -> bool:
         return self.owner(chunk) == self.stage.stage_index
@@ -284,16 +299,16 @@ class PipelineEngine:
             step.next_action = step.actions.index(actions[-1]) + 1
         else:
             actions = self._forward_only_actions(k, num)
-        forwards = step.whole_batch = _WholeBatchForwards(call, parts)
-        for action in actions:
-            self._execute(action)
-        step.whole_batch = None
+        outputs: dict[int, Activation | None] = {}
+        for forward in self.execute(actions):  # each micro-batch of the call the model's code made
+            m = forward.micro_batch
+            outputs[m] = forward.run(call, parts[m] if k == 0 else None, m, num)
         # Training, the forward phase is followed by waits for the next stage (its gradients, the step's outcome):
         # sent activations are held until the next stage has them, and no longer.
         self._step.wait_sends(done_only=not grad)
         if k != self.last_chunk:
             return None
-        return microbatch.join([forwards.outputs[m] for m in range(num)], alias=grad)
+        return microbatch.join([outputs[m] for m in range(num)], alias=grad)
 
     def _micro_batches_sent_to(self, k: int) -> int:
         """The count of micro-batches chunk ``k`` runs on in this step: those of chunk ``k - 1``, run here or sent."""
@@ -321,36 +336,17 @@ class PipelineEngine:
         send the input gradients), from the gradients the user's ``loss.backward()`` left on the last chunk's
         output leaves, or those the next stage sends."""
         step = self._step
-        for action in step.actions[step.next_action:]:
-            self._execute(action)
+        for forward in self.execute(step.actions[step.next_action:]):
+            raise AssertionError(f"{forward.action} after a whole-batch step's forwards")
         step.next_action = len(step.actions)
         self.end_step()
 
     # ---- per-micro-batch steps -----------------------------------------------------------------------------------
 
-    def run_schedule(self, num: int, run_user_step: Callable[[int, int], None]) -> None:
-        """Run the whole schedule of a step of ``num`` micro-batches; for each forward, ``run_user_step(chunk, m)``
-        runs the user's step on micro-batch ``m`` up to the chunk's blocks, which call :meth:`forward_micro_batch`."""
+    def plan(self, num: int) -> list[Action]:
+        """This step's actions for ``num`` micro-batches (a per-micro-batch step executes them all at once)."""
         self._plan(num)
-        step = self._step
-        step.run_user_step = run_user_step
-        for index, action in enumerate(step.actions):
-            step.next_action = index + 1
-            self._execute(action)
-        self.end_step()
-
-    def forward_micro_batch(self, call: ChunkCall, m: int) -> Activation | None:
-        """Inside :meth:`run_schedule`: the user's step on micro-batch ``m`` reached the end of ``call``'s chunk.
-        The chunk runs on it; its output on the last chunk (as leaves), else ``None``."""
-        action = self._step.actions[self._step.next_action - 1]
-        assert action.kind == "forward" and action.micro_batch == m and action.chunk == call.chunk
-        inputs = _input_of(self._step, call.chunk, m, call.stage_input if call.chunk == 0 else None)
-        return self._run_micro_batch(action, call, inputs, 0, 1)
-
-    def set_loss(self, m: int, loss: Tensor | None) -> None:
-        """The scaled loss of micro-batch ``m``, which the last chunk's backward of ``m`` starts from (``None``: the
-        step returned no loss, its gradients are zero)."""
-        self._step.micro_batches[(self.last_chunk, m)].loss = loss
+        return self._step.actions
 
     def _skip(self, k: int, m: int) -> None:
         """The user's step on micro-batch ``m`` returned before reaching chunk ``k``: the micro-batch is skipped on
@@ -401,33 +397,27 @@ class PipelineEngine:
 
     # ---- executing actions ---------------------------------------------------------------------------------------
 
-    def _execute(self, action: Action) -> None:
-        """Run one action of the schedule by its kind's handler; a skipped micro-batch's forward only passes the skip
-        on, and nothing else runs for it."""
-        key = (action.chunk, action.micro_batch)
-        if key not in self._step.skipped:
-            self._handlers[action.kind](action)
-        elif action.kind == "forward":
-            self._pass_skip(*key)
-        self._step.wait_sends(done_only=True)
-
-    def _forward(self, action: Action) -> None:
-        """A forward of the schedule. In a per-micro-batch step the user's step runs on the micro-batch, and its call
-        of the chunk's blocks runs the chunk (:meth:`forward_micro_batch`); in a whole-batch step the chunk runs on
-        that micro-batch of the call the model's code made."""
-        k, m = action.chunk, action.micro_batch
+    def execute(self, actions: list[Action]) -> Iterator[ChunkForward]:
+        """Run ``actions`` in order, each by its kind's handler; each forward is handed to the caller (see
+        :class:`ChunkForward`), and the next action runs once the caller asks for it. A skipped micro-batch's forward
+        only passes the skip on, and nothing else runs for it."""
         step = self._step
-        if step.run_user_step is not None:
-            step.run_user_step(k, m)
-            if (k, m) not in step.micro_batches:
-                self._skip(k, m)  # the step returned before reaching the chunk's blocks
-            return
-        forwards = step.whole_batch
-        assert forwards is not None, f"{action} runs only inside a chunk's forwards"
-        inputs = _input_of(self._step, k, m, forwards.parts[m] if k == 0 else None)
-        output = self._run_micro_batch(action, forwards.call, inputs, m, step.num_micro_batches)
-        if k == self.last_chunk:
-            forwards.outputs[m] = output
+        skipped, handlers = step.skipped, self._handlers
+        for action in actions:
+            key = (action.chunk, action.micro_batch)
+            if key in skipped:
+                if action.kind == "forward":
+                    self._pass_skip(*key)
+            elif action.kind == "forward":
+                forward = ChunkForward(action, self)
+                yield forward
+                if not forward.ran:
+                    self._skip(*key)  # the user's step returned before reaching the chunk's blocks
+                elif forward.loss is not None:
+                    step.micro_batches[key].loss = forward.loss
+            else:
+                handlers[action.kind](action)
+            step.sends.release_completed()
 
     def _receive_input(self, action: Action) -> None:
         """Receive micro-batch ``m``'s input of chunk ``k`` from the stage of chunk ``k - 1`` (or that it skipped it)."""

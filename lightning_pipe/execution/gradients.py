@@ -15,6 +15,7 @@ with a gradient scaler an overflow on one stage skips the step on all of them.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,8 +23,13 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_pipe.execution.sharding import local_squared_norm, scale_sharded_gradients
+from lightning_pipe.execution.sharding import StageSharding, local_squared_norm, scale_sharded_gradients, scaler_refused
 from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog
+
+if TYPE_CHECKING:  # those modules sum their gradients through this one
+    from lightning_pipe.execution.outside import OutsideOwnership
+    from lightning_pipe.execution.process_groups import PipelineGroups
+    from lightning_pipe.execution.tied import TiedParameters
 
 def swap_gradients(parameters: list[nn.Parameter], grads: list[Tensor | None]) -> list[Tensor | None]:
     """Give ``parameters`` the gradients ``grads``; their gradients until now are returned.
@@ -176,3 +182,60 @@ def stop_agreeing_on_gradient_overflow(scaler: torch.amp.GradScaler) -> None:
     installed = scaler.__dict__.get("unscale_")
     if getattr(installed, "__qualname__", "").startswith(f"{agree_on_gradient_overflow.__name__}.<locals>"):
         del scaler.__dict__["unscale_"]
+
+
+class StageGradients:
+    """This rank's gradients before the optimizer step, as the strategy's hooks need them: ``replicated`` parameters
+    (held by every stage), ``tied`` ones (shared by blocks of several stages) and those of outside modules held by
+    some stages (``ownership``) summed over the pipeline, every gradient averaged over replicas; clipping by the
+    whole model's norm; a gradient scaler's overflow agreed by every stage."""
+
+    def __init__(
+        self, groups: PipelineGroups, replicated: list[nn.Parameter], tied: TiedParameters, ownership: OutsideOwnership
+    ) -> None:
+        self.groups = groups
+        self.replicated = replicated
+        self.tied = tied
+        self.ownership = ownership
+        self.sharding: StageSharding | None = None  # with data_parallel="shard": the stage's blocks sharded (FSDP2)
+        self.split_blocks = False  # with tensor_parallel_size > 1: the stage's blocks split (DTensor)
+
+    def shard(self, sharding: StageSharding) -> None:
+        """The stage's blocks are sharded over its replicas from now on (see :mod:`lightning_pipe.execution.sharding`)."""
+        self.sharding = sharding
+
+    def split(self, _: Any) -> None:
+        """The stage's blocks are split over its tensor-parallel ranks from now on (see
+        :mod:`lightning_pipe.execution.tensor_parallel`): the norm adds their slices' squares over the stage's ranks."""
+        self.split_blocks = True
+
+    def reduce(self, module: nn.Module) -> None:
+        """Sum the replicated parameters' gradients over the pipeline, then average every gradient over replicas."""
+        groups = self.groups
+        reduce_gradients(self.replicated, groups.pipeline, average=False, watchdog=groups.watchdog)
+        self.tied.sum_gradients()
+        self.ownership.sum_gradients(groups.watchdog)
+        if self.sharding is not None:  # FSDP hook: the sharded blocks' gradients reduce-scattered, averaged
+            self.sharding.reduce_scatter_gradients()
+        if groups.layout.num_replicas > 1:
+            sharded = self.sharding.is_sharded if self.sharding is not None else lambda p: False
+            trainable = [p for p in module.parameters() if p.requires_grad and not sharded(p)]
+            reduce_gradients(trainable, groups.replicas, average=True, watchdog=groups.watchdog)
+
+    def clip_grad_by_norm(self, precision: Any, optimizer: Optimizer, clip_val: float) -> None:
+        """``clip_grad_norm_`` of ``optimizer``'s parameters (as ``precision`` holds them) by the whole model's norm,
+        every stage's share counted (see :func:`clip_grad_norm_over_pipeline`): the precision's ``clip_grad_by_norm``."""
+        groups = self.groups
+        clip_grad_norm_over_pipeline(
+            precision.main_params(optimizer), self.replicated, clip_val, groups.pipeline, groups.device,
+            [*self.tied.counted_elsewhere, *self.ownership.counted_elsewhere], groups.watchdog,
+            shards=groups.stage_holders if self.sharding is not None or self.split_blocks else None,
+        )
+
+    def agree_on_overflow(self, precision: Any) -> None:
+        """With a gradient scaler (16-mixed), an overflow on one stage skips the step on every stage."""
+        scaler = getattr(precision, "scaler", None)
+        if scaler is not None and self.sharding is not None:  # FSDP hook
+            raise NotImplementedError(scaler_refused(self.sharding.mode))
+        if scaler is not None and self.groups.num_stages > 1:
+            agree_on_gradient_overflow(scaler, self.groups.pipeline, self.groups.device, self.groups.watchdog)

@@ -82,6 +82,11 @@ class Header:
     step: StepSignature | None | object = None
 
     def encode(self) -> Tensor:
+        """The header as the tensor that travels (read-only: a step sends the same few headers every step, each
+        encoded once; a step's first message, which carries the step's signature, is encoded anew)."""
+        return _encoded(self) if self.step is None else self._encode()
+
+    def _encode(self) -> Tensor:
         values = [self.kind, self.micro_batch, self.num_micro_batches, self.chunk, int(self.is_tuple), len(self.tensors)]
         values += [len(self.carried), *(n for index, item in self.carried for n in (index, -1 if item is None else item))]
         for meta in self.tensors:
@@ -106,7 +111,10 @@ class Header:
 
     @staticmethod
     def decode(header: Tensor) -> Header:
-        values = header.tolist()
+        return _decoded(tuple(header.tolist()))
+
+    @staticmethod
+    def _decode(values: tuple[int, ...]) -> Header:
         kind, micro_batch, num_micro_batches, chunk, is_tuple, count, num_carried = values[:7]
         pairs = values[7 : 7 + 2 * num_carried]
         carried = tuple((index, None if item < 0 else item) for index, item in zip(pairs[::2], pairs[1::2]))
@@ -118,6 +126,16 @@ class Header:
             pos += 3 + ndim
         step = decode_signature(values[pos:]) if pos < HEADER_LENGTH else UNCHECKED  # a full header: no room left
         return Header(kind, micro_batch, num_micro_batches, tuple(metas), bool(is_tuple), chunk, carried, step)
+
+
+@functools.lru_cache(maxsize=256)  # a step sends the same headers every step: one per micro-batch and chunk
+def _encoded(header: Header) -> Tensor:
+    return header._encode()
+
+
+@functools.lru_cache(maxsize=256)
+def _decoded(values: tuple[int, ...]) -> Header:
+    return Header._decode(values)
 
 
 @functools.lru_cache(maxsize=64)  # asked for every activation on both ends; a step repeats a few shapes

@@ -50,7 +50,7 @@ class Placeholders:
         """
         block = self.originals[index]
         known = self._meta_outputs.setdefault(index, {})
-        key = signature((block.training, args, kwargs)) if reuse else None
+        key = _signature_of_call(block.training, args, kwargs) if reuse else None
         if key is not None and key in known:
             return map_tensors(known[key], fresh_meta)
         output = self._computed(index, args, kwargs, send=reuse)
@@ -117,6 +117,14 @@ def _to_meta(tensor: Tensor) -> Tensor:
     return tensor if tensor.is_meta else tensor.to("meta")
 
 
+def _signature_of_call(training: bool, args: tuple, kwargs: dict) -> Hashable | None:
+    """:func:`signature` of a block call; for the common call on tensors alone, a flat key of their shapes, strides and
+    dtypes (which no nested signature equals: it starts with a bool)."""
+    if not kwargs and all(type(arg) is Tensor for arg in args):
+        return (training, *[(arg.shape, arg.stride(), arg.dtype) for arg in args])
+    return signature((training, args, kwargs))
+
+
 def signature(value: Any) -> Hashable | None:
     """What a block's meta output can depend on in ``value``, as a hashable key: each tensor's shape, strides and
     dtype, plain values as they are, containers as ``map_tensors`` walks them; ``None`` if ``value`` holds anything
@@ -126,10 +134,12 @@ def signature(value: Any) -> Hashable | None:
     if isinstance(value, _PLAIN):
         return (type(value).__name__, value)
     if (isinstance(value, (tuple, list)) and not hasattr(value, "_fields")) or type(value) is dict:
-        items = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
-        keys = [(key, signature(item)) for key, item in items]
-        if any(key is None for _, key in keys):
-            return None
+        keys = []
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            found = signature(item)
+            if found is None:
+                return None
+            keys.append((key, found))
         return (type(value).__name__, tuple(keys))
     return None
 

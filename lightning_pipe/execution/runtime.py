@@ -1,30 +1,22 @@
-"""One rank's stage at run time: the role it plays in a step, the user's step up to the hand-off, and backward.
+"""One rank's stage at run time: the user's code run up to the hand-off, each chunk run where its blocks are called,
+the step's outcome shared.
 
-Every stage runs the user's step until the model's code calls the last block of one of this stage's chunks (the
-blocks before it answer placeholders, see :mod:`lightning_pipe.execution.stage`). There the chunk runs:
+Every stage runs the user's code until it calls the last block of one of this stage's chunks (the blocks before it
+answer placeholders, see :mod:`lightning_pipe.execution.stage`). There the chunk runs as the caller of
+:meth:`StageRuntime.run_user_code` says: on every micro-batch of a whole-batch call (:meth:`StageRuntime.forward_step`,
+the engine's :meth:`~lightning_pipe.execution.engine.PipelineEngine.forward_chunk`), or on the one micro-batch of
+a per-micro-batch step's forward (:mod:`lightning_pipe.execution.steps`). A stage whose call has no chunk left ends
+the user's code with :class:`HandedOff`; the stage with the model's last chunk gets the chunk's output and the
+user's code runs on, so the loss, metrics and ``self.log`` see what one device would.
 
-* **whole-batch steps** (GPipe, and every forward-only step): the chunk runs on every micro-batch of the batch,
-  receiving its inputs from the stage of the chunk before and sending its outputs on. A stage whose step has no
-  chunk left ends the user's step with :class:`HandedOff`; the stage with the model's last chunk gets the joined
-  output of all micro-batches and the user's step runs on, so the loss, metrics and ``self.log`` see the whole
-  mini-batch. Lightning's ``backward`` then runs the blocks' backward, micro-batch by micro-batch
-  (:meth:`PipelineEngine.backward_phase`);
-* **per-micro-batch steps** (1F1B, interleaved, zero bubble): the user's ``training_step`` runs on a micro-batch at
-  the schedule's forward of its first chunk on this stage, up to that chunk, and on through this stage's later
-  chunks, whose calls it records for their own forwards (see :meth:`StageRuntime._later_chunks`); it runs again
-  for the model's last chunk, where it runs to its end and its loss, weighted by the micro-batch's share of the
-  batch's samples (or of the items its loss averages over: the LightningModule's ``items_in_loss(batch)``, a
-  Hugging Face model's label tokens, see :mod:`lightning_pipe.execution.loss_items`), is back-propagated when the
-  schedule says (:meth:`PipelineEngine.run_schedule`).
-
-Either way the step's outcome (skipped or not, the loss, the logs, metric and random states) is then shared by the
-last stage with the other stages, which replay it (:mod:`lightning_pipe.execution.replayed_logs`).
+A step's outcome (skipped or not, the loss, the logs, metric and random states) is then shared by the loss stage
+with the other stages, which replay it (:mod:`lightning_pipe.execution.replayed_logs`).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping
+import sys
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -39,14 +31,10 @@ from lightning_pipe.execution.block_calls import BlockCalls
 from lightning_pipe.execution.call_order import ChunkCall
 from lightning_pipe.execution.engine import PipelineEngine
 from lightning_pipe.execution.learned_outputs import LearnedOutputs, OutputMessages
-from lightning_pipe.execution.loss_items import LossItems, announce, unequal_label_shares, warn_weighted_by_samples
 from lightning_pipe.execution.p2p import failed_wait
 from lightning_pipe.execution.process_groups import PipelineGroups, broadcast_over_cpu_group
 from lightning_pipe.execution.replayed_logs import (
-    LogRecord,
     StepOutcome,
-    merged_logs,
-    merged_output,
     adopt_random_states,
     load_metric_states,
     logged_metric_states,
@@ -72,16 +60,13 @@ class HandedOff(BaseException):
 
 
 class StageRuntime:
-    """Runs steps on this rank's stage: ``run_step`` for the user's step hooks, ``backward`` in Lightning's backward
-    of a whole-batch step, ``run_on_last_stage`` for hooks that consume step results.
+    """Runs the user's code on this rank's stage: ``run_step`` for a whole-batch step hook, ``run_user_code`` for a
+    call whose chunks run as its caller says, ``run_on_last_stage`` for hooks that consume step results, and
+    ``share_outcome`` for what the loss stage's step leaves.
 
-    ``scale_loss`` turns a micro-batch's loss into what its backward starts from in a per-micro-batch step (its
-    share of the batch, Lightning's gradient accumulation, a gradient scaler); ``step_context`` is the precision's
-    context for the user's step (autocast), entered around each call of it there, and not around backward.
     ``on_model_checkpoint`` is said once when the model's code calls its blocks under ``torch.utils.checkpoint``.
-
     The runtime answers the model's calls of the stage's blocks (:class:`BlockCalls`, built here): at the end of a
-    chunk, :meth:`_run_chunk` hands the chunk to the engine, which runs the stage's blocks on each micro-batch.
+    chunk, :meth:`_run_chunk` runs the chunk.
     """
 
     def __init__(
@@ -89,24 +74,16 @@ class StageRuntime:
         groups: PipelineGroups,
         engine: PipelineEngine,
         stage: StageBlocks,
-        scale_loss: Callable[[Tensor], Tensor] = lambda loss: loss,
-        step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         on_model_checkpoint: Callable[[], None] = lambda: None,
     ) -> None:
         self.groups = groups
         self.engine = engine
         self.stage = stage
-        self.scale_loss = scale_loss
-        self.step_context = step_context
-        self.step_skipped = False  # the last training step returned None: no backward, no optimizer step
-        self._called = False  # whether the pipeline ran in the current step
-        self._micro_batch: int | None = None  # in a per-micro-batch step: the micro-batch the user's step runs on
+        self._called = False  # whether the pipeline ran in the current call of the user's code
+        # How the current call of the user's code runs a chunk whose blocks it called, and its whole batch's size.
+        self._runs_chunk: Callable[[ChunkCall], Any] = engine.forward_chunk
+        self._batch_size: int | None = None
         self._batch_sizes_checked: set[tuple[int, int | None]] = set()  # (chunk, batch size): see `_run_chunk`
-        self._batch_size = 0  # in a per-micro-batch step: the whole batch's
-        self._loss_items: LossItems | None = None  # what a per-micro-batch step's loss averages over, decided once
-        # In a per-micro-batch step: the calls of this stage's later chunks, (chunk, micro-batch) -> call, recorded by
-        # the user's step on the micro-batch's first chunk here and run at their own forwards.
-        self._calls_ahead: dict[tuple[int, int], ChunkCall] = {}
         self.epoch_last_batch: int | None = None  # the training DataLoader's smaller last batch, if it has one
         self.requeues_asked = 0  # SLURM's requeue signals this rank got (a signal handler counts; the last stage's count)
         self._requeues_shared = 0  # of those, the ones the last stage's outcomes have told the pipeline about
@@ -118,38 +95,52 @@ class StageRuntime:
             learned=lambda calls: LearnedOutputs(stage, lambda: calls.in_step, messages),
         )
 
-    @property
-    def is_last(self) -> bool:
-        """Whether this stage computes the model's output: the loss, the metrics, the step's results."""
-        return self.engine.holds_last_chunk
+    def note_requeue_asked(self) -> None:
+        """SLURM asked this rank to requeue (its signal handler says so; the loss stage's count travels on)."""
+        self.requeues_asked += 1
+
+    def take_due_requeue(self) -> bool:
+        """Whether an outcome asked every stage to requeue before this training step (asked once)."""
+        due, self.requeue_due = self.requeue_due, False
+        return due
+
+    def expect_epoch_last_batch(self, size: int | None) -> None:
+        """The training DataLoader's smaller last batch, if it has one: the BatchNorm check covers it from step one."""
+        self.epoch_last_batch = size
+
+    def sign_step(self, module: LightningModule, hook: str, args: tuple, kwargs: dict) -> None:
+        """What the stages must agree on for the step about to run (see lightning_pipe.execution.step_agreement)."""
+        if self.groups.num_stages > 1:
+            self.engine.step_signature = step_signature_of(module, hook, args, kwargs)
+
+    def step_output(self, module: LightningModule, hook: str, args: tuple, kwargs: dict) -> Any:
+        """The user's ``hook`` step (validation, test, predict) through the pipeline: its output on the loss stage,
+        ``None`` on the others."""
+        _, output = self.run_step(module, hook, args, kwargs)
+        return output if self.is_loss_stage else None
 
     @property
-    def per_micro_batch(self) -> bool:
-        """Whether training steps call the user's ``training_step`` once per micro-batch (every schedule but GPipe)."""
-        return self.engine.schedule.per_micro_batch
+    def is_loss_stage(self) -> bool:
+        """Whether this is the loss stage: it holds the model's last chunk (the last stage, but stage 0 under zbv)
+        and computes the model's output, the loss, the metrics, the step's results."""
+        return self.engine.holds_last_chunk
 
     # ---- the step ------------------------------------------------------------------------------------------------
 
     def run_step(self, module: LightningModule, hook: str, args: tuple, kwargs: dict) -> tuple[StepOutcome, Any]:
-        """Run one step of the user's ``hook`` (``"training_step"``, ...) through the pipeline; every stage learns
-        the outcome. The step's output is the user's on the last stage, ``None`` elsewhere."""
-        if self.groups.num_stages > 1:  # what the stages must agree on: see lightning_pipe.execution.step_agreement
-            self.engine.step_signature = step_signature_of(module, hook, args, kwargs)
-        if hook == "training_step" and self.per_micro_batch:
-            outcome, output = self._run_per_micro_batch(module, args, kwargs)
-        else:
-            user_step = partial(getattr(module, hook), *args, **kwargs)
-            outcome = StepOutcome()
-            if self.is_last:
-                with recording_logs(module) as records:
-                    output = self.forward_step(user_step)
-                loss = _loss_value(output) if hook == "training_step" else None
-                outcome = StepOutcome(output is None, loss, records, logged_metric_states(module, records))
-            else:
+        """Run one whole-batch step of the user's ``hook`` (``"training_step"``, ...) through the pipeline; every
+        stage learns the outcome. The step's output is the user's on the last stage, ``None`` elsewhere."""
+        self.sign_step(module, hook, args, kwargs)
+        user_step = partial(getattr(module, hook), *args, **kwargs)
+        outcome = StepOutcome()
+        if self.is_loss_stage:
+            with recording_logs(module) as records:
                 output = self.forward_step(user_step)
-            outcome = self.share_outcome(module, outcome)
-        if hook == "training_step":
-            self.step_skipped = outcome.skipped
+            loss = loss_value(output) if hook == "training_step" else None
+            outcome = StepOutcome(output is None, loss, records, logged_metric_states(module, records))
+        else:
+            output = self.forward_step(user_step)
+        outcome = self.share_outcome(module, outcome)
         if outcome.skipped:
             self.engine.begin_step()  # no backward will come: drop the stored micro-batches
         return outcome, output
@@ -158,117 +149,52 @@ class StageRuntime:
         """Run ``user_step`` (code that calls the pipelined blocks once, with the whole batch) in this stage's role;
         its result on the last stage, ``None`` elsewhere. Nothing is shared: :meth:`run_step` adds that for
         Lightning's steps."""
-        with self._user_step():
-            try:
-                output = user_step()
-            except HandedOff:
-                return None
-            if not self._called:  # the step returned before reaching the blocks: so must the other stages' have
-                self.engine.skip_step()
-            return output if self.is_last else None
-
-    @contextlib.contextmanager
-    def _user_step(self) -> Iterator[None]:
-        """Marks the user's step: the pipelined blocks' calls inside it are one micro-batched pipeline step."""
         self.engine.begin_step()
-        self.calls.begin_step(in_step=True)
-        self._called = False
+        output = self.run_user_code(user_step, self.engine.forward_chunk)
+        if not self._called:  # the step returned before reaching the blocks: so must the other stages' have
+            self.engine.skip_step()
+        return output if self.is_loss_stage else None
+
+    def run_user_code(
+        self,
+        user_code: Callable[[], Any],
+        runs_chunk: Callable[[ChunkCall], Any],
+        chunks: Iterable[int] | None = None,
+        batch_size: int | None = None,
+    ) -> Any:
+        """Run ``user_code`` as a step: its calls of this stage's ``chunks`` (by default every one) run by
+        ``runs_chunk(call)``, checked against a batch of ``batch_size`` (by default the call's). What it returns,
+        or ``None`` where it was handed off."""
+        self.calls.begin_step(in_step=True, targets=chunks, frame=sys._getframe())
+        self._runs_chunk, self._batch_size, self._called = runs_chunk, batch_size, False
         try:
-            yield
+            return user_code()
+        except HandedOff:
+            return None
         finally:
             self.calls.end_step()
 
-    def _run_per_micro_batch(self, module: LightningModule, args: tuple, kwargs: dict) -> tuple[StepOutcome, Any]:
-        """A training step of a per-micro-batch schedule: the user's ``training_step`` runs once per micro-batch (the
-        batch split along dim 0, the same ``batch_idx``), whenever the schedule runs a forward; each loss, weighted
-        by its micro-batch's share of the batch, is back-propagated when the schedule says. The last stage merges
-        what the steps logged and returned into one step's worth, which every stage then replays."""
-        batch, rest = args[0], args[1:]
-        parts = microbatch.split_batch(batch, self.engine.num_micro_batches)
-        sizes = [microbatch.batch_size_of(part) for part in parts]
-        self._batch_size = sum(sizes)
-        items = self._items_per_micro_batch(module, parts, sizes)
-        weights = [item / sum(items) for item in items]  # each micro-batch's share of what the loss averages over
-        results: dict[int, Any] = {}
-        records: dict[int, list[LogRecord]] = {}
-        self._calls_ahead = {}
-
-        def run_user_step(chunk: int, m: int) -> None:
-            ahead = self._calls_ahead.pop((chunk, m), None)
-            if ahead is not None:  # recorded by this micro-batch's step on an earlier chunk of this stage
-                with self.step_context():
-                    self.engine.forward_micro_batch(ahead, m)
-                return
-            self.calls.begin_step(in_step=True, targets=[chunk, *self._later_chunks(chunk)])
-            self._micro_batch, self._called = m, False
-            try:
-                with self.step_context():
-                    if chunk != self.engine.last_chunk:
-                        module.training_step(parts[m], *rest, **kwargs)
-                        return
-                    with recording_logs(module, log=False) as records[m]:
-                        results[m] = module.training_step(parts[m], *rest, **kwargs)
-            except HandedOff:
-                return
-            finally:
-                self._micro_batch = None
-                self.calls.end_step()
-            if self._called:
-                loss = _loss_tensor(results[m]) if items[m] > 0 else None  # a mean over no items: no gradient
-                self.engine.set_loss(m, None if loss is None else self.scale_loss(loss * weights[m]))
-
-        self.engine.begin_step()
-        self.engine.run_schedule(len(parts), run_user_step)
-        outcome, output = StepOutcome(), None
-        if self.is_last:
-            ran = {m: weights[m] for m in results}
-            logs = merged_logs(records, ran)
-            replay_logs(module, logs)  # what the steps logged, once for the whole step
-            output = merged_output(results, ran)
-            outcome = StepOutcome(output is None, _loss_value(output), logs, logged_metric_states(module, logs))
-        return self.share_outcome(module, outcome), output
-
-    def _later_chunks(self, chunk: int) -> list[int]:
-        """The chunks of this stage after ``chunk`` whose calls the user's step on a micro-batch records while it runs
-        ``chunk`` (every one but the model's last, whose call must return the micro-batch's output to the step)."""
-        return [k for k in sorted(self.stage.chunk_ranges) if chunk < k < self.engine.last_chunk]
-
-    def _items_per_micro_batch(self, module: LightningModule, parts: list[Any], sizes: list[int]) -> list[float]:
-        """What each micro-batch's loss averages over (:mod:`lightning_pipe.execution.loss_items`), known before the
-        first micro-batch runs, so that the first backward already has its weight. Said once at the first step;
-        weighting by samples where the labels say it is wrong for a token mean is warned of, once."""
-        if self._loss_items is None:
-            self._loss_items = LossItems.of(module, parts[0])
-            announce(self._loss_items, module)
-            shares = unequal_label_shares(parts, sizes) if self._loss_items.count is None else None
-            if shares is not None:
-                warn_weighted_by_samples(module, shares)
-        return self._loss_items.per_micro_batch(parts, sizes)
+    @property
+    def called_the_blocks(self) -> bool:
+        """Whether the last call of the user's code reached this stage's blocks."""
+        return self._called
 
     def _run_chunk(self, chunk: int) -> Any:
         """At the last block of a chunk this call runs: run the chunk in this stage's role. The last chunk returns
         its output to the model's code; in a step, the stage's last chunk of the call ends the user's step there."""
-        engine, calls = self.engine, self.calls
+        calls = self.calls
         grad = torch.is_grad_enabled()
         call = calls.chunk_call(chunk, detach_side_arguments=grad and (calls.in_step or self.groups.num_stages > 1))
         if not calls.in_step:
             return self._run_chunk_outside_step(call)
         self._called = True
-        batch = self._batch_size if self._micro_batch is not None else call.batch
+        batch = self._batch_size or call.batch
         if grad and (chunk, batch) not in self._batch_sizes_checked:
             # Before the first training step, for its batches and the epoch's last; again for any other size.
-            calls.check_micro_batches_fit_batch_norm(call, engine.num_micro_batches, self.epoch_last_batch, batch)
+            calls.check_micro_batches_fit_batch_norm(call, self.engine.num_micro_batches, self.epoch_last_batch, batch)
             self._batch_sizes_checked |= {(chunk, batch), (chunk, self.epoch_last_batch)}
-        if self._micro_batch is not None and chunk != min(calls.targets):
-            # A later chunk of this stage in a per-micro-batch step: its call is kept for its own forward, so that the
-            # user's step runs once per micro-batch on this stage, not once per chunk (see `_later_chunks`).
-            self._calls_ahead[(chunk, self._micro_batch)] = call
-            output = None
-        elif self._micro_batch is not None:
-            output = engine.forward_micro_batch(call, self._micro_batch)
-        else:
-            output = engine.forward_chunk(call)
-        if chunk == engine.last_chunk:
+        output = self._runs_chunk(call)
+        if chunk == self.engine.last_chunk:
             return output
         if chunk == max(calls.targets):
             raise HandedOff
@@ -331,7 +257,7 @@ class StageRuntime:
     def run_on_last_stage(self, module: LightningModule, user_hook: Callable[[], None]) -> None:
         """Run a hook that consumes step results (``on_*_epoch_end``) where they are; replay what it logs."""
         outcome = StepOutcome()
-        if self.is_last:
+        if self.is_loss_stage:
             with recording_logs(module) as records:
                 user_hook()
             outcome.logs = records
@@ -345,7 +271,7 @@ class StageRuntime:
         groups = self.groups
         if groups.num_stages == 1:
             return outcome
-        if self.is_last:
+        if self.is_loss_stage:
             outcome.random_states = random_states(groups.device)
             asked = self.requeues_asked  # read once: a signal handled meanwhile goes with the next outcome
             outcome.requeue, self._requeues_shared = asked > self._requeues_shared, asked
@@ -355,7 +281,7 @@ class StageRuntime:
         except RuntimeError as error:
             raise self._outcome_not_shared(error) from error
         self.requeue_due |= outcome.requeue
-        if not self.is_last:
+        if not self.is_loss_stage:
             if outcome.metric_states:
                 load_metric_states(module, outcome.metric_states)
             replay_logs(module, outcome.logs)
@@ -366,34 +292,26 @@ class StageRuntime:
     def _outcome_wait(self) -> Wait:
         """The outcome's broadcast as the stall watchdog reports it: on the last stage, or by it on the others."""
         groups = self.groups
-        if self.is_last:
+        if self.is_loss_stage:
             return groups.watchdog.collective("the step's results (loss, logs)", groups.meta, sending=True)
         return Wait("the step's results (loss, logs)", (groups.loss_rank,))
 
     def _outcome_not_shared(self, error: RuntimeError) -> PipelineCommunicationError:
         """The error when the last stage's results could not be shared: which stage waited for which."""
         groups, timeout = self.groups, self.groups.timeout
-        if self.is_last:
+        if self.is_loss_stage:
             waited = "sending the step's results (loss, logs) to the other stages"
             return failed_wait(groups.describe(), waited, "another stage of its pipeline", timeout, error)
         last = groups.describe(groups.layout.loss_stage)
         waited = "waiting for the last stage's step results (loss, logs)"
         return failed_wait(groups.describe(), waited, last, timeout, error)
 
-    # ---- backward ------------------------------------------------------------------------------------------------
-
-    def backward(self) -> None:
-        """A whole-batch step's backward of the blocks, as the schedule says: on the last stage from the gradients the
-        user's ``loss.backward()`` left on the leaves of the blocks' output, elsewhere from those the next stage
-        sends."""
-        self.engine.backward_phase()
-
-
-def _loss_tensor(output: Any) -> Tensor | None:
+def loss_tensor(output: Any) -> Tensor | None:
+    """The loss in a training step's output: the output itself, or its ``"loss"`` entry."""
     loss = output.get("loss") if isinstance(output, Mapping) else output
     return loss if isinstance(loss, Tensor) else None
 
 
-def _loss_value(output: Any) -> float | None:
-    loss = _loss_tensor(output)
+def loss_value(output: Any) -> float | None:
+    loss = loss_tensor(output)
     return float(loss.detach()) if loss is not None else None

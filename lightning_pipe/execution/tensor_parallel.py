@@ -106,6 +106,20 @@ def resolve_plan(
     return BlockPlans(styles, None, source)
 
 
+def refuse_split_ties(plans: BlockPlans, ties: Sequence[tuple[Sequence[tuple[int, str]], Sequence[str]]]) -> None:
+    """Raise where a parameter shared by blocks of several stages (each tie: its places, ``(block index, name in the
+    block)``, and the blocks' names) lies in a layer the plan splits: the stages keep one value of it, whole."""
+    for places, block_names in ties:
+        for index, name in places:
+            layer = name.rpartition(".")[0]
+            if layer in plans.styles.get(index, {}):
+                raise ValueError(
+                    f"{plans.source} splits {block_names[index]}.{layer!r}, whose parameter {name.rpartition('.')[2]!r}"
+                    " is shared with a block of another stage (tied); the stages keep a tied parameter whole. Leave"
+                    f" {layer!r} out of the plan, or untie the parameter."
+                )
+
+
 def _user_plans(block_names: Sequence[str], blocks: Sequence[nn.Module], plan: Mapping[str, Any], key: str) -> dict:
     styles: dict[int, dict[str, Any]] = {}
     for pattern, style in plan.items():
@@ -259,15 +273,14 @@ class StageTensorParallel:
                 for split, whole in swapped:
                     split.to_local().copy_(_split_like(whole.detach(), split).to_local())
 
-    def make_whole(self) -> None:
+    def make_whole(self, optimizers: Iterable[Optimizer] = ()) -> None:
         """After the run: every block whole again, as the user built it (plain parameters holding the trained values,
-        no tensor-parallel hook). A collective over the stage's tensor-parallel ranks."""
+        no tensor-parallel hook); ``optimizers`` hold the whole parameters and their state whole too (a checkpoint
+        saved after the run reads them). A collective over the stage's tensor-parallel ranks."""
         wholes = {id(p): nn.Parameter(p.full_tensor().detach(), p.requires_grad) for p in self.split_parameters()}
+        _replace(self.blocks, list(optimizers), wholes, _whole)
         for block in self.blocks:
             for module in block.modules():
-                for name, parameter in list(module._parameters.items()):
-                    if parameter is not None and id(parameter) in wholes:
-                        module._parameters[name] = wholes[id(parameter)]
                 module.__dict__.pop("_distribute_module_applied", None)
         for hook_dict, keys in self._hooks:
             for key in keys:

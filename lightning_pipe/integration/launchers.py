@@ -207,14 +207,13 @@ def note_requeue(runtime: Callable[[], StageRuntime | None], signum: Any, frame:
     checkpoint's gathers. Counted instead: the last stage's count travels with its next step outcome, and every
     stage of the pipeline requeues (:func:`requeue_if_due`) at the start of the training step after it."""
     if (stage_runtime := runtime()) is not None:
-        stage_runtime.requeues_asked += 1
+        stage_runtime.note_requeue_asked()
 
 
 def requeue_if_due(trainer: Trainer, runtime: StageRuntime | None) -> None:
     """Lightning's requeue (its SIGUSR1 handler), at the start of a training step, where a step outcome asked it."""
-    if runtime is None or not runtime.requeue_due:
+    if runtime is None or not runtime.take_due_requeue():
         return
-    runtime.requeue_due = False
     connector = trainer._signal_connector
     type(connector)._slurm_sigusr_handler_fn(connector, signal.SIGUSR1, None)  # type: ignore[arg-type]
 

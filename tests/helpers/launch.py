@@ -111,6 +111,23 @@ def started_together(jobs: Mapping[Any, Callable[[], Any]], at_most: int | None 
     return futures
 
 
+def launches_started_with_first_test(
+    reading: tuple[str, ...], jobs: Callable[[Any], Mapping[Any, Callable[[], Any]]]
+) -> Any:
+    """A module fixture (autouse) that starts the file's launches together with its first test: ``jobs(tmp_path_factory)``
+    (see :func:`started_together`), or none when no selected test of the file reads one of the fixtures ``reading``
+    (a run of its in-process tests alone). Its value maps each job's name to its future."""
+    import pytest
+
+    @pytest.fixture(scope="module", autouse=True)
+    def launches(request: Any, tmp_path_factory: Any) -> dict[Any, Future]:
+        if not selected_tests_use(request, *reading):
+            return {}
+        return started_together(jobs(tmp_path_factory))
+
+    return launches
+
+
 def selected_tests_use(request: Any, *fixtures: str) -> bool:
     """Whether a test of ``request``'s module selected for this run reads one of ``fixtures`` (so a fixture that
     starts launches early, with the module's first test, starts none for a run of its in-process tests alone)."""

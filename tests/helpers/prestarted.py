@@ -199,9 +199,10 @@ def serve(path: str, started_with: dict[str, str], set_by_imports: dict[str, str
             sys.exit(0)
         if listener in readable:
             connection, _ = listener.accept()
-            request = b""
-            while not request.endswith(b"\n"):
-                request += connection.recv(65536)
+            request = _request_line(connection)
+            if request is None:  # the client closed before its request was whole: nothing to serve
+                connection.close()
+                continue
             asked = json.loads(request)
             ignored = (*asked.get("ignored", ()), *set_by_imports)
             if not same_imports(asked["env"], started_with, ignored):
@@ -227,6 +228,17 @@ def serve(path: str, started_with: dict[str, str], set_by_imports: dict[str, str
                 except OSError:  # the client gave up on it
                     pass
                 connection.close()
+
+
+def _request_line(connection: socket.socket) -> bytes | None:
+    """A client's request, one line; None if the client closed the connection before the line was whole."""
+    request = b""
+    while not request.endswith(b"\n"):
+        received = connection.recv(65536)
+        if not received:
+            return None
+        request += received
+    return request
 
 
 def become(request: dict) -> None:
