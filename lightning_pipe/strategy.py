@@ -478,7 +478,8 @@ class GPipeStrategyMixin(PipelineView):
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         default_io = type(self.checkpoint_io).load_checkpoint is self.lightning_package.torch_checkpoint_io.load_checkpoint
-        read = self._checkpoints().read(checkpoint_path, self.optimizers, default_io, weights_only)
+        with _whole_view(self._pipeline, self.optimizers, as_shards=True):  # TP hook: split blocks read whole
+            read = self._checkpoints().read(checkpoint_path, self.optimizers, default_io, weights_only)
         return read if read is not None else super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override
@@ -508,10 +509,8 @@ class GPipeStrategyMixin(PipelineView):
         if not self._checkpoints().write(checkpoint, filepath, storage_options, after_spawned_ranks=spawned):
             super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0 writes the whole model
 
-    def save_pretrained(
-        self, directory: str | Path, prefix: str | None = None, dtype: torch.dtype | str | None = None,
-        max_shard_size: str | int | None = None,
-    ) -> None:
+    def save_pretrained(self, directory: str | Path, prefix: str | None = None, dtype: torch.dtype | str | None = None,
+                        max_shard_size: str | int | None = None) -> None:
         """Write the model as a Hugging Face directory that ``from_pretrained`` loads, each stage its own shard (cut at
         ``max_shard_size``); call it on every rank (:meth:`~lightning_pipe.checkpoints.strategy_io.StageCheckpoints.save_pretrained`)."""
         with _whole_view(self._pipeline):  # TP and FSDP hook: split or sharded blocks written whole
