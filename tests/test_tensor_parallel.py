@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from helpers.compare import merged_state_dict, rank_results, relative_weight_error
-from helpers.launch import launch, selected_tests_use, started_together
+from helpers.launch import REPO, launch, run_python, selected_tests_use, started_together
 from helpers.recording import MetricRecorder
 from helpers.stock_models import LlamaModule, Qwen2Module
 from helpers.tensor_parallel_models import BLOCK_PLAN, TENSOR_PARALLEL_MODELS, Block, loaders_for
@@ -73,17 +73,18 @@ MATCHING = {"two_by_two": [run for run in TWO_BY_TWO if not (run.get("expect_err
             "three_d": THREE_D}
 
 
-def fits(runs: list[dict], devices: int, out: Path) -> Path:
-    launch("tensor_parallel_worker.py", {"devices": devices, "out": str(out), "runs": runs}, out, timeout=900)
-    return out
+def fits(runs: list[dict], devices: int, cwd: Path) -> Path:
+    launch("tensor_parallel_worker.py", {"devices": devices, "out": str(cwd), "runs": runs}, cwd, timeout=900)
+    return cwd
 
 
 @pytest.fixture(scope="module")
 def launches(request, tmp_path_factory):
     if not selected_tests_use(request, "launches"):
         return {}
-    jobs = {"two_by_two": partial(fits, TWO_BY_TWO, 4), "three_d": partial(fits, THREE_D, 8)}
-    return started_together({name: partial(job, tmp_path_factory.mktemp(name)) for name, job in jobs.items()})
+    jobs = {"two_by_two": partial(fits, TWO_BY_TWO, 4), "three_d": partial(fits, THREE_D, 8),
+            "example": partial(run_python, REPO / "examples" / "three_dimensions.py", timeout=900, prestarted=True)}
+    return started_together({name: partial(job, cwd=tmp_path_factory.mktemp(name)) for name, job in jobs.items()})
 
 
 def one_device(model_name: str, replicas: int = 1, max_epochs: int = 1) -> tuple[dict, dict, list[float]]:
@@ -179,6 +180,12 @@ def test_a_rank_holds_half_of_its_blocks_at_two(launches):
         assert ours / (3 * stage_bytes) == pytest.approx(0.5, rel=0.05)
         whole = {name.split(".", 1)[1] for name in held["whole"]}
         assert whole == {"norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias", "attn.out.bias", "mlp.down.bias"}
+
+
+def test_the_guides_three_dimensional_example_trains_on_eight_processes(launches):
+    """docs/guide.md, "Three dimensions": examples/three_dimensions.py runs as written (a tiny Llama, 2 x 2 x 2)."""
+    finished = launches["example"].result()
+    assert "trained 4 steps on 2 stages x 2 replicas x 2 tensor-parallel ranks; last loss" in finished.stdout
 
 
 # ---- the plan and the refusals, in one process -------------------------------------------------------------------

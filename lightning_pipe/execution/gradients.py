@@ -237,5 +237,12 @@ class StageGradients:
         scaler = getattr(precision, "scaler", None)
         if scaler is not None and self.sharding is not None:  # FSDP hook
             raise NotImplementedError(scaler_refused(self.sharding.mode))
+        name = getattr(precision, "precision", "32-true")
+        if self.split_blocks and name not in ("32-true", "32", 32, "64-true"):  # TP hook
+            raise NotImplementedError(
+                f"precision={name!r} with tensor_parallel_size > 1 is not supported yet: blocks split with tensor"
+                " parallelism have been shown to train as on one device in full precision only. Use"
+                f" precision='32-true', or tensor_parallel_size=1 with {name!r}."
+            )
         if scaler is not None and self.groups.num_stages > 1:
             agree_on_gradient_overflow(scaler, self.groups.pipeline, self.groups.device, self.groups.watchdog)
