@@ -48,6 +48,7 @@ from lightning_pipe.partition.balance import min_max_partition, ranges_from_size
 from lightning_pipe.partition.memory_estimate import StateLayout, rank_state_bytes
 from lightning_pipe.partition.placement import balance_charges, observe_places, outside_modules
 from lightning_pipe.partition.region import chosen_region
+from lightning_pipe.execution.tensor_parallel import resolve_plan
 from lightning_pipe.settings import DATA_PARALLEL_MODES, PipelineSettings
 
 
@@ -79,8 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--transformers-config", default=None, help="only the state per rank, of the Hugging Face"
                         " causal LM of this config built on the meta device: a config.json (or its directory), or"
                         " model_type:field=value,... (llama:hidden_size=8192,num_hidden_layers=80)")
-    parser.add_argument("--layouts", nargs="+", default=None, help="with --transformers-config: the layouts S x D to"
-                        " tabulate, as 8x8 16x4 (default: --stages x --replicas)")
+    parser.add_argument("--layouts", nargs="+", default=None, help="with --transformers-config: the layouts S x D, or"
+                        " S x D x T with tensor parallelism, to tabulate, as 8x8 16x4 4x2x8 (default: --stages x"
+                        " --replicas)")
     parser.add_argument("--precision", default="32-true", help="Lightning's precision of the run: under bf16-mixed"
                         " the sharded weights are gathered in bfloat16 (default 32-true)")
     parser.add_argument("--top", type=int, default=15, help="rows of the table shown (default 15)")
@@ -88,9 +90,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.transformers_config is not None:
         try:
-            layouts = [_layout(text) for text in args.layouts] if args.layouts else [(args.stages, args.replicas)]
+            layouts = [_layout(text) for text in args.layouts] if args.layouts else [(args.stages, args.replicas, 1)]
             budget = PipelineSettings(schedule="auto", memory_budget=args.memory_budget).memory_budget
-            print(state_from_shapes(model_from_config(args.transformers_config), layouts, budget, args.precision))
+            print(state_from_shapes(model_from_config(args.transformers_config), layouts, budget, args.precision,
+                                    args.batch_size))
         except ValueError as error:
             parser.error(str(error))
         return
@@ -157,17 +160,22 @@ def model_from_config(spec: str) -> torch.nn.Module:
 
 
 def state_from_shapes(
-    model: torch.nn.Module, layouts: list[tuple[int, int]], budget: int | None, precision: str = "32-true"
+    model: torch.nn.Module, layouts: list[tuple[int, ...]], budget: int | None, precision: str = "32-true",
+    batch_size: int | None = None,
 ) -> str:
-    """The markdown table of what the largest stage's rank holds for each layout (S stages x D replicas) and each
-    ``data_parallel`` mode, from ``model``'s parameter counts alone (on the meta device): its blocks split by
-    parameters, the modules outside them on the stages that run them (observed in a forward on the meta device)."""
-    region = chosen_region(model, None, None, None, max(stages for stages, _ in layouts), 1)
+    """The markdown table of what the largest stage's rank holds for each layout (S stages x D replicas, x T
+    tensor-parallel ranks) and each ``data_parallel`` mode, from ``model``'s parameter counts alone (on the meta
+    device): its blocks split by parameters, the modules outside them on the stages that run them (observed in a
+    forward on the meta device), the layers the model's tensor-parallel plan names divided by T; and the predicted
+    bubble ``(S-1)/(M+S-1)``, ``M`` micro-batches of one sample from ``batch_size`` over the replicas (else ``4S``)."""
+    layouts = [(*layout, 1) if len(layout) == 2 else layout for layout in layouts]
+    region = chosen_region(model, None, None, None, max(layout[0] for layout in layouts), 1)
     names = outside_modules(model, region)
     ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
     places = observe_places(model, region, lambda m: m(input_ids=ids, labels=ids).loss, names)
     blocks = region.blocks(model)
     charged = [float(sum(p.numel() for p in block.parameters())) for block in blocks]
+    split = _split_parameters(model, region, blocks) if any(layout[2] > 1 for layout in layouts) else [0.0] * len(blocks)
     largest = max(charged)
     held = {id(p) for block in blocks for p in block.parameters()}
     for index, module in balance_charges(model, region, places):  # a module two stages hold: counted on both
@@ -187,19 +195,32 @@ def state_from_shapes(
         " Adam's two moments in float32 (16 bytes a parameter), sharded as data_parallel says; weights gathered in"
         f" {'bfloat16' if precision == 'bf16-mixed' else 'float32'}; activations not counted.",
         "",
-        f"| layout | data_parallel | largest stage | held per rank | fits {room} | left for activations |",
-        "| --- | --- | --- | --- | --- | --- |",
+        f"| layout | data_parallel | largest stage | held per rank | fits {room} | left for activations | bubble |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for num_stages, replicas in layouts:
+    for num_stages, replicas, tensor in layouts:
         ranges = ranges_from_sizes(min_max_partition(charged, num_stages))
-        stage = max(sum(charged[i] for i in r) for r in ranges) + everywhere
-        for mode in DATA_PARALLEL_MODES if replicas > 1 else ("replicate",):
-            size = rank_state_bytes(stage, largest, mode, replicas, precision)
+        # A rank of T holds the stage's whole parameters but 1/T of those the plan splits.
+        per_rank = [charged[i] - split[i] * (1 - 1 / tensor) for i in range(len(blocks))]
+        stage = max(sum(per_rank[i] for i in r) for r in ranges) + everywhere
+        micro_batches = batch_size // replicas if batch_size else 4 * num_stages
+        bubble = (num_stages - 1) / (micro_batches + num_stages - 1)
+        name = f"{num_stages} stages x {replicas} replicas" + (f" x {tensor} tensor-parallel" if tensor > 1 else "")
+        modes = DATA_PARALLEL_MODES if tensor == 1 else ("replicate", "shard")  # what GPipeStrategy runs with T
+        for mode in modes if replicas > 1 else ("replicate",):
+            size = rank_state_bytes(stage, max(largest - max(split) * (1 - 1 / tensor), 1.0), mode, replicas, precision)
             fits = "-" if budget is None else ("yes" if size <= budget else "no")
             left = "-" if budget is None else (_size(budget - size) if size <= budget else "none")
-            lines.append(f"| {num_stages} stages x {replicas} replicas | {mode} | {_count(stage)} parameters |"
-                         f" {_size(size)} | {fits} | {left} |")
+            lines.append(f"| {name} | {mode} | {_count(stage)} parameters |"
+                         f" {_size(size)} | {fits} | {left} | {bubble:.2f} (M={micro_batches}) |")
     return "\n".join(lines)
+
+
+def _split_parameters(model: torch.nn.Module, region: Any, blocks: list[torch.nn.Module]) -> list[float]:
+    """Each block's parameters in the layers the Hugging Face model's tensor-parallel plan splits."""
+    plans = resolve_plan(model, region.names, blocks, None, 1)
+    return [float(sum(p.numel() for name in plans.styles.get(i, {}) for p in block.get_submodule(name).parameters()))
+            for i, block in enumerate(blocks)]
 
 
 def _count(parameters: float) -> str:
@@ -213,11 +234,12 @@ def _size(size: float) -> str:
     return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.2f} MiB"
 
 
-def _layout(text: str) -> tuple[int, int]:
-    stages, _, replicas = text.lower().partition("x")
-    if not (stages.isdigit() and replicas.isdigit() and int(stages) > 0 and int(replicas) > 0):
-        raise ValueError(f"--layouts {text!r} is invalid; give stages x replicas, as 8x8 or 16x4")
-    return int(stages), int(replicas)
+def _layout(text: str) -> tuple[int, int, int]:
+    parts = text.lower().split("x")
+    if len(parts) not in (2, 3) or not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise ValueError(f"--layouts {text!r} is invalid; give stages x replicas, as 8x8 or 16x4, or stages x"
+                         " replicas x tensor-parallel ranks, as 4x2x8")
+    return int(parts[0]), int(parts[1]), int(parts[2]) if len(parts) == 3 else 1
 
 
 def _costs(args: argparse.Namespace) -> tuple[CostModel, int, int, Any, RuntimeCosts]:

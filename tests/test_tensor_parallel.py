@@ -21,6 +21,7 @@ from helpers.tensor_parallel_models import BLOCK_PLAN, TENSOR_PARALLEL_MODELS, B
 from lightning_pipe import GPipeStrategy
 from lightning_pipe.execution.tensor_parallel import resolve_plan
 from lightning_pipe.integration.hydra_schema import validate_config
+from lightning_pipe.plan import main as plan_command
 from lightning_pipe.partition.topology import PipelineLayout
 from lightning_pipe.settings import PipelineSettings
 
@@ -219,6 +220,21 @@ def test_what_a_split_cannot_divide_is_refused_with_the_fix():
         resolve_plan(llama, [f"model.model.layers.{i}" for i in range(2)], layers, None, 4)
     with pytest.raises(ValueError, match=r"no Hugging Face model with a tensor-parallel plan .* holds the blocks"):
         resolve_plan(holder, names, blocks, None, 2)
+
+
+def test_plan_tabulates_layouts_with_a_tensor_parallel_dimension(capsys):
+    """``python -m lightning_pipe.plan --layouts SxDxT``: a Llama block of 36,992 parameters holds 36,864 in the
+    layers its plan splits, so a rank of T=2 holds 18,560 of it; the loss stage's 2 blocks, head and norm stay
+    whole otherwise (2 x 18,560 + 64,064). The bubble (S-1)/(M+S-1), M from the batch over the replicas."""
+    config = ("llama:hidden_size=64,intermediate_size=128,num_hidden_layers=4,num_attention_heads=4,"
+              "num_key_value_heads=2,vocab_size=1000")
+    plan_command(["--transformers-config", config, "--layouts", "2x1x2", "2x2x2", "--batch-size", "32"])
+    out = capsys.readouterr().out
+    stage = 2 * 18560 + 64064
+    assert (f"| 2 stages x 1 replicas x 2 tensor-parallel | replicate | 0.10 M parameters | {16 * stage / 2**20:.2f} MiB"
+            " | - | - | 0.03 (M=32) |") in out, out
+    assert "| 2 stages x 2 replicas x 2 tensor-parallel | shard |" in out
+    assert "tensor-parallel | full_shard" not in out  # refused with T > 1: not offered
 
 
 def test_the_settings_refuse_what_is_not_shown_equal_yet():
