@@ -474,19 +474,32 @@ def close_gloo_groups() -> None:
 
     A thread cannot interrupt another's untimed gloo wait, and ``ProcessGroupGloo.abort`` (torch 2.13) leaves a
     pending wait blocked. A timed wait that expires is gloo's own way to abort: it closes every connection of its
-    group. So each group gets a receive under a tag no one sends, and a wait of a millisecond on it. NCCL groups are
-    left alone (their waits end with the process)."""
+    group. So each group gets a receive under a tag no one sends, and a wait of a millisecond on it (from a peer
+    whose connection still works: see :func:`_close_gloo_group`). NCCL groups are left alone (their waits end with
+    the process)."""
     with contextlib.suppress(Exception):
         me = dist.get_rank()
         for group in list(dist.distributed_c10d._world.pg_map):
             with contextlib.suppress(Exception):
                 if dist.get_backend(group) != "gloo":
                     continue
-                peer = next((rank for rank in dist.get_process_group_ranks(group) if rank != me), None)
-                if peer is None:
-                    continue
-                work = dist.irecv(torch.empty(1), peer, group=group, tag=_CLOSING_TAG)
-                work.wait(timedelta(milliseconds=1))
+                _close_gloo_group(group, me)
+
+
+def _close_gloo_group(group: dist.ProcessGroup, me: int) -> None:
+    """Close every connection of ``group`` by a timed receive that expires. A receive from a peer whose connection
+    is already broken (its process was killed) fails at once with that error instead, and closes nothing else: the
+    waits of the other ranks on this one would stay blocked. So each peer is tried in turn until a receive expires."""
+    for peer in dist.get_process_group_ranks(group):
+        if peer == me:
+            continue
+        try:
+            dist.irecv(torch.empty(1), peer, group=group, tag=_CLOSING_TAG).wait(timedelta(milliseconds=1))
+        except RuntimeError as error:  # the peer's broken connection (posting or waiting), or the expiry
+            if "timed out" in str(error).lower():
+                return  # expired: gloo closed every connection of the group
+        else:
+            return
 
 
 def _encode(verdict: Verdict) -> str:
