@@ -64,6 +64,11 @@ class StageCheckpoints:
         return self.deferred
 
     @property
+    def writes_sharded(self) -> bool:
+        """Whether a save is written sharded, each rank its own stage (see :meth:`write`)."""
+        return self.sharded and self._split
+
+    @property
     def _split(self) -> bool:
         return self.pipelined is not None and self.num_stages > 1
 
@@ -130,7 +135,7 @@ class StageCheckpoints:
         rank 0. Raises where the stages' optimizer states are out of reach."""
         if self.pipelined is None and "optimizer_states" in checkpoint:
             refuse_checkpoint_without_stages(after_spawned_ranks, filepath)
-        if not (self.sharded and self._split):
+        if not self.writes_sharded:
             return False
         if storage_options is not None:
             raise TypeError("sharded checkpoints are written with torch.distributed.checkpoint, which takes no"

@@ -158,6 +158,26 @@ class StallWatchdog:
         if self.clock is not None:
             self.clock.uneven_phase()
 
+    def checkpoint_phase(self, sharded: bool) -> None:
+        """A checkpoint's save begins or goes on. A sharded save, every rank writing its part, is bounded by the
+        save's bound (see :meth:`~lightning_pipe.reliability.stall_rule.StallRule.save_bound_s`) until the next step;
+        a one-file checkpoint, gathered and written by rank 0 while the others wait, is an uneven phase."""
+        if self.clock is None:
+            return
+        if not sharded:
+            self.clock.uneven_phase()
+            return
+        now = time.monotonic()
+        if not self.clock.saving:
+            self._since = now
+        self.clock.save_starts(now)
+
+    def save_ends(self) -> None:
+        """The save is committed: it is timed, for the next saves' bound."""
+        self._since = now = time.monotonic()
+        if self.clock is not None:
+            self.clock.save_ends(now)
+
     def step_ends(self) -> None:
         """The step's optimizer step is done: the time until the next step (callbacks, the next batch) is watched from
         here."""
@@ -442,10 +462,14 @@ def stall_found_here() -> PipelineStallError | None:
 def main_thread_location(frames: list[traceback.FrameSummary]) -> tuple[str, str | None]:
     """Where a thread is (its innermost frame) and, if it is inside a ``torch.distributed`` call, which call and from
     where: ``("distributed_c10d.py:2830 in broadcast", "torch.distributed.broadcast (called from
-    loops/training_epoch_loop.py:265 in _broadcast_sigterm_tensor)")``."""
+    loops/training_epoch_loop.py:265 in _broadcast_sigterm_tensor)")``. Inside ``torch.distributed.checkpoint``
+    only its collectives count: a rank writing its part of a sharded save waits on no one."""
     if not frames:
         return "unknown", None
     inside = [i for i, frame in enumerate(frames) if f"torch{os.sep}distributed{os.sep}" in frame.filename]
+    in_c10d = any(frames[i].filename.endswith("distributed_c10d.py") for i in inside)
+    if inside and not in_c10d and f"distributed{os.sep}checkpoint{os.sep}" in frames[inside[0]].filename:
+        inside = []  # torch.distributed.checkpoint writing or reading this rank's own part: its own work, no wait
     collective = None
     if inside:
         first = inside[0]
