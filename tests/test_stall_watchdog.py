@@ -135,7 +135,9 @@ def test_a_sharded_save_is_bounded_by_the_slowest_earlier_save_or_the_set_up_and
         clock.save_starts(now + 1.0 + call)
         assert clock.saving and not clock.first_step
         assert clock.bound_s == pytest.approx(5 * 2.0), "before any save: 5 x the set-up's 2 s"
-    assert clock.explain() == "a checkpoint save's bound: 5 x the set-up's 2.00 s (no save timed yet), at least stall_floor = 3 s"
+    assert clock.explain() == (
+        "a checkpoint save's bound: 5 x the set-up's 2.00 s (no save timed yet), at least stall_floor = 3 s"
+    )
     assert clock.where() == "while saving a checkpoint after batch 4 of epoch 0"
     clock.save_ends(now + 8.0)  # 7 s: longer than a regular step's bound, the set-up's multiple covered it
     assert clock.slowest_save_s == pytest.approx(7.0) and clock.bound_s == pytest.approx(10.0)
@@ -144,7 +146,9 @@ def test_a_sharded_save_is_bounded_by_the_slowest_earlier_save_or_the_set_up_and
     assert max(clock.durations) == pytest.approx(0.2), "the save was not timed as a step"
     clock.save_starts(now + 20.0)
     assert clock.bound_s == pytest.approx(5 * 7.0)  # from now on: the slowest earlier save's multiple
-    assert clock.explain() == "a checkpoint save's bound: 5 x the slowest earlier save (7.00 s), at least stall_floor = 3 s"
+    assert clock.explain() == (
+        "a checkpoint save's bound: 5 x the slowest earlier save (7.00 s), at least stall_floor = 3 s"
+    )
     assert StallRule().save_bound_s(0.5, StartUp(seconds=2.0)) == 30.0  # the floor, as for a regular step
     clock.uneven_phase()  # validation after it: unbounded again, and no longer a save
     assert clock.bound_s is None and not clock.saving
