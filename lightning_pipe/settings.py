@@ -172,7 +172,7 @@ class PipelineSettings:
     slowest recent step)``, or the first step's bound in a first step, naming the rank that stopped and writing every
     rank's Python stack to ``default_root_dir/stall_stacks/`` (see :mod:`lightning_pipe.reliability.watchdog`). A
     sharded checkpoint's save is bounded by ``max(stall_floor, stall_multiple * the slowest earlier save)`` (the
-    set-up's time before any save). Validation, one-file checkpoints and epoch ends are left to the strategy's
+    first save as a first step, by the set-up's time). Validation, one-file checkpoints and epoch ends are left to the strategy's
     ``timeout``, which stays the hard limit everywhere."""
     stall_multiple: float = StallRule.multiple
     """How many times the slowest of the last 100 regular training steps a wait may last."""

@@ -126,7 +126,8 @@ def test_a_sharded_save_is_bounded_by_the_slowest_earlier_save_or_the_set_up_and
     """A sharded save's waits are bounded (a rank lost or stuck in it ends the run named), by a bound a legitimately
     long write stays under: every rank's save lasts as long as the slowest rank's write (it ends in collectives), so
     an earlier save measures it; before any, the set-up (which made the same weights real) stands in. A save is
-    gathered in several calls (the module's state, each optimizer's, the write), timed from the first to its end."""
+    gathered in several calls (the module's state, each optimizer's, the write), timed from the first to its end.
+    The first save, which nothing measured before, gets a first step's floor (a minute by default)."""
     clock, now = clock_after([1.0, 1.0, 0.2, 0.2])
     clock.startup = StartUp(seconds=2.0)
     clock.step_starts(now, epoch=0, batch=4, batch_shape=(16, 4))
@@ -134,10 +135,8 @@ def test_a_sharded_save_is_bounded_by_the_slowest_earlier_save_or_the_set_up_and
     for call in range(3):  # the module's state, the optimizer's, the write
         clock.save_starts(now + 1.0 + call)
         assert clock.saving and not clock.first_step
-        assert clock.bound_s == pytest.approx(5 * 2.0), "before any save: 5 x the set-up's 2 s"
-    assert clock.explain() == (
-        "a checkpoint save's bound: 5 x the set-up's 2.00 s (no save timed yet), at least stall_floor = 3 s"
-    )
+        assert clock.bound_s == pytest.approx(5 * 2.0), "before any save: 5 x the set-up's 2 s, at least 2 x 3 s"
+    assert clock.explain() == "a first checkpoint save's bound: 5 x the set-up's 2.00 s, at least 2 x stall_floor = 6 s"
     assert clock.where() == "while saving a checkpoint after batch 4 of epoch 0"
     clock.save_ends(now + 8.0)  # 7 s: longer than a regular step's bound, the set-up's multiple covered it
     assert clock.slowest_save_s == pytest.approx(7.0) and clock.bound_s == pytest.approx(10.0)
@@ -150,6 +149,8 @@ def test_a_sharded_save_is_bounded_by_the_slowest_earlier_save_or_the_set_up_and
         "a checkpoint save's bound: 5 x the slowest earlier save (7.00 s), at least stall_floor = 3 s"
     )
     assert StallRule().save_bound_s(0.5, StartUp(seconds=2.0)) == 30.0  # the floor, as for a regular step
+    assert StallRule().save_bound_s(None, StartUp(seconds=2.0)) == 60.0  # a first save: a minute by default
+    assert StallRule().save_bound_s(None, StartUp(seconds=12.0)) == pytest.approx(120.0)  # a slow set-up: 10 x
     clock.uneven_phase()  # validation after it: unbounded again, and no longer a save
     assert clock.bound_s is None and not clock.saving
 

@@ -69,21 +69,25 @@ class StallRule:
 
     def save_bound_s(self, slowest_save_s: float | None, startup: StartUp = StartUp()) -> float:
         """The bound on a wait during a sharded checkpoint's save: ``max(floor_s, multiple * the slowest earlier save
-        of the run)``, or before any save was timed, ``multiple * the set-up's seconds`` in its place.
+        of the run)``; before any save was timed, a first save's ``max(FIRST_STEP_FLOORS * floor_s, multiple * the
+        set-up's seconds)`` (a minute by default).
 
         A save ends in collectives (every part written, then the ``.metadata``, then the commit), so every rank's
         save lasts as long as the slowest rank's write: an earlier save, timed on any rank, measures the uneven write
-        the waits must allow. Before the first save, the set-up made the same weights real or read them, the work
-        of a size with writing them."""
-        measured = slowest_save_s if slowest_save_s is not None else startup.seconds
-        return max(self.floor_s, self.multiple * measured)
+        the waits must allow. Before the first save, the set-up made the same weights real or read them, work of the
+        size of writing them, and the first save gets the first step's floor (it writes the optimizer's state too)."""
+        if slowest_save_s is None:
+            return max(FIRST_STEP_FLOORS * self.floor_s, self.multiple * startup.seconds)
+        return max(self.floor_s, self.multiple * slowest_save_s)
 
     def explain_save(self, slowest_save_s: float | None, startup: StartUp = StartUp()) -> str:
         """How a save's bound came about: ``"a checkpoint save's bound: 10 x the slowest earlier save (1.20 s), at
         least stall_floor = 30 s"``."""
-        measured = (f"the slowest earlier save ({slowest_save_s:.2f} s)" if slowest_save_s is not None
-                    else f"the set-up's {startup.seconds:.2f} s (no save timed yet)")
-        return f"a checkpoint save's bound: {self.multiple:g} x {measured}, at least stall_floor = {self.floor_s:g} s"
+        if slowest_save_s is None:
+            return (f"a first checkpoint save's bound: {self.multiple:g} x the set-up's {startup.seconds:.2f} s, at"
+                    f" least {FIRST_STEP_FLOORS} x stall_floor = {FIRST_STEP_FLOORS * self.floor_s:g} s")
+        return (f"a checkpoint save's bound: {self.multiple:g} x the slowest earlier save ({slowest_save_s:.2f} s), at"
+                f" least stall_floor = {self.floor_s:g} s")
 
     def first_step_own_s(self, startup: StartUp) -> float:
         """The first step's own bound, before the regular bound is considered (see the class)."""
