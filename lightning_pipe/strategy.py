@@ -1,9 +1,8 @@
 """``GPipeStrategy``: Lightning's bridge to the pipeline, from launch to teardown.
 
-Its hooks follow the order in which Lightning calls them: construction, launch, process groups, model setup, the
-steps, backward and the optimizer step, checkpoints, collectives, teardown. Each hands the work on to the object
-that does it: the settings (checked once), the launchers, the process groups, the pipeline built at set-up and what it
-holds (this rank's runtime, its training step, its gradients) and the checkpoints (``checkpoints.strategy_io``).
+Its hooks follow the order in which Lightning calls them (construction, launch, process groups, model setup, steps,
+backward, optimizer step, checkpoints, collectives, teardown), each handing the work on to the object that does it:
+the settings, launchers, process groups, this rank's runtime, training step and gradients, the checkpoints.
 """
 
 from __future__ import annotations
