@@ -5,9 +5,9 @@ every rank built the same model, finds the region (the blocks to pipeline) and d
 0. :func:`assemble_rank` builds this rank's part: it plans the pretrained weights' load, puts this rank's
 :class:`~lightning_pipe.execution.stage.StageBlocks` into the model, makes its tensors real and fills them, and
 builds the engine, the step runtime, the training step in its schedule's mode, the gradients and the tracer. What it
-built is one :class:`BuiltPipeline`, which the strategy keeps from ``setup`` to the interpreter's exit; the strategy
-holds the runtime, the training step and the gradients directly, and the pipeline's own methods start the run,
-report the stages and put the whole model back.
+built is one :class:`BuiltPipeline`, a record the strategy keeps from ``setup`` to the interpreter's exit; the
+strategy holds the objects that do its hooks' work (the runtime, the training step, the gradients, the tracer)
+directly, and the functions here start the run, report the stages and put the whole model back.
 
 May import: every folder below it (``config`` to ``integration``). Imported by: the strategy and its
 ``pytorch_lightning`` twin only.
@@ -94,14 +94,12 @@ from lightning_pipe.trace.stage_summary import (
 from lightning_pipe.trace.timeline import StepTimeline
 from lightning_pipe.trace.tracer import TRACE_FILE_NAME, PipelineTracer, StepObservation, observe_step
 
-# LightningModule hooks whose user code consumes step results, so they run where those results are: on the last
-# stage. Whatever they log is replayed on the other stages.
-_EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
-
-
 @dataclass(frozen=True)
 class BuiltPipeline:
-    """What :func:`build_pipeline` built on this rank, and the pipeline's share of the strategy's hooks."""
+    """What :func:`build_pipeline` built on this rank: a record, never changed. The strategy holds the objects that
+    do the work of its hooks (``runtime``, ``step``, ``gradients``, ``tracer``) directly; the functions below start
+    the run (:func:`start_pipeline`), report the stages (:func:`stage_summary`, :func:`announce`) and put the
+    whole model back (:func:`put_whole_model_back`)."""
 
     settings: PipelineSettings
     config: PipelineParallelConfig  # the resolved stage and micro-batch counts
@@ -112,164 +110,99 @@ class BuiltPipeline:
     # The user's pipelined module as it was, to put it back after the run; None once a failed run lost the stages.
     pipelined: WholeModelLayout | None
     replicated: list[nn.Parameter]  # parameters outside the pipelined blocks, held by every stage
-    tied: TiedParameters  # parameters shared by blocks of several stages
     outside_modules: OutsideModules  # the outside modules other stages hold, stood in for here
-    ownership: OutsideOwnership  # outside parameters held by some stages, not all (an embedding tied to the head)
     runtime: StageRuntime
     step: TrainingStep  # the training step in its schedule's mode, whole-batch or per-micro-batch
-    gradients: StageGradients  # this rank's gradients before the optimizer step
+    # This rank's gradients before the optimizer step; with data_parallel="shard" or "full_shard" also the owner of
+    # the stage's blocks sharded over its replicas (FSDP2), from `start_pipeline` on.
+    gradients: StageGradients
     tracer: PipelineTracer | None  # gathers the stages' timelines; None for one stage or none asked for
     deferred: bool  # the pipelined module was built on the meta device
     compiles: bool  # torch.compile compiles code of this rank in its first steps (see StallRule: not measured before)
     pretrained_prefix: str | None = None  # where the pretrained model sits, once its weights were mapped
     schedule_choice: ScheduleChoice | None = None  # with schedule="auto": the choice, why, the predicted table
-    # With data_parallel="shard" or "full_shard": the stage's blocks sharded over its replicas (FSDP2), once the
-    # replicas hold the same values (`start_identical`).
-    sharding: StageSharding | None = None
 
-    # ---- set-up ------------------------------------------------------------------------------------------------
 
-    def start(self, module: LightningModule, callbacks: Sequence[Any]) -> list[Callable[[], None]]:
-        """Start the run on the model moved to its device: identical replicated state, metrics synced within
-        replicas, the epoch-end hooks on the last stage, Lightning's summary of the whole model, the last stage's
-        random state on every stage. What undoes the changes to the user's objects, for teardown."""
-        self.start_identical()
-        self.sync_metrics_within_replicas(module)
-        undo = [
-            self.share_outside_call_outputs(module),
-            self.run_epoch_end_hooks_on_last_stage(module),
-            summarize_whole_model(
-                callbacks, self.runtime.stage, self.pipelined.ranges,  # type: ignore[union-attr]
-                {name: where for name, _, where in self.outside}, self.outside_modules.showing_whole_model,
-            ),
-        ]
-        self.runtime.share_outcome(module, StepOutcome())  # every stage starts from the last stage's random state
-        return undo
+def start_pipeline(pipeline: BuiltPipeline, module: LightningModule, callbacks: Sequence[Any]) -> list[Callable[[], None]]:
+    """Start the run on the model moved to its device: identical replicated state (the blocks then sharded, where
+    asked), metrics synced within replicas, the epoch-end hooks on the loss stage, Lightning's summary of the whole
+    model, the loss stage's random state on every stage. What undoes the changes to the user's objects, for
+    teardown."""
+    runtime, pipelined = pipeline.runtime, pipeline.pipelined
+    assert pipelined is not None
+    pipeline.gradients.start_identical(_held_outside_tensors(pipelined, pipeline.groups.stage))
+    runtime.sync_metrics_within_replicas(module)
+    undo = [
+        runtime.run_epoch_end_hooks_on_last_stage(module),
+        summarize_whole_model(
+            callbacks, runtime.stage, pipelined.ranges, {name: where for name, _, where in pipeline.outside},
+            pipeline.outside_modules.showing_whole_model,
+        ),
+    ]
+    if any(0 < len(stages) < pipeline.config.num_stages for _, stages, _ in pipelined.outside.values()):
+        undo.append(runtime.share_outside_call_outputs(module))  # the loss stage alone holds the head
+    runtime.share_outcome(module, StepOutcome())  # every stage starts from the loss stage's random state
+    return undo
 
-    def start_identical(self) -> None:
-        """Start identical where training keeps things identical: parameters outside the pipelined module on every
-        rank (from rank 0), tied parameters, and each stage's parameters and buffers on its replicas (from replica
-        0)."""
-        layout = self.groups.layout
-        with torch.no_grad():
-            for tensor in self.replicated:
-                dist.broadcast(tensor.data, src=0)
-            self.tied.start_identical()
-            self.ownership.start_identical()
-            if layout.num_replicas > 1:
-                source = layout.rank(self.groups.stage, replica=0)
-                stage = self.runtime.stage
-                for tensor in [*stage.parameters(), *stage.buffers(), *self._held_outside_tensors()]:
-                    dist.broadcast(tensor.data, src=source, group=self.groups.replicas)
-        if self.settings.data_parallel != "replicate":  # FSDP hook: the replicas' identical blocks sharded now
-            kept_whole = [*self.replicated, *self.tied.parameters, *self.ownership.parameters]
-            stage = self.runtime.stage
-            blocks = [(stage.region.names[i], stage.originals[i]) for i in stage.indices]
-            sharding = shard_stage(blocks, self.settings.data_parallel, self.groups.replicas,  # type: ignore[arg-type]
-                                   self.groups.device, kept_whole, self.groups.watchdog)
-            object.__setattr__(self, "sharding", sharding)  # the one field set after building: see `sharding`
-            self.gradients.shard(sharding)
-            stage, engine = self.runtime.stage, self.runtime.engine
-            engine.backward_done = lambda k: sharding.micro_batch_done(stage.originals[i] for i in stage.chunk_ranges[k])
 
-    def _held_outside_tensors(self) -> list[Tensor]:
-        """The tensors of the outside modules this stage holds and some other stage does not."""
-        pieces = self.pipelined.outside.values() if self.pipelined is not None else ()
-        mine = [module for module, stages, _ in pieces if self.groups.stage in stages]
-        return [t for module in mine for t in [*module.parameters(), *module.buffers()]]
+def _held_outside_tensors(pipelined: WholeModelLayout, stage: int) -> list[Tensor]:
+    """The tensors of the outside modules ``stage`` holds and some other stage does not."""
+    mine = [module for module, stages, _ in pipelined.outside.values() if stage in stages]
+    return [t for module in mine for t in [*module.parameters(), *module.buffers()]]
 
-    # ---- what it reports ---------------------------------------------------------------------------------------
 
-    def stage_summary(self, devices: Sequence[str], busy_seconds: Sequence[float] | None) -> StageSummary:
-        """The stage table (see :mod:`lightning_pipe.trace.stage_summary`); ``devices[s]`` names where stage ``s``
-        of the first pipeline runs."""
-        schedule, num_stages = self.settings.schedule, self.config.num_stages
-        return build_stage_summary(
-            self.plan,
-            self.region.label,
-            self.groups.layout.pipeline_ranks(0),
-            devices,
-            sum(p.numel() for p in self.replicated),
-            self.config.num_micro_batches,
-            self.settings.recompute,  # type: ignore[arg-type]
-            busy_seconds,
-            built_whole=not self.deferred,
-            outside=self.outside,
-            owners=[schedule.owner(k, num_stages) for k in range(len(self.plan.ranges))],  # type: ignore[union-attr]
-            schedule=schedule.name,  # type: ignore[union-attr]
-            ideal_bubble=ideal_bubble(
-                schedule, num_stages, self.config.num_micro_batches, self.settings.virtual_stages  # type: ignore[arg-type]
-            ),
-        )
+def stage_summary(pipeline: BuiltPipeline, devices: Sequence[str], busy_seconds: Sequence[float] | None) -> StageSummary:
+    """The stage table (see :mod:`lightning_pipe.trace.stage_summary`); ``devices[s]`` names where stage ``s`` of
+    the first pipeline runs."""
+    settings, config = pipeline.settings, pipeline.config
+    schedule, num_stages = settings.schedule, config.num_stages
+    return build_stage_summary(
+        pipeline.plan,
+        pipeline.region.label,
+        pipeline.groups.layout.pipeline_ranks(0),
+        devices,
+        sum(p.numel() for p in pipeline.replicated),
+        config.num_micro_batches,
+        settings.recompute,  # type: ignore[arg-type]
+        busy_seconds,
+        built_whole=not pipeline.deferred,
+        outside=pipeline.outside,
+        owners=[schedule.owner(k, num_stages) for k in range(len(pipeline.plan.ranges))],  # type: ignore[union-attr]
+        schedule=schedule.name,  # type: ignore[union-attr]
+        ideal_bubble=ideal_bubble(
+            schedule, num_stages, config.num_micro_batches, settings.virtual_stages  # type: ignore[arg-type]
+        ),
+    )
 
-    def announce(self, module: LightningModule, summary: StageSummary, category: type[Warning]) -> None:
-        """Print the stage summary, and warn of much of the model left outside the pipeline and of layers that
-        re-compute their activations themselves on top of the pipeline's re-computation."""
-        if self.schedule_choice is not None:
-            rank_zero_info(self.schedule_choice.message)
-        rank_zero_info(str(summary))
-        if (warning := outside_warning(summary, suggested_chain(module, self.region))) is not None:
-            rank_zero_warn(warning, category=category)
-        stage = self.runtime.stage
-        checkpointing_themselves = any(getattr(m, "gradient_checkpointing", None) is True for m in stage.modules())
-        if checkpointing_themselves and self.settings.recompute != "never":
-            rank_zero_warn(self_checkpointing_warning(self.settings.recompute), category=category)  # type: ignore[arg-type]
 
-    def put_whole_model_back(self, module: LightningModule) -> None:
-        """After the run: the user's pipelined module back in ``module`` (see
-        :func:`~lightning_pipe.checkpoints.whole_model.restore_whole_model`); nothing once the stages were lost."""
-        if self.pipelined is None:
-            return
-        if self.sharding is not None:  # FSDP hook: the blocks whole again, from every replica's shard
-            self.sharding.make_whole()
-        groups = self.groups
-        restore_whole_model(
-            module, self.pipelined, groups.stage_ranks, groups.rank, groups.pipeline, groups.device, self.deferred,
-            self.settings.gather_model_after_run,
-        )
+def announce(pipeline: BuiltPipeline, module: LightningModule, summary: StageSummary, category: type[Warning]) -> None:
+    """Print the stage summary, and warn of much of the model left outside the pipeline and of blocks that
+    re-compute their activations themselves on top of the pipeline's re-computation."""
+    if pipeline.schedule_choice is not None:
+        rank_zero_info(pipeline.schedule_choice.message)
+    rank_zero_info(str(summary))
+    if (warning := outside_warning(summary, suggested_chain(module, pipeline.region))) is not None:
+        rank_zero_warn(warning, category=category)
+    recompute = pipeline.settings.recompute
+    checkpointing_themselves = any(
+        getattr(m, "gradient_checkpointing", None) is True for m in pipeline.runtime.stage.modules()
+    )
+    if checkpointing_themselves and recompute != "never":
+        rank_zero_warn(self_checkpointing_warning(recompute), category=category)  # type: ignore[arg-type]
 
-    def observe_step(self, trainer: Trainer) -> StepObservation | None:
-        """After a training step's backward: gather the stages' timelines when this step is logged (every
-        ``log_every_n_steps``, as Lightning's own monitors do) or traced; log the bubble, write the trace."""
-        if self.tracer is None:
-            return None
-        return observe_step(self.tracer, trainer, self.settings.log_bubble_fraction)
 
-    def share_outside_call_outputs(self, module: LightningModule) -> Callable[[], None]:
-        """Where the loss stage alone holds the head, a call of the model outside a step (a callback's ``pl_module(x)``)
-        gets the loss stage's output on every stage at the end of the model's ``forward``; what removes the hook."""
-        if not any(0 < len(stages) < self.config.num_stages for _, stages, _ in self.pipelined.outside.values()):  # type: ignore[union-attr]
-            return lambda: None
-        handle = module.register_forward_hook(lambda _, args, output: self.runtime.share_outside_call_output(output))
-        return handle.remove
-
-    def run_epoch_end_hooks_on_last_stage(self, module: LightningModule) -> Callable[[], None]:
-        """Run the user's epoch-end hooks on the last stage only, replaying what they log on the other stages; what
-        puts them back."""
-        wrapped_hooks = []
-        for hook in _EPOCH_END_HOOKS:
-            if hook in module.__dict__:
-                continue  # already wrapped by an earlier call with this model
-            user_hook = getattr(module, hook)
-
-            def wrapped(user_hook: Callable[[], None] = user_hook) -> None:
-                self.groups.watchdog.uneven_phase()  # the last stage may take long over a whole epoch's results
-                self.runtime.run_on_last_stage(module, user_hook)
-
-            setattr(module, hook, wrapped)
-            wrapped_hooks.append(hook)
-
-        def put_back() -> None:
-            for hook in wrapped_hooks:
-                module.__dict__.pop(hook, None)
-
-        return put_back
-
-    def sync_metrics_within_replicas(self, module: LightningModule) -> None:
-        """torchmetrics syncs over the whole world by default; only a stage's replicas hold the same metric."""
-        for metric in module.modules():
-            if isinstance(metric, Metric):
-                metric.process_group = self.groups.replicas
+def put_whole_model_back(pipeline: BuiltPipeline, module: LightningModule) -> None:
+    """After the run: the user's pipelined module back in ``module`` (see
+    :func:`~lightning_pipe.checkpoints.whole_model.restore_whole_model`); nothing once the stages were lost."""
+    if pipeline.pipelined is None:
+        return
+    if (sharding := pipeline.gradients.sharding) is not None:  # FSDP hook: the blocks whole again, from the shards
+        sharding.make_whole()
+    groups = pipeline.groups
+    restore_whole_model(
+        module, pipeline.pipelined, groups.stage_ranks, groups.rank, groups.pipeline, groups.device, pipeline.deferred,
+        pipeline.settings.gather_model_after_run,
+    )
 
 
 @dataclass(frozen=True)
@@ -359,12 +292,13 @@ def assemble_rank(
     tied = TiedParameters(ties, stage, groups.layout, replicated, groups.timeout)
     compile_stage(module, region, stage, settings.compile_options)
     timeline = StepTimeline(groups.device, enabled=settings.log_bubble_fraction or bool(settings.trace_steps))
-    runtime = _stage_runtime(stage, settings, config, groups, timeline)
+    gradients = StageGradients(groups, replicated, tied, ownership, stage, settings.data_parallel)  # type: ignore[arg-type]
+    runtime = _stage_runtime(stage, settings, config, groups, timeline, gradients)
     return BuiltPipeline(
-        settings, config, groups, region, plan, outside, pipelined, replicated, tied, outside_modules, ownership,
+        settings, config, groups, region, plan, outside, pipelined, replicated, outside_modules,
         runtime=runtime,
         step=training_step_for(runtime),
-        gradients=StageGradients(groups, replicated, tied, ownership),
+        gradients=gradients,
         tracer=_tracer(module, settings, config, groups, timeline),
         deferred=deferred,
         compiles=compiles_in_first_steps(module, stage),
@@ -571,8 +505,10 @@ def _stage_runtime(
     config: PipelineParallelConfig,
     groups: PipelineGroups,
     timeline: StepTimeline,
+    gradients: StageGradients,
 ) -> StageRuntime:
-    """The engine that runs the schedule on ``stage``, in the runtime that runs a step on this rank."""
+    """The engine that runs the schedule on ``stage``, in the runtime that runs a step on this rank; ``gradients``
+    hears of each chunk's backward of a micro-batch (under ``data_parallel="full_shard"`` it reduce-scatters then)."""
     schedule, v, index = settings.schedule, settings.virtual_stages, groups.stage
     # One stage draws from the global stream, as one device does; several need streams of their own.
     streams = StageRandomStreams(groups.device, index, groups.replica) if config.num_stages > 1 else None
@@ -583,6 +519,7 @@ def _stage_runtime(
         virtual_stages=v,  # type: ignore[arg-type]
         timeline=timeline,
         random_streams=streams,
+        backward_done=gradients.chunk_backward_done if settings.data_parallel == "full_shard" else None,
     )
     return StageRuntime(
         groups, engine, stage, on_model_checkpoint=partial(rank_zero_info, model_checkpoint_note(settings.recompute))
@@ -610,5 +547,5 @@ def _tracer(
 def whole_view(pipeline: BuiltPipeline | None, optimizers: Sequence[Optimizer] = ()) -> AbstractContextManager[None]:
     """FSDP hook: checkpoints read and write the blocks sharded over the replicas as whole tensors (see
     :meth:`~lightning_pipe.execution.sharding.StageSharding.whole_view`)."""
-    sharding = pipeline.sharding if pipeline is not None else None
+    sharding = pipeline.gradients.sharding if pipeline is not None else None
     return sharding.whole_view(optimizers) if sharding is not None and sharding.blocks else nullcontext()

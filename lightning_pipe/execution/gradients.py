@@ -23,12 +23,20 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_pipe.execution.sharding import StageSharding, local_squared_norm, scale_sharded_gradients, scaler_refused
+from lightning_pipe.execution.sharding import (
+    DataParallelMode,
+    StageSharding,
+    local_squared_norm,
+    scale_sharded_gradients,
+    scaler_refused,
+    shard_stage,
+)
 from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog
 
 if TYPE_CHECKING:  # those modules sum their gradients through this one
     from lightning_pipe.execution.outside import OutsideOwnership
     from lightning_pipe.execution.process_groups import PipelineGroups
+    from lightning_pipe.execution.stage import StageBlocks
     from lightning_pipe.execution.tied import TiedParameters
 
 def swap_gradients(parameters: list[nn.Parameter], grads: list[Tensor | None]) -> list[Tensor | None]:
@@ -166,20 +174,55 @@ class StageGradients:
     """This rank's gradients before the optimizer step, as the strategy's hooks need them: ``replicated`` parameters
     (held by every stage), ``tied`` ones (shared by blocks of several stages) and those of outside modules held by
     some stages (``ownership``) summed over the pipeline, every gradient averaged over replicas; clipping by the
-    whole model's norm; a gradient scaler's overflow agreed by every stage."""
+    whole model's norm; a gradient scaler's overflow agreed by every stage.
+
+    It also starts the replicas identical (:meth:`start_identical`), since its reductions keep them so, and, with
+    ``data_parallel="shard"`` or ``"full_shard"``, shards the stage's blocks over them there and owns the sharding."""
 
     def __init__(
-        self, groups: PipelineGroups, replicated: list[nn.Parameter], tied: TiedParameters, ownership: OutsideOwnership
+        self,
+        groups: PipelineGroups,
+        replicated: list[nn.Parameter],
+        tied: TiedParameters,
+        ownership: OutsideOwnership,
+        stage: StageBlocks,
+        data_parallel: DataParallelMode = "replicate",
     ) -> None:
         self.groups = groups
         self.replicated = replicated
         self.tied = tied
         self.ownership = ownership
-        self.sharding: StageSharding | None = None  # with data_parallel="shard": the stage's blocks sharded (FSDP2)
+        self.stage = stage
+        self.data_parallel = data_parallel
+        self.sharding: StageSharding | None = None  # with data_parallel="shard": built by `start_identical`
 
-    def shard(self, sharding: StageSharding) -> None:
-        """The stage's blocks are sharded over its replicas from now on (see :mod:`lightning_pipe.execution.sharding`)."""
-        self.sharding = sharding
+    def start_identical(self, held_outside: list[Tensor]) -> None:
+        """Start identical where training keeps things identical: the replicated parameters on every rank (from rank
+        0), tied parameters, and each stage's parameters and buffers on its replicas (from replica 0), with
+        ``held_outside`` (the tensors of outside modules this stage holds and some other does not). Then, with
+        ``data_parallel="shard"`` or ``"full_shard"``, the identical blocks are sharded over the replicas (FSDP2). A
+        collective, once, on the model moved to its device."""
+        groups, stage = self.groups, self.stage
+        with torch.no_grad():
+            for tensor in self.replicated:
+                dist.broadcast(tensor.data, src=0)
+            self.tied.start_identical()
+            self.ownership.start_identical()
+            if groups.layout.num_replicas > 1:
+                source = groups.layout.rank(groups.stage, replica=0)
+                for tensor in [*stage.parameters(), *stage.buffers(), *held_outside]:
+                    dist.broadcast(tensor.data, src=source, group=groups.replicas)
+        if self.data_parallel != "replicate":  # FSDP hook: the replicas' identical blocks sharded now
+            kept_whole = [*self.replicated, *self.tied.parameters, *self.ownership.parameters]
+            blocks = [(stage.region.names[i], stage.originals[i]) for i in stage.indices]
+            self.sharding = shard_stage(blocks, self.data_parallel, groups.replicas, groups.device, kept_whole,
+                                        groups.watchdog)
+
+    def chunk_backward_done(self, chunk: int) -> None:
+        """The engine ended chunk ``chunk``'s backward of one micro-batch (both halves, when split): under
+        ``"full_shard"`` its blocks' gradients are reduce-scattered now (see :meth:`StageSharding.micro_batch_done`)."""
+        if self.sharding is not None:
+            self.sharding.micro_batch_done(self.stage.originals[i] for i in self.stage.chunk_ranges[chunk])
 
     def reduce(self, module: nn.Module) -> None:
         """Sum the replicated parameters' gradients over the pipeline, then average every gradient over replicas."""

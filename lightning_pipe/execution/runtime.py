@@ -26,6 +26,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
+from torchmetrics import Metric
 
 from lightning_pipe.execution.block_calls import BlockCalls
 from lightning_pipe.execution.call_order import ChunkCall
@@ -50,6 +51,10 @@ from lightning_pipe.reliability.root_cause import PipelineCommunicationError
 from lightning_pipe.reliability.stall_rule import Wait
 
 _OUTSIDE_STEP_TIMEOUT = timedelta(seconds=60)
+
+# LightningModule hooks whose user code consumes step results, so they run where those results are: on the loss
+# stage. Whatever they log is replayed on the other stages.
+EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
 
 
 class HandedOff(BaseException):
@@ -111,7 +116,7 @@ class StageRuntime:
     def sign_step(self, module: LightningModule, hook: str, args: tuple, kwargs: dict) -> None:
         """What the stages must agree on for the step about to run (see lightning_pipe.execution.step_agreement)."""
         if self.groups.num_stages > 1:
-            self.engine.step_signature = step_signature_of(module, hook, args, kwargs)
+            self.engine.sign_step(step_signature_of(module, hook, args, kwargs))
 
     def step_output(self, module: LightningModule, hook: str, args: tuple, kwargs: dict) -> Any:
         """The user's ``hook`` step (validation, test, predict) through the pipeline: its output on the loss stage,
@@ -202,7 +207,7 @@ class StageRuntime:
 
     def _outside_step_starts(self) -> None:
         """The model's code reached the pipelined blocks outside a step: every stage must, see below."""
-        self.engine.step_signature = None
+        self.engine.sign_step(None)
         if self.groups.num_stages > 1:
             self._all_stages_call_the_model()
             self._outside_call = True
@@ -264,6 +269,40 @@ class StageRuntime:
             # Lightning computes the epoch value of each logged metric next, on every rank: from equal states.
             outcome.metric_states = metric_states(module)
         self.share_outcome(module, outcome)
+
+    def run_epoch_end_hooks_on_last_stage(self, module: LightningModule) -> Callable[[], None]:
+        """Run the user's epoch-end hooks (:data:`EPOCH_END_HOOKS`) on the loss stage only, replaying what they log on
+        the other stages; what puts them back."""
+        wrapped_hooks = []
+        for hook in EPOCH_END_HOOKS:
+            if hook in module.__dict__:
+                continue  # already wrapped by an earlier call with this model
+            user_hook = getattr(module, hook)
+
+            def wrapped(user_hook: Callable[[], None] = user_hook) -> None:
+                self.groups.watchdog.uneven_phase()  # the loss stage may take long over a whole epoch's results
+                self.run_on_last_stage(module, user_hook)
+
+            setattr(module, hook, wrapped)
+            wrapped_hooks.append(hook)
+
+        def put_back() -> None:
+            for hook in wrapped_hooks:
+                module.__dict__.pop(hook, None)
+
+        return put_back
+
+    def share_outside_call_outputs(self, module: LightningModule) -> Callable[[], None]:
+        """Where the loss stage alone holds the head, a call of the model outside a step (a callback's ``pl_module(x)``)
+        gets the loss stage's output on every stage at the end of the model's ``forward``; what removes the hook."""
+        handle = module.register_forward_hook(lambda _, args, output: self.share_outside_call_output(output))
+        return handle.remove
+
+    def sync_metrics_within_replicas(self, module: LightningModule) -> None:
+        """torchmetrics syncs over the whole world by default; only a stage's replicas hold the same metric."""
+        for metric in module.modules():
+            if isinstance(metric, Metric):
+                metric.process_group = self.groups.replicas
 
     def share_outcome(self, module: LightningModule, outcome: StepOutcome) -> StepOutcome:
         """Broadcast the last stage's outcome to its pipeline; the other stages replay its logs and continue from
