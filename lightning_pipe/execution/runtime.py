@@ -172,12 +172,16 @@ class StageRuntime:
         or ``None`` where it was handed off."""
         self.calls.begin_step(in_step=True, targets=chunks, frame=sys._getframe())
         self._runs_chunk, self._batch_size, self._called = runs_chunk, batch_size, False
+        completed = False
         try:
-            return user_code()
+            output = user_code()
+            completed = True
+            return output
         except HandedOff:
+            completed = True
             return None
         finally:
-            self.calls.end_step()
+            self.calls.end_step(completed)
 
     @property
     def called_the_blocks(self) -> bool:
