@@ -9,7 +9,7 @@ built is one :class:`BuiltPipeline`, a record the strategy keeps from ``setup`` 
 strategy holds the objects that do its hooks' work (the runtime, the training step, the gradients, the tracer)
 directly, and the functions here start the run, report the stages and put the whole model back.
 
-May import: every folder below it (``config`` to ``integration``). Imported by: the strategy and its
+May import: every folder below it (``schedules`` to ``integration``). Imported by: the strategy and its
 ``pytorch_lightning`` twin only.
 """
 
@@ -34,7 +34,7 @@ from torchmetrics import Metric
 from lightning_pipe.auto_schedule import ScheduleChoice, decide_schedule
 from lightning_pipe.checkpoints.pretrained import PretrainedLoad, PretrainedWeights, holds_pretrained_weights
 from lightning_pipe.checkpoints.whole_model import WholeModelLayout, restore_whole_model, tied_aliases
-from lightning_pipe.config import PipelineParallelConfig
+from lightning_pipe.partition.counts import PipelineParallelConfig
 from lightning_pipe.execution.batchnorm import defer as defer_batch_norms
 from lightning_pipe.execution.compiling import check_compiled, compile_stage, compiles_in_first_steps, uncompiled_name
 from lightning_pipe.execution.engine import PipelineEngine

@@ -22,7 +22,7 @@ import torch
 
 from lightning_pipe.checkpoints.export import parse_size
 from lightning_pipe.checkpoints.pretrained import PretrainedWeights, checked_pretrained
-from lightning_pipe.config import PipelineParallelConfig, require_positive_int
+from lightning_pipe.partition.counts import PipelineParallelConfig, require_positive_int
 from lightning_pipe.partition.balance import (
     BALANCE_MODES,
     BalanceMode,
@@ -113,7 +113,7 @@ class PipelineSettings:
     save_distributed_checkpoint: bool | None = None
     """Write checkpoints sharded with ``torch.distributed.checkpoint`` (a directory): every rank writes its own stage,
     nothing is gathered on one host. Such a checkpoint resumes with any stage count (only the local share is read);
-    ``python -m lightning_pipe.consolidate_checkpoint DIR FILE`` turns it into one file that loads anywhere.
+    ``lightning-pipe consolidate_checkpoint DIR FILE`` turns it into one file that loads anywhere.
     ``False``: the whole model is gathered to rank 0, which writes one file that loads anywhere (with
     ``load_from_checkpoint``, on one device) and holds the whole model and its optimizer state while writing. By
     default (``None``) sharded for a model built on the meta device (in ``configure_model()`` or under

@@ -41,7 +41,7 @@ from typing_extensions import override
 
 from lightning_pipe.checkpoints.pretrained import PretrainedWeights
 from lightning_pipe.checkpoints.strategy_io import StageCheckpoints
-from lightning_pipe.config import PipelineParallelConfig
+from lightning_pipe.partition.counts import PipelineParallelConfig
 from lightning_pipe.execution.batchnorm import epoch_last_batch_reached
 from lightning_pipe.execution.batchnorm import revert as revert_batch_norms
 from lightning_pipe.execution.gradients import StageGradients, stop_agreeing_on_gradient_overflow

@@ -300,7 +300,7 @@ CONSOLIDATE_WITH_PEAK = """
 import runpy, sys
 from pathlib import Path
 sys.argv = ["consolidate_checkpoint", *sys.argv[1:]]
-runpy.run_module("lightning_pipe.consolidate_checkpoint", run_name="__main__")
+runpy.run_module("lightning_pipe.commands.consolidate_checkpoint", run_name="__main__")
 print("VmHWM", next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines()
                     if line.startswith("VmHWM:")))
 """

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from helpers.stock_models import STOCK_MODELS
-from lightning_pipe.config import PipelineParallelConfig
+from lightning_pipe.partition.counts import PipelineParallelConfig
 from lightning_pipe.execution.block_calls import BlockCalls
 from lightning_pipe.execution.call_order import PipelineOrderError
 from lightning_pipe.execution.stage import StageBlocks

@@ -25,7 +25,7 @@ from lightning_pipe import GPipeStrategy
 from lightning_pipe.checkpoints.sharded import consolidate
 from lightning_pipe.execution.sharding import refuse_sharded_already
 from lightning_pipe.integration.hydra_schema import validate_config
-from lightning_pipe.plan import main as plan_command
+from lightning_pipe.commands.plan import main as plan_command
 from lightning_pipe.schedules.choice import BlockCosts
 
 # Per replica 8 samples a step (4 micro-batches of 2); one device takes both replicas' 16 in the order the

@@ -183,7 +183,7 @@ class StageCheckpoints:
                 f"save_pretrained({str(directory)!r}) needs the pipeline's stages, which this process does not hold"
                 " (the launching process of gpipe_spawn / gpipe_fork, or a run that failed). Call it on every rank"
                 " with the default start method, or write a checkpoint and run"
-                " `python -m lightning_pipe.export_pretrained CHECKPOINT DIRECTORY`."
+                " `lightning-pipe export_pretrained CHECKPOINT DIRECTORY`."
             )
         if prefix is None:
             prefix = self.pretrained_prefix if self.pretrained_prefix is not None else library_model_prefix(module)

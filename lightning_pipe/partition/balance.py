@@ -21,7 +21,7 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
-from lightning_pipe.config import PipelineParallelConfig, check_stage_count, ranges_from_sizes, split_evenly
+from lightning_pipe.partition.counts import PipelineParallelConfig, check_stage_count, ranges_from_sizes, split_evenly
 from lightning_pipe.partition.memory_estimate import (
     StateLayout,
     estimate_block_memory,

@@ -151,7 +151,7 @@ class PipelineTracer:
             rank_zero_info(
                 f"GPipe: wrote the trace of step {step} to {path} (and of every further step in trace_steps);"
                 f" open it in https://ui.perfetto.dev or draw it with"
-                f" `python -m lightning_pipe.trace render {path} timeline.png`"
+                f" `lightning-pipe trace render {path} timeline.png`"
             )
 
 
