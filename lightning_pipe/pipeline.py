@@ -27,9 +27,8 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import Tensor, nn
+from torch import nn
 from torch.optim import Optimizer
-from torchmetrics import Metric
 
 from lightning_pipe.auto_schedule import ScheduleChoice, decide_schedule
 from lightning_pipe.checkpoints.pretrained import PretrainedLoad, PretrainedWeights, holds_pretrained_weights
@@ -56,7 +55,6 @@ from lightning_pipe.execution.process_groups import (
 from lightning_pipe.execution.random_streams import StageRandomStreams
 from lightning_pipe.execution.replayed_logs import StepOutcome
 from lightning_pipe.execution.runtime import StageRuntime
-from lightning_pipe.execution.sharding import StageSharding, shard_stage
 from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.execution.steps import TrainingStep, training_step_for
 from lightning_pipe.execution.tied import TiedParameters, parameters_shared_across_stages
@@ -87,12 +85,13 @@ from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.trace.stage_summary import (
     StageSummary,
     build_stage_summary,
+    largest_shard,
     model_checkpoint_note,
     outside_warning,
     self_checkpointing_warning,
 )
 from lightning_pipe.trace.timeline import StepTimeline
-from lightning_pipe.trace.tracer import TRACE_FILE_NAME, PipelineTracer, StepObservation, observe_step
+from lightning_pipe.trace.tracer import TRACE_FILE_NAME, PipelineTracer
 
 @dataclass(frozen=True)
 class BuiltPipeline:
@@ -128,15 +127,17 @@ def start_pipeline(pipeline: BuiltPipeline, module: LightningModule, callbacks: 
     asked), metrics synced within replicas, the epoch-end hooks on the loss stage, Lightning's summary of the whole
     model, the loss stage's random state on every stage. What undoes the changes to the user's objects, for
     teardown."""
-    runtime, pipelined = pipeline.runtime, pipeline.pipelined
+    runtime, pipelined, gradients = pipeline.runtime, pipeline.pipelined, pipeline.gradients
     assert pipelined is not None
-    pipeline.gradients.start_identical(_held_outside_tensors(pipelined, pipeline.groups.stage))
+    precision = module._trainer.precision if module._trainer is not None else None
+    gradients.start_identical(_held_outside_modules(pipelined, pipeline.groups.stage), precision)
     runtime.sync_metrics_within_replicas(module)
     undo = [
         runtime.run_epoch_end_hooks_on_last_stage(module),
         summarize_whole_model(
             callbacks, runtime.stage, pipelined.ranges, {name: where for name, _, where in pipeline.outside},
             pipeline.outside_modules.showing_whole_model,
+            sharded_over=pipeline.groups.layout.num_replicas if gradients.sharding is not None else 1,
         ),
     ]
     if any(0 < len(stages) < pipeline.config.num_stages for _, stages, _ in pipelined.outside.values()):
@@ -145,10 +146,9 @@ def start_pipeline(pipeline: BuiltPipeline, module: LightningModule, callbacks: 
     return undo
 
 
-def _held_outside_tensors(pipelined: WholeModelLayout, stage: int) -> list[Tensor]:
-    """The tensors of the outside modules ``stage`` holds and some other stage does not."""
-    mine = [module for module, stages, _ in pipelined.outside.values() if stage in stages]
-    return [t for module in mine for t in [*module.parameters(), *module.buffers()]]
+def _held_outside_modules(pipelined: WholeModelLayout, stage: int) -> list[tuple[str, nn.Module]]:
+    """The outside modules ``stage`` holds and some other stage does not, by name."""
+    return [(name, module) for name, (module, stages, _) in pipelined.outside.items() if stage in stages]
 
 
 def stage_summary(pipeline: BuiltPipeline, devices: Sequence[str], busy_seconds: Sequence[float] | None) -> StageSummary:
@@ -172,7 +172,22 @@ def stage_summary(pipeline: BuiltPipeline, devices: Sequence[str], busy_seconds:
         ideal_bubble=ideal_bubble(
             schedule, num_stages, config.num_micro_batches, settings.virtual_stages  # type: ignore[arg-type]
         ),
+        data_parallel=settings.data_parallel,  # type: ignore[arg-type]
+        num_replicas=pipeline.groups.layout.num_replicas,
+        held_per_rank=_held_per_rank(pipeline) if settings.data_parallel != "replicate" else None,
     )
+
+
+def _held_per_rank(pipeline: BuiltPipeline) -> list[int]:
+    """FSDP hook: each chunk's parameters held by the rank with the largest shards, a parameter that several blocks
+    share (tied: kept whole) counted whole."""
+    layers, replicas = pipeline.pipelined.sequential, pipeline.groups.layout.num_replicas  # type: ignore[union-attr]
+    users: dict[int, int] = {}
+    for layer in layers:
+        for parameter in layer.parameters():
+            users[id(parameter)] = users.get(id(parameter), 0) + 1
+    return [sum(p.numel() if users[id(p)] > 1 else largest_shard(p.shape, replicas)
+                for i in chunk for p in layers[i].parameters()) for chunk in pipeline.plan.ranges]
 
 
 def announce(pipeline: BuiltPipeline, module: LightningModule, summary: StageSummary, category: type[Warning]) -> None:
@@ -191,13 +206,13 @@ def announce(pipeline: BuiltPipeline, module: LightningModule, summary: StageSum
         rank_zero_warn(self_checkpointing_warning(recompute), category=category)  # type: ignore[arg-type]
 
 
-def put_whole_model_back(pipeline: BuiltPipeline, module: LightningModule) -> None:
+def put_whole_model_back(pipeline: BuiltPipeline, module: LightningModule, optimizers: Sequence[Any] = ()) -> None:
     """After the run: the user's pipelined module back in ``module`` (see
     :func:`~lightning_pipe.checkpoints.whole_model.restore_whole_model`); nothing once the stages were lost."""
     if pipeline.pipelined is None:
         return
-    if (sharding := pipeline.gradients.sharding) is not None:  # FSDP hook: the blocks whole again, from the shards
-        sharding.make_whole()
+    if (sharding := pipeline.gradients.sharding) is not None:  # FSDP hook: the modules (and optimizers) whole again
+        sharding.make_whole(optimizers)
     groups = pipeline.groups
     restore_whole_model(
         module, pipeline.pipelined, groups.stage_ranks, groups.rank, groups.pipeline, groups.device, pipeline.deferred,
@@ -544,8 +559,13 @@ def _tracer(
     )
 
 
-def whole_view(pipeline: BuiltPipeline | None, optimizers: Sequence[Optimizer] = ()) -> AbstractContextManager[None]:
-    """FSDP hook: checkpoints read and write the blocks sharded over the replicas as whole tensors (see
-    :meth:`~lightning_pipe.execution.sharding.StageSharding.whole_view`)."""
+def whole_view(
+    pipeline: BuiltPipeline | None, optimizers: Sequence[Optimizer] = (), as_shards: bool = False
+) -> AbstractContextManager[None]:
+    """FSDP hook: one-file checkpoints read and write the modules sharded over the replicas as whole tensors (see
+    :meth:`~lightning_pipe.execution.sharding.StageSharding.whole_view`); sharded ones (``as_shards``) their
+    DTensors as they are, each rank its shard."""
     sharding = pipeline.gradients.sharding if pipeline is not None else None
-    return sharding.whole_view(optimizers) if sharding is not None and sharding.blocks else nullcontext()
+    if as_shards or sharding is None or not sharding.modules:
+        return nullcontext()
+    return sharding.whole_view(optimizers)

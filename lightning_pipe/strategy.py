@@ -40,6 +40,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pipe.checkpoints.pretrained import PretrainedWeights
+from lightning_pipe.checkpoints.sharded import SHARDED
 from lightning_pipe.checkpoints.strategy_io import StageCheckpoints
 from lightning_pipe.partition.counts import PipelineParallelConfig
 from lightning_pipe.execution.batchnorm import epoch_last_batch_reached
@@ -481,20 +482,20 @@ class GPipeStrategyMixin(PipelineView):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        with _whole_view(self._pipeline):
+        with _whole_view(self._pipeline, as_shards=bool(checkpoint.get(SHARDED))):
             if not self._checkpoints().load_model_state(checkpoint, strict):
                 super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._watchdog.uneven_phase()  # a checkpoint: gathered here, written by rank 0 while the others wait
-        with _whole_view(self._pipeline):
+        with _whole_view(self._pipeline, as_shards=self._checkpoints().writes_shards):
             return self._checkpoints().module_state()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         self._watchdog.uneven_phase()
-        with _whole_view(self._pipeline, [optimizer]):
+        with _whole_view(self._pipeline, [optimizer], as_shards=self._checkpoints().writes_shards):
             return self._checkpoints().optimizer_state(optimizer)
 
     @override
@@ -518,7 +519,7 @@ class GPipeStrategyMixin(PipelineView):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        with _whole_view(self._pipeline, self.optimizers):
+        with _whole_view(self._pipeline, self.optimizers, as_shards=bool(checkpoint.get(SHARDED))):
             if not self._checkpoints().load_optimizer_states(self.optimizers, checkpoint, self.root_device):
                 super().load_optimizer_state_dict(checkpoint)
 
@@ -568,7 +569,7 @@ class GPipeStrategyMixin(PipelineView):
         if module is not None:
             revert_batch_norms(module)
             if self._pipeline is not None and not self._failed:
-                put_whole_model_back(self._pipeline, module)
+                put_whole_model_back(self._pipeline, module, self.optimizers)
         if self._failed and self._pipeline is not None:  # another stage may be gone: no checkpoint can gather them
             self._pipeline = replace(self._pipeline, pipelined=None)
         # Otherwise the pipeline stays: a checkpoint saved after the run gathers every stage's optimizer state.
@@ -596,4 +597,3 @@ GPipeStrategy.lightning_package = LightningPackage(
     TorchCheckpointIO, _ForwardRedirection,
 )
 register_package(GPipeStrategy.lightning_package)
-

@@ -15,18 +15,24 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from helpers.compare import merged_state_dict, rank_results, relative_weight_error, single_device_run
 from helpers.launch import launch, started_together
+from helpers.models import MODELS
 from test_reliability import assert_ended_fast_everywhere, fault, run_with_faults
 from lightning_pipe import GPipeStrategy
-from lightning_pipe.checkpoints.sharded import consolidate
+from lightning_pipe.checkpoints.sharded import committed_directory, consolidate
 from lightning_pipe.execution.sharding import refuse_sharded_already
+from lightning_pipe.partition.counts import PipelineParallelConfig
 from lightning_pipe.integration.hydra_schema import validate_config
+from lightning_pipe.integration.model_summary import held_per_rank
+from lightning_pipe.partition.balance import plan_partition
 from lightning_pipe.commands.plan import main as plan_command
 from lightning_pipe.schedules.choice import BlockCosts
+from lightning_pipe.trace.stage_summary import build_stage_summary, largest_shard
 
 # Per replica 8 samples a step (4 micro-batches of 2); one device takes both replicas' 16 in the order the
 # distributed sampler deals them. Clipping at 0.1 clips every step (the norms are 0.3-0.7).
@@ -53,9 +59,13 @@ TWO_BY_TWO = [
     sharded("full_shard_zero_bubble", "synced_tied", 2, "full_shard", "zero_bubble"),
     sharded("unaveraged", "synced_tied", 2, "shard", unaveraged_shards=True),
     # 50 steps of Adam with both ties: every rank's clipping norm, and every copy of a replicated tensor, the same bits.
-    sharded("fifty_steps", "tied_everywhere", 2, "shard", "1f1b", train_samples=800, val_samples=16),
-    # bf16 autocast (Lightning's precision, as with replicated stages): losses as one device's within 1e-2.
+    # trainer.save_checkpoint after fit: the whole model and Adam's moments whole, in one file.
+    sharded("fifty_steps", "tied_everywhere", 2, "shard", "1f1b", train_samples=800, val_samples=16,
+            save_after_fit=True),
+    # bf16-mixed: FSDP2's MixedPrecisionPolicy (weights gathered in bf16, gradients reduced in fp32) under Lightning's
+    # autocast: losses as one device's within 1e-2, as with replicated stages.
     sharded("bf16", "synced_tied", 2, "shard", "1f1b", trainer={**CLIP, "precision": "bf16-mixed"}),
+    sharded("bf16_full_shard", "synced_tied_outside", 2, "full_shard", trainer={**CLIP, "precision": "bf16-mixed"}),
     # Interleaved 1F1B: two chunks per stage, each block sharded alike.
     sharded("shard_interleaved", "synced_tied", 2, "shard", "interleaved_1f1b"),
     # A block's branch taken by some micro-batches and replicas only: both modes against replicated stages.
@@ -66,15 +76,21 @@ TWO_BY_TWO = [
     # replicated stages. Sharded to sharded (one file; and torch.distributed.checkpoint), replicated <-> sharded.
     {**RESUMED, "name": "replicated_resumed", "strategy": {"num_stages": 2}},
     {**RESUMED, "name": "shard_resumed", "strategy": {"num_stages": 2, "data_parallel": "shard"}},
-    {**RESUMED, "name": "shard_resumed_dcp",
+    {**RESUMED, "name": "shard_resumed_dcp", "save_after_fit": True,
      "strategy": {"num_stages": 2, "data_parallel": "full_shard", "save_distributed_checkpoint": True}},
-    {**RESUMED, "name": "replicate_then_shard", "first_strategy": {"data_parallel": "replicate"},
+    # (a torch.distributed.checkpoint of whole tensors, read into the shards)
+    {**RESUMED, "name": "replicate_then_shard",
+     "first_strategy": {"data_parallel": "replicate", "save_distributed_checkpoint": True},
      "strategy": {"num_stages": 2, "data_parallel": "full_shard", "schedule": "1f1b"}},
     {**RESUMED, "name": "shard_then_replicate", "first_strategy": {"data_parallel": "shard"},
      "strategy": {"num_stages": 2, "data_parallel": "replicate"}},
     # Written at 2 stages x 2 replicas, resumed on 4 stages x 1 (the other layout), against the replicated same.
     {**RESUMED, "name": "replicated_then_4x1", "first_strategy": {"num_stages": 2}, "strategy": {"num_stages": 4}},
     {**RESUMED, "name": "shard_then_4x1", "first_strategy": {"num_stages": 2, "data_parallel": "full_shard"},
+     "strategy": {"num_stages": 4}},
+    # A torch.distributed.checkpoint of shards (DTensors) read whole on the other layout.
+    {**RESUMED, "name": "shard_dcp_then_4x1",
+     "first_strategy": {"num_stages": 2, "data_parallel": "shard", "save_distributed_checkpoint": True},
      "strategy": {"num_stages": 4}},
 ]
 # 4 stages x 2 replicas (8 processes): the tie then joins stage 1 and stage 3.
@@ -86,7 +102,8 @@ FOUR_BY_TWO = [
 ]
 SHARDED_FITS = [run for run in TWO_BY_TWO if run.get("strategy", {}).get("data_parallel", "replicate") != "replicate"
                 and "resume_after_epoch" not in run]
-MATCHING = {"two_by_two": [run for run in SHARDED_FITS if run["name"] not in ("unaveraged", "fifty_steps", "bf16")
+MATCHING = {"two_by_two": [run for run in SHARDED_FITS if run["name"] not in ("unaveraged", "fifty_steps")
+                           and "bf16" not in run["name"]
                            and run["model"] != "branching"],
             "four_by_two": FOUR_BY_TWO[:-1]}
 
@@ -138,6 +155,43 @@ def test_a_sharded_runs_distributed_checkpoint_consolidates_to_the_replicated_ru
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in momenta)
 
 
+def test_a_sharded_stage_writes_its_distributed_checkpoint_shard_by_shard(launches):
+    """Each replica writes its own shard of a sharded parameter and of its momentum (torch.distributed.checkpoint's
+    DTensor chunks, half the rows each): no rank gathers its stage whole to save it. A parameter kept whole (the
+    weight tied across the stages) is written once."""
+    run_dir = launches["two_by_two"].result() / "shard_resumed_dcp"
+    directory = committed_directory(next((run_dir / "checkpoints").glob("*.ckpt")))
+    entries = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    for key in ("model/net.model.0.weight", "optimizer0/state/net.model.0.weight/momentum_buffer",
+                "model/head.weight"):  # (the head's 3 rows split 2 + 1)
+        whole = tuple(entries[key].size)
+        chunks = [tuple(chunk.sizes) for chunk in entries[key].chunks]
+        assert len(chunks) == 2 and sum(rows for rows, *_ in chunks) == whole[0] and chunks[0][0] < whole[0], key
+    assert len(entries["model/net.model.2.weight"].chunks) == 1  # tied across the stages: kept whole
+
+
+def test_a_checkpoint_saved_after_a_sharded_fit_holds_the_whole_model_and_optimizer_state(launches):
+    """trainer.save_checkpoint once fit returned (the stages whole again): one file, and one torch.distributed.checkpoint
+    directory, each with the trained weights and every parameter's whole Adam moments or momentum."""
+    run_dir = launches["two_by_two"].result()
+    saved = torch.load(run_dir / "fifty_steps" / "after_fit.ckpt", weights_only=True)
+    trained = merged_state_dict(run_dir / "fifty_steps")
+    assert saved["state_dict"].keys() == trained.keys()
+    assert all(torch.equal(saved["state_dict"][key], value) for key, value in trained.items())
+    state = saved["optimizer_states"][0]["state"]
+    # Every trained parameter's moments once (the model's head is never called: no gradient, no moments), whole.
+    trainable = {id(p): p for p in MODELS["tied_everywhere"]().parameters()}
+    assert len(state) == len(trainable) - 2
+    shapes = {tuple(p.shape) for p in trainable.values()}
+    assert all(type(entry["exp_avg"]) is torch.Tensor and tuple(entry["exp_avg"].shape) in shapes
+               for entry in state.values())
+    consolidate(run_dir / "shard_resumed_dcp" / "after_fit.ckpt", run_dir / "after_fit_dcp.ckpt")
+    from_dcp = torch.load(run_dir / "after_fit_dcp.ckpt", weights_only=True)
+    trained = merged_state_dict(run_dir / "shard_resumed_dcp")
+    assert all(torch.equal(from_dcp["state_dict"][key], value) for key, value in trained.items())
+    assert len(from_dcp["optimizer_states"][0]["state"]) == len(trained) - 1  # the tied weight's once
+
+
 def test_a_branch_some_replicas_skip_reduces_as_with_replicated_stages(launches):
     """Where only some replicas computed a gradient for a parameter, every replica still reduce-scatters the same
     tensors (no hang), and the result is the replicated stages' (whose all-reduce averages in the others' zeros)."""
@@ -169,11 +223,17 @@ def test_shard_gathers_and_reduce_scatters_each_block_once_per_step_not_per_micr
         for run in runs:
             if run["strategy"]["data_parallel"] != "shard":
                 continue
-            for result in rank_results(launches[layout].result() / run["name"]):
+            results = rank_results(launches[layout].result() / run["name"])
+            assert sum(result["outside_sharded"] for result in results) > 0  # the last stage's head
+            table = results[0]["stage_table"]  # what each rank holds, in the start-up table
+            assert "Params/rank" in table.splitlines()[1]
+            assert "data_parallel='shard': each stage sharded over its 2 replicas (FSDP2)" in table
+            for result in results:
                 blocks = result["blocks_with_parameters"]  # each sharded: the Linear layers (a Tanh has none)
                 steps = result["collectives_per_step"]  # the first also holds the sanity check's validation
                 assert blocks > 0 and len(steps) >= 5
-                expected = {"all_gather": blocks, "reduce_scatter": blocks}
+                modules = blocks + result["outside_sharded"]  # and the head on the last stage
+                expected = {"all_gather": modules, "reduce_scatter": modules}
                 assert all(step == expected for step in steps[1:]), f"{layout} {run['name']}: {steps}"
 
 
@@ -183,9 +243,9 @@ def test_full_shard_gathers_and_reduce_scatters_for_each_micro_batch(launches):
     for layout, name in (("two_by_two", "full_shard_zero_bubble"), ("two_by_two", "full_shard_1f1b"),
                          ("four_by_two", "full_shard_zbv")):
         for result in rank_results(launches[layout].result() / name):
-            blocks, micro_batches = result["blocks_with_parameters"], 4
-            for step in result["collectives_per_step"][1:]:
-                assert step["reduce_scatter"] == micro_batches * blocks, (layout, name, step)
+            blocks, micro_batches, outside = result["blocks_with_parameters"], 4, result["outside_sharded"]
+            for step in result["collectives_per_step"][1:]:  # a module outside the blocks: once at the step's end
+                assert step["reduce_scatter"] == micro_batches * blocks + outside, (layout, name, step)
                 assert step["all_gather"] >= 2 * micro_batches * blocks, (layout, name, step)
 
 
@@ -207,11 +267,18 @@ def test_bad_data_parallel_settings_are_refused_where_they_enter(options, messag
         GPipeStrategy(**options)
 
 
-def test_bf16_autocast_losses_match_one_device(launches):
-    _, _, expected = single_device_run({"model": "synced_tied", "batch_size": 16, "shuffled_like_distributed_sampler":
-                                        True, "trainer": {**CLIP, "precision": "bf16-mixed"}})
-    for result in rank_results(launches["two_by_two"].result() / "bf16"):
-        assert result["train_losses"] == pytest.approx(expected["train_losses"], rel=1e-2)
+def test_bf16_mixed_gathers_bf16_weights_reduces_fp32_gradients_and_matches_one_device(launches):
+    """Under bf16-mixed, FSDP2's MixedPrecisionPolicy: every all-gather sends bf16 weights, every reduce-scatter fp32
+    gradients; the losses are one device's (bf16 autocast) within 1e-2, as the replicated stages' bf16 test asks."""
+    for name, model in (("bf16", "synced_tied"), ("bf16_full_shard", "synced_tied_outside")):
+        _, _, expected = single_device_run({"model": model, "batch_size": 16, "shuffled_like_distributed_sampler":
+                                            True, "trainer": {**CLIP, "precision": "bf16-mixed"}})
+        for result in rank_results(launches["two_by_two"].result() / name):
+            assert result["train_losses"] == pytest.approx(expected["train_losses"], rel=1e-2), name
+            assert result["collective_dtypes"] == {"all_gather": ["torch.bfloat16"],
+                                                   "reduce_scatter": ["torch.float32"]}, name
+    fp32 = rank_results(launches["two_by_two"].result() / "shard_gpipe")[0]["collective_dtypes"]
+    assert fp32 == {"all_gather": ["torch.float32"], "reduce_scatter": ["torch.float32"]}
 
 
 def test_the_fp16_gradient_scaler_with_sharded_stages_is_refused_at_set_up(launches):
@@ -234,7 +301,8 @@ def test_checkpoints_of_sharded_stages_resume_exactly_and_on_the_other_layout(la
     for name in RESUMED_RUNS:
         assert relative_weight_error(initial, straight, merged_state_dict(run_dir / name)) < 1e-5, name
     other_layout = merged_state_dict(run_dir / "replicated_then_4x1")
-    assert relative_weight_error(initial, other_layout, merged_state_dict(run_dir / "shard_then_4x1")) < 1e-5
+    for name in ("shard_then_4x1", "shard_dcp_then_4x1"):
+        assert relative_weight_error(initial, other_layout, merged_state_dict(run_dir / name)) < 1e-5, name
     assert relative_weight_error(initial, straight, other_layout) > 1e-2  # the layouts' second epochs differ
 
 
@@ -268,6 +336,28 @@ def test_plan_says_what_each_rank_holds_in_every_data_parallel_mode(tmp_path, ca
     assert "data_parallel='full_shard'    2.00 GiB  (fits the budget of 7.00 GiB)" in out
 
 
+def test_plan_says_what_each_rank_holds_from_a_transformers_configs_shapes(capsys):
+    """A Llama of 4 blocks of 36,992 parameters, its 64,000-parameter embedding on the first stage and head (and
+    norm) on the loss stage, built on the meta device: at 2 x 2 the larger stage holds 2 blocks, the head and the norm
+    (138,048 parameters): 16 bytes each replicated, 8 sharded over 2, plus 6 (bf16 weights, fp32 gradient) for the
+    whole stage under shard or for the largest module (the head) under full_shard."""
+    config = ("llama:hidden_size=64,intermediate_size=128,num_hidden_layers=4,num_attention_heads=4,"
+              "num_key_value_heads=2,vocab_size=1000")
+    plan_command(["--transformers-config", config, "--layouts", "2x2", "4x1", "--memory-budget", "2MiB",
+                  "--precision", "bf16-mixed"])
+    out = capsys.readouterr().out
+    assert "0.28 M parameters, 4 blocks in 'model.layers'; model.embed_tokens (64.00 K) on the stage of" in out
+    stage = 2 * 36992 + 64000 + 64
+    rows = [f"| 2 stages x 2 replicas | replicate | 0.14 M parameters | {16 * stage / 2**20:.2f} MiB | no | none |",
+            f"| 2 stages x 2 replicas | shard | 0.14 M parameters | {(8 + 6) * stage / 2**20:.2f} MiB | yes |",
+            f"| 2 stages x 2 replicas | full_shard | 0.14 M parameters | {(8 * stage + 6 * 64000) / 2**20:.2f} MiB | yes",
+            "| 4 stages x 1 replicas | replicate |"]
+    assert all(row in out for row in rows), out
+    with pytest.raises(SystemExit):
+        plan_command(["--transformers-config", config, "--layouts", "8by8"])
+    assert "--layouts '8by8' is invalid; give stages x replicas, as 8x8 or 16x4" in capsys.readouterr().err
+
+
 def test_a_stalled_replica_is_named_while_its_peers_wait_in_the_sharded_collectives(tmp_path):
     """Stage 0 of replica 1 (rank 3) stalls in a layer: its pipeline's next stage (rank 1) waits for its activation,
     and rank 1's other replica (rank 0) for rank 1 in the all-gather of their sharded weights, a wait the stall
@@ -280,3 +370,20 @@ def test_a_stalled_replica_is_named_while_its_peers_wait_in_the_sharded_collecti
         run.stderr[-6000:]
     assert re.search(r"stage 1 \(rank 0\) waited [\d.]+ s for the sharded weights' all-gather over the replicas from"
                      r" stage 1 \(rank 1\)", run.stderr), run.stderr[-6000:]
+
+
+def test_the_stage_table_and_lightnings_summary_say_what_each_rank_of_a_sharded_stage_holds():
+    blocks = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 3), nn.Tanh())
+    plan = plan_partition(blocks, blocks, PipelineParallelConfig(2, 2), None)
+    # Split along the first dimension over 2 replicas: 8 of 16 rows (and bias values), 2 of the head's 3 rows.
+    held = [sum(largest_shard(p.shape, 2) for i in chunk for p in blocks[i].parameters()) for chunk in plan.ranges]
+    assert held == [8 * 12 + 8, 2 * 16 + 2]
+    text = str(build_stage_summary(plan, "blocks", [0, 1], ["cpu", "cpu"], 0, 2, "never", data_parallel="full_shard",
+                                   num_replicas=2, held_per_rank=held))
+    header, rows = text.splitlines()[1], text.splitlines()[3:5]
+    assert [cell.strip() for cell in header.split("|")][5:7] == ["Params", "Params/rank"]
+    assert [[cell.strip() for cell in row.split("|")][5:7] for row in rows] == [["208", "104"], ["51", "34"]]
+    assert "data_parallel='full_shard': each stage sharded over its 2 replicas (FSDP2)" in text
+    assert "Params/rank" not in str(build_stage_summary(plan, "blocks", [0, 1], ["cpu", "cpu"], 0, 2, "never"))
+    assert [held_per_rank(where, 4) for where in ("stage 1", "stages 0-1", "stages 0, 3", "every stage")] == [
+        "stage 1, 1/4 per rank", "stages 0-1, 1/4 per rank", "stages 0, 3, whole", "every stage, whole"]

@@ -5,8 +5,8 @@ with Adam, on ``S`` stages × ``D`` replicas.
 Per rank, after a training step: its parameters, gradients and Adam's two moments (of a sharded tensor, its shard),
 against its ``1/(S·D)`` share of the whole model's; its peak resident set against that share plus the fixed
 footprint of a process (a tiny model's run first, in the same processes); and the median time of a step after the
-first, each mode against ``"replicate"``. The modules outside the blocks (the embedding and the head, 13% of this
-model) stay whole on every replica of their stage: the first and last stages' ranks hold them on top of their share.
+first, each mode against ``"replicate"``. The modules outside the blocks (the embedding, the final norm and the
+head, 13% of this model) are sharded over the replicas of the stage that holds them, as the blocks are.
 """
 
 from __future__ import annotations
@@ -81,12 +81,13 @@ def report(spec: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
                               f" most {TARGET}× its share", middle["full_shard"] <= TARGET,
                               f"{middle['full_shard']:.2f}× at worst")
            if "full_shard" in middle else "")
-        + "\n\nThe ends hold the embedding or the head whole on every replica (the modules outside the blocks are"
-        " not sharded yet), so their ranks stay above the share. Between steps `shard` holds what `full_shard` holds;"
+        + "\n\nThe embedding, the final norm and the head are sharded over their stage's replicas as the blocks"
+        " are, so the ends' ranks hold their share too. Between steps `shard` holds what `full_shard` holds;"
         " during a step it also holds the stage's whole weights and whole gradient (the peak column).\n\n"
         f"The median step (the slowest rank's, after the first step):\n\n{times}\n\n"
         "A step's collectives are counted by `tests/test_sharded_data_parallel.py`: one all-gather and one"
-        " reduce-scatter per block per step under `shard`, `2M` gathers and `M` reduce-scatters under `full_shard`."
+        " reduce-scatter per block per step under `shard`, `2M` gathers and `M` reduce-scatters under `full_shard` (a"
+        " module outside the blocks: reduce-scattered once per step in both)."
     )
     data = {"spec": spec, "results": results, "worst_held_over_share": worst, "worst_middle": middle}
     return {"title": "A stage sharded over its replicas", "markdown": markdown, "data": data}

@@ -1,8 +1,10 @@
 """Sharded checkpoints through ``torch.distributed.checkpoint``: each rank writes and reads only its own stage.
 
 The default for a model built on the meta device, and ``GPipeStrategy(save_distributed_checkpoint=True)`` for any
-model: nothing is gathered on one host. Keys are named after the whole model, never after a rank, so a checkpoint
-saved with any stage count loads with any other:
+model: nothing is gathered on one host. A stage sharded over its replicas (``data_parallel="shard"``, FSDP2) writes
+its DTensors as they are, each replica its shard's rows, and reads into them the same way (``torch.distributed.
+checkpoint`` reshards what another layout wrote). Keys are named after the whole model, never after a rank, so a
+checkpoint saved with any stage count (and any replica count, sharded or not) loads with any other:
 
 * ``model/<state-dict key>``: weights (a parameter held by every stage is written once);
 * ``optimizer<i>/state/<parameter name>/<entry>``: the optimizer state of each parameter (momentum, ``step``...);
@@ -43,6 +45,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.tensor import DTensor
 
 from lightning_pipe.checkpoints.optimizer_states import NamedOptimizerState, global_group_names, merge_optimizer_states
 
@@ -101,23 +104,28 @@ def save(
 
 
 def load(
-    path: str | Path, state_keys: set[str], optimizer_names: list[list[list[str]]], weights_only: bool | None = None
+    path: str | Path, state_keys: set[str], optimizer_names: list[list[list[str]]], weights_only: bool | None = None,
+    like: Mapping[str, DTensor] | None = None, optimizer_like: Mapping[str, DTensor] | None = None,
 ) -> dict[str, Any]:
     """This rank's share: weights for ``state_keys`` and, per optimizer, the state of its parameter groups'
     names (``optimizer_names[i]``), numbered as the local optimizer numbers them. Nothing else is read.
-    ``weights_only`` as for ``torch.load`` (``None``: torch's default)."""
+    ``weights_only`` as for ``torch.load`` (``None``: torch's default).
+
+    A weight that is sharded here (``like[key]``, a DTensor: a stage sharded over its replicas) is read as a DTensor
+    sharded alike, and so is the optimizer state of the parameter's shape of one (``optimizer_like[name]``): each
+    rank reads only its shard, whatever layout wrote the checkpoint."""
+    like, optimizer_like = like or {}, optimizer_like or {}
     path = committed_directory(path)
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     local_names = [{name for group in groups for name in group} for groups in optimizer_names]
     wanted: dict[str, Any] = {}
     for key, meta in metadata.items():
         parts = key.split("/")
-        if (
-            (parts[0] == "model" and key[len("model/") :] in state_keys)
-            or key == "lightning"
-            or (parts[0].startswith("optimizer") and parts[1] == "hyper")
-            or (parts[0].startswith("optimizer") and parts[1] == "state" and parts[2] in local_names[_index(parts[0])])
-        ):
+        if parts[0] == "model" and key[len("model/") :] in state_keys:
+            wanted[key] = _empty(meta, like.get(key[len("model/") :]))
+        elif parts[0].startswith("optimizer") and parts[1] == "state" and parts[2] in local_names[_index(parts[0])]:
+            wanted[key] = _empty(meta, optimizer_like.get(parts[2]))
+        elif key == "lightning" or (parts[0].startswith("optimizer") and parts[1] == "hyper"):
             wanted[key] = _empty(meta)
     _read(path, wanted, weights_only)
     checkpoint = dict(wanted.pop("lightning"))
@@ -172,8 +180,11 @@ def consolidate(path: str | Path, out: str | Path, weights_only: bool | None = N
         torch.save(checkpoint, partial)
     del checkpoint
     shards: dict[str, list[str]] = defaultdict(list)
+    listed: set[str] = set()
     for index, storage in metadata.storage_data.items():
-        if index.fqn in places:
+        # A tensor sharded over replicas (a DTensor) lies in several ranks' files: read whole, with the first.
+        if index.fqn in places and index.fqn not in listed:
+            listed.add(index.fqn)
             shards[storage.relative_path].append(index.fqn)
     for keys in shards.values():
         stage = {key: _empty(entries[key]) for key in keys}
@@ -281,9 +292,14 @@ def _states_by_name(flat: dict[str, Any], i: int) -> dict[str, dict[str, Any]]:
     return by_name
 
 
-def _empty(meta: Any) -> Tensor | None:
-    """A tensor to read a stored tensor into; ``None`` for a stored value."""
-    return torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) else None
+def _empty(meta: Any, like: DTensor | None = None) -> Tensor | None:
+    """A tensor to read a stored tensor into (sharded as ``like`` where it has the stored shape); ``None`` for a
+    stored value."""
+    if not isinstance(meta, TensorStorageMetadata):
+        return None
+    if like is not None and tuple(like.shape) == tuple(meta.size):
+        return torch.empty_like(like, dtype=meta.properties.dtype)
+    return torch.empty(meta.size, dtype=meta.properties.dtype)
 
 
 def _at(container: Any, place: tuple[Any, ...]) -> Any:

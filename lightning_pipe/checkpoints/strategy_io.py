@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_pipe.checkpoints.commit import save_committed
@@ -64,6 +65,12 @@ class StageCheckpoints:
         return self.deferred
 
     @property
+    def writes_shards(self) -> bool:
+        """Whether a save writes each rank's own share through torch.distributed.checkpoint: a stage sharded over
+        its replicas (FSDP2) then writes its DTensors as they are, each replica its shard, never gathered whole."""
+        return self.sharded and self._split
+
+    @property
     def _split(self) -> bool:
         return self.pipelined is not None and self.num_stages > 1
 
@@ -79,8 +86,15 @@ class StageCheckpoints:
         if local and is_sharded_checkpoint(path):
             assert self.module is not None
             checked = check_sharded_checkpoint(path)
+            optimizers = list(optimizers)
             names = [group_names(self.module, optimizer) for optimizer in optimizers]
-            return load_sharded(checked.directory, set(self.module.state_dict()), names, weights_only)
+            # A stage sharded over its replicas reads into its DTensors: each replica only its shard's rows.
+            state = self.module.state_dict()
+            parameters = {name: parameter for optimizer, groups in zip(optimizers, names)
+                          for group, group_names_ in zip(optimizer.param_groups, groups)
+                          for parameter, name in zip(group["params"], group_names_)}
+            return load_sharded(checked.directory, set(state), names, weights_only, like=_sharded(state),
+                                optimizer_like=_sharded(parameters))
         if local:
             refuse_interrupted_save(path)
         local_file = local and Path(path).is_file()
@@ -201,3 +215,8 @@ class StageCheckpoints:
         )
         if left_out:
             rank_zero_warn(f"save_pretrained left out the keys outside the prefix {prefix!r}: {left_out}")
+
+
+def _sharded(tensors: Mapping[str, Any]) -> dict[str, DTensor]:
+    """The DTensors among ``tensors`` (a stage's parameters and state sharded over its replicas)."""
+    return {name: tensor for name, tensor in tensors.items() if isinstance(tensor, DTensor)}

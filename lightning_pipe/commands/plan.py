@@ -7,6 +7,8 @@ from a file.
     lightning-pipe plan my_project.models:Classifier --batch-size 64 --stages 4
     lightning-pipe plan --costs costs.json --stages 8               # costs saved by --save-costs
     lightning-pipe plan --stages 4 --action-time 0.05 --send-time 0.02  # the runtime's costs (ms) on GPUs
+    lightning-pipe plan --transformers-config llama:hidden_size=8192,... --layouts 8x8 16x4 \
+        --memory-budget 80GB --precision bf16-mixed  # what each rank holds, from a model's shapes alone
 
 It profiles each pipelined block's forward, input gradient, weight gradient and activation bytes at the smallest and
 the largest micro-batch the candidates use (:func:`~lightning_pipe.partition.profiling.block_cost_model`), adds the
@@ -14,6 +16,13 @@ runtime's own cost per action and per message (measured per device type,
 :data:`~lightning_pipe.schedules.choice.MEASURED_RUNTIME_COSTS`; ``--action-time``/``--send-time``, or a costs file's
 ``runtime``, override them), predicts every configuration (:mod:`lightning_pipe.schedules.choice`), prints the ranked table and the recommendation with
 why, and, with ``--draw DIR`` where matplotlib is installed, the predicted timelines of the best three.
+
+With ``--transformers-config`` it answers "does this fit" instead, for a model too large to build: the Hugging Face
+causal language model of that config (a local ``config.json``, or ``model_type:field=value,...``) is built on the
+meta device (no weights, nothing downloaded), its blocks and the modules outside them found and placed as the
+pipeline places them, and each ``--layouts`` S x D is split by parameters; for every ``data_parallel`` mode the
+table gives the state the largest stage's rank holds (:func:`~lightning_pipe.partition.memory_estimate.rank_state_bytes`)
+against ``--memory-budget``.
 """
 
 from __future__ import annotations
@@ -36,7 +45,9 @@ from lightning_pipe.schedules.choice import (
 )
 from lightning_pipe.schedules.planner import RuntimeCosts
 from lightning_pipe.partition.balance import min_max_partition, ranges_from_sizes
-from lightning_pipe.partition.memory_estimate import StateLayout
+from lightning_pipe.partition.memory_estimate import StateLayout, rank_state_bytes
+from lightning_pipe.partition.placement import balance_charges, observe_places, outside_modules
+from lightning_pipe.partition.region import chosen_region
 from lightning_pipe.settings import DATA_PARALLEL_MODES, PipelineSettings
 
 
@@ -65,9 +76,24 @@ def main(argv: list[str] | None = None) -> None:
                         " (default: the costs file's, else the value measured for the device type)")
     parser.add_argument("--replicas", type=int, default=1, help="data-parallel replicas of the pipeline: the state"
                         " each rank holds is shown for every data_parallel mode (default 1)")
+    parser.add_argument("--transformers-config", default=None, help="only the state per rank, of the Hugging Face"
+                        " causal LM of this config built on the meta device: a config.json (or its directory), or"
+                        " model_type:field=value,... (llama:hidden_size=8192,num_hidden_layers=80)")
+    parser.add_argument("--layouts", nargs="+", default=None, help="with --transformers-config: the layouts S x D to"
+                        " tabulate, as 8x8 16x4 (default: --stages x --replicas)")
+    parser.add_argument("--precision", default="32-true", help="Lightning's precision of the run: under bf16-mixed"
+                        " the sharded weights are gathered in bfloat16 (default 32-true)")
     parser.add_argument("--top", type=int, default=15, help="rows of the table shown (default 15)")
     parser.add_argument("--draw", type=Path, default=None, help="draw the best three's predicted timelines here")
     args = parser.parse_args(argv)
+    if args.transformers_config is not None:
+        try:
+            layouts = [_layout(text) for text in args.layouts] if args.layouts else [(args.stages, args.replicas)]
+            budget = PipelineSettings(schedule="auto", memory_budget=args.memory_budget).memory_budget
+            print(state_from_shapes(model_from_config(args.transformers_config), layouts, budget, args.precision))
+        except ValueError as error:
+            parser.error(str(error))
+        return
     try:
         model, batch_size, num_stages, module_name, runtime = _costs(args)
         settings = PipelineSettings(schedule="auto", module_name=module_name,
@@ -113,6 +139,85 @@ def state_per_rank(block_bytes: list[float], num_stages: int, replicas: int, bud
         room = "" if budget is None else f"  ({verdict} the budget of {budget / 2**30:.2f} GiB)"
         lines.append(f"  data_parallel={mode!r:<13} {held / 2**30:6.2f} GiB{room}")
     return "\n".join(lines)
+
+
+def model_from_config(spec: str) -> torch.nn.Module:
+    """The Hugging Face causal language model of a config, built on the meta device: ``spec`` is a local
+    ``config.json`` (or the directory holding it) or ``model_type:field=value,...``. Nothing is downloaded."""
+    import transformers
+
+    if Path(spec).exists():
+        config = transformers.AutoConfig.from_pretrained(spec)
+    else:
+        model_type, _, fields = spec.partition(":")
+        values = dict(field.split("=", 1) for field in fields.split(",") if field)
+        config = transformers.AutoConfig.for_model(model_type, **{k: json.loads(v) for k, v in values.items()})
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def state_from_shapes(
+    model: torch.nn.Module, layouts: list[tuple[int, int]], budget: int | None, precision: str = "32-true"
+) -> str:
+    """The markdown table of what the largest stage's rank holds for each layout (S stages x D replicas) and each
+    ``data_parallel`` mode, from ``model``'s parameter counts alone (on the meta device): its blocks split by
+    parameters, the modules outside them on the stages that run them (observed in a forward on the meta device)."""
+    region = chosen_region(model, None, None, None, max(stages for stages, _ in layouts), 1)
+    names = outside_modules(model, region)
+    ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    places = observe_places(model, region, lambda m: m(input_ids=ids, labels=ids).loss, names)
+    blocks = region.blocks(model)
+    charged = [float(sum(p.numel() for p in block.parameters())) for block in blocks]
+    largest = max(charged)
+    held = {id(p) for block in blocks for p in block.parameters()}
+    for index, module in balance_charges(model, region, places):  # a module two stages hold: counted on both
+        count = sum(p.numel() for p in module.parameters())
+        charged[index] += count
+        largest = max(largest, count)
+        held |= {id(p) for p in module.parameters()}
+    everywhere = sum(p.numel() for p in model.parameters() if id(p) not in held)
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    where = "; ".join(f"{name} ({_count(sum(p.numel() for p in model.get_submodule(name).parameters()))}) on"
+                      f" {places.describe(name, region.names)}" for name in names)
+    room = _size(budget) if budget is not None else "the budget"
+    lines = [
+        f"{type(model).__name__} from its shapes (meta device): {_count(total)} parameters, {len(blocks)} blocks in"
+        f" {region.label!r}; {where}.",
+        f"State the largest stage's rank holds at its step's peak, precision={precision!r}: parameters, gradients and"
+        " Adam's two moments in float32 (16 bytes a parameter), sharded as data_parallel says; weights gathered in"
+        f" {'bfloat16' if precision == 'bf16-mixed' else 'float32'}; activations not counted.",
+        "",
+        f"| layout | data_parallel | largest stage | held per rank | fits {room} | left for activations |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for num_stages, replicas in layouts:
+        ranges = ranges_from_sizes(min_max_partition(charged, num_stages))
+        stage = max(sum(charged[i] for i in r) for r in ranges) + everywhere
+        for mode in DATA_PARALLEL_MODES if replicas > 1 else ("replicate",):
+            size = rank_state_bytes(stage, largest, mode, replicas, precision)
+            fits = "-" if budget is None else ("yes" if size <= budget else "no")
+            left = "-" if budget is None else (_size(budget - size) if size <= budget else "none")
+            lines.append(f"| {num_stages} stages x {replicas} replicas | {mode} | {_count(stage)} parameters |"
+                         f" {_size(size)} | {fits} | {left} |")
+    return "\n".join(lines)
+
+
+def _count(parameters: float) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if parameters >= scale / 10:
+            return f"{parameters / scale:.2f} {unit}"
+    return f"{parameters:.0f}"
+
+
+def _size(size: float) -> str:
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.2f} MiB"
+
+
+def _layout(text: str) -> tuple[int, int]:
+    stages, _, replicas = text.lower().partition("x")
+    if not (stages.isdigit() and replicas.isdigit() and int(stages) > 0 and int(replicas) > 0):
+        raise ValueError(f"--layouts {text!r} is invalid; give stages x replicas, as 8x8 or 16x4")
+    return int(stages), int(replicas)
 
 
 def _costs(args: argparse.Namespace) -> tuple[CostModel, int, int, Any, RuntimeCosts]:

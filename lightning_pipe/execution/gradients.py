@@ -196,13 +196,14 @@ class StageGradients:
         self.data_parallel = data_parallel
         self.sharding: StageSharding | None = None  # with data_parallel="shard": built by `start_identical`
 
-    def start_identical(self, held_outside: list[Tensor]) -> None:
+    def start_identical(self, held_outside: list[tuple[str, nn.Module]], precision: str | None = None) -> None:
         """Start identical where training keeps things identical: the replicated parameters on every rank (from rank
-        0), tied parameters, and each stage's parameters and buffers on its replicas (from replica 0), with
-        ``held_outside`` (the tensors of outside modules this stage holds and some other does not). Then, with
-        ``data_parallel="shard"`` or ``"full_shard"``, the identical blocks are sharded over the replicas (FSDP2). A
-        collective, once, on the model moved to its device."""
+        0), tied parameters, and each stage's parameters and buffers on its replicas (from replica 0), with those of
+        ``held_outside`` (the outside modules this stage holds and some other does not, by name). Then, with
+        ``data_parallel="shard"`` or ``"full_shard"``, the identical blocks and those modules are sharded over the
+        replicas (FSDP2, in Lightning's ``precision``). A collective, once, on the model moved to its device."""
         groups, stage = self.groups, self.stage
+        outside_tensors = [t for _, module in held_outside for t in [*module.parameters(), *module.buffers()]]
         with torch.no_grad():
             for tensor in self.replicated:
                 dist.broadcast(tensor.data, src=0)
@@ -210,13 +211,13 @@ class StageGradients:
             self.ownership.start_identical()
             if groups.layout.num_replicas > 1:
                 source = groups.layout.rank(groups.stage, replica=0)
-                for tensor in [*stage.parameters(), *stage.buffers(), *held_outside]:
+                for tensor in [*stage.parameters(), *stage.buffers(), *outside_tensors]:
                     dist.broadcast(tensor.data, src=source, group=groups.replicas)
         if self.data_parallel != "replicate":  # FSDP hook: the replicas' identical blocks sharded now
             kept_whole = [*self.replicated, *self.tied.parameters, *self.ownership.parameters]
             blocks = [(stage.region.names[i], stage.originals[i]) for i in stage.indices]
             self.sharding = shard_stage(blocks, self.data_parallel, groups.replicas, groups.device, kept_whole,
-                                        groups.watchdog)
+                                        groups.watchdog, held_outside, precision)
 
     def chunk_backward_done(self, chunk: int) -> None:
         """The engine ended chunk ``chunk``'s backward of one micro-batch (both halves, when split): under

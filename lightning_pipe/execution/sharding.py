@@ -21,10 +21,17 @@ schedules drive it (``torch/distributed/pipelining/stage.py``, ``backward_maybe_
   splits it: :meth:`StageSharding.micro_batch_done`, called by the engine), adding into the shard's gradient. A
   rank then never holds more than its shards and the blocks running.
 
+The modules outside the blocks that the stage holds (the embedding on the first stage, the final norm and the head
+on the loss stage: :mod:`lightning_pipe.execution.outside`) are sharded the same way, each its own ``fully_shard``
+module, in either mode gathered for their forward as FSDP2 does and reduce-scattered once per step, at the step's
+end (they run in the user's step, outside the schedule's chunks): under ``"full_shard"`` their whole gradient is
+held through the step, as ``"shard"`` holds every gradient.
+
 Parameters that the pipeline keeps whole on every replica are left out of the shards (``ignored_params``): a
 parameter tied to another stage's block, or to a module outside the blocks, whose gradient is summed over the
-stages holding it before the replicas average it (see :mod:`lightning_pipe.execution.tied`), and one that two
-blocks of the stage share. The modules outside the blocks stay replicated.
+stages holding it before the replicas average it (see :mod:`lightning_pipe.execution.tied`), one that two of the
+stage's sharded modules share, and one that every stage holds (a loose parameter of the model, an outside module no
+step showed where it runs): each stays one whole tensor, equal on every rank as one device's.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
@@ -52,15 +59,21 @@ class StageSharding:
 
     def __init__(
         self, blocks: list[FSDPModule], mode: DataParallelMode, group: dist.ProcessGroup, watchdog: StallWatchdog,
-        watched: list[RemovableHandle],
+        watched: list[RemovableHandle], outside: list[FSDPModule] | None = None,
     ) -> None:
         self.blocks = blocks
-        self._watched = watched  # the hooks that gather each block's weights under the watchdog
+        self.outside = outside or []  # the sharded modules outside the blocks: reduce-scattered at the step's end
+        self._watched = watched  # the hooks that gather each module's weights under the watchdog
         self.mode = mode
         self.group = group
         self.watchdog = watchdog
-        self.sharded_ids = {id(p) for block in blocks for p in _sharded_parameters(block)}
+        self.sharded_ids = {id(p) for module in self.modules for p in _sharded_parameters(module)}
         self._ids = {id(block) for block in blocks}
+
+    @property
+    def modules(self) -> list[FSDPModule]:
+        """Every sharded module of the stage: its blocks, then the modules outside them that it holds."""
+        return [*self.blocks, *self.outside]
 
     def is_sharded(self, parameter: Tensor) -> bool:
         return id(parameter) in self.sharded_ids
@@ -79,8 +92,9 @@ class StageSharding:
         """The step's gradients of every sharded block, accumulated over its micro-batches on the gathered weights,
         averaged over the replicas and reduce-scattered: each rank keeps its shard's gradient (added to the shard's
         ``grad`` when one is there, as gradient accumulation over several batches adds). The weights are released.
-        (Under ``"full_shard"`` each micro-batch's were already: nothing is left to reduce.)"""
-        self._reduce_scatter(self.blocks)
+        (Under ``"full_shard"`` each micro-batch's were already: nothing is left to reduce but the outside
+        modules'.)"""
+        self._reduce_scatter(self.modules)
 
     def _reduce_scatter(self, blocks: list[FSDPModule]) -> None:
         waited = self.watchdog.collective("the sharded gradients' reduce-scatter over the replicas", self.group)
@@ -103,8 +117,8 @@ class StageSharding:
         leaving, the whole values, changed or not, go back into the shards (a loaded checkpoint's among them). A
         collective over the replicas, in the same order on each."""
         swapped: list[tuple[Any, nn.Parameter]] = []  # (FSDP2's parameter, its whole stand-in)
-        hooks = _fsdp_state_dict_hooks_set_aside(self.blocks)  # they expect the shards in the modules
-        for block in self.blocks:
+        hooks = _fsdp_state_dict_hooks_set_aside(self.modules)  # they expect the shards in the modules
+        for block in self.modules:
             block.reshard()  # the modules hold the shards; the next forward gathers what the view leaves
             for fsdp_param in _fsdp_params(block):
                 sharded = fsdp_param.sharded_param
@@ -129,23 +143,29 @@ class StageSharding:
             for hook_dict, kept in hooks:
                 hook_dict.update(kept)
 
-    def make_whole(self) -> None:
-        """After the run: every block whole again, as the user built it (its own class, plain parameters holding the
-        trained values gathered from every replica's shard, no FSDP2 hook), so that the model comes back as one
-        device's would. A collective over the replicas; the sharding is over."""
-        _fsdp_state_dict_hooks_set_aside(self.blocks)  # for good
-        for block, watched in zip(self.blocks, self._watched):
+    def make_whole(self, optimizers: Iterable[Optimizer] = ()) -> None:
+        """After the run: every sharded module whole again, as the user built it (its own class, plain parameters
+        holding the trained values gathered from every replica's shard, no FSDP2 hook), so that the model comes back
+        as one device's would; ``optimizers`` hold the whole parameters and their state whole too (a checkpoint
+        saved after the run reads them). A collective over the replicas; the sharding is over."""
+        _fsdp_state_dict_hooks_set_aside(self.modules)  # for good
+        to_whole: dict[int, Tensor] = {}
+        for block, watched in zip(self.modules, self._watched):
             watched.remove()
             block.reshard()
             state = fully_shard.state(block)  # type: ignore[attr-defined]
             for param_group in state._fsdp_param_groups:
                 for fsdp_param in param_group.fsdp_params:
                     sharded = fsdp_param.sharded_param
-                    _set_on_modules(fsdp_param, nn.Parameter(sharded.full_tensor().detach(), sharded.requires_grad))
+                    whole = nn.Parameter(sharded.full_tensor().detach(), sharded.requires_grad)
+                    _set_on_modules(fsdp_param, whole)
+                    to_whole[id(sharded)] = whole
             state._pre_forward_hook_handle.remove()
             state._post_forward_hook_handle.remove()
             block.__class__ = type(block).__bases__[1]  # fully_shard made it a subclass of (FSDPModule, its class)
-        self.blocks, self._watched, self.sharded_ids, self._ids = [], [], set(), set()
+        for optimizer in optimizers:  # in the same order on every replica: their state's gathering is collective
+            _replace_in_optimizer(optimizer, to_whole, _whole)
+        self.blocks, self.outside, self._watched, self.sharded_ids, self._ids = [], [], [], set(), set()
 
 
 def shard_stage(
@@ -155,47 +175,70 @@ def shard_stage(
     device: torch.device,
     kept_whole: Iterable[Tensor] = (),
     watchdog: StallWatchdog = UNWATCHED,
+    outside: Iterable[tuple[str, nn.Module]] = (),
+    precision: str | None = None,
 ) -> StageSharding:
-    """Wrap each of ``blocks`` holding parameters to shard (not one of ``kept_whole``) with ``fully_shard`` over
-    ``group`` (``blocks``: each block by its name in the model). A collective over ``group``: its ranks must hold
-    the same values already (the pipeline broadcast them from the first replica)."""
-    blocks = list(blocks)
-    refuse_sharded_already(blocks)
+    """Wrap each of ``blocks`` and of the ``outside`` modules the stage holds (each by its name in the model) that
+    holds parameters to shard (not one of ``kept_whole``) with ``fully_shard`` over ``group``, in Lightning's
+    ``precision`` (see :func:`mixed_precision`). A collective over ``group``: its ranks must hold the same values
+    already (the pipeline broadcast them from the first replica)."""
+    blocks, outside = list(blocks), list(outside)
+    refuse_sharded_already([*blocks, *outside])
     mesh = DeviceMesh.from_group(group, device.type)
     whole = {id(t) for t in kept_whole}
-    # A parameter two of this stage's blocks share (a tie within the stage) stays whole too: FSDP2 shards a parameter
-    # for one module only.
+    # A parameter two of this stage's modules share (a tie within the stage) stays whole too: FSDP2 shards a
+    # parameter for one module only.
     seen: set[int] = set()
-    for _, block in blocks:
-        ids = {id(p) for p in block.parameters()}
+    for _, module in [*blocks, *outside]:
+        ids = {id(p) for p in module.parameters()}
         whole |= ids & seen
         seen |= ids
-    wrapped: list[FSDPModule] = []
     watched: list[RemovableHandle] = []
-    for _, block in blocks:
-        shardable = [p for p in block.parameters() if id(p) not in whole]
-        if not shardable:
-            continue
-        ignored = {p for p in block.parameters() if id(p) in whole}
-        fully_shard(block, mesh=mesh, reshard_after_forward=mode == "full_shard", ignored_params=ignored or None)
-        module: FSDPModule = block  # type: ignore[assignment]
-        _syncing(module, False, mode)
-        watched.append(block.register_forward_pre_hook(_gather_watched(module, watchdog, group), prepend=True))
-        wrapped.append(module)
-    return StageSharding(wrapped, mode, group, watchdog, watched)
+    policy = mixed_precision(precision)
+
+    def wrapped(modules: list[tuple[str, nn.Module]]) -> list[FSDPModule]:
+        done = []
+        for _, module in modules:
+            shardable = [p for p in module.parameters() if id(p) not in whole]
+            if not shardable:
+                continue
+            ignored = {p for p in module.parameters() if id(p) in whole}
+            fully_shard(module, mesh=mesh, reshard_after_forward=mode == "full_shard", ignored_params=ignored or None,
+                        mp_policy=policy)
+            sharded: FSDPModule = module  # type: ignore[assignment]
+            _syncing(sharded, False, mode)
+            watched.append(module.register_forward_pre_hook(_gather_watched(sharded, watchdog, group), prepend=True))
+            done.append(sharded)
+        return done
+
+    sharded_blocks = wrapped(blocks)
+    return StageSharding(sharded_blocks, mode, group, watchdog, watched, outside=wrapped(outside))
+
+
+def mixed_precision(precision: str | None) -> MixedPrecisionPolicy:
+    """FSDP2's precision for Lightning's ``precision``: under ``"bf16-mixed"`` the weights are gathered in bfloat16
+    (half the all-gather, and the stage's whole weights held in bfloat16 during the step, as torchtitan runs) while
+    the shards, their gradients and the optimizer state stay float32, and gradients are reduce-scattered (and
+    accumulated over the micro-batches) in float32; Lightning's autocast still runs around the step, for the modules
+    kept whole. Any other precision: FSDP2's default (the parameters' own dtype)."""
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 def refuse_sharded_already(blocks: Iterable[tuple[str, nn.Module]]) -> None:
-    """Raise, naming the block, when the user's code already called ``fully_shard`` on a pipelined block (or inside
-    one): the pipeline shards the blocks itself, over the replicas of their stage only."""
+    """Raise, naming the module, when the user's code already called ``fully_shard`` on a pipelined block or a module
+    outside the blocks that a stage holds (or inside one): the pipeline shards them itself, over the replicas of their
+    stage only."""
     for name, block in blocks:
         inner = next((n for n, m in block.named_modules() if isinstance(m, FSDPModule)), None)
         if inner is not None:
             where = f"{name}.{inner}" if inner else name
             raise ValueError(
                 f"the pipelined module {where!r} was already wrapped with fully_shard (FSDP2) by the model's own code,"
-                " but GPipeStrategy shards each block itself, over the data-parallel replicas of its stage only: a"
-                " model-wide mesh would mix the stages. Remove the fully_shard call for the pipelined blocks and use"
+                " but GPipeStrategy shards each block (and each module outside the blocks a stage holds) itself, over"
+                " the data-parallel replicas of its stage only: a model-wide mesh would mix the stages. Remove the"
+                " fully_shard calls for the model's modules and use"
                 " GPipeStrategy(data_parallel='shard') (or 'full_shard')."
             )
 

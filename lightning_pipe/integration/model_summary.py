@@ -3,7 +3,9 @@
 Lightning's ``ModelSummary`` (and ``RichModelSummary``) callback summarises the LightningModule at the start of
 ``fit`` on global rank 0, the last stage. There the other stages' blocks are stand-ins without parameters; while the
 callback builds its summary, :meth:`~lightning_pipe.execution.stage.StageBlocks.showing_whole_model` puts the blocks
-back, so the table lists the real types and parameter counts, and a last column says which stage runs each layer.
+back, so the table lists the real types and parameter counts, and a last column says which stage runs each layer;
+with the stages sharded over their replicas (``data_parallel="shard"`` / ``"full_shard"``), which part each rank
+holds: ``stage 1, 1/2 per rank`` (tied parameters and what every stage holds stay whole).
 """
 
 from __future__ import annotations
@@ -42,13 +44,16 @@ def summarize_whole_model(
     ranges: Sequence[Sequence[int]],
     outside: Mapping[str, str] = {},
     showing_outside: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    sharded_over: int = 1,
 ) -> Callable[[], None]:
     """Make Lightning's model summary callbacks among ``callbacks`` summarise the whole model, each row with the
     stages that run it (``ranges``: the blocks of each stage; ``outside``: where each module outside them lives,
-    ``showing_outside`` puts back those this stage does not hold); returns what undoes it."""
+    ``showing_outside`` puts back those this stage does not hold; ``sharded_over``: the replicas each stage is sharded
+    over, 1 for none); returns what undoes it."""
     wrapped = [callback for callback in callbacks if _is_model_summary(callback)]
     for callback in wrapped:
-        callback._summary = _whole_model_summary(callback._summary, stage, ranges, outside, showing_outside)
+        callback._summary = _whole_model_summary(callback._summary, stage, ranges, outside, showing_outside,
+                                                 sharded_over)
 
     def undo() -> None:
         for callback in wrapped:
@@ -63,13 +68,17 @@ def _whole_model_summary(
     ranges: Sequence[Sequence[int]],
     outside: Mapping[str, str],
     showing_outside: Callable[[], contextlib.AbstractContextManager],
+    sharded_over: int = 1,
 ) -> Callable[..., Any]:
     def whole(trainer: Any, module: nn.Module) -> WholeModelSummary:
         with stage.showing_whole_model(), showing_outside():
             lightning_summary = summary(trainer, module)
             data = lightning_summary._get_summary_data()
             names = dict(data)["Name"]
-            data.append((STAGE_COLUMN, [where_it_runs(module, name, stage, ranges, outside) for name in names]))
+            where = [where_it_runs(module, name, stage, ranges, outside) for name in names]
+            if sharded_over > 1:
+                where = [held_per_rank(row, sharded_over) for row in where]
+            data.append((STAGE_COLUMN, where))
             return WholeModelSummary(
                 data,
                 lightning_summary.total_parameters,
@@ -108,6 +117,14 @@ def where_it_runs(
         return EVERY_STAGE
     first, last = min(inside.values()), max(inside.values())
     return f"stage {first}" if first == last else f"stages {first}-{last}"
+
+
+def held_per_rank(where: str, replicas: int) -> str:
+    """``where`` with the share each rank of a stage sharded over ``replicas`` holds: a module of one stage, or of
+    consecutive stages' blocks, is sharded; one that several stages hold apart (tied) or every stage is whole."""
+    if where == EVERY_STAGE or "," in where:
+        return f"{where}, whole"
+    return f"{where}, 1/{replicas} per rank"
 
 
 def _is_model_summary(callback: Any) -> bool:

@@ -89,6 +89,32 @@ class StateLayout:
         return whole_during_step + held / self.replicas
 
 
+def rank_state_bytes(
+    stage_parameters: float, largest_block: float, data_parallel: str, replicas: int, precision: str = "32-true"
+) -> float:
+    """The bytes of state a rank of a stage holding ``stage_parameters`` parameters (``largest_block`` of them in its
+    largest block or outside module) keeps at its step's peak, from the parameter counts alone: each parameter, its
+    gradient and Adam's two moments in float32, as Lightning keeps them under every mixed precision (16 bytes a
+    parameter), held as ``data_parallel`` says over ``replicas`` (see :mod:`lightning_pipe.execution.sharding`):
+
+    * ``"replicate"``: all of it;
+    * ``"full_shard"``: a ``1/replicas`` share, and one block's gathered weights and gradient while it runs;
+    * ``"shard"``: that share, and the stage's gathered weights and whole gradient through the step.
+
+    Weights are gathered in bfloat16 under ``precision="bf16-mixed"`` (FSDP2's ``MixedPrecisionPolicy``), else in
+    float32; the gradient a step accumulates is float32. Activations are not counted.
+
+    >>> [rank_state_bytes(8, 1, mode, 4, "bf16-mixed") for mode in ("replicate", "shard", "full_shard")]
+    [128, 80.0, 38.0]
+    """
+    state = 4 * (2 + OPTIMIZER_STATES)
+    if data_parallel == "replicate" or replicas == 1:
+        return state * stage_parameters
+    gathered = (2 if precision == "bf16-mixed" else 4) + 4  # the weights, and their whole float32 gradient
+    whole = stage_parameters if data_parallel == "shard" else largest_block
+    return state * stage_parameters / replicas + gathered * whole
+
+
 def state_bytes(parameters: Sequence[nn.Parameter], training: bool = True, layout: StateLayout = StateLayout()) -> int:
     """A parameter's bytes, and when ``training``, those of its gradient and :data:`OPTIMIZER_STATES` tensors of its
     size for each one that requires a gradient; held as ``layout`` says (by default whole)."""

@@ -64,6 +64,11 @@ class StageSummary:
     outside: tuple[tuple[str, int, str], ...] = ()
     schedule: str = "gpipe"
     ideal_bubble: float | None = None  # the schedule's idle share of a step with equal chunks
+    # With data_parallel="shard" or "full_shard": the mode, the replicas each stage is sharded over, and each chunk's
+    # parameters held by the rank holding the most of them (each parameter split along its first dimension).
+    data_parallel: str = "replicate"
+    num_replicas: int = 1
+    held_per_rank: tuple[int, ...] | None = None
 
     @property
     def num_stages(self) -> int:
@@ -86,6 +91,8 @@ class StageSummary:
             ("Layers", [f"{row.layers.start}-{row.layers.stop - 1}" for row in self.rows]),
             ("Types", [row.layer_types for row in self.rows]),
             ("Params", [get_human_readable_count(row.parameters) for row in self.rows]),
+            *([("Params/rank", [get_human_readable_count(n) for n in self.held_per_rank])]
+              if self.held_per_rank is not None else []),
             ("Time/mb", [_milliseconds(row.time_seconds) for row in self.rows]),
             ("Memory", [_bytes(row.memory_bytes) + ("" if row.memory_profiled else " (params)") for row in self.rows]),
             ("Busy/step", [_milliseconds(row.busy_seconds) for row in self.rows]),
@@ -110,6 +117,15 @@ class StageSummary:
             f" {get_human_readable_count(self.replicated_parameters).strip()} replicated on every stage",
             f"Imbalance (slowest stage / mean): {self.imbalance:.2f} by {self.imbalance_basis}",
         ]
+        if self.held_per_rank is not None:
+            lines.append(
+                f"data_parallel={self.data_parallel!r}: each stage sharded over its {self.num_replicas} replicas"
+                " (FSDP2); Params/rank is the largest rank's shard, and each rank's gradients and optimizer state"
+                " follow it. A module outside the blocks that one stage holds is sharded alike; tied parameters and"
+                " those every stage holds stay whole"
+                + ("; the stage's whole weights and gradients are held during a step" if self.data_parallel == "shard"
+                   else "")
+            )
         if self.outside:
             lines += _outside_table(self.outside, self.outside_share)
         if self.deferred_saving_bytes:
@@ -149,12 +165,16 @@ def build_stage_summary(
     owners: Sequence[int] | None = None,
     schedule: str = "gpipe",
     ideal_bubble: float | None = None,
+    data_parallel: str = "replicate",
+    num_replicas: int = 1,
+    held_per_rank: Sequence[int] | None = None,
 ) -> StageSummary:
     """The summary of ``plan``, whose ranges are the model's chunks, held by the stages ``owners`` (by default chunk
     ``s`` on stage ``s``); ``ranks[s]`` and ``devices[s]`` say where stage ``s`` runs; ``recompute`` is the
     re-computation mode, whose repeated forwards count in the profiled time. ``built_whole``: every rank built the
     whole pipelined module (no deferred construction). ``outside``: the modules outside the pipelined region that hold
-    parameters, with their counts and which stages hold them."""
+    parameters, with their counts and which stages hold them. ``held_per_rank``: with a stage sharded over its
+    ``num_replicas`` (``data_parallel``), each chunk's parameters the largest shard holds."""
     repeated = recompute_fraction(recompute, num_micro_batches)
     owners = list(owners) if owners is not None else list(range(len(plan.ranges)))
     rows = []
@@ -208,8 +228,21 @@ def build_stage_summary(
     saving = sum(stage_bytes) - min(stage_bytes) if built_whole else 0
     return StageSummary(
         module_name, plan.method, num_micro_batches, recompute, rows, replicated_parameters, imbalance(totals), basis,
-        saving, tuple(outside), schedule, ideal_bubble,
+        saving, tuple(outside), schedule, ideal_bubble, data_parallel, num_replicas,
+        tuple(held_per_rank) if held_per_rank is not None else None,
     )
+
+
+def largest_shard(shape: Sequence[int], num_shards: int) -> int:
+    """The elements of the largest of ``num_shards`` shards of a tensor of ``shape`` split along its first dimension,
+    as FSDP2 splits it (``torch.chunk``: ``ceil(rows / num_shards)`` rows each, the last ones fewer)."""
+    if not shape:
+        return 1
+    rows = -(-shape[0] // num_shards)
+    per_row = 1
+    for size in shape[1:]:
+        per_row *= size
+    return rows * per_row
 
 
 def outside_warning(summary: StageSummary, suggestion: Sequence[str] | None = None) -> str | None:

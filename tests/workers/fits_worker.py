@@ -76,14 +76,17 @@ class CollectiveCounter:
 
     def __init__(self):
         self.per_step, self.current = [], {"all_gather": 0, "reduce_scatter": 0}
+        self.outside_sharded = 0  # modules outside the blocks sharded on this rank (see StepEnds)
+        self.dtypes = {"all_gather": set(), "reduce_scatter": set()}  # of the tensors sent
         self.originals = dist.all_gather_single, dist.reduce_scatter_single
         dist.all_gather_single = self._counted("all_gather", self.originals[0])
         dist.reduce_scatter_single = self._counted("reduce_scatter", self.originals[1])
 
     def _counted(self, kind, original):
-        def call(*args, **kwargs):
+        def call(output, input, *args, **kwargs):
             self.current[kind] += 1
-            return original(*args, **kwargs)
+            self.dtypes[kind].add(str(input.dtype))
+            return original(output, input, *args, **kwargs)
 
         return call
 
@@ -96,13 +99,16 @@ class CollectiveCounter:
 
 
 class StepEnds(Callback):
-    """Marks the end of each training step for a :class:`CollectiveCounter`."""
+    """Marks the end of each training step for a :class:`CollectiveCounter`, and notes how many modules outside the
+    blocks the stage shards (the sharding is undone after the run)."""
 
     def __init__(self, counter):
         self.counter = counter
 
-    def on_train_batch_end(self, *args, **kwargs):
+    def on_train_batch_end(self, trainer, *args, **kwargs):
         self.counter.step_ends()
+        sharding = trainer.strategy._pipeline.gradients.sharding  # the owner of the sharded stage
+        self.counter.outside_sharded = len(sharding.outside) if sharding is not None else 0
 
 
 def whole_state_dict(model):
@@ -230,6 +236,9 @@ def main(spec_path):
             summary["collectives_per_step"] = counter.per_step
             blocks = pipeline.runtime.stage.blocks if pipeline is not None else []
             summary["blocks_with_parameters"] = sum(any(True for _ in block.parameters()) for block in blocks)
+            summary["outside_sharded"] = counter.outside_sharded
+            summary["collective_dtypes"] = {kind: sorted(dtypes) for kind, dtypes in counter.dtypes.items()}
+            summary["stage_table"] = str(trainer.strategy.stage_summary())
         choice = pipeline.schedule_choice if pipeline is not None else None
         if choice is not None:  # schedule="auto": what it chose, as this rank runs it
             settings = trainer.strategy._settings
