@@ -170,9 +170,10 @@ class PipelineSettings:
     """End the run on every rank when, in a training step, a wait on another rank (activations, gradients, the
     step's results, the gradient reductions and barriers) lasts longer than ``max(stall_floor, stall_multiple * the
     slowest recent step)``, or the first step's bound in a first step, naming the rank that stopped and writing every
-    rank's Python stack to ``default_root_dir/stall_stacks/`` (see :mod:`lightning_pipe.reliability.watchdog`).
-    Validation, checkpoints and epoch ends are left to the strategy's ``timeout``, which stays the hard limit
-    everywhere."""
+    rank's Python stack to ``default_root_dir/stall_stacks/`` (see :mod:`lightning_pipe.reliability.watchdog`). A
+    sharded checkpoint's save is bounded by ``max(stall_floor, stall_multiple * the slowest earlier save)`` (the
+    first save as a first step, by the set-up's time). Validation, one-file checkpoints and epoch ends are left to the strategy's
+    ``timeout``, which stays the hard limit everywhere."""
     stall_multiple: float = StallRule.multiple
     """How many times the slowest of the last 100 regular training steps a wait may last."""
     stall_floor: float = StallRule.floor_s

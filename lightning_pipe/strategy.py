@@ -1,9 +1,8 @@
 """``GPipeStrategy``: Lightning's bridge to the pipeline, from launch to teardown.
 
-Its hooks follow the order in which Lightning calls them: construction, launch, process groups, model setup, the
-steps, backward and the optimizer step, checkpoints, collectives, teardown. Each hands the work on to the object
-that does it: the settings (checked once), the launchers, the process groups, the pipeline built at set-up and what it
-holds (this rank's runtime, its training step, its gradients) and the checkpoints (``checkpoints.strategy_io``).
+Its hooks follow the order in which Lightning calls them (construction, launch, process groups, model setup, steps,
+backward, optimizer step, checkpoints, collectives, teardown), each handing the work on to the object that does it:
+the settings, launchers, process groups, this rank's runtime, training step and gradients, the checkpoints.
 """
 
 from __future__ import annotations
@@ -488,13 +487,13 @@ class GPipeStrategyMixin(PipelineView):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._watchdog.uneven_phase()  # a checkpoint: gathered here, written by rank 0 while the others wait
+        self._watchdog.checkpoint_phase(self._checkpoints().writes_shards)
         with _whole_view(self._pipeline, as_shards=self._checkpoints().writes_shards):
             return self._checkpoints().module_state()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        self._watchdog.uneven_phase()
+        self._watchdog.checkpoint_phase(self._checkpoints().writes_shards)
         with _whole_view(self._pipeline, [optimizer], as_shards=self._checkpoints().writes_shards):
             return self._checkpoints().optimizer_state(optimizer)
 
@@ -502,10 +501,11 @@ class GPipeStrategyMixin(PipelineView):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
-        self._watchdog.uneven_phase()
+        self._watchdog.checkpoint_phase(self._checkpoints().writes_shards)
         spawned = isinstance(self.launcher, SpawnedRanks)
         if not self._checkpoints().write(checkpoint, filepath, storage_options, after_spawned_ranks=spawned):
             super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0 writes the whole model
+        self._watchdog.save_ends()
 
     def save_pretrained(
         self, directory: str | Path, prefix: str | None = None, dtype: torch.dtype | str | None = None,

@@ -124,7 +124,7 @@ def test_hydra_strategy_schedule_auto_configures_the_strategy():
 
 AUTO = {"model": "auto_emulated", "num_micro_batches": None, "checkpoint": None, "strategy": {"schedule": "auto"}}
 RUNS = [
-    {**AUTO, "name": "auto"}, {**AUTO, "name": "auto_budget", "memory_budget_below": "auto"},
+    {**AUTO, "name": "auto"}, {**AUTO, "name": "auto_budget", "memory_budget_below_fastest": True},
     # No example_input_array: the blocks profiled on the first training batch, for the choice and the split.
     {**AUTO, "name": "auto_on_the_batch", "model": "emulated", "strategy": {"schedule": "auto", "balance": "time"}},
 ]
@@ -147,11 +147,16 @@ def test_auto_chooses_once_and_every_rank_runs_the_choice(fitted):
 
 
 def test_a_budget_that_excludes_the_fastest_gives_a_choice_that_fits(fitted):
-    fastest = rank_results(fitted / "auto")[0]["choice"]
-    limited = rank_results(fitted / "auto_budget")[0]["choice"]
-    budget = fastest["memory_bytes"] - 1
-    assert limited["chosen"] != fastest["chosen"] and limited["memory_bytes"] <= budget
+    """The budget is just below what the fastest configuration needs, in the profile the choice is made from (the
+    worker ranks that one profile without a budget, then with it): the choice is another configuration, within the
+    budget, and the message says that faster ones exceed it."""
+    results = rank_results(fitted / "auto_budget")
+    limited = results[0]["choice"]  # global rank 0, which chose
+    budget = limited["memory_budget"]
+    assert budget < limited["fastest_memory_bytes"]
+    assert limited["chosen"] != limited["fastest"] and limited["memory_bytes"] <= budget
     assert "exceed the memory budget" in limited["message"]
+    assert all(result["choice"]["chosen"] == limited["chosen"] for result in results)  # every rank runs it
 
 
 def test_without_an_example_input_auto_profiles_on_the_first_training_batch_and_every_rank_takes_its_choice(fitted):

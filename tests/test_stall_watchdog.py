@@ -14,6 +14,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
+from traceback import FrameSummary
 
 import pytest
 
@@ -30,6 +31,7 @@ from lightning_pipe.reliability.stall_rule import (
     stall_message,
     stalled_ranks,
 )
+from lightning_pipe.reliability.watchdog import main_thread_location
 from test_reliability import FaultRun, assert_ended_fast_everywhere, fault, run_with_faults
 
 # ---- the rule --------------------------------------------------------------------------------------------------------
@@ -120,6 +122,55 @@ def test_uneven_phases_get_the_first_step_bound_and_are_not_timed(uneven):
     assert clock.bound_s == 3.0 and max(clock.durations) == pytest.approx(0.2), "the slow phase was timed"
 
 
+def test_a_sharded_save_is_bounded_by_the_slowest_earlier_save_or_the_set_up_and_timed():
+    """A sharded save's waits are bounded (a rank lost or stuck in it ends the run named), by a bound a legitimately
+    long write stays under: every rank's save lasts as long as the slowest rank's write (it ends in collectives), so
+    an earlier save measures it; before any, the set-up (which made the same weights real) stands in. A save is
+    gathered in several calls (the module's state, each optimizer's, the write), timed from the first to its end.
+    The first save, which nothing measured before, gets a first step's floor (a minute by default)."""
+    clock, now = clock_after([1.0, 1.0, 0.2, 0.2])
+    clock.startup = StartUp(seconds=2.0)
+    clock.step_starts(now, epoch=0, batch=4, batch_shape=(16, 4))
+    clock.step_ends()
+    for call in range(3):  # the module's state, the optimizer's, the write
+        clock.save_starts(now + 1.0 + call)
+        assert clock.saving and not clock.first_step
+        assert clock.bound_s == pytest.approx(5 * 2.0), "before any save: 5 x the set-up's 2 s, at least 2 x 3 s"
+    assert clock.explain() == "a first checkpoint save's bound: 5 x the set-up's 2.00 s, at least 2 x stall_floor = 6 s"
+    assert clock.where() == "while saving a checkpoint after batch 4 of epoch 0"
+    clock.save_ends(now + 8.0)  # 7 s: longer than a regular step's bound, the set-up's multiple covered it
+    assert clock.slowest_save_s == pytest.approx(7.0) and clock.bound_s == pytest.approx(10.0)
+    clock.step_starts(now + 9.0, epoch=0, batch=5, batch_shape=(16, 4))
+    assert clock.first_step and not clock.saving, "the step after a save is a first step"
+    assert max(clock.durations) == pytest.approx(0.2), "the save was not timed as a step"
+    clock.save_starts(now + 20.0)
+    assert clock.bound_s == pytest.approx(5 * 7.0)  # from now on: the slowest earlier save's multiple
+    assert clock.explain() == (
+        "a checkpoint save's bound: 5 x the slowest earlier save (7.00 s), at least stall_floor = 3 s"
+    )
+    assert StallRule().save_bound_s(0.5, StartUp(seconds=2.0)) == 30.0  # the floor, as for a regular step
+    assert StallRule().save_bound_s(None, StartUp(seconds=2.0)) == 60.0  # a first save: a minute by default
+    assert StallRule().save_bound_s(None, StartUp(seconds=12.0)) == pytest.approx(120.0)  # a slow set-up: 10 x
+    clock.uneven_phase()  # validation after it: unbounded again, and no longer a save
+    assert clock.bound_s is None and not clock.saving
+
+
+def test_a_rank_writing_its_part_of_a_sharded_save_waits_on_no_one():
+    """Inside torch.distributed.checkpoint, only its collectives are waits on other ranks: a rank stuck writing its
+    part is the one that stopped, not one more rank waiting (which would leave no one to name)."""
+    torch_distributed = "/venv/torch/distributed/"
+    save = [FrameSummary("/repo/lightning_pipe/checkpoints/commit.py", 70, "save_committed"),
+            FrameSummary(torch_distributed + "checkpoint/state_dict_saver.py", 100, "save")]
+    writing = save + [FrameSummary(torch_distributed + "checkpoint/filesystem.py", 300, "write_data"),
+                      FrameSummary("/venv/torch/serialization.py", 900, "save")]
+    assert main_thread_location(writing) == ("torch/serialization.py:900 in save", None)
+    gathering = save + [FrameSummary(torch_distributed + "checkpoint/utils.py", 50, "gather_object"),
+                        FrameSummary(torch_distributed + "distributed_c10d.py", 3000, "gather_object")]
+    assert main_thread_location(gathering)[1] == (
+        "torch.distributed.gather_object (called from checkpoints/commit.py:70 in save_committed)"
+    )
+
+
 def state(rank: int, waits_on: tuple[int, ...] = (), collective: str | None = None) -> RankState:
     waiting = f"for the activation of micro-batch 0 from rank {waits_on[0]}" if waits_on else None
     return RankState(rank, f"stage {2 - rank} (rank {rank})", waiting, list(waits_on), 4.0, f"train.py:{rank} in f",
@@ -204,6 +255,18 @@ SLOW_PHASES = [
 ]
 
 
+# Stage 1 of 3 (rank 1) stuck in its callback's on_save_checkpoint during the second sharded save (a checkpoint every
+# 2 steps): the others wait in the save (the save id's broadcast, torch.distributed.checkpoint's collectives), which
+# the save's bound (5 x the first save's time, at least the floor) ends, naming it.
+SHARDED_SAVE_STALL = ("gpipe", 3, [fault("stall", "checkpoint", 1)])
+
+
+def run_sharded_save_stall(tmp_path: Path) -> FaultRun:
+    launcher, devices, faults = SHARDED_SAVE_STALL
+    return run_with_faults(tmp_path, devices, faults, launcher, watchdog=REGULAR_STEPS_WATCHDOG, checkpoint_every=2,
+                           sharded_checkpoints=True)
+
+
 def run_stall(case: tuple, tmp_path: Path, watchdog: dict = REGULAR_STEPS_WATCHDOG) -> FaultRun:
     launcher, devices, faults = case
     return run_with_faults(tmp_path, devices, faults, launcher, watchdog=watchdog)
@@ -218,6 +281,7 @@ def run_slow_phases(tmp_path: Path) -> FaultRun:
 def pooled_stalls(tmp_path_factory) -> dict[str, FaultRun]:
     jobs = {name: partial(run_stall, case) for name, case in CASES.items()}
     jobs["slow-phases"] = run_slow_phases
+    jobs["sharded-save"] = run_sharded_save_stall
     jobs["first-step"] = partial(run_stall, FIRST_STEP_STALL, watchdog=WATCHDOG)
     jobs["slow-first-batch"] = lambda tmp: run_with_faults(tmp, 2, SLOW_FIRST_BATCH, "gpipe", watchdog=WATCHDOG)
     with ThreadPoolExecutor(max_workers=4) as pool:
@@ -264,6 +328,19 @@ def test_callback_stall_is_found_while_the_others_wait_in_lightnings_broadcast(p
     run = pooled_stalls["spawn-callback"]
     assert re.search(r"stage 1 \(rank 0\) waited [\d.]+ s in torch\.distributed\.broadcast \(called from "
                      r"loops/training_epoch_loop\.py:\d+ in _broadcast_sigterm_tensor\)", run.stderr), run.stderr[-6000:]
+
+
+def test_a_rank_stuck_in_a_sharded_save_ends_the_run_named_by_the_saves_bound(pooled_stalls):
+    """A sharded save is bounded, not an unwatched phase: the run ends as after any stall, each rank's error naming
+    the stuck stage, the bound derived from the first save's time, the ranks' waits inside the save in the table."""
+    run = pooled_stalls["sharded-save"]
+    check_stall_named(run, 3, SHARDED_SAVE_STALL[2])
+    said = run.ends["rank0"]["message"]
+    assert "stage 1 (rank 1) stopped making progress while saving a checkpoint after batch 3 of epoch 0" in run.stderr
+    assert re.search(r"\(a checkpoint save's bound: 5 x the slowest earlier save \([\d.]+ s\), at least stall_floor"
+                     r" = 3 s\)", said), said
+    assert re.search(r"waited [\d.]+ s (for the checkpoint's save id|in torch\.distributed\.)", said), said
+    assert [path.name for path in (run.out / "ckpt").glob("*.ckpt")] == ["epoch=0-step=2.ckpt"], "the first save"
 
 
 def test_deadlocked_first_step_ends_the_run_named_within_seconds(pooled_stalls):

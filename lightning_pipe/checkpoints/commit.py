@@ -47,6 +47,7 @@ from lightning_pipe.checkpoints.integrity import (
 from lightning_pipe.checkpoints.sharded import COMMITTED
 from lightning_pipe.checkpoints.sharded import save as save_sharded
 from lightning_pipe.execution.process_groups import PipelineGroups, broadcast_object, decided_on_rank_zero
+from lightning_pipe.reliability.root_cause import lost_a_peer
 
 REPLACED = ".replaced-"  # a one-file checkpoint or a link set aside while a sharded one takes its path
 
@@ -63,7 +64,7 @@ def save_committed(
     replaced, only once every rank's part is written (see the module). Called on every rank."""
     path = Path(path)
     rank, watchdog = groups.rank, groups.watchdog
-    save = broadcast_object(uuid.uuid4().hex[:12] if rank == 0 else None, 0, rank, watchdog)
+    save = broadcast_object(uuid.uuid4().hex[:12] if rank == 0 else None, 0, rank, watchdog, "the checkpoint's save id")
     step = int(checkpoint.get("global_step", 0))
     staging = path.parent / f".{path.name}{STAGING}{save}"
     step_dir = staging / f"step-{step}-{save}"
@@ -75,7 +76,10 @@ def save_committed(
     except CheckpointException as failed:  # on every rank: torch gathers every rank's failure
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
-        raise ShardedCheckpointError(_failed_save(path, staging, failed)) from None
+        lost = _lost_peer(failed)
+        # A rank lost (killed) or ended by the stall watchdog in the save's collectives: the lost-peer error, which
+        # every rank turns into the lost stage's name or the watchdog's verdict (reliability.root_cause).
+        raise ShardedCheckpointError(_failed_save(path, staging, failed)) from lost
     decided_on_rank_zero(lambda: _commit(staging, step_dir, path), f"commit the checkpoint {str(path)!r}", rank,
                          watchdog)
 
@@ -162,6 +166,15 @@ class _ExplainedWriter(FileSystemWriter):
             where = (f"{str(files[-1])!r} ({files[-1].stat().st_size} bytes written)" if files
                      else f"its part into {str(directory)!r}")
             raise PartWriteError(f"{self.part} could not write {where}: {_why(error)}") from error
+
+
+def _lost_peer(failed: CheckpointException) -> BaseException | None:
+    """The failure of a rank that lost a peer in the save's collectives (its connection closed), if one did."""
+    for wrapped in failed.failures.values():
+        error = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        if isinstance(error, BaseException) and lost_a_peer(error):
+            return error
+    return None
 
 
 def _why(error: BaseException) -> str:

@@ -144,7 +144,7 @@ class StageCheckpoints:
         rank 0. Raises where the stages' optimizer states are out of reach."""
         if self.pipelined is None and "optimizer_states" in checkpoint:
             refuse_checkpoint_without_stages(after_spawned_ranks, filepath)
-        if not (self.sharded and self._split):
+        if not self.writes_shards:
             return False
         if storage_options is not None:
             raise TypeError("sharded checkpoints are written with torch.distributed.checkpoint, which takes no"

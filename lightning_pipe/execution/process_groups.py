@@ -116,15 +116,18 @@ def _mesh_backends(
 # ---- collectives over every rank, each wait watched --------------------------------------------------------------
 
 
-def broadcast_object(obj: Any, src: int, rank: int, watchdog: StallWatchdog = UNWATCHED) -> Any:
-    """``obj`` as global rank ``src`` holds it, on every rank (``obj`` itself when no process group is up)."""
+def broadcast_object(
+    obj: Any, src: int, rank: int, watchdog: StallWatchdog = UNWATCHED, what: str = "a value"
+) -> Any:
+    """``obj`` as global rank ``src`` holds it, on every rank (``obj`` itself when no process group is up); ``what``
+    it is names the wait ("the checkpoint's save id")."""
     if not (dist.is_available() and dist.is_initialized()):
         return obj
     holder = [obj]
     if rank == src:
-        waited = watchdog.collective("a value broadcast to every rank", dist.group.WORLD, sending=True)
+        waited = watchdog.collective(f"{what} broadcast to every rank", dist.group.WORLD, sending=True)
     else:
-        waited = Wait(f"a value broadcast by rank {src}", (src,))
+        waited = Wait(f"{what} broadcast by rank {src}", (src,))
     with watchdog.waiting(waited):
         dist.broadcast_object_list(holder, src)
     return holder[0]
@@ -174,7 +177,7 @@ def decided_on_rank_zero(decide: Callable[[], Any], what: str, rank: int, watchd
             decided = decide()
         except Exception as exception:  # the other ranks wait in the broadcast: tell them, then raise
             error, decided = exception, _Failed(f"{type(exception).__name__}: {exception}")
-    decided = broadcast_object(decided, 0, rank, watchdog)
+    decided = broadcast_object(decided, 0, rank, watchdog, f"rank 0's result ({what})")
     if error is not None:
         raise error
     if isinstance(decided, _Failed):

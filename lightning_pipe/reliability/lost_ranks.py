@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 import traceback
 from pathlib import Path
 
 import torch.distributed as dist
 
 _KEY = "lightning_pipe/process"
+ENDING_S = 2.0  # how long a process whose connections closed may take to leave the process table
 # What a rank was doing, from the functions of its traceback (innermost first wins): what a user recognises.
 _ACTIVITIES = {
     "save_checkpoint": "saving a checkpoint", "dump_checkpoint": "saving a checkpoint",
@@ -33,9 +35,11 @@ def publish_process(name: str) -> None:
     store.set(f"{_KEY}/{dist.get_rank()}", json.dumps(record))
 
 
-def lost_ranks() -> list[str] | None:
+def lost_ranks(wait_s: float = ENDING_S) -> list[str] | None:
     """The names of the published ranks on this host whose processes have ended; ``None`` where the store does not
-    answer (it lives in global rank 0's process, or torchrun's agent: that one is gone too)."""
+    answer (it lives in global rank 0's process, or torchrun's agent: that one is gone too). Where none has ended
+    yet, looks again for up to ``wait_s``: a killed process closes its connections while the kernel ends it, so its
+    peers may fail before it has left the process table."""
     try:
         store = dist.distributed_c10d._get_default_store()
         keys = [f"{_KEY}/{rank}" for rank in range(dist.get_world_size())]
@@ -43,7 +47,13 @@ def lost_ranks() -> list[str] | None:
     except Exception:  # noqa: BLE001  (the store went with the process that held it)
         return None
     host = socket.gethostname()
-    return [record["name"] for record in records if record["host"] == host and not _running(record["pid"])]
+    local = [record for record in records if record["host"] == host]
+    deadline = time.monotonic() + wait_s
+    while True:
+        lost = [record["name"] for record in local if not _running(record["pid"])]
+        if lost or time.monotonic() >= deadline:
+            return lost
+        time.sleep(0.05)
 
 
 def lost_rank_message(error: BaseException, me: str) -> str:

@@ -80,7 +80,7 @@ def raising_the_root_cause(function: Callable, trainer: Trainer | None, key: str
     try:
         return function(*args, **kwargs)
     except Exception as error:
-        if not _lost_a_peer(error):
+        if not lost_a_peer(error):
             _record(key, error, trainer)
             raise
         stall = stall_found_here()
@@ -123,7 +123,7 @@ def left_exception(path: str) -> BaseException | None:
     return None
 
 
-def _lost_a_peer(error: BaseException) -> bool:
+def lost_a_peer(error: BaseException) -> bool:
     """Whether ``error`` follows from another rank's failure: a wait on a stage or a collective that lost a peer, or
     whose connections the stall watchdog closed (gloo: "Application timeout caused pair closure")."""
     while error is not None:

@@ -7,8 +7,9 @@ Pure logic, no processes (the watchdog that applies it is :mod:`lightning_pipe.r
   *first* step gets the first step's bound (see :class:`StallRule`): one of the first steps of a run
   (``torch.compile``'s first calls, allocations, a resumed run's first steps), the first of an epoch or the first
   after an uneven phase (validation, a checkpoint, the epoch's end hooks), or one whose batch has a shape no earlier
-  step had (a smaller last batch, the BatchNorm check and a recompilation that come with it). The uneven phases
-  themselves get only the hard ``timeout``. Only regular steps' durations (start to next start) set the bound.
+  step had (a smaller last batch, the BatchNorm check and a recompilation that come with it). A sharded checkpoint's
+  save gets the save's bound (see :class:`StallRule`); the other uneven phases get only the hard ``timeout``. Only
+  regular steps' durations (start to next start) set the bound.
 * :class:`StartUp`: what the set-up measured, from which the first step's bound is derived.
 * :class:`Wait`, :class:`RankState`, :func:`stalled_ranks`: what each rank waits for and on whom, and from all ranks'
   answers, which rank stopped: one that others wait on and that waits on no one.
@@ -66,6 +67,28 @@ class StallRule:
     def bound_s(self, slowest_step_s: float) -> float:
         return max(self.floor_s, self.multiple * slowest_step_s)
 
+    def save_bound_s(self, slowest_save_s: float | None, startup: StartUp = StartUp()) -> float:
+        """The bound on a wait during a sharded checkpoint's save: ``max(floor_s, multiple * the slowest earlier save
+        of the run)``; before any save was timed, a first save's ``max(FIRST_STEP_FLOORS * floor_s, multiple * the
+        set-up's seconds)`` (a minute by default).
+
+        A save ends in collectives (every part written, then the ``.metadata``, then the commit), so every rank's
+        save lasts as long as the slowest rank's write: an earlier save, timed on any rank, measures the uneven write
+        the waits must allow. Before the first save, the set-up made the same weights real or read them, work of the
+        size of writing them, and the first save gets the first step's floor (it writes the optimizer's state too)."""
+        if slowest_save_s is None:
+            return max(FIRST_STEP_FLOORS * self.floor_s, self.multiple * startup.seconds)
+        return max(self.floor_s, self.multiple * slowest_save_s)
+
+    def explain_save(self, slowest_save_s: float | None, startup: StartUp = StartUp()) -> str:
+        """How a save's bound came about: ``"a checkpoint save's bound: 10 x the slowest earlier save (1.20 s), at
+        least stall_floor = 30 s"``."""
+        if slowest_save_s is None:
+            return (f"a first checkpoint save's bound: {self.multiple:g} x the set-up's {startup.seconds:.2f} s, at"
+                    f" least {FIRST_STEP_FLOORS} x stall_floor = {FIRST_STEP_FLOORS * self.floor_s:g} s")
+        return (f"a checkpoint save's bound: {self.multiple:g} x the slowest earlier save ({slowest_save_s:.2f} s), at"
+                f" least stall_floor = {self.floor_s:g} s")
+
     def first_step_own_s(self, startup: StartUp) -> float:
         """The first step's own bound, before the regular bound is considered (see the class)."""
         if self.first_step_s is not None:
@@ -97,10 +120,11 @@ class StepClock:
     """Which training steps are regular, how long they took, and the bound on waits now (``None``: not bounded).
 
     ``step_starts`` is called at the start of every training step, ``uneven_phase`` when something legitimately slow
-    and uneven begins between steps. Every training step is bounded: a regular one by the bound learned from the run,
-    any other (``first_step``) by the rule's first-step bound. A step's bound stays in force after it, until the next
-    step starts or an uneven phase begins: the time between steps (callbacks, logging, loading the next batch) is
-    watched too.
+    and uneven begins between steps, ``save_starts`` and ``save_ends`` around a sharded checkpoint's save. Every
+    training step is bounded: a regular one by the bound learned from the run, any other (``first_step``) by the rule's
+    first-step bound. A step's bound stays in force after it, until the next step starts or an uneven phase begins:
+    the time between steps (callbacks, logging, loading the next batch) is watched too. A save is bounded by the
+    save's bound (see :meth:`StallRule.save_bound_s`) from its start until the next step; the saves are timed.
     """
 
     def __init__(self, rule: StallRule) -> None:
@@ -117,6 +141,9 @@ class StepClock:
         self._ended = False  # the current step's optimizer step is done: the time between steps runs
         self.bound_s: float | None = None
         self.first_step = False  # the bound in force is a first step's
+        self.saving = False  # the bound in force is a save's
+        self.save_durations: deque[float] = deque(maxlen=WINDOW)
+        self._save_started: float | None = None  # when the save in progress started
 
     def step_starts(self, now: float, epoch: int, batch: int, batch_shape: Hashable) -> None:
         continues = self._started is not None and not self._interrupted and epoch == self.epoch
@@ -126,6 +153,7 @@ class StepClock:
         self._batch_shapes.add(batch_shape)
         self.steps += 1
         self.epoch, self.batch, self._started, self._interrupted, self._ended = epoch, batch, now, False, False
+        self.saving, self._save_started = False, None
         self.first_step = not (self._regular and self.durations)
         slowest = self.slowest_s
         self.bound_s = self.first_step_bound_s if self.first_step else self.rule.bound_s(slowest)
@@ -137,7 +165,28 @@ class StepClock:
         """Validation, a checkpoint, an epoch's end: unbounded, and the next step is a first step."""
         self._interrupted = True
         self.bound_s = None
-        self.first_step = False
+        self.first_step = self.saving = False
+        self._save_started = None
+
+    def save_starts(self, now: float) -> None:
+        """A sharded checkpoint's save begins (or goes on: its state is gathered in several calls): bounded by the
+        save's bound, timed until :meth:`save_ends`, and the next step is a first step."""
+        self._interrupted = True
+        self.first_step, self.saving = False, True
+        if self._save_started is None:
+            self._save_started = now
+        self.bound_s = self.rule.save_bound_s(self.slowest_save_s, self.startup)
+
+    def save_ends(self, now: float) -> None:
+        """The save is written and committed on this rank: its duration bounds the next saves. The save's bound stays
+        in force until the next step (the barrier that follows the save is watched by it too)."""
+        if self._save_started is not None:
+            self.save_durations.append(now - self._save_started)
+        self._save_started = None
+
+    @property
+    def slowest_save_s(self) -> float | None:
+        return max(self.save_durations, default=None)
 
     @property
     def first_step_bound_s(self) -> float:
@@ -146,6 +195,8 @@ class StepClock:
 
     def explain(self) -> str:
         """How the bound in force came about (see :meth:`StallRule.explain`)."""
+        if self.saving:
+            return self.rule.explain_save(self.slowest_save_s, self.startup)
         return self.rule.explain(self.slowest_s, self.first_step, self.startup)
 
     @property
@@ -160,7 +211,10 @@ class StepClock:
         """The current step, as the error names it: ``"in batch 3 of epoch 0"``, or ``"after batch 3 ..."`` between
         steps."""
         if self.batch is None:
-            return "before the first training step"
+            return "while saving a checkpoint before the first training step" if self.saving else (
+                "before the first training step")
+        if self.saving:
+            return f"while saving a checkpoint after batch {self.batch} of epoch {self.epoch}"
         return f"{'after' if self._ended else 'in'} batch {self.batch} of epoch {self.epoch}"
 
 

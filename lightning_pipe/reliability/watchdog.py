@@ -158,6 +158,26 @@ class StallWatchdog:
         if self.clock is not None:
             self.clock.uneven_phase()
 
+    def checkpoint_phase(self, sharded: bool) -> None:
+        """A checkpoint's save begins or goes on. A sharded save, every rank writing its part, is bounded by the
+        save's bound (see :meth:`~lightning_pipe.reliability.stall_rule.StallRule.save_bound_s`) until the next step;
+        a one-file checkpoint, gathered and written by rank 0 while the others wait, is an uneven phase."""
+        if self.clock is None:
+            return
+        if not sharded:
+            self.clock.uneven_phase()
+            return
+        now = time.monotonic()
+        if not self.clock.saving:
+            self._since = now
+        self.clock.save_starts(now)
+
+    def save_ends(self) -> None:
+        """The save is committed: it is timed, for the next saves' bound."""
+        self._since = now = time.monotonic()
+        if self.clock is not None:
+            self.clock.save_ends(now)
+
     def step_ends(self) -> None:
         """The step's optimizer step is done: the time until the next step (callbacks, the next batch) is watched from
         here."""
@@ -442,10 +462,14 @@ def stall_found_here() -> PipelineStallError | None:
 def main_thread_location(frames: list[traceback.FrameSummary]) -> tuple[str, str | None]:
     """Where a thread is (its innermost frame) and, if it is inside a ``torch.distributed`` call, which call and from
     where: ``("distributed_c10d.py:2830 in broadcast", "torch.distributed.broadcast (called from
-    loops/training_epoch_loop.py:265 in _broadcast_sigterm_tensor)")``."""
+    loops/training_epoch_loop.py:265 in _broadcast_sigterm_tensor)")``. Inside ``torch.distributed.checkpoint``
+    only its collectives count: a rank writing its part of a sharded save waits on no one."""
     if not frames:
         return "unknown", None
     inside = [i for i, frame in enumerate(frames) if f"torch{os.sep}distributed{os.sep}" in frame.filename]
+    in_c10d = any(frames[i].filename.endswith("distributed_c10d.py") for i in inside)
+    if inside and not in_c10d and f"distributed{os.sep}checkpoint{os.sep}" in frames[inside[0]].filename:
+        inside = []  # torch.distributed.checkpoint writing or reading this rank's own part: its own work, no wait
     collective = None
     if inside:
         first = inside[0]
@@ -474,19 +498,32 @@ def close_gloo_groups() -> None:
 
     A thread cannot interrupt another's untimed gloo wait, and ``ProcessGroupGloo.abort`` (torch 2.13) leaves a
     pending wait blocked. A timed wait that expires is gloo's own way to abort: it closes every connection of its
-    group. So each group gets a receive under a tag no one sends, and a wait of a millisecond on it. NCCL groups are
-    left alone (their waits end with the process)."""
+    group. So each group gets a receive under a tag no one sends, and a wait of a millisecond on it (from a peer
+    whose connection still works: see :func:`_close_gloo_group`). NCCL groups are left alone (their waits end with
+    the process)."""
     with contextlib.suppress(Exception):
         me = dist.get_rank()
         for group in list(dist.distributed_c10d._world.pg_map):
             with contextlib.suppress(Exception):
                 if dist.get_backend(group) != "gloo":
                     continue
-                peer = next((rank for rank in dist.get_process_group_ranks(group) if rank != me), None)
-                if peer is None:
-                    continue
-                work = dist.irecv(torch.empty(1), peer, group=group, tag=_CLOSING_TAG)
-                work.wait(timedelta(milliseconds=1))
+                _close_gloo_group(group, me)
+
+
+def _close_gloo_group(group: dist.ProcessGroup, me: int) -> None:
+    """Close every connection of ``group`` by a timed receive that expires. A receive from a peer whose connection
+    is already broken (its process was killed) fails at once with that error instead, and closes nothing else: the
+    waits of the other ranks on this one would stay blocked. So each peer is tried in turn until a receive expires."""
+    for peer in dist.get_process_group_ranks(group):
+        if peer == me:
+            continue
+        try:
+            dist.irecv(torch.empty(1), peer, group=group, tag=_CLOSING_TAG).wait(timedelta(milliseconds=1))
+        except RuntimeError as error:  # the peer's broken connection (posting or waiting), or the expiry
+            if "timed out" in str(error).lower():
+                return  # expired: gloo closed every connection of the group
+        else:
+            return
 
 
 def _encode(verdict: Verdict) -> str:

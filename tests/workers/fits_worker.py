@@ -30,6 +30,7 @@ from helpers.negative_controls import (
 )
 from torch.distributed.tensor import DTensor
 from helpers.recording import MetricRecorder
+from lightning_pipe import auto_schedule
 from lightning_pipe.execution import tied
 from lightning_pipe.schedules.builtin import gpipe_schedule
 from helpers.process_exit import skip_the_last_collection
@@ -61,6 +62,23 @@ def process_groups_left():
     """Whether torch.distributed is still initialised, and how many of gloo's threads still run in this process."""
     names = [Path(f"/proc/self/task/{task}/comm").read_text().strip() for task in os.listdir("/proc/self/task")]
     return {"initialized": dist.is_initialized(), "gloo_threads": sum(name.startswith(("gloo", "pt_gloo")) for name in names)}
+
+
+def budget_below_the_fastest(record):
+    """``schedule="auto"`` under a memory budget just below what its fastest configuration needs, derived from the
+    profile the choice is made from: that profile ranked by the real ranking twice, without a budget and then with
+    it. A budget taken from another run's choice need not exclude this run's fastest (each run profiles anew, and a
+    loaded machine ranks differently). ``record`` gets the budget and the fastest configuration."""
+    original = auto_schedule.ranked_choice
+
+    def ranked(model, settings, num_stages, batch_size, memory_budget, candidates, *args, **kwargs):
+        rows, fastest, _ = original(model, settings, num_stages, batch_size, None, candidates, *args, **kwargs)
+        budget = min(row.memory_bytes for row in rows if row.step <= fastest.step) - 1  # any as fast excluded too
+        record.update(memory_budget=budget, fastest=str(fastest.configuration), fastest_memory_bytes=fastest.memory_bytes)
+        return original(model, settings, num_stages, batch_size, budget, candidates, *args, **kwargs)
+
+    auto_schedule.ranked_choice = ranked
+    return lambda: setattr(auto_schedule, "ranked_choice", original)
 
 
 def leave_tied_gradients_unsummed():
@@ -176,10 +194,9 @@ def main(spec_path):
                 plugins=[MixedPrecision("16-mixed", "cpu")] if run.get("fp16") else None,
             )
 
-        if run.get("memory_budget_below"):  # schedule="auto" under a budget just below an earlier run's choice
-            own = f"rank{os.environ.get('LOCAL_RANK', 0)}.json"  # every rank recorded the same choice, itself
-            earlier = json.loads((Path(spec["out"]) / run["memory_budget_below"] / own).read_text())
-            run.setdefault("strategy", {})["memory_budget"] = int(earlier["choice"]["memory_bytes"]) - 1
+        budget_record: dict = {}
+        if run.get("memory_budget_below_fastest"):
+            restore = budget_below_the_fastest(budget_record)
         checkpoint_path = None
         if run.get("resume_after_epoch"):  # train one epoch, writing a checkpoint; the run resumes from it below
             seed_everything(0)
@@ -247,6 +264,7 @@ def main(spec_path):
                 "virtual_stages": settings.virtual_stages, "checkpoint": settings.recompute,
                 "chosen": str(choice.configuration), "memory_bytes": choice.memory_bytes,
                 "memory_budget": run.get("strategy", {}).get("memory_budget"), "message": choice.message,
+                **budget_record,  # on global rank 0, which chose: the budget and the fastest it excludes
             }
         (out / f"rank{rank}.json").write_text(json.dumps(summary))
         if rank == 0:  # which of Lightning's cluster environments set up the ranks
