@@ -553,7 +553,7 @@ def _tracer(
         return None
     trace_dir = settings.trace_dir or Path(module.trainer.default_root_dir)
     return PipelineTracer(
-        timeline, groups.meta, groups.stage, config.num_stages, groups.rank, settings.trace_steps,
+        timeline, groups.pipeline_cpu, groups.stage, config.num_stages, groups.rank, settings.trace_steps,
         trace_path=trace_dir / TRACE_FILE_NAME if groups.rank == 0 else None,
         ideal_bubble=partial(ideal_bubble, settings.schedule, config.num_stages, virtual_stages=settings.virtual_stages),
     )

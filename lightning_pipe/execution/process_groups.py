@@ -26,7 +26,7 @@ class PipelineGroups:
     """Everything a rank needs to talk to the rest of the run.
 
     ``pipeline`` joins the stages of this rank's replica (activations and gradients travel there), ``replicas`` the
-    ranks holding this stage in every replica (they average gradients), ``meta`` is a CPU (gloo) group over the same
+    ranks holding this stage in every replica (they average gradients), ``pipeline_cpu`` is a CPU (gloo) group over the same
     ranks as ``pipeline``: headers and step results travel there, so reading them never waits on a GPU stream.
     """
 
@@ -36,7 +36,7 @@ class PipelineGroups:
     timeout: timedelta | None
     pipeline: dist.ProcessGroup
     replicas: dist.ProcessGroup
-    meta: dist.ProcessGroup
+    pipeline_cpu: dist.ProcessGroup  # gloo: headers, step results and other objects (not the meta device)
     watchdog: StallWatchdog = UNWATCHED  # bounds the waits on other ranks (see lightning_pipe.reliability.watchdog)
 
     @property
@@ -64,7 +64,7 @@ class PipelineGroups:
     def link(self, stage: int) -> Link:
         """The connection from this rank's stage to ``stage`` of the same pipeline."""
         return Link(
-            self.stage_ranks[stage], self.pipeline, self.meta, self.device,
+            self.stage_ranks[stage], self.pipeline, self.pipeline_cpu, self.device,
             stage=self.stage, peer_stage=stage, timeout=self.timeout, watchdog=self.watchdog,
         )
 
@@ -93,11 +93,12 @@ def init_pipeline_groups(
         backend_override=_mesh_backends(backend, timeout, mesh_order, layout.num_replicas),
     )
     if backend == "gloo":
-        meta = mesh.get_group("pp")
+        pipeline_cpu = mesh.get_group("pp")
     else:
         pipelines = [layout.pipeline_ranks(replica) for replica in range(layout.num_replicas)]
-        meta, _ = dist.new_subgroups_by_enumeration(pipelines, backend="gloo", timeout=timeout)
-    return PipelineGroups(layout, rank, device, timeout, mesh.get_group("pp"), mesh.get_group("dp"), meta, watchdog)
+        pipeline_cpu, _ = dist.new_subgroups_by_enumeration(pipelines, backend="gloo", timeout=timeout)
+    pipeline, replicas = mesh.get_group("pp"), mesh.get_group("dp")
+    return PipelineGroups(layout, rank, device, timeout, pipeline, replicas, pipeline_cpu, watchdog)
 
 
 def _mesh_backends(

@@ -236,7 +236,7 @@ class StageRuntime:
     def _all_stages_call_the_model(self) -> None:
         """Fail within a minute, naming the stage, unless every stage makes the call, rather than wait forever."""
         try:
-            dist.monitored_barrier(group=self.groups.meta, timeout=_OUTSIDE_STEP_TIMEOUT, wait_all_ranks=True)
+            dist.monitored_barrier(group=self.groups.pipeline_cpu, timeout=_OUTSIDE_STEP_TIMEOUT, wait_all_ranks=True)
         except RuntimeError as error:
             raise RuntimeError(
                 f"the model was called outside a training/validation/test/predict step on {self.groups.describe()},"
@@ -260,7 +260,7 @@ class StageRuntime:
         if self.groups.num_stages == 1:
             return output
         output = apply_to_collection(output, Tensor, lambda t: t.to("cpu"))
-        output = broadcast_over_cpu_group(output, self.groups.loss_rank, self.groups.meta)
+        output = broadcast_over_cpu_group(output, self.groups.loss_rank, self.groups.pipeline_cpu)
         return apply_to_collection(output, Tensor, lambda t: t.to(self.groups.device))
 
     def run_on_last_stage(self, module: LightningModule, user_hook: Callable[[], None]) -> None:
@@ -320,7 +320,7 @@ class StageRuntime:
             outcome.requeue, self._requeues_shared = asked > self._requeues_shared, asked
         try:
             with groups.watchdog.waiting(self._outcome_wait()):
-                outcome = broadcast_over_cpu_group(outcome, groups.loss_rank, groups.meta)
+                outcome = broadcast_over_cpu_group(outcome, groups.loss_rank, groups.pipeline_cpu)
         except RuntimeError as error:
             raise self._outcome_not_shared(error) from error
         self.requeue_due |= outcome.requeue
@@ -336,7 +336,7 @@ class StageRuntime:
         """The outcome's broadcast as the stall watchdog reports it: on the last stage, or by it on the others."""
         groups = self.groups
         if self.is_loss_stage:
-            return groups.watchdog.collective("the step's results (loss, logs)", groups.meta, sending=True)
+            return groups.watchdog.collective("the step's results (loss, logs)", groups.pipeline_cpu, sending=True)
         return Wait("the step's results (loss, logs)", (groups.loss_rank,))
 
     def _outcome_not_shared(self, error: RuntimeError) -> PipelineCommunicationError:
