@@ -365,7 +365,7 @@ def check_every_stage_holds_parameters(module: LightningModule, stage: StageBloc
         f"pipeline {'stages hold' if len(stages) > 1 else 'stage holds'} no parameters to train: {described}. Its"
         " blocks have none, and the modules outside the blocks live on the stages that run them (the embeddings on"
         " the first, the head on the last), so its optimizer would be built from no parameters. Give every stage a"
-        " block with parameters: fewer stages, GPipeStrategy(balance=[...]) with layers per stage, or a module_name"
+        " block with parameters: fewer stages, GPipeStrategy(balance=[...]) with blocks per stage, or a module_name"
         " naming blocks that all hold parameters."
     )
 
@@ -425,10 +425,10 @@ def decide_partition(
         deferred = holds_meta_tensors(sequential)
         if settings.balance == "time" and deferred:
             raise ValueError(
-                "balance='time' profiles every layer with its weights, but the pipelined module was built on the"
+                "balance='time' profiles every block with its weights, but the pipelined module was built on the"
                 " meta device (in configure_model() or under init_module(empty_init=True)), where it has none yet;"
                 " use balance='parameters' or balance='memory' (neither needs weights: 'memory' is estimated on the"
-                " meta device), a list of layers per stage, or build the model in __init__."
+                " meta device), a list of blocks per stage, or build the model in __init__."
             )
         fraction = recompute_fraction(settings.recompute, config.num_micro_batches)  # type: ignore[arg-type]
         # Built on the meta device, "memory" is estimated from the training step run there (memory_estimate).

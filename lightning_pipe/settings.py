@@ -26,7 +26,7 @@ from lightning_pipe.partition.counts import PipelineParallelConfig, require_posi
 from lightning_pipe.partition.balance import (
     BALANCE_MODES,
     BalanceMode,
-    check_layer_counts,
+    check_block_counts,
     check_one_count_per_stage,
 )
 from lightning_pipe.partition.topology import PipelineLayout
@@ -421,17 +421,17 @@ def _checked_balance(
         if balance not in BALANCE_MODES:
             raise ValueError(
                 f"{key}balance={balance!r} is not a balancing mode; use one of {', '.join(map(repr, BALANCE_MODES))},"
-                " or a list of layers per stage such as [3, 5]."
+                " or a list of blocks per stage such as [3, 5]."
             )
         return balance  # type: ignore[return-value]
     if not _is_list_like(balance):
         example = ", ".join(["4"] * (num_stages or 2))
         raise ValueError(
-            f"{key}balance={balance!r} is invalid; give one layer count per stage as a list"
+            f"{key}balance={balance!r} is invalid; give one block count per stage as a list"
             f" (e.g. {key}balance=[{example}]), a mode ({', '.join(BALANCE_MODES)}), or None for an even split."
         )
     sizes = list(balance)
-    check_layer_counts(sizes, key)
+    check_block_counts(sizes, key)
     if num_stages is not None:
         check_one_count_per_stage(sizes, num_stages, key, True, virtual_stages, schedule)
     return sizes

@@ -387,5 +387,5 @@ def test_memory_balance_of_a_model_on_the_meta_device_is_estimated_and_trains_as
 
 def test_profiled_balance_of_a_model_on_the_meta_device_is_refused_naming_the_fix(two_stages):
     for result in two_stages["profiled"]:
-        assert "balance='time' profiles every layer with its weights" in result["error"]
+        assert "balance='time' profiles every block with its weights" in result["error"]
         assert "use balance='parameters'" in result["error"]

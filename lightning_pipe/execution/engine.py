@@ -664,7 +664,7 @@ def _where_it_failed(
     span = f"{chunk_range.start}..{chunk_range.stop - 1}"
     chunk = f", model chunk {call.chunk}" if stage.num_chunks != stage.num_stages else ""
     num = engine._step.num_micro_batches
-    note = f"raised by pipeline stage {stage.stage_index}{chunk} (layers {span}) on micro-batch {m} of {num}"
+    note = f"raised by pipeline stage {stage.stage_index}{chunk} (blocks {span}) on micro-batch {m} of {num}"
     if stage.region.container is None:
         note += f" ({call.describe(stage.region.names)})"
     received = sorted({str(t.dtype) for t in inputs if t.is_floating_point()})
