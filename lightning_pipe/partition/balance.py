@@ -292,10 +292,10 @@ def plan_partition(
     profiles = None
     if balance == "memory" and any(t.is_meta for t in (*sequential.parameters(), *sequential.buffers())):
         calling = step if step is not None else None if sample is None else partial(_forward_on_meta, sample)
-        blocks = estimate_block_memory(module, list(sequential), calling, charges, state_layout)
+        estimated = estimate_block_memory(module, list(sequential), calling, charges, state_layout)
         micro_batches = config.num_micro_batches
         outside_share = 1 / micro_batches if loss_per_micro_batch else 1.0  # the loss on the whole batch, or on one
-        costs = memory_costs(blocks, held_micro_batches(micro_batches, recompute_fraction), outside_share)
+        costs = memory_costs(estimated, held_micro_batches(micro_batches, recompute_fraction), outside_share)
         unit = "bytes"
     elif balance == "parameters":
         costs = charged([float(block.parameters) for block in blocks], "parameters", charges)
