@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from packaging.version import Version
 
 from lightning_pipe.checkpoints.pretrained import PretrainedWeights
-from lightning_pipe.config import PipelineParallelConfig
+from lightning_pipe.partition.counts import PipelineParallelConfig
 from lightning_pipe.integration import former_paths
 from lightning_pipe.execution.materialize import init_weights
 from lightning_pipe.integration.lightning_packages import LIGHTNING_RELEASES

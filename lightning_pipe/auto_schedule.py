@@ -6,7 +6,7 @@ input gradient, weight gradient and bytes, at the smallest and the largest micro
 configuration with :mod:`lightning_pipe.schedules.choice` and broadcasts the fastest that fits; every rank then runs
 with settings that name it, as if the user had written them. The order is sound because the processes start (and
 their rank layout is fixed) with the loss on the last stage, which every schedule ``auto`` may choose keeps: ``zbv``,
-whose loss is on stage 0, is left to the user (``python -m lightning_pipe.plan`` ranks it).
+whose loss is on stage 0, is left to the user (``lightning-pipe plan`` ranks it).
 
 May import: every layer below the pipeline. Imported by: :mod:`lightning_pipe.pipeline` and the ``plan`` command.
 """
@@ -23,7 +23,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_pipe.config import ranges_from_sizes, split_evenly
+from lightning_pipe.partition.counts import ranges_from_sizes, split_evenly
 from lightning_pipe.execution.process_groups import PipelineGroups, decided_on_rank_zero
 from lightning_pipe.partition.balance import min_max_partition
 from lightning_pipe.partition.microbatch import batch_size_of

@@ -5,11 +5,11 @@ every rank built the same model, finds the region (the blocks to pipeline) and d
 0. :func:`assemble_rank` builds this rank's part: it plans the pretrained weights' load, puts this rank's
 :class:`~lightning_pipe.execution.stage.StageBlocks` into the model, makes its tensors real and fills them, and
 builds the engine, the step runtime, the training step in its schedule's mode, the gradients and the tracer. What it
-built is one :class:`BuiltPipeline`, which the strategy keeps from ``setup`` to the interpreter's exit; the strategy
-holds the runtime, the training step and the gradients directly, and the pipeline's own methods start the run,
-report the stages and put the whole model back.
+built is one :class:`BuiltPipeline`, a record the strategy keeps from ``setup`` to the interpreter's exit; the
+strategy holds the objects that do its hooks' work (the runtime, the training step, the gradients, the tracer)
+directly, and the functions here start the run, report the stages and put the whole model back.
 
-May import: every folder below it (``config`` to ``integration``). Imported by: the strategy and its
+May import: every folder below it (``schedules`` to ``integration``). Imported by: the strategy and its
 ``pytorch_lightning`` twin only.
 """
 
@@ -27,14 +27,13 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import Tensor, nn
+from torch import nn
 from torch.optim import Optimizer
-from torchmetrics import Metric
 
 from lightning_pipe.auto_schedule import ScheduleChoice, decide_schedule
 from lightning_pipe.checkpoints.pretrained import PretrainedLoad, PretrainedWeights, holds_pretrained_weights
 from lightning_pipe.checkpoints.whole_model import WholeModelLayout, restore_whole_model, tied_aliases
-from lightning_pipe.config import PipelineParallelConfig
+from lightning_pipe.partition.counts import PipelineParallelConfig
 from lightning_pipe.execution.batchnorm import defer as defer_batch_norms
 from lightning_pipe.execution.compiling import check_compiled, compile_stage, compiles_in_first_steps, uncompiled_name
 from lightning_pipe.execution.engine import PipelineEngine
@@ -56,12 +55,10 @@ from lightning_pipe.execution.process_groups import (
 from lightning_pipe.execution.random_streams import StageRandomStreams
 from lightning_pipe.execution.replayed_logs import StepOutcome
 from lightning_pipe.execution.runtime import StageRuntime
-from lightning_pipe.execution.sharding import StageSharding, shard_stage
+from lightning_pipe.execution.sharding import StageSharding
 from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.execution.tensor_parallel import (
-    BlockPlans,
     StageTensorParallel,
-    parallelize_stage,
     refuse_split_ties,
     resolve_plan,
 )
@@ -100,16 +97,14 @@ from lightning_pipe.trace.stage_summary import (
     self_checkpointing_warning,
 )
 from lightning_pipe.trace.timeline import StepTimeline
-from lightning_pipe.trace.tracer import TRACE_FILE_NAME, PipelineTracer, StepObservation, observe_step
-
-# LightningModule hooks whose user code consumes step results, so they run where those results are: on the last
-# stage. Whatever they log is replayed on the other stages.
-_EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
-
+from lightning_pipe.trace.tracer import TRACE_FILE_NAME, PipelineTracer
 
 @dataclass(frozen=True)
 class BuiltPipeline:
-    """What :func:`build_pipeline` built on this rank, and the pipeline's share of the strategy's hooks."""
+    """What :func:`build_pipeline` built on this rank: a record, never changed. The strategy holds the objects that
+    do the work of its hooks (``runtime``, ``step``, ``gradients``, ``tracer``) directly; the functions below start
+    the run (:func:`start_pipeline`), report the stages (:func:`stage_summary`, :func:`announce`) and put the
+    whole model back (:func:`put_whole_model_back`)."""
 
     settings: PipelineSettings
     config: PipelineParallelConfig  # the resolved stage and micro-batch counts
@@ -120,197 +115,117 @@ class BuiltPipeline:
     # The user's pipelined module as it was, to put it back after the run; None once a failed run lost the stages.
     pipelined: WholeModelLayout | None
     replicated: list[nn.Parameter]  # parameters outside the pipelined blocks, held by every stage
-    tied: TiedParameters  # parameters shared by blocks of several stages
     outside_modules: OutsideModules  # the outside modules other stages hold, stood in for here
-    ownership: OutsideOwnership  # outside parameters held by some stages, not all (an embedding tied to the head)
     runtime: StageRuntime
     step: TrainingStep  # the training step in its schedule's mode, whole-batch or per-micro-batch
-    gradients: StageGradients  # this rank's gradients before the optimizer step
+    # This rank's gradients before the optimizer step; with data_parallel="shard" or "full_shard" also the owner of
+    # the stage's blocks sharded over its replicas (FSDP2), from `start_pipeline` on.
+    gradients: StageGradients
     tracer: PipelineTracer | None  # gathers the stages' timelines; None for one stage or none asked for
     deferred: bool  # the pipelined module was built on the meta device
     compiles: bool  # torch.compile compiles code of this rank in its first steps (see StallRule: not measured before)
     pretrained_prefix: str | None = None  # where the pretrained model sits, once its weights were mapped
     schedule_choice: ScheduleChoice | None = None  # with schedule="auto": the choice, why, the predicted table
-    # With data_parallel="shard" or "full_shard": the stage's blocks sharded over its replicas (FSDP2), once the
-    # replicas hold the same values (`start_identical`).
-    sharding: StageSharding | None = None
-    # With tensor_parallel_size > 1: how each block is split (checked at set-up), then this stage's split blocks.
-    tensor_plan: BlockPlans | None = None
-    tensor_parallel: StageTensorParallel | None = None
 
-    # ---- set-up ------------------------------------------------------------------------------------------------
 
-    def start(self, module: LightningModule, callbacks: Sequence[Any]) -> list[Callable[[], None]]:
-        """Start the run on the model moved to its device: identical replicated state, metrics synced within
-        replicas, the epoch-end hooks on the last stage, Lightning's summary of the whole model, the last stage's
-        random state on every stage. What undoes the changes to the user's objects, for teardown."""
-        self.start_identical(module._trainer.precision if module._trainer is not None else None)
-        self.sync_metrics_within_replicas(module)
-        undo = [
-            self.share_outside_call_outputs(module),
-            self.run_epoch_end_hooks_on_last_stage(module),
-            summarize_whole_model(
-                callbacks, self.runtime.stage, self.pipelined.ranges,  # type: ignore[union-attr]
-                {name: where for name, _, where in self.outside}, self.outside_modules.showing_whole_model,
-                sharded_over=self.groups.layout.num_replicas if self.sharding is not None else 1,
-            ),
-        ]
-        self.runtime.share_outcome(module, StepOutcome())  # every stage starts from the last stage's random state
-        return undo
+def start_pipeline(pipeline: BuiltPipeline, module: LightningModule, callbacks: Sequence[Any]) -> list[Callable[[], None]]:
+    """Start the run on the model moved to its device: identical replicated state (the blocks then sharded, where
+    asked), metrics synced within replicas, the epoch-end hooks on the loss stage, Lightning's summary of the whole
+    model, the loss stage's random state on every stage. What undoes the changes to the user's objects, for
+    teardown."""
+    runtime, pipelined, gradients = pipeline.runtime, pipeline.pipelined, pipeline.gradients
+    assert pipelined is not None
+    precision = module._trainer.precision if module._trainer is not None else None
+    gradients.start_identical(_held_outside_modules(pipelined, pipeline.groups.stage), precision)
+    runtime.sync_metrics_within_replicas(module)
+    undo = [
+        runtime.run_epoch_end_hooks_on_last_stage(module),
+        summarize_whole_model(
+            callbacks, runtime.stage, pipelined.ranges, {name: where for name, _, where in pipeline.outside},
+            pipeline.outside_modules.showing_whole_model,
+            sharded_over=pipeline.groups.layout.num_replicas if gradients.sharding is not None else 1,
+        ),
+    ]
+    if any(0 < len(stages) < pipeline.config.num_stages for _, stages, _ in pipelined.outside.values()):
+        undo.append(runtime.share_outside_call_outputs(module))  # the loss stage alone holds the head
+    runtime.share_outcome(module, StepOutcome())  # every stage starts from the loss stage's random state
+    return undo
 
-    def start_identical(self, precision: str | None = None) -> None:
-        """Start identical where training keeps things identical: parameters outside the pipelined module on every
-        rank (from rank 0), tied parameters, and each stage's parameters and buffers on its replicas (from replica
-        0); then, with ``data_parallel`` sharding, the stage sharded (in Lightning's ``precision``)."""
-        layout = self.groups.layout
-        with torch.no_grad():
-            for tensor in self.replicated:
-                dist.broadcast(tensor.data, src=0)
-            self.tied.start_identical()
-            self.ownership.start_identical()
-            if layout.num_replicas > 1:
-                source = layout.rank(self.groups.stage, 0, self.groups.tensor_index)
-                stage = self.runtime.stage
-                for tensor in [*stage.parameters(), *stage.buffers(), *self._held_outside_tensors()]:
-                    dist.broadcast(tensor.data, src=source, group=self.groups.replicas)
-        if self.tensor_plan is not None:  # TP hook: the stage's blocks split over its tensor-parallel ranks
-            stage, groups = self.runtime.stage, self.groups
-            split = parallelize_stage(((i, stage.originals[i]) for i in stage.indices), self.tensor_plan,
-                                      groups.mesh["tp"], groups.tensor_parallel)  # type: ignore[index, arg-type]
-            object.__setattr__(self, "tensor_parallel", split)  # set after building, as `sharding`
-            self.gradients.split(split)
-        if self.settings.data_parallel != "replicate":  # FSDP hook: the replicas' identical blocks sharded now
-            kept_whole = [*self.replicated, *self.tied.parameters, *self.ownership.parameters]
-            stage = self.runtime.stage
-            blocks = [(stage.region.names[i], stage.originals[i]) for i in stage.indices]
-            # With split blocks, FSDP2 shards over the replicas' dimension of the run's mesh, beside the split's.
-            mesh = self.groups.mesh["dp"] if self.tensor_plan is not None else None  # type: ignore[index]
-            sharding = shard_stage(blocks, self.settings.data_parallel, self.groups.replicas,  # type: ignore[arg-type]
-                                   self.groups.device, kept_whole, self.groups.watchdog, self._held_outside_modules(),
-                                   precision, mesh)
-            object.__setattr__(self, "sharding", sharding)  # the one field set after building: see `sharding`
-            self.gradients.shard(sharding)
-            stage, engine = self.runtime.stage, self.runtime.engine
-            engine.backward_done = lambda k: sharding.micro_batch_done(stage.originals[i] for i in stage.chunk_ranges[k])
 
-    def _held_outside_modules(self) -> list[tuple[str, nn.Module]]:
-        """The outside modules this stage holds and some other stage does not, by name."""
-        pieces = self.pipelined.outside.items() if self.pipelined is not None else ()
-        return [(name, module) for name, (module, stages, _) in pieces if self.groups.stage in stages]
+def _held_outside_modules(pipelined: WholeModelLayout, stage: int) -> list[tuple[str, nn.Module]]:
+    """The outside modules ``stage`` holds and some other stage does not, by name."""
+    return [(name, module) for name, (module, stages, _) in pipelined.outside.items() if stage in stages]
 
-    def _held_outside_tensors(self) -> list[Tensor]:
-        """The tensors of the outside modules this stage holds and some other stage does not."""
-        modules = [module for _, module in self._held_outside_modules()]
-        return [t for module in modules for t in [*module.parameters(), *module.buffers()]]
 
-    # ---- what it reports ---------------------------------------------------------------------------------------
+def stage_summary(pipeline: BuiltPipeline, devices: Sequence[str], busy_seconds: Sequence[float] | None) -> StageSummary:
+    """The stage table (see :mod:`lightning_pipe.trace.stage_summary`); ``devices[s]`` names where stage ``s`` of
+    the first pipeline runs."""
+    settings, config = pipeline.settings, pipeline.config
+    schedule, num_stages = settings.schedule, config.num_stages
+    return build_stage_summary(
+        pipeline.plan,
+        pipeline.region.label,
+        pipeline.groups.layout.pipeline_ranks(0),
+        devices,
+        sum(p.numel() for p in pipeline.replicated),
+        config.num_micro_batches,
+        settings.recompute,  # type: ignore[arg-type]
+        busy_seconds,
+        built_whole=not pipeline.deferred,
+        outside=pipeline.outside,
+        owners=[schedule.owner(k, num_stages) for k in range(len(pipeline.plan.ranges))],  # type: ignore[union-attr]
+        schedule=schedule.name,  # type: ignore[union-attr]
+        ideal_bubble=ideal_bubble(
+            schedule, num_stages, config.num_micro_batches, settings.virtual_stages  # type: ignore[arg-type]
+        ),
+        data_parallel=settings.data_parallel,  # type: ignore[arg-type]
+        num_replicas=pipeline.groups.layout.num_replicas,
+        held_per_rank=_held_per_rank(pipeline) if settings.data_parallel != "replicate" else None,
+    )
 
-    def stage_summary(self, devices: Sequence[str], busy_seconds: Sequence[float] | None) -> StageSummary:
-        """The stage table (see :mod:`lightning_pipe.trace.stage_summary`); ``devices[s]`` names where stage ``s``
-        of the first pipeline runs."""
-        schedule, num_stages = self.settings.schedule, self.config.num_stages
-        return build_stage_summary(
-            self.plan,
-            self.region.label,
-            self.groups.layout.pipeline_ranks(0),
-            devices,
-            sum(p.numel() for p in self.replicated),
-            self.config.num_micro_batches,
-            self.settings.recompute,  # type: ignore[arg-type]
-            busy_seconds,
-            built_whole=not self.deferred,
-            outside=self.outside,
-            owners=[schedule.owner(k, num_stages) for k in range(len(self.plan.ranges))],  # type: ignore[union-attr]
-            schedule=schedule.name,  # type: ignore[union-attr]
-            ideal_bubble=ideal_bubble(
-                schedule, num_stages, self.config.num_micro_batches, self.settings.virtual_stages  # type: ignore[arg-type]
-            ),
-            data_parallel=self.settings.data_parallel,  # type: ignore[arg-type]
-            num_replicas=self.groups.layout.num_replicas,
-            held_per_rank=self._held_per_rank() if self.settings.data_parallel != "replicate" else None,
-        )
 
-    def _held_per_rank(self) -> list[int]:
-        """FSDP hook: each chunk's parameters held by the rank with the largest shards, a parameter that several
-        blocks share (tied: kept whole) counted whole."""
-        layers, replicas = self.pipelined.sequential, self.groups.layout.num_replicas  # type: ignore[union-attr]
-        users: dict[int, int] = {}
-        for layer in layers:
-            for parameter in layer.parameters():
-                users[id(parameter)] = users.get(id(parameter), 0) + 1
-        return [sum(p.numel() if users[id(p)] > 1 else largest_shard(p.shape, replicas)
-                    for i in chunk for p in layers[i].parameters()) for chunk in self.plan.ranges]
+def _held_per_rank(pipeline: BuiltPipeline) -> list[int]:
+    """FSDP hook: each chunk's parameters held by the rank with the largest shards, a parameter that several blocks
+    share (tied: kept whole) counted whole."""
+    layers, replicas = pipeline.pipelined.sequential, pipeline.groups.layout.num_replicas  # type: ignore[union-attr]
+    users: dict[int, int] = {}
+    for layer in layers:
+        for parameter in layer.parameters():
+            users[id(parameter)] = users.get(id(parameter), 0) + 1
+    return [sum(p.numel() if users[id(p)] > 1 else largest_shard(p.shape, replicas)
+                for i in chunk for p in layers[i].parameters()) for chunk in pipeline.plan.ranges]
 
-    def announce(self, module: LightningModule, summary: StageSummary, category: type[Warning]) -> None:
-        """Print the stage summary, and warn of much of the model left outside the pipeline and of layers that
-        re-compute their activations themselves on top of the pipeline's re-computation."""
-        if self.schedule_choice is not None:
-            rank_zero_info(self.schedule_choice.message)
-        rank_zero_info(str(summary))
-        if (warning := outside_warning(summary, suggested_chain(module, self.region))) is not None:
-            rank_zero_warn(warning, category=category)
-        stage = self.runtime.stage
-        checkpointing_themselves = any(getattr(m, "gradient_checkpointing", None) is True for m in stage.modules())
-        if checkpointing_themselves and self.settings.recompute != "never":
-            rank_zero_warn(self_checkpointing_warning(self.settings.recompute), category=category)  # type: ignore[arg-type]
 
-    def put_whole_model_back(self, module: LightningModule, optimizers: Sequence[Any] = ()) -> None:
-        """After the run: the user's pipelined module back in ``module`` (see
-        :func:`~lightning_pipe.checkpoints.whole_model.restore_whole_model`); nothing once the stages were lost."""
-        if self.pipelined is None:
-            return
-        if self.sharding is not None:  # FSDP hook: the modules (and ``optimizers``) whole again, from every shard
-            self.sharding.make_whole(optimizers)
-        if self.tensor_parallel is not None:  # TP hook: the blocks (and ``optimizers``) whole again, from every slice
-            self.tensor_parallel.make_whole(optimizers)
-        groups = self.groups
-        restore_whole_model(
-            module, self.pipelined, groups.stage_ranks, groups.rank, groups.pipeline, groups.device, self.deferred,
-            self.settings.gather_model_after_run,
-        )
+def announce(pipeline: BuiltPipeline, module: LightningModule, summary: StageSummary, category: type[Warning]) -> None:
+    """Print the stage summary, and warn of much of the model left outside the pipeline and of blocks that
+    re-compute their activations themselves on top of the pipeline's re-computation."""
+    if pipeline.schedule_choice is not None:
+        rank_zero_info(pipeline.schedule_choice.message)
+    rank_zero_info(str(summary))
+    if (warning := outside_warning(summary, suggested_chain(module, pipeline.region))) is not None:
+        rank_zero_warn(warning, category=category)
+    recompute = pipeline.settings.recompute
+    checkpointing_themselves = any(
+        getattr(m, "gradient_checkpointing", None) is True for m in pipeline.runtime.stage.modules()
+    )
+    if checkpointing_themselves and recompute != "never":
+        rank_zero_warn(self_checkpointing_warning(recompute), category=category)  # type: ignore[arg-type]
 
-    def observe_step(self, trainer: Trainer) -> StepObservation | None:
-        """After a training step's backward: gather the stages' timelines when this step is logged (every
-        ``log_every_n_steps``, as Lightning's own monitors do) or traced; log the bubble, write the trace."""
-        if self.tracer is None:
-            return None
-        return observe_step(self.tracer, trainer, self.settings.log_bubble_fraction)
 
-    def share_outside_call_outputs(self, module: LightningModule) -> Callable[[], None]:
-        """Where the loss stage alone holds the head, a call of the model outside a step (a callback's ``pl_module(x)``)
-        gets the loss stage's output on every stage at the end of the model's ``forward``; what removes the hook."""
-        if not any(0 < len(stages) < self.config.num_stages for _, stages, _ in self.pipelined.outside.values()):  # type: ignore[union-attr]
-            return lambda: None
-        handle = module.register_forward_hook(lambda _, args, output: self.runtime.share_outside_call_output(output))
-        return handle.remove
-
-    def run_epoch_end_hooks_on_last_stage(self, module: LightningModule) -> Callable[[], None]:
-        """Run the user's epoch-end hooks on the last stage only, replaying what they log on the other stages; what
-        puts them back."""
-        wrapped_hooks = []
-        for hook in _EPOCH_END_HOOKS:
-            if hook in module.__dict__:
-                continue  # already wrapped by an earlier call with this model
-            user_hook = getattr(module, hook)
-
-            def wrapped(user_hook: Callable[[], None] = user_hook) -> None:
-                self.groups.watchdog.uneven_phase()  # the last stage may take long over a whole epoch's results
-                self.runtime.run_on_last_stage(module, user_hook)
-
-            setattr(module, hook, wrapped)
-            wrapped_hooks.append(hook)
-
-        def put_back() -> None:
-            for hook in wrapped_hooks:
-                module.__dict__.pop(hook, None)
-
-        return put_back
-
-    def sync_metrics_within_replicas(self, module: LightningModule) -> None:
-        """torchmetrics syncs over the whole world by default; only a stage's replicas hold the same metric."""
-        for metric in module.modules():
-            if isinstance(metric, Metric):
-                metric.process_group = self.groups.replicas
+def put_whole_model_back(pipeline: BuiltPipeline, module: LightningModule, optimizers: Sequence[Any] = ()) -> None:
+    """After the run: the user's pipelined module back in ``module`` (see
+    :func:`~lightning_pipe.checkpoints.whole_model.restore_whole_model`); nothing once the stages were lost."""
+    if pipeline.pipelined is None:
+        return
+    if (sharding := pipeline.gradients.sharding) is not None:  # FSDP hook: the modules (and optimizers) whole again
+        sharding.make_whole(optimizers)
+    if (split := pipeline.gradients.tensor_parallel) is not None:  # TP hook: the blocks (and optimizers) whole again
+        split.make_whole(optimizers)
+    groups = pipeline.groups
+    restore_whole_model(
+        module, pipeline.pipelined, groups.stage_ranks, groups.rank, groups.pipeline, groups.device, pipeline.deferred,
+        pipeline.settings.gather_model_after_run,
+    )
 
 
 @dataclass(frozen=True)
@@ -405,18 +320,20 @@ def assemble_rank(
     tied = TiedParameters(ties, stage, groups.layout, replicated, groups.timeout)
     compile_stage(module, region, stage, settings.compile_options)
     timeline = StepTimeline(groups.device, enabled=settings.log_bubble_fraction or bool(settings.trace_steps))
-    runtime = _stage_runtime(stage, settings, config, groups, timeline)
+    gradients = StageGradients(
+        groups, replicated, tied, ownership, stage, settings.data_parallel, tensor_plan  # type: ignore[arg-type]
+    )
+    runtime = _stage_runtime(stage, settings, config, groups, timeline, gradients)
     return BuiltPipeline(
-        settings, config, groups, region, plan, outside, pipelined, replicated, tied, outside_modules, ownership,
+        settings, config, groups, region, plan, outside, pipelined, replicated, outside_modules,
         runtime=runtime,
         step=training_step_for(runtime),
-        gradients=StageGradients(groups, replicated, tied, ownership),
+        gradients=gradients,
         tracer=_tracer(module, settings, config, groups, timeline),
         deferred=deferred,
         compiles=compiles_in_first_steps(module, stage),
         pretrained_prefix=pretrained.mapping.prefix if pretrained is not None else None,
         schedule_choice=decision.choice,
-        tensor_plan=tensor_plan,
     )
 
 
@@ -463,7 +380,7 @@ def check_every_stage_holds_parameters(module: LightningModule, stage: StageBloc
         f"pipeline {'stages hold' if len(stages) > 1 else 'stage holds'} no parameters to train: {described}. Its"
         " blocks have none, and the modules outside the blocks live on the stages that run them (the embeddings on"
         " the first, the head on the last), so its optimizer would be built from no parameters. Give every stage a"
-        " block with parameters: fewer stages, GPipeStrategy(balance=[...]) with layers per stage, or a module_name"
+        " block with parameters: fewer stages, GPipeStrategy(balance=[...]) with blocks per stage, or a module_name"
         " naming blocks that all hold parameters."
     )
 
@@ -523,10 +440,10 @@ def decide_partition(
         deferred = holds_meta_tensors(sequential)
         if settings.balance == "time" and deferred:
             raise ValueError(
-                "balance='time' profiles every layer with its weights, but the pipelined module was built on the"
+                "balance='time' profiles every block with its weights, but the pipelined module was built on the"
                 " meta device (in configure_model() or under init_module(empty_init=True)), where it has none yet;"
                 " use balance='parameters' or balance='memory' (neither needs weights: 'memory' is estimated on the"
-                " meta device), a list of layers per stage, or build the model in __init__."
+                " meta device), a list of blocks per stage, or build the model in __init__."
             )
         fraction = recompute_fraction(settings.recompute, config.num_micro_batches)  # type: ignore[arg-type]
         # Built on the meta device, "memory" is estimated from the training step run there (memory_estimate).
@@ -618,8 +535,10 @@ def _stage_runtime(
     config: PipelineParallelConfig,
     groups: PipelineGroups,
     timeline: StepTimeline,
+    gradients: StageGradients,
 ) -> StageRuntime:
-    """The engine that runs the schedule on ``stage``, in the runtime that runs a step on this rank."""
+    """The engine that runs the schedule on ``stage``, in the runtime that runs a step on this rank; ``gradients``
+    hears of each chunk's backward of a micro-batch (under ``data_parallel="full_shard"`` it reduce-scatters then)."""
     schedule, v, index = settings.schedule, settings.virtual_stages, groups.stage
     # One stage draws from the global stream, as one device does; several need streams of their own.
     streams = StageRandomStreams(groups.device, index, groups.replica) if config.num_stages > 1 else None
@@ -630,6 +549,7 @@ def _stage_runtime(
         virtual_stages=v,  # type: ignore[arg-type]
         timeline=timeline,
         random_streams=streams,
+        backward_done=gradients.chunk_backward_done if settings.data_parallel == "full_shard" else None,
     )
     return StageRuntime(
         groups, engine, stage, on_model_checkpoint=partial(rank_zero_info, model_checkpoint_note(settings.recompute))
@@ -648,7 +568,7 @@ def _tracer(
         return None
     trace_dir = settings.trace_dir or Path(module.trainer.default_root_dir)
     return PipelineTracer(
-        timeline, groups.meta, groups.stage, config.num_stages, groups.rank, settings.trace_steps,
+        timeline, groups.pipeline_cpu, groups.stage, config.num_stages, groups.rank, settings.trace_steps,
         trace_path=trace_dir / TRACE_FILE_NAME if groups.rank == 0 else None,
         ideal_bubble=partial(ideal_bubble, settings.schedule, config.num_stages, virtual_stages=settings.virtual_stages),
     )
@@ -662,8 +582,8 @@ def whole_view(
     DTensors as they are, each rank its shard. Blocks split with tensor parallelism are whole in both (see
     :meth:`~lightning_pipe.execution.tensor_parallel.StageTensorParallel.whole_view`), so that a checkpoint resumes
     on another tensor-parallel size."""
-    sharding = pipeline.sharding if pipeline is not None else None
-    split = pipeline.tensor_parallel if pipeline is not None else None
+    sharding = pipeline.gradients.sharding if pipeline is not None else None
+    split = pipeline.gradients.tensor_parallel if pipeline is not None else None
     if split is not None and split.blocks:  # TP hook: the sharded DTensors of split blocks are whole too
         return _both_whole(sharding, split, optimizers)
     if as_shards or sharding is None or not sharding.modules:

@@ -22,12 +22,12 @@ import torch
 
 from lightning_pipe.checkpoints.export import parse_size
 from lightning_pipe.checkpoints.pretrained import PretrainedWeights, checked_pretrained
-from lightning_pipe.config import PipelineParallelConfig, require_positive_int
+from lightning_pipe.partition.counts import PipelineParallelConfig, require_positive_int
 from lightning_pipe.execution.tensor_parallel import checked_plan
 from lightning_pipe.partition.balance import (
     BALANCE_MODES,
     BalanceMode,
-    check_layer_counts,
+    check_block_counts,
     check_one_count_per_stage,
 )
 from lightning_pipe.partition.topology import PipelineLayout
@@ -132,7 +132,7 @@ class PipelineSettings:
     save_distributed_checkpoint: bool | None = None
     """Write checkpoints sharded with ``torch.distributed.checkpoint`` (a directory): every rank writes its own stage,
     nothing is gathered on one host. Such a checkpoint resumes with any stage count (only the local share is read);
-    ``python -m lightning_pipe.consolidate_checkpoint DIR FILE`` turns it into one file that loads anywhere.
+    ``lightning-pipe consolidate_checkpoint DIR FILE`` turns it into one file that loads anywhere.
     ``False``: the whole model is gathered to rank 0, which writes one file that loads anywhere (with
     ``load_from_checkpoint``, on one device) and holds the whole model and its optimizer state while writing. By
     default (``None``) sharded for a model built on the meta device (in ``configure_model()`` or under
@@ -460,17 +460,17 @@ def _checked_balance(
         if balance not in BALANCE_MODES:
             raise ValueError(
                 f"{key}balance={balance!r} is not a balancing mode; use one of {', '.join(map(repr, BALANCE_MODES))},"
-                " or a list of layers per stage such as [3, 5]."
+                " or a list of blocks per stage such as [3, 5]."
             )
         return balance  # type: ignore[return-value]
     if not _is_list_like(balance):
         example = ", ".join(["4"] * (num_stages or 2))
         raise ValueError(
-            f"{key}balance={balance!r} is invalid; give one layer count per stage as a list"
+            f"{key}balance={balance!r} is invalid; give one block count per stage as a list"
             f" (e.g. {key}balance=[{example}]), a mode ({', '.join(BALANCE_MODES)}), or None for an even split."
         )
     sizes = list(balance)
-    check_layer_counts(sizes, key)
+    check_block_counts(sizes, key)
     if num_stages is not None:
         check_one_count_per_stage(sizes, num_stages, key, True, virtual_stages, schedule)
     return sizes

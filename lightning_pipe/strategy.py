@@ -41,7 +41,7 @@ from typing_extensions import override
 from lightning_pipe.checkpoints.pretrained import PretrainedWeights
 from lightning_pipe.checkpoints.sharded import SHARDED
 from lightning_pipe.checkpoints.strategy_io import StageCheckpoints
-from lightning_pipe.config import PipelineParallelConfig
+from lightning_pipe.partition.counts import PipelineParallelConfig
 from lightning_pipe.execution.batchnorm import epoch_last_batch_reached
 from lightning_pipe.execution.batchnorm import revert as revert_batch_norms
 from lightning_pipe.execution.gradients import StageGradients, stop_agreeing_on_gradient_overflow
@@ -69,14 +69,15 @@ from lightning_pipe.integration.launchers import (
 from lightning_pipe.integration.lightning_packages import LIGHTNING, LightningPackage, adopt_package, register_package
 from lightning_pipe.partition.balance import Balance
 from lightning_pipe.partition.topology import PipelineLayout
-from lightning_pipe.pipeline import BuiltPipeline, build_pipeline, check_partition_before_launch
-from lightning_pipe.pipeline import require_automatic_optimization, whole_view as _whole_view
+from lightning_pipe.pipeline import BuiltPipeline, announce, build_pipeline, check_partition_before_launch
+from lightning_pipe.pipeline import put_whole_model_back, require_automatic_optimization, stage_summary, start_pipeline
+from lightning_pipe.pipeline import whole_view as _whole_view
 from lightning_pipe.reliability.stall_rule import StartUp
 from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog, batch_shape
 from lightning_pipe.schedules.actions import PipelineSchedule, StageActions
 from lightning_pipe.settings import PipelineSettings, RecomputeMode
 from lightning_pipe.trace.stage_summary import StageSummary, stage_devices
-from lightning_pipe.trace.tracer import StepObservation
+from lightning_pipe.trace.tracer import StepObservation, observe_step
 
 # The strategy's arguments that are pipeline settings: PipelineSettings' fields by their public names.
 _SETTING_ARGUMENTS = tuple("checkpoint" if f.name == "recompute" else f.name for f in fields(PipelineSettings))
@@ -141,7 +142,7 @@ class PipelineView:
         assert self.parallel_devices is not None
         devices = stage_devices(self.layout.pipeline_ranks(0), self.parallel_devices, self.num_nodes)
         busy = self._last_observation.busy_seconds if self._last_observation is not None else None
-        return self._pipeline.stage_summary(devices, busy)
+        return stage_summary(self._pipeline, devices, busy)
 
     @property
     def last_observed_step(self) -> StepObservation | None:
@@ -203,10 +204,8 @@ class GPipeStrategyMixin(PipelineView):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
-        self._layout: PipelineLayout | None = None
-        self._groups: PipelineGroups | None = None
-        self._pipeline: BuiltPipeline | None = None  # built in `setup`, kept after the run for its checkpoints
-        self._runtime = self._training = self._gradients = None  # from `setup` on: what does the step hooks' work
+        self._layout = self._groups = self._pipeline = None  # as PipelineView declares them
+        self._runtime = self._training = self._gradients = self._tracer = None  # from `setup` on: the hooks' work
         self._watchdog: StallWatchdog = UNWATCHED
         # What `setup` started or changed in the user's objects: the signals heard, the hooks, the model summary.
         self._undo_at_teardown: list[Callable[[], None]] = []
@@ -312,7 +311,7 @@ class GPipeStrategyMixin(PipelineView):
         """Drop every reference to the process groups (at the interpreter's exit, before they are destroyed)."""
         self._watchdog.stop()
         self._groups = self._pipeline = None  # the pipeline's stage and links reach the groups
-        self._runtime = self._training = self._gradients = None
+        self._runtime = self._training = self._gradients = self._tracer = None
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
             stop_agreeing_on_gradient_overflow(scaler)
@@ -337,11 +336,11 @@ class GPipeStrategyMixin(PipelineView):
         started = time.monotonic()  # what the set-up takes bounds the first steps' waits (see StallRule)
         self._pipeline = pipeline = build_pipeline(module, self._settings, self.groups, self.precision_plugin)
         self._runtime, self._training, self._gradients = pipeline.runtime, pipeline.step, pipeline.gradients
-        self._settings = pipeline.settings  # with schedule="auto", the configuration chosen
-        pipeline.announce(module, self.stage_summary(), self.lightning_package.possible_user_warning)
+        self._tracer, self._settings = pipeline.tracer, pipeline.settings  # settings: with "auto", as chosen
+        announce(pipeline, module, self.stage_summary(), self.lightning_package.possible_user_warning)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._undo_at_teardown += pipeline.start(module, trainer.callbacks)
+        self._undo_at_teardown += start_pipeline(pipeline, module, trainer.callbacks)
         self._setup_optimization(trainer, fitting)
         if fitting:
             self._watchdog.startup_measured(StartUp(time.monotonic() - started, pipeline.compiles))
@@ -438,8 +437,8 @@ class GPipeStrategyMixin(PipelineView):
         training.backward(closure_loss, module, self.precision_plugin, optimizer, *args, **kwargs)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
-        if self._pipeline is not None and (observation := self._pipeline.observe_step(module.trainer)) is not None:
-            self._last_observation = observation
+        if (seen := observe_step(self._tracer, module.trainer, self._settings.log_bubble_fraction)) is not None:
+            self._last_observation = seen  # the stages' timelines gathered: a logged or traced step
         return closure_loss
 
     @override
@@ -569,7 +568,7 @@ class GPipeStrategyMixin(PipelineView):
         if module is not None:
             revert_batch_norms(module)
             if self._pipeline is not None and not self._failed:
-                self._pipeline.put_whole_model_back(module, self.optimizers)
+                put_whole_model_back(self._pipeline, module, self.optimizers)
         if self._failed and self._pipeline is not None:  # another stage may be gone: no checkpoint can gather them
             self._pipeline = replace(self._pipeline, pipelined=None)
         # Otherwise the pipeline stays: a checkpoint saved after the run gathers every stage's optimizer state.

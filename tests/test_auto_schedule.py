@@ -22,7 +22,7 @@ from lightning_pipe.integration.hydra_schema import validate_config
 from lightning_pipe.schedules.choice import (
     AUTO_SCHEDULES, BlockCosts, Configuration, CostModel, choose, configurations, plan_table, rank_configurations,
 )
-from lightning_pipe.plan import main as plan_command
+from lightning_pipe.commands.plan import main as plan_command
 from lightning_pipe.settings import PipelineSettings
 from test_hydra_config import composed
 

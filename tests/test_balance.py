@@ -14,7 +14,7 @@ from helpers.launch import launch
 from helpers.models import PipeClassifier, loaders
 from lightning_pipe import GPipeStrategy, PipelineParallelConfig
 from lightning_pipe.partition.balance import min_max_partition, plan_partition, ranges_from_sizes, recompute_fraction, stage_costs
-from lightning_pipe.partition.profiling import pipelined_input, profile_layers
+from lightning_pipe.partition.profiling import pipelined_input, profile_blocks
 from lightning_pipe.schedules.builtin import SCHEDULES
 from lightning_pipe.trace.stage_summary import build_stage_summary, stage_devices
 
@@ -49,7 +49,7 @@ def test_min_max_partition_moves_layers_off_an_expensive_first_half():
 
 @pytest.mark.parametrize(
     ("costs", "stages", "message"),
-    [([1.0, 2.0], 3, "cannot split 2 layers into 3 non-empty stages"), ([1.0, -1.0], 2, "layer 1 costs -1.0")],
+    [([1.0, 2.0], 3, "cannot split 2 blocks into 3 non-empty stages"), ([1.0, -1.0], 2, "block 1 costs -1.0")],
 )
 def test_min_max_partition_rejects_impossible_input(costs, stages, message):
     with pytest.raises(ValueError, match=message):
@@ -90,7 +90,7 @@ def test_pipelined_input_is_the_sequential_input_and_changes_nothing():
 
 def test_memory_profile_counts_parameters_and_saved_activations():
     layers = nn.Sequential(nn.Linear(64, 64), nn.ReLU())
-    profiles = profile_layers(layers, torch.randn(8, 64), torch.device("cpu"), num_micro_batches=2)
+    profiles = profile_blocks(layers, torch.randn(8, 64), torch.device("cpu"), num_micro_batches=2)
     micro_batch_bytes = 4 * 64 * 4  # 4 samples of 64 float32
     assert profiles[0].parameter_bytes == (64 * 64 + 64) * 4
     assert profiles[0].activation_bytes == micro_batch_bytes  # Linear saves its input (its weight is not counted)
@@ -112,7 +112,7 @@ def test_layers_that_work_in_place_are_profiled_without_changing_the_sample():
     layers = vgg_shaped_layers()
     sample = torch.randn(4, 3, 8, 8)
     before = sample.clone()
-    profiles = profile_layers(layers, sample, torch.device("cpu"), num_micro_batches=2)
+    profiles = profile_blocks(layers, sample, torch.device("cpu"), num_micro_batches=2)
     assert torch.equal(sample, before)  # the in-place ReLU ran on a copy of the first micro-batch
     micro_batch_bytes = 2 * 3 * 8 * 8 * 4
     assert profiles[0].activation_bytes == micro_batch_bytes  # the in-place ReLU saves its output
@@ -195,7 +195,7 @@ def test_summary_reports_imbalance_of_the_split():
     assert [row.parameters for row in summary.rows] == [wide, 4 * (32 * 32 + 32)]
     assert summary.imbalance == pytest.approx(wide / ((wide + 4 * 1056) / 2))
     text = str(summary)
-    assert "Stage | Rank | Device | Layers" in text and "0-3" in text and "4-7" in text
+    assert "Stage | Rank | Device | Blocks" in text and "0-3" in text and "4-7" in text
     assert f"Imbalance (slowest stage / mean): {summary.imbalance:.2f} by parameters" in text
 
 

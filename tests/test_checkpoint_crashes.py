@@ -23,7 +23,7 @@ from helpers.compare import relative_weight_error
 from helpers.launch import Finished, launch, started_together
 from helpers.scenarios import fit_epochs
 from lightning_pipe.checkpoints.integrity import STAGING, ShardedCheckpointError, check_sharded_checkpoint
-from lightning_pipe.consolidate_checkpoint import main as consolidate_main
+from lightning_pipe.commands.consolidate_checkpoint import main as consolidate_main
 
 LIMIT_S = 60  # every process of a crashed run gone, and every refusal raised, within a minute
 MARKER = "LIGHTNING_PIPE_CHECKPOINT_CRASH_RUN"

@@ -84,9 +84,15 @@ def shortened(code: str, extra_args: str) -> str:
 
 
 def checkout_like(directory: Path) -> Path:
-    """A scratch directory where ``python examples/train.py`` works as in a checkout and writes nothing into it."""
+    """A scratch directory where ``python examples/train.py`` works as in a checkout and writes nothing into it, with
+    ``bin/lightning-pipe``: the console script as installing the package writes it (pyproject's ``[project.scripts]``),
+    for this checkout's package."""
     for name in ("examples", "conf"):
         (directory / name).symlink_to(REPO / name)
+    script = directory / "bin" / "lightning-pipe"
+    script.parent.mkdir()
+    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -c "from lightning_pipe.commands import main; main()" "$@"\n')
+    script.chmod(0o755)
     return directory
 
 
@@ -107,8 +113,8 @@ def run_block(block: Block, directory: Path) -> tuple[list[str], subprocess.Comp
         command = [sys.executable, "snippet.py"]
     else:
         command = ["bash", "-e", "-c", shortened(block.code, block.extra_args)]
-    return command, subprocess.run(command, cwd=cwd, env=user_environment(), capture_output=True, text=True,
-                                   timeout=300)
+    env = {**user_environment(), "PATH": os.pathsep.join([str(cwd / "bin"), os.environ.get("PATH", "")])}
+    return command, subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def is_doctest(block: Block) -> bool:

@@ -1,4 +1,4 @@
-"""Emulated devices (``lightning_pipe.emulate``): each part of a block's work takes its set time on almost no CPU, the
+"""Emulated devices (``lightning_pipe.testing.emulate``): each part of a block's work takes its set time on almost no CPU, the
 weight gradients' time goes where a split backward puts them, and the block computes ``x * weight + bias`` exactly.
 
 Times are checked as the median of a few repetitions (a wait ends at its set time on average: it asks the operating
@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from lightning_pipe.emulate import BlockTimes, EmulatedBlock, emulated_blocks
+from lightning_pipe.testing.emulate import BlockTimes, EmulatedBlock, emulated_blocks
 from lightning_pipe.execution.split_backward import backward_input
 
 REPEATS = 7

@@ -254,7 +254,7 @@ def existing_project(tmp_path: Path) -> Finished:
 
 def test_existing_project_trains_on_two_stages_unchanged(example_runs):
     result = succeeded(example_runs["existing"].result())
-    assert re.search(r"pipelining 'encoder\.model' \(14 layers\) over 2 stages", result.stdout + result.stderr)
+    assert re.search(r"pipelining 'encoder\.model' \(14 blocks\) over 2 stages", result.stdout + result.stderr)
     metrics = json.loads(result.stdout.split("final metrics: ", 1)[1].splitlines()[0])
     assert {"train_loss", "val_loss", "val_acc", "train_acc_epoch"} <= metrics.keys()
     assert 0.0 <= metrics["val_acc"] <= 1.0 and metrics["val_loss"] > 0

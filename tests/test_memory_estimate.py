@@ -18,7 +18,7 @@ from lightning_pipe.partition.memory_estimate import (
     held_micro_batches,
     memory_costs,
 )
-from lightning_pipe.partition.profiling import profile_layers
+from lightning_pipe.partition.profiling import profile_blocks
 
 # ---- the pure part: byte counts to a split -----------------------------------------------------------------------
 
@@ -75,7 +75,7 @@ def test_estimate_on_the_meta_device_equals_the_measured_bytes():
     charges = [(0, deferred.embed), (5, deferred.norm), (5, deferred.head)]
     estimated = estimate_block_memory(deferred, list(deferred.layers), loss_step(tokens.to("meta")), charges)
     assert all(p.is_meta for p in deferred.parameters())  # nothing was made real
-    measured = profile_layers(real.layers, real.embed(tokens[:, :-1]).detach(), torch.device("cpu"), 2, 0.0, 1)
+    measured = profile_blocks(real.layers, real.embed(tokens[:, :-1]).detach(), torch.device("cpu"), 2, 0.0, 1)
     for index, (estimate, profile) in enumerate(zip(estimated, measured)):
         own = (2 + OPTIMIZER_STATES) * profile.parameter_bytes  # parameters, gradients, Adam's two moments
         ends = {0: deferred.embed.weight.numel(), 5: deferred.head.weight.numel() + 2 * 16}.get(index, 0)

@@ -300,7 +300,7 @@ CONSOLIDATE_WITH_PEAK = """
 import runpy, sys
 from pathlib import Path
 sys.argv = ["consolidate_checkpoint", *sys.argv[1:]]
-runpy.run_module("lightning_pipe.consolidate_checkpoint", run_name="__main__")
+runpy.run_module("lightning_pipe.commands.consolidate_checkpoint", run_name="__main__")
 print("VmHWM", next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines()
                     if line.startswith("VmHWM:")))
 """
@@ -387,5 +387,5 @@ def test_memory_balance_of_a_model_on_the_meta_device_is_estimated_and_trains_as
 
 def test_profiled_balance_of_a_model_on_the_meta_device_is_refused_naming_the_fix(two_stages):
     for result in two_stages["profiled"]:
-        assert "balance='time' profiles every layer with its weights" in result["error"]
+        assert "balance='time' profiles every block with its weights" in result["error"]
         assert "use balance='parameters'" in result["error"]

@@ -51,7 +51,7 @@ def test_balance_gives_layers_per_stage():
 
 @pytest.mark.parametrize(
     ("balance", "message"),
-    [([3, 4], "sums to 7 but the pipelined module has 8 layers"), ([8], "has 1 entries but there are 2 stages"),
+    [([3, 4], "sums to 7 but the pipelined module has 8 blocks"), ([8], "has 1 entries but there are 2 stages"),
      ([0, 8], "positive integers")],
 )
 def test_bad_balance_names_the_problem(balance, message):

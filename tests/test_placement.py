@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from helpers.stock_models import STOCK_MODELS
-from lightning_pipe.config import PipelineParallelConfig
+from lightning_pipe.partition.counts import PipelineParallelConfig
 from lightning_pipe.partition.balance import charged, plan_partition
 from lightning_pipe.partition.placement import (
     EVERY, LOSS, observe_places, outside_modules, parameter_holders, unobserved_note,

@@ -35,7 +35,7 @@ from lightning_pipe.checkpoints.sharded import consolidate
 from lightning_pipe.checkpoints.stored_weights import open_stored_weights, read_tensors
 from lightning_pipe.checkpoints.whole_model import WholeModelLayout, tied_aliases
 from lightning_pipe.execution.materialize import materialize
-from lightning_pipe.export_pretrained import main as export_command
+from lightning_pipe.commands.export_pretrained import main as export_command
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,10 +1,11 @@
-"""What users' code names keeps working across the package's moves: the public names, the three commands, the
+"""What users' code names keeps working across the package's moves: the public names, the commands, the
 Hydra schema, the module paths the docs once showed, and a checkpoint written before the package had folders."""
 
 from __future__ import annotations
 
 import importlib
 import sys
+import tomllib
 import warnings
 from pathlib import Path
 
@@ -64,10 +65,12 @@ def test_the_hydra_schema_keeps_its_names():
     assert OmegaConf.has_resolver("lightning_pipe.start_method")
 
 
-def test_the_three_commands_still_run_by_their_module_names(tmp_path):
+def test_the_commands_still_run_by_their_former_module_names(tmp_path):
+    """``python -m lightning_pipe.plan`` and the others, as the docs showed them before the ``lightning-pipe`` script."""
     script = """
 import runpy, sys
-for command in ("lightning_pipe.trace", "lightning_pipe.consolidate_checkpoint", "lightning_pipe.export_pretrained"):
+for command in ("lightning_pipe.trace", "lightning_pipe.plan", "lightning_pipe.consolidate_checkpoint",
+                "lightning_pipe.export_pretrained"):
     sys.argv = [command, "--help"]
     try:
         runpy.run_module(command, run_name="__main__", alter_sys=True)
@@ -76,7 +79,24 @@ for command in ("lightning_pipe.trace", "lightning_pipe.consolidate_checkpoint",
     print("ran", command)
 """
     result = run_python("-c", script, cwd=tmp_path, timeout=120)
-    assert result.stdout.count("ran lightning_pipe.") == 3, result.stdout + result.stderr[-2000:]
+    assert result.stdout.count("ran lightning_pipe.") == 4, result.stdout + result.stderr[-2000:]
+    assert result.stdout.count("usage: lightning-pipe ") == 4, result.stdout  # each is its subcommand's parser
+
+
+def test_the_console_script_runs_each_subcommand_and_names_an_unknown_one(capsys):
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    target = pyproject["project"]["scripts"]["lightning-pipe"]
+    module, _, function = target.partition(":")
+    main = getattr(importlib.import_module(module), function)
+    for subcommand in ("plan", "export_pretrained", "consolidate_checkpoint", "trace"):
+        with pytest.raises(SystemExit) as exit:
+            main([subcommand, "--help"])
+        assert exit.value.code == 0
+        assert capsys.readouterr().out.startswith(f"usage: lightning-pipe {subcommand} ")
+    main(["--help"])
+    assert "consolidate_checkpoint" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown subcommand 'planner'; use one of plan, export_pretrained"):
+        main(["planner"])
 
 
 def test_a_checkpoint_written_before_the_folders_resumes_as_on_one_device(tmp_path):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from helpers.stock_models import STOCK_MODELS
-from lightning_pipe.config import PipelineParallelConfig
+from lightning_pipe.partition.counts import PipelineParallelConfig
 from lightning_pipe.execution.block_calls import BlockCalls
 from lightning_pipe.execution.call_order import PipelineOrderError
 from lightning_pipe.execution.stage import StageBlocks
@@ -33,7 +33,7 @@ def summary_of(name: str):
 def test_summary_says_what_runs_whole_on_every_stage_with_its_share():
     summary = summary_of("gpt2")
     text = str(summary)
-    assert "GPipe: pipelining 'model.transformer.h' (4 layers) over 2 stages" in text
+    assert "GPipe: pipelining 'model.transformer.h' (4 blocks) over 2 stages" in text
     # the embeddings and the final norm; the head's weight is the embedding's (tied), counted once
     assert [line.split(" | ") for line in text.splitlines()[-5:]] == [
         ["Outside the blocks    ", "Params", "Held by"],

@@ -479,7 +479,7 @@ MISUSE_ERRORS = {
         " (1, 16); the pipeline joins the stages' outputs along dim 0"
     ),
     "dtype": (
-        "raised by pipeline stage 1 (layers 2..3) on micro-batch 0 of 4; it received torch.float64 from stage 0 but"
+        "raised by pipeline stage 1 (blocks 2..3) on micro-batch 0 of 4; it received torch.float64 from stage 0 but"
         " its parameters are torch.float32: give every stage the same dtype"
     ),
     "different-paths": (

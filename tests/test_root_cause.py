@@ -59,12 +59,12 @@ def lose_a_peer():
 
 def test_a_lost_peer_error_becomes_the_recorded_exception_of_the_stage_that_raised(store):
     error = ValueError("Expected more than 1 value per channel when training, got input size torch.Size([1, 8])")
-    error.add_note("raised by pipeline stage 0 (layers 0..3) on micro-batch 5 of 8")
+    error.add_note("raised by pipeline stage 0 (blocks 0..3) on micro-batch 5 of 8")
     record_from_another_rank(store, error)
     with pytest.raises(ValueError, match="Expected more than 1 value per channel") as raised:
         raising_the_root_cause(lose_a_peer, None, KEY)
     notes = raised.value.__notes__
-    assert notes[0] == "raised by pipeline stage 0 (layers 0..3) on micro-batch 5 of 8"
+    assert notes[0] == "raised by pipeline stage 0 (blocks 0..3) on micro-batch 5 of 8"
     assert notes[1].startswith("raised on stage 0 (rank 1); rank 0 then lost that stage (PipelineCommunicationError)")
     cause = raised.value.__cause__
     assert isinstance(cause, StageTraceback) and "ValueError: Expected more than 1 value" in str(cause)

@@ -35,7 +35,7 @@ def runs_for(devices: int) -> list[dict]:
             runs.append({"name": f"{schedule}_always", "num_micro_batches": 4, "checkpoint": "always",
                          "strategy": strategy})
     runs.append({"name": "gpipe_split", "num_micro_batches": 4, "schedule": "gpipe_split"})
-    # Emulated devices (lightning_pipe.emulate): a schedule deferring weight gradients, and GPipe deferring them.
+    # Emulated devices (lightning_pipe.testing.emulate): a schedule deferring weight gradients, and GPipe deferring them.
     runs += [{"name": "emulated_zbv", "model": "emulated", "num_micro_batches": 4, "strategy": {"schedule": "zbv"}},
              {"name": "emulated_gpipe_split", "model": "emulated", "num_micro_batches": 4, "schedule": "gpipe_split"}]
     if devices == 4:
@@ -165,7 +165,7 @@ def test_recomputed_forwards_equal_one_device(pipelined, schedule):
 
 @pytest.mark.parametrize("name", ["emulated_zbv", "emulated_gpipe_split"])
 def test_a_model_of_emulated_blocks_trains_as_one_device(pipelined, name):
-    """Blocks whose compute is a wait (``lightning_pipe.emulate``), the last twice as heavy, under a zero-bubble
+    """Blocks whose compute is a wait (``lightning_pipe.testing.emulate``), the last twice as heavy, under a zero-bubble
     schedule and under GPipe with deferred weight gradients."""
     _, tmp, runs = pipelined
     assert_equals_the_whole_batch(tmp, runs[name])

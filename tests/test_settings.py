@@ -33,18 +33,18 @@ INVALID = {
         {"balance": "fastest"},
         "{key}balance='fastest' is not a balancing mode; use one of 'uniform', 'parameters', 'time', 'memory'",
     ),
-    "balance type": ({"balance": 7}, "{key}balance=7 is invalid; give one layer count per stage as a list"),
+    "balance type": ({"balance": 7}, "{key}balance=7 is invalid; give one block count per stage as a list"),
     "balance entries": (
-        {"balance": [3, 0]}, "{key}balance=[3, 0] is invalid; layer counts must be positive integers"
+        {"balance": [3, 0]}, "{key}balance=[3, 0] is invalid; block counts must be positive integers"
     ),
     "balance length": (
         {"num_stages": 2, "balance": [4, 2, 2]},
-        "{key}balance=[4, 2, 2] has 3 entries but {key}num_stages=2; give one layer count per stage.",
+        "{key}balance=[4, 2, 2] has 3 entries but {key}num_stages=2; give one block count per stage.",
     ),
     "balance length with chunks": (
         {"num_stages": 2, "schedule": "interleaved_1f1b", "balance": [4, 4]},
         "{key}balance=[4, 4] has 2 entries but {key}schedule='interleaved_1f1b' cuts the pipelined blocks into"
-        " {key}num_stages * {key}virtual_stages = 2 * 2 = 4 model chunks; give one layer count per chunk, in model"
+        " {key}num_stages * {key}virtual_stages = 2 * 2 = 4 model chunks; give one block count per chunk, in model"
         " order (e.g. {key}balance=[2, 2, 2, 2]).",
     ),
     "module_name": (

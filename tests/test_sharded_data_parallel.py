@@ -26,11 +26,11 @@ from test_reliability import assert_ended_fast_everywhere, fault, run_with_fault
 from lightning_pipe import GPipeStrategy
 from lightning_pipe.checkpoints.sharded import committed_directory, consolidate
 from lightning_pipe.execution.sharding import refuse_sharded_already
-from lightning_pipe.config import PipelineParallelConfig
+from lightning_pipe.partition.counts import PipelineParallelConfig
 from lightning_pipe.integration.hydra_schema import validate_config
 from lightning_pipe.integration.model_summary import held_per_rank
 from lightning_pipe.partition.balance import plan_partition
-from lightning_pipe.plan import main as plan_command
+from lightning_pipe.commands.plan import main as plan_command
 from lightning_pipe.schedules.choice import BlockCosts
 from lightning_pipe.trace.stage_summary import build_stage_summary, largest_shard
 

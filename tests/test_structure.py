@@ -152,6 +152,12 @@ def test_the_module_map_names_every_module_and_only_modules():
     assert not mapped - found, f"the map names modules that do not exist: {sorted(mapped - found)}"
 
 
+def test_the_package_top_holds_at_most_six_modules():
+    """The rest lives in folders by idea: a newcomer opening the package sees the strategy and what builds it."""
+    top = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(top) <= 6, f"{len(top)} modules directly under lightning_pipe/: {top}"
+
+
 def test_every_folder_says_what_it_holds_may_import_and_who_imports_it():
     for name, path in modules().items():
         if path.name == "__init__.py" and "." not in name:

@@ -21,7 +21,7 @@ from helpers.tensor_parallel_models import BLOCK_PLAN, TENSOR_PARALLEL_MODELS, B
 from lightning_pipe import GPipeStrategy
 from lightning_pipe.execution.tensor_parallel import resolve_plan
 from lightning_pipe.integration.hydra_schema import validate_config
-from lightning_pipe.plan import main as plan_command
+from lightning_pipe.commands.plan import main as plan_command
 from lightning_pipe.partition.topology import PipelineLayout
 from lightning_pipe.settings import PipelineSettings
 

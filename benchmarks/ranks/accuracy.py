@@ -1,4 +1,4 @@
-"""One rank of the planner accuracy section: every schedule's step on emulated blocks (:mod:`lightning_pipe.emulate`),
+"""One rank of the planner accuracy section: every schedule's step on emulated blocks (:mod:`lightning_pipe.testing.emulate`),
 timed in turns, and for each configuration one traced step (the runtime's own time per action) and one step
 counting the activations the blocks save for backward (their peak on this stage).
 
@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from harness.rank import run_rank
 from harness.timing import in_turns, timed
-from lightning_pipe.emulate import emulated_blocks
+from lightning_pipe.testing.emulate import emulated_blocks
 from lightning_pipe.schedules.builtin import gpipe_schedule
 from lightning_pipe.trace.timeline import BACKWARD, FORWARD, WAIT, StepTimeline
 from ranks.emulated import CONFIGURATIONS, block_times

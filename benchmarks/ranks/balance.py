@@ -65,7 +65,7 @@ def _fit(spec: dict[str, Any], mode: str) -> dict[str, Any]:
     intervals = clock.intervals()
     return {
         "intervals": intervals,
-        "ranges": [[row.layers.start, row.layers.stop] for row in summary.rows],
+        "ranges": [[row.blocks.start, row.blocks.stop] for row in summary.rows],
         "imbalance": summary.imbalance,
         "step_s": median(intervals),
         "slowest_busy_s": median([max(observed.busy_seconds) for observed in clock.observed[1:]]),

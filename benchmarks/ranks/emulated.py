@@ -1,5 +1,5 @@
 """One rank of the emulated schedules section: every schedule of ours beside torch.distributed.pipelining's on the same
-emulated blocks (:mod:`lightning_pipe.emulate`), for each cost profile and micro-batch count, in one launch.
+emulated blocks (:mod:`lightning_pipe.testing.emulate`), for each cost profile and micro-batch count, in one launch.
 
 Configurations take one step each per round, in turn (see :func:`harness.timing.in_turns`). After the timed rounds
 each of our configurations runs one more step with its timeline on, for the runtime's own cost per action.
@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from harness.rank import run_rank
 from harness.timing import in_turns, timed
-from lightning_pipe.emulate import BlockTimes, emulated_blocks
+from lightning_pipe.testing.emulate import BlockTimes, emulated_blocks
 from lightning_pipe.schedules.builtin import gpipe_schedule
 from lightning_pipe.trace.timeline import BACKWARD, FORWARD, WAIT, StepTimeline
 from ranks.engine_step import EngineStep

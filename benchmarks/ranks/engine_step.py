@@ -14,7 +14,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 
-from lightning_pipe.config import PipelineParallelConfig
+from lightning_pipe.partition.counts import PipelineParallelConfig
 from lightning_pipe.execution.engine import PipelineEngine
 from lightning_pipe.execution.process_groups import init_pipeline_groups
 from lightning_pipe.execution.runtime import StageRuntime

@@ -137,7 +137,7 @@ def _run(spec: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     reset_peak()
     trainer.fit(model, loader)
     whole = _whole_model_bytes(width, depth)
-    blocks = [len(row.layers) for row in strategy.stage_summary().rows]
+    blocks = [len(row.blocks) for row in strategy.stage_summary().rows]
     return {"stage": strategy.stage_index, "parts": held.parts, "peak_bytes": held.peak_bytes, "whole": whole,
             "step_seconds": held.step_seconds,
             "blocks_per_stage": blocks, "read_bytes": _stored_bytes(options.get("pretrained"), read)}

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-from lightning_pipe.config import PipelineParallelConfig
+from lightning_pipe.partition.counts import PipelineParallelConfig
 
 
 class PeerStep:
@@ -25,13 +25,13 @@ class PeerStep:
         device = next(sequential.parameters()).device
         stage = PipelineStage(self.module, index, num_stages, device, group=group)
         self.is_first = index == 0
-        self.is_last = index == num_stages - 1
+        self.is_loss_stage = index == num_stages - 1
         self.schedule = ScheduleGPipe(stage, num_micro_batches, loss_fn=F.mse_loss)
 
     def step(self, x: Tensor, target: Tensor) -> None:
         """Forward and backward of one mini-batch (gradients accumulate in the stage's parameters)."""
         args = (x,) if self.is_first else ()
-        if self.is_last:
+        if self.is_loss_stage:
             self.schedule.step(*args, target=target)
         else:
             self.schedule.step(*args)

@@ -28,7 +28,7 @@ from harness.rank import run_rank
 from harness.stack import make_batch, make_stack
 from harness.timing import in_turns, timed
 from harness.workload import Workload
-from lightning_pipe.config import PipelineParallelConfig
+from lightning_pipe.partition.counts import PipelineParallelConfig
 from lightning_pipe.schedules.builtin import SCHEDULES, gpipe_schedule
 from ranks.engine_step import EngineStep
 

@@ -1,7 +1,7 @@
 """Planner accuracy (emulated): the planner's predicted step against the measured one for every schedule, on emulated
 devices at 4 stages; ``schedule="auto"``'s choice measured against the fastest; a memory budget honoured, measured.
 
-The blocks are :mod:`lightning_pipe.emulate`'s (F, I, W: waits), with :mod:`ranks.emulated`'s three cost profiles.
+The blocks are :mod:`lightning_pipe.testing.emulate`'s (F, I, W: waits), with :mod:`ranks.emulated`'s three cost profiles.
 Predictions come the way ``schedule="auto"`` makes them: each block profiled by
 :func:`~lightning_pipe.partition.profiling.block_cost_model`, plus the runtime's own costs (per compute action, per
 message) measured on this machine first, from three small configurations that the tables do not show (calibration):
@@ -27,8 +27,8 @@ from harness.launch import launch
 from harness.report import markdown_table, verdict
 from harness.summarize import median, median_ratio
 from lightning_pipe.auto_schedule import ranked_choice
-from lightning_pipe.config import split_evenly
-from lightning_pipe.emulate import emulated_blocks
+from lightning_pipe.partition.counts import split_evenly
+from lightning_pipe.testing.emulate import emulated_blocks
 from lightning_pipe.partition.profiling import block_cost_model
 from lightning_pipe.schedules.builtin import SCHEDULES, gpipe_schedule
 from lightning_pipe.schedules.choice import AUTO_SCHEDULES, Configuration, CostModel, chunk_costs, size_text
@@ -237,7 +237,7 @@ def _markdown(rows: list[dict[str, Any]], choices: list[dict[str, Any]], runtime
             c["limited_measured_bytes"] <= c["budget_bytes"], size_text(c["limited_measured_bytes"]),
         ))
     return (
-        f"S={spec['stages']}, blocks of `lightning_pipe.emulate` (F, I, W: waits), 4 per stage, F=I=W"
+        f"S={spec['stages']}, blocks of `lightning_pipe.testing.emulate` (F, I, W: waits), 4 per stage, F=I=W"
         f" {1e3 * spec['stage_time']:g} ms per stage and micro-batch (profiles as in *Schedules at scale*); a batch of"
         f" {ROWS} × {WIDTH} floats split into M micro-batches; `checkpoint=\"never\"`; median of {spec['rounds']}"
         f" steps after {spec['warmup']} warm-up, the configurations taking turns step by step. *ideal*: the tick table"

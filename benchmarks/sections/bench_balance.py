@@ -24,7 +24,7 @@ from typing import Any
 from harness.launch import launch
 from harness.report import markdown_table, verdict
 from harness.summarize import median, median_ratio
-from lightning_pipe.config import PipelineParallelConfig
+from lightning_pipe.partition.counts import PipelineParallelConfig
 from lightning_pipe.partition.balance import min_max_partition, ranges_from_sizes, stage_costs
 from ranks import balance
 from ranks.balance import HEAVY_FACTOR, MODES

@@ -1,7 +1,7 @@
 """Schedules at scale (emulated): every schedule of ours at 4 and 8 stages on emulated devices, beside
 torch.distributed.pipelining's counterpart on the same blocks and beside the ideal step of its own tick table.
 
-The blocks are :mod:`lightning_pipe.emulate`'s: each forward, input gradient and weight gradient is a wait that leaves
+The blocks are :mod:`lightning_pipe.testing.emulate`'s: each forward, input gradient and weight gradient is a wait that leaves
 the core free, so 8 processes on 2 cores measure what 8 accelerators would do with those kernel times, and the gap
 between the measured step and the ideal one is the runtimes' own cost (actions, messages), which a real device would
 pay too.
@@ -16,7 +16,7 @@ import ranks.emulated
 from harness.launch import launch
 from harness.report import markdown_table, verdict
 from harness.summarize import median, median_ratio
-from lightning_pipe.config import PipelineParallelConfig
+from lightning_pipe.partition.counts import PipelineParallelConfig
 from lightning_pipe.schedules.builtin import SCHEDULES, gpipe_schedule
 from lightning_pipe.schedules.planner import ComputeCosts, predict
 from ranks.emulated import CONFIGURATIONS, PROFILES, block_times
@@ -103,7 +103,7 @@ def _markdown(rows: list[dict[str, Any]], gaps: list[float], warmup: int, rounds
         ],
     )
     return (
-        "Blocks of `lightning_pipe.emulate` (F, I, W: waits), 4 per stage, one micro-batch's activation"
+        "Blocks of `lightning_pipe.testing.emulate` (F, I, W: waits), 4 per stage, one micro-batch's activation"
         f" {ROWS} × {WIDTH} floats; `checkpoint=\"never\"`; median of {rounds} steps after {warmup} warm-up, the"
         " configurations taking turns step by step. F=I=W is each stage's time per micro-batch; profiles: `uniform`,"
         " `heavy_last` (the last stage's blocks twice as heavy), `weight_heavy` (W = 2I). *ideal* is the step of the"

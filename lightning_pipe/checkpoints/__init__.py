@@ -6,9 +6,9 @@ committed whole or not at all (``commit``) and checked whole before they are rea
 weights read from files a tensor at a time (``stored_weights``), stored names placed as ``from_pretrained`` places
 them (``stored_names``), pretrained weights mapped onto the model
 (``pretrained``), the Hugging Face export (``export``), and what the strategy's checkpoint hooks do on one rank
-(``strategy_io``). The two commands that use them, ``python -m lightning_pipe.consolidate_checkpoint`` and
-``python -m lightning_pipe.export_pretrained``, stay at the package's top, where users call them.
+(``strategy_io``). The two commands that use them, ``lightning-pipe consolidate_checkpoint`` and
+``lightning-pipe export_pretrained``, are in :mod:`lightning_pipe.commands`.
 
-May import: everything below it (``config`` to ``execution``). Imported by ``settings``, ``integration``,
+May import: everything below it (``schedules`` to ``execution``). Imported by ``settings``, ``integration``,
 ``pipeline``, the strategy and the two commands.
 """

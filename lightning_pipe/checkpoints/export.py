@@ -3,7 +3,7 @@ index and the model's config, written a shard at a time: a process holds no more
 
 Two writers share it: :meth:`lightning_pipe.GPipeStrategy.save_pretrained` after (or during) a run, where every
 stage writes its own shard at once and global rank 0 the index and config; and the command
-``python -m lightning_pipe.export_pretrained`` over a consolidated or sharded checkpoint (:func:`export_checkpoint`).
+``lightning-pipe export_pretrained`` over a consolidated or sharded checkpoint (:func:`export_checkpoint`).
 ``AutoModelForCausalLM.from_pretrained(directory)`` (or the model class's) then loads the directory.
 """
 

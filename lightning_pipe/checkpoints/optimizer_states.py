@@ -5,7 +5,7 @@ model as one device would: group by group, in the model's parameter order. That 
 ``optimizer.load_state_dict`` expects, so the checkpoint loads on one device, or on any other stage count, by
 looking each parameter up by name.
 
-``python -m lightning_pipe.consolidate_checkpoint SHARDED_DIR OUT.ckpt`` writes a sharded checkpoint as one such
+``lightning-pipe consolidate_checkpoint SHARDED_DIR OUT.ckpt`` writes a sharded checkpoint as one such
 file.
 """
 

@@ -121,7 +121,7 @@ class StageCheckpoints:
             return held_state_dict(module)
         assert self.pipelined is not None and self.groups is not None
         groups = self.groups
-        return whole_state_dict(module, self.pipelined, groups.stage_ranks, groups.rank, groups.meta)
+        return whole_state_dict(module, self.pipelined, groups.stage_ranks, groups.rank, groups.pipeline_cpu)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The whole model's optimizer state on the checkpoint writer, numbered as a single-device optimizer's."""
@@ -133,7 +133,7 @@ class StageCheckpoints:
             return name_optimizer_state(optimizer.state_dict(), group_names(self.module, optimizer))
         groups = self.groups
         return whole_optimizer_state(
-            optimizer, self.module, self.pipelined.parameter_order, groups.stage_ranks, groups.rank, groups.meta
+            optimizer, self.module, self.pipelined.parameter_order, groups.stage_ranks, groups.rank, groups.pipeline_cpu
         )
 
     def write(
@@ -168,7 +168,7 @@ class StageCheckpoints:
         assert self.module is not None and self.pipelined is not None and self.groups is not None
         for optimizer, saved in zip(optimizers, checkpoint["optimizer_states"]):
             load_stage_optimizer_state(
-                optimizer, saved, self.module, self.pipelined.parameter_order, self.groups.meta, device
+                optimizer, saved, self.module, self.pipelined.parameter_order, self.groups.pipeline_cpu, device
             )
         return True
 
@@ -197,7 +197,7 @@ class StageCheckpoints:
                 f"save_pretrained({str(directory)!r}) needs the pipeline's stages, which this process does not hold"
                 " (the launching process of gpipe_spawn / gpipe_fork, or a run that failed). Call it on every rank"
                 " with the default start method, or write a checkpoint and run"
-                " `python -m lightning_pipe.export_pretrained CHECKPOINT DIRECTORY`."
+                " `lightning-pipe export_pretrained CHECKPOINT DIRECTORY`."
             )
         if prefix is None:
             prefix = self.pretrained_prefix if self.pretrained_prefix is not None else library_model_prefix(module)
@@ -210,7 +210,7 @@ class StageCheckpoints:
         groups = self.groups
         left_out = export_pretrained_by_stage(
             module, self.pipelined, Path(directory), prefix, dtype, groups.stage, groups.stage_ranks, groups.rank,
-            groups.meta, writes=groups.replica == 0 and groups.tensor_index == 0,
+            groups.pipeline_cpu, writes=groups.replica == 0 and groups.tensor_index == 0,
             max_shard_bytes=parse_size(max_shard_size) if max_shard_size is not None else None,
         )
         if left_out:

@@ -11,6 +11,6 @@ split backward, random streams, BatchNorm over the whole batch, ``torch.compile`
 meta-device model made real (``materialize``), the last stage's logs replayed on the others (``replayed_logs``) and what
 a micro-batch's loss averages over (``loss_items``).
 
-May import: ``config``, ``schedules``, ``partition``, ``reliability``, ``trace``. Imported by ``checkpoints``,
+May import: ``schedules``, ``partition``, ``reliability``, ``trace``. Imported by ``checkpoints``,
 ``integration`` and the strategy.
 """

@@ -71,6 +71,12 @@ class BlockCalls:
         # The frame that started this call of the user's step: a model checkpoint around a block call lies between the
         # call and that frame, so the search for one stops there (None: outside a step, the whole stack).
         self._step_frame: FrameType | None = None
+        # Whether the model calls a block under its own torch.utils.checkpoint is read from the call stack, but
+        # decided once per kind of call (model in training mode or not, gradients on or not), on its first call of
+        # the user's step: the blocks it called outside any checkpoint then skip the search (see `model_call`).
+        self._plain: dict[tuple[bool, bool], frozenset[int]] = {}
+        self._kind: tuple[bool, bool] | None = None  # this call's kind, in a step
+        self._seen_plain: set[int] | None = None  # while a kind is learned: the blocks called outside a checkpoint
         self._chunk_starts = {r[0]: chunk for chunk, r in stage.chunk_ranges.items() if chunk > 0}  # block -> chunk
         stage.route(self.model_call)
 
@@ -81,11 +87,18 @@ class BlockCalls:
         self._step_frame = frame
         self.targets = frozenset(self.stage.chunk_ranges if targets is None else targets)
         self.chain.begin()
+        self._kind = (self.stage.model.training, torch.is_grad_enabled()) if in_step else None
+        self._seen_plain = set() if in_step and self._kind not in self._plain else None
 
-    def end_step(self) -> None:
-        """The user's step is over: a later call of the model is made outside a step."""
+    def end_step(self, completed: bool = True) -> None:
+        """The user's step is over (``completed``: it ran to its end or handed off, without an error): a later call
+        of the model is made outside a step. The first completed call of its kind decides which blocks the model
+        calls outside its own checkpoints."""
+        if completed and self._seen_plain is not None and self._kind is not None:
+            self._plain[self._kind] = frozenset(self._seen_plain)
         self.in_step = False
         self._step_frame = None
+        self._kind = self._seen_plain = None
 
     def chunk_call(self, chunk: int, detach_side_arguments: bool) -> ChunkCall:
         """What the model's code called ``chunk``'s blocks with in this call (see :meth:`CallChain.chunk_call`)."""
@@ -95,13 +108,23 @@ class BlockCalls:
         """A call of block ``index`` by the model's code, through its stand-in: answered by :meth:`block_called`,
         also when the model wraps its calls in ``torch.utils.checkpoint``.
 
+        Whether the call is made under the model's checkpoint is read from the call stack on the first completed call
+        of the user's step of its kind (training or not, gradients on or not); the blocks that call showed outside
+        any checkpoint are not searched for one again (a reentrant checkpoint, which turns gradients off, is still
+        seen). A model that starts checkpointing a block only later in a run is not supported.
+
         The pipeline's own re-computation takes the place of the model's checkpoint: under a non-reentrant one, the
         pipeline's tensors are saved past it (it keeps none, so it re-computes nothing); a reentrant one computes
         without gradients, so the call is computed with them and answered without. Either re-computation in backward
         then gets the first call's output back: no block runs twice for it.
         """
+        kind = self._kind
+        if kind is not None and index in self._plain.get(kind, ()) and torch.is_grad_enabled() == kind[1]:
+            return self.block_called(index, args, kwargs)  # called outside the model's checkpoints: decided already
         phase, frame = _model_checkpoint_phase(self._step_frame)
         if phase is None:
+            if self._seen_plain is not None:
+                self._seen_plain.add(index)
             return self.block_called(index, args, kwargs)
         if phase in (_RECOMPUTE, _RECOMPUTE_REENTRANT):
             return self._output_again(index, reentrant=phase == _RECOMPUTE_REENTRANT)

@@ -219,6 +219,7 @@ class PipelineEngine:
         virtual_stages: int = 1,
         timeline: StepTimeline | None = None,
         random_streams: StageRandomStreams | None = None,
+        backward_done: Callable[[int], None] | None = None,
     ) -> None:
         self.stage = stage
         self.num_micro_batches = num_micro_batches
@@ -227,11 +228,11 @@ class PipelineEngine:
         self.schedule = schedule
         self.virtual_stages = virtual_stages
         self.random_streams = random_streams
-        self.backward_done: Callable[[int], None] | None = None  # FSDP hook: chunk k's backward of a micro-batch ended
+        self._backward_done = backward_done  # FSDP hook: chunk k's backward of a micro-batch ended
         self.last_chunk = stage.num_chunks - 1
         self._owners = {k: schedule.owner(k, stage.num_stages) for k in range(stage.num_chunks)}
         self._step = _StepState()
-        self.step_signature: StepSignature | None = None  # the step run now, as neighbours must: `_StepState.signed`
+        self._step_signature: StepSignature | None = None  # the step run now, as neighbours must: `_StepState.signed`
         self._batch_norms = {
             chunk: [m for i in chunk_range for m in stage.originals[i].modules() if isinstance(m, _BatchNorm)]
             for chunk, chunk_range in stage.chunk_ranges.items()
@@ -261,6 +262,11 @@ class PipelineEngine:
 
     def _here(self, chunk: int) -> bool:
         return self.owner(chunk) == self.stage.stage_index
+
+    def sign_step(self, signature: StepSignature | None) -> None:
+        """The step about to run, as the neighbours must run it too (see lightning_pipe.execution.step_agreement);
+        ``None`` for a call outside a step, which signs nothing."""
+        self._step_signature = signature
 
     def begin_step(self) -> None:
         """Forget the previous step (its backward may have been skipped)."""
@@ -372,7 +378,7 @@ class PipelineEngine:
         link = self.links[peer]
         # The receiver posted no guess of the next message's shapes after this one (see ActivationInbox): none is
         # expected.
-        header = Header(SKIP, m, step.num_micro_batches, chunk=k + 1, step=self._step.signed(peer, self.step_signature))
+        header = Header(SKIP, m, step.num_micro_batches, chunk=k + 1, step=self._step.signed(peer, self._step_signature))
         works = link.send_skip(header, step.sent_metas.pop(peer, None))
         step.sends.append((link, works, "the activations"))
 
@@ -391,7 +397,7 @@ class PipelineEngine:
                     )
             if k < self.last_chunk and not self._here(k + 1):
                 peer = self.owner(k + 1)
-                link, header = self.links[peer], Header(SKIP, chunk=k + 1, step=self._step.signed(peer, self.step_signature))
+                link, header = self.links[peer], Header(SKIP, chunk=k + 1, step=self._step.signed(peer, self._step_signature))
                 self._step.sends.append((link, [link.send_header(header)], "the activations"))
         self._step.wait_sends()
 
@@ -436,7 +442,7 @@ class PipelineEngine:
         peer = self.owner(sending_chunk)
         step = self._step
         if peer not in step.inboxes:
-            step.inboxes[peer] = ActivationInbox(self.links[peer], partial(self._expected_from, peer), self.step_signature)
+            step.inboxes[peer] = ActivationInbox(self.links[peer], partial(self._expected_from, peer), self._step_signature)
         return step.inboxes[peer]
 
     def _expected_from(self, peer: int) -> list[Key]:
@@ -502,7 +508,7 @@ class PipelineEngine:
         metas = tuple(TensorMeta(tuple(t.shape), t.dtype, needs) for t, needs in zip(outputs, out.requires_grad))
         peer = self.owner(k + 1)
         start = self.timeline.now()
-        header = Header(ACTIVATION, m, step.num_micro_batches, metas, out.is_tuple, k + 1, out.carried, self._step.signed(peer, self.step_signature))
+        header = Header(ACTIVATION, m, step.num_micro_batches, metas, out.is_tuple, k + 1, out.carried, self._step.signed(peer, self._step_signature))
         link = self.links[peer]
         # The receiver posted this message's receive with the previous message's shapes (see ActivationInbox).
         works = link.send_activation(header, outputs, step.sent_metas.get(peer))
@@ -602,8 +608,8 @@ class PipelineEngine:
         at the call's leaves go on into the model's own code."""
         step = self._step
         call = step.micro_batches.pop((k, m)).call
-        if self.backward_done is not None:
-            self.backward_done(k)
+        if self._backward_done is not None:
+            self._backward_done(k)
         state = step.calls[id(call)]
         state.back_propagated += 1
         if state.back_propagated == len(state.forwarded):
@@ -658,7 +664,7 @@ def _where_it_failed(
     span = f"{chunk_range.start}..{chunk_range.stop - 1}"
     chunk = f", model chunk {call.chunk}" if stage.num_chunks != stage.num_stages else ""
     num = engine._step.num_micro_batches
-    note = f"raised by pipeline stage {stage.stage_index}{chunk} (layers {span}) on micro-batch {m} of {num}"
+    note = f"raised by pipeline stage {stage.stage_index}{chunk} (blocks {span}) on micro-batch {m} of {num}"
     if stage.region.container is None:
         note += f" ({call.describe(stage.region.names)})"
     received = sorted({str(t.dtype) for t in inputs if t.is_floating_point()})

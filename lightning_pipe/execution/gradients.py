@@ -23,12 +23,21 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_pipe.execution.sharding import StageSharding, local_squared_norm, scale_sharded_gradients, scaler_refused
+from lightning_pipe.execution.sharding import (
+    DataParallelMode,
+    StageSharding,
+    local_squared_norm,
+    scale_sharded_gradients,
+    scaler_refused,
+    shard_stage,
+)
+from lightning_pipe.execution.tensor_parallel import BlockPlans, StageTensorParallel, parallelize_stage
 from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog
 
 if TYPE_CHECKING:  # those modules sum their gradients through this one
     from lightning_pipe.execution.outside import OutsideOwnership
     from lightning_pipe.execution.process_groups import PipelineGroups
+    from lightning_pipe.execution.stage import StageBlocks
     from lightning_pipe.execution.tied import TiedParameters
 
 def swap_gradients(parameters: list[nn.Parameter], grads: list[Tensor | None]) -> list[Tensor | None]:
@@ -188,26 +197,65 @@ class StageGradients:
     """This rank's gradients before the optimizer step, as the strategy's hooks need them: ``replicated`` parameters
     (held by every stage), ``tied`` ones (shared by blocks of several stages) and those of outside modules held by
     some stages (``ownership``) summed over the pipeline, every gradient averaged over replicas; clipping by the
-    whole model's norm; a gradient scaler's overflow agreed by every stage."""
+    whole model's norm; a gradient scaler's overflow agreed by every stage.
+
+    It also starts the replicas identical (:meth:`start_identical`), since its reductions keep them so, and, with
+    ``data_parallel="shard"`` or ``"full_shard"``, shards the stage's blocks over them there and owns the sharding."""
 
     def __init__(
-        self, groups: PipelineGroups, replicated: list[nn.Parameter], tied: TiedParameters, ownership: OutsideOwnership
+        self,
+        groups: PipelineGroups,
+        replicated: list[nn.Parameter],
+        tied: TiedParameters,
+        ownership: OutsideOwnership,
+        stage: StageBlocks,
+        data_parallel: DataParallelMode = "replicate",
+        tensor_plan: BlockPlans | None = None,
     ) -> None:
         self.groups = groups
         self.replicated = replicated
         self.tied = tied
         self.ownership = ownership
-        self.sharding: StageSharding | None = None  # with data_parallel="shard": the stage's blocks sharded (FSDP2)
-        self.split_blocks = False  # with tensor_parallel_size > 1: the stage's blocks split (DTensor)
+        self.stage = stage
+        self.data_parallel = data_parallel
+        self.tensor_plan = tensor_plan
+        self.sharding: StageSharding | None = None  # with data_parallel="shard": built by `start_identical`
+        self.tensor_parallel: StageTensorParallel | None = None  # with tensor_parallel_size > 1: the same
 
-    def shard(self, sharding: StageSharding) -> None:
-        """The stage's blocks are sharded over its replicas from now on (see :mod:`lightning_pipe.execution.sharding`)."""
-        self.sharding = sharding
+    def start_identical(self, held_outside: list[tuple[str, nn.Module]], precision: str | None = None) -> None:
+        """Start identical where training keeps things identical: the replicated parameters on every rank (from rank
+        0), tied parameters, and each stage's parameters and buffers on its replicas (from replica 0), with those of
+        ``held_outside`` (the outside modules this stage holds and some other does not, by name). Then, with
+        ``data_parallel="shard"`` or ``"full_shard"``, the identical blocks and those modules are sharded over the
+        replicas (FSDP2, in Lightning's ``precision``). A collective, once, on the model moved to its device."""
+        groups, stage = self.groups, self.stage
+        outside_tensors = [t for _, module in held_outside for t in [*module.parameters(), *module.buffers()]]
+        with torch.no_grad():
+            for tensor in self.replicated:
+                dist.broadcast(tensor.data, src=0)
+            self.tied.start_identical()
+            self.ownership.start_identical()
+            if groups.layout.num_replicas > 1:
+                source = groups.layout.rank(groups.stage, 0, groups.tensor_index)
+                for tensor in [*stage.parameters(), *stage.buffers(), *outside_tensors]:
+                    dist.broadcast(tensor.data, src=source, group=groups.replicas)
+        if self.tensor_plan is not None:  # TP hook: the stage's blocks split over its tensor-parallel ranks
+            self.tensor_parallel = parallelize_stage(((i, stage.originals[i]) for i in stage.indices), self.tensor_plan,
+                                                     groups.mesh["tp"], groups.tensor_parallel)  # type: ignore[index, arg-type]
+        if self.data_parallel != "replicate":  # FSDP hook: the replicas' identical blocks sharded now
+            kept_whole = [*self.replicated, *self.tied.parameters, *self.ownership.parameters]
+            blocks = [(stage.region.names[i], stage.originals[i]) for i in stage.indices]
+            # With split blocks, FSDP2 shards over the replicas' dimension of the run's mesh, beside the split's.
+            mesh = groups.mesh["dp"] if self.tensor_plan is not None else None  # type: ignore[index]
+            self.sharding = shard_stage(blocks, self.data_parallel, groups.replicas, groups.device, kept_whole,
+                                        groups.watchdog, held_outside, precision, mesh)
 
-    def split(self, _: Any) -> None:
-        """The stage's blocks are split over its tensor-parallel ranks from now on (see
-        :mod:`lightning_pipe.execution.tensor_parallel`): the norm adds their slices' squares over the stage's ranks."""
-        self.split_blocks = True
+    def chunk_backward_done(self, chunk: int) -> None:
+        """The engine ended chunk ``chunk``'s backward of one micro-batch (both halves, when split): under
+        ``"full_shard"`` its blocks' gradients are reduce-scattered now (see :meth:`StageSharding.micro_batch_done`)."""
+        if self.sharding is not None:
+            self.sharding.micro_batch_done(self.stage.originals[i] for i in self.stage.chunk_ranges[chunk])
+
 
     def reduce(self, module: nn.Module) -> None:
         """Sum the replicated parameters' gradients over the pipeline, then average every gradient over replicas."""
@@ -229,7 +277,7 @@ class StageGradients:
         clip_grad_norm_over_pipeline(
             precision.main_params(optimizer), self.replicated, clip_val, groups.pipeline, groups.device,
             [*self.tied.counted_elsewhere, *self.ownership.counted_elsewhere], groups.watchdog,
-            shards=groups.stage_holders if self.sharding is not None or self.split_blocks else None,
+            shards=groups.stage_holders if self.sharding is not None or self.tensor_parallel is not None else None,
         )
 
     def agree_on_overflow(self, precision: Any) -> None:
@@ -238,7 +286,7 @@ class StageGradients:
         if scaler is not None and self.sharding is not None:  # FSDP hook
             raise NotImplementedError(scaler_refused(self.sharding.mode))
         name = getattr(precision, "precision", "32-true")
-        if self.split_blocks and name not in ("32-true", "32", 32, "64-true"):  # TP hook
+        if self.tensor_parallel is not None and name not in ("32-true", "32", 32, "64-true"):  # TP hook
             raise NotImplementedError(
                 f"precision={name!r} with tensor_parallel_size > 1 is not supported yet: blocks split with tensor"
                 " parallelism have been shown to train as on one device in full precision only. Use"

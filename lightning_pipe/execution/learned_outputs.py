@@ -65,7 +65,7 @@ class OutputMessages:
         self._sending = [(work, buffer) for work, buffer in self._sending if not work.is_completed()]
         for stage in stages:
             for buffer in buffers:
-                work = dist.isend(buffer, self.groups.stage_ranks[stage], group=self.groups.meta, tag=_OUTPUT_TAG)
+                work = dist.isend(buffer, self.groups.stage_ranks[stage], group=self.groups.pipeline_cpu, tag=_OUTPUT_TAG)
                 self._sending.append((work, buffer))
 
     def receive(self, stage: int, what: str) -> Any:
@@ -84,8 +84,8 @@ class OutputMessages:
     def _wait(self, buffer: Tensor, stage: int, what: str) -> None:
         groups, peer = self.groups, self.groups.stage_ranks[stage]
         try:
-            work = dist.irecv(buffer, peer, group=groups.meta, tag=_OUTPUT_TAG)
-            groups.watchdog.wait([work], Wait(what, (peer,)), groups.meta)
+            work = dist.irecv(buffer, peer, group=groups.pipeline_cpu, tag=_OUTPUT_TAG)
+            groups.watchdog.wait([work], Wait(what, (peer,)), groups.pipeline_cpu)
         except RuntimeError as error:
             waited = f"waiting for {what} from {groups.describe(stage)}"
             raise failed_wait(groups.describe(), waited, groups.describe(stage), groups.timeout, error) from error

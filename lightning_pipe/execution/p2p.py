@@ -94,7 +94,7 @@ class Header:
                 names = ", ".join(str(dtype).removeprefix("torch.") for dtype in _DTYPES)
                 raise TypeError(
                     f"cannot send a tensor of dtype {meta.dtype} between pipeline stages; they exchange {names}:"
-                    " convert it (e.g. with .float()) in the last layer of the sending stage."
+                    " convert it (e.g. with .float()) in the last block of the sending stage."
                 )
             values += [_DTYPE_CODES[meta.dtype], int(meta.requires_grad), len(meta.shape), *meta.shape]
         if len(values) < HEADER_LENGTH:

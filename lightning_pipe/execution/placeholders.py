@@ -101,8 +101,10 @@ def needing_gradients_as_real(output: Any, module: nn.Module, args: tuple, kwarg
     """
     if not torch.is_grad_enabled():
         return output
-    if not any(p.requires_grad for p in module.parameters()) and not any(
-        t.requires_grad for t in tensors_of((args, kwargs))
+    # The inputs first: in a training step the previous block's answer needs a gradient already, and walking the
+    # module's parameters is the costlier test (it walks every submodule), made only when no input needs one.
+    if not any(t.requires_grad for t in tensors_of((args, kwargs))) and not any(
+        p.requires_grad for p in module.parameters()
     ):
         return output
     return map_tensors(output, lambda t: t.requires_grad_() if t.is_leaf and t.is_floating_point() else t)

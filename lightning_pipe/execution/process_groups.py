@@ -26,8 +26,8 @@ class PipelineGroups:
     """Everything a rank needs to talk to the rest of the run.
 
     ``pipeline`` joins the stages of this rank's replica and tensor-parallel index (activations and gradients travel
-    there), ``replicas`` the ranks holding this stage's slice in every replica (they average gradients), ``meta`` is
-    a CPU (gloo) group over the same ranks as ``pipeline``: headers and step results travel there, so reading them
+    there), ``replicas`` the ranks holding this stage's slice in every replica (they average gradients), ``pipeline_cpu``
+    is a CPU (gloo) group over the same ranks as ``pipeline``: headers and step results travel there, so reading them
     never waits on a GPU stream. ``mesh`` is the whole run's ``DeviceMesh`` (``"pp"``, ``"dp"``, ``"tp"``): the
     tensor-parallel blocks and the sharded blocks take their dimensions of it.
     """
@@ -38,7 +38,7 @@ class PipelineGroups:
     timeout: timedelta | None
     pipeline: dist.ProcessGroup
     replicas: dist.ProcessGroup
-    meta: dist.ProcessGroup
+    pipeline_cpu: dist.ProcessGroup  # gloo: headers, step results and other objects (not the meta device)
     watchdog: StallWatchdog = UNWATCHED  # bounds the waits on other ranks (see lightning_pipe.reliability.watchdog)
     mesh: DeviceMesh | None = None  # None for a rank alone (no process group)
     holders: dist.ProcessGroup | None = None  # with replicas and tensor parallelism: see `stage_holders`
@@ -88,7 +88,7 @@ class PipelineGroups:
     def link(self, stage: int) -> Link:
         """The connection from this rank's stage to ``stage`` of the same pipeline."""
         return Link(
-            self.stage_ranks[stage], self.pipeline, self.meta, self.device,
+            self.stage_ranks[stage], self.pipeline, self.pipeline_cpu, self.device,
             stage=self.stage, peer_stage=stage, timeout=self.timeout, watchdog=self.watchdog,
         )
 
@@ -117,16 +117,16 @@ def init_pipeline_groups(
         backend_override=_mesh_backends(backend, timeout, order, layout.world_size == layout.num_stages),
     )
     if backend == "gloo":
-        meta = mesh.get_group("pp")
+        pipeline_cpu = mesh.get_group("pp")
     else:
         pipelines = [layout.pipeline_ranks(replica, tensor) for replica, tensor in layout.pipelines()]
-        meta, _ = dist.new_subgroups_by_enumeration(pipelines, backend="gloo", timeout=timeout)
+        pipeline_cpu, _ = dist.new_subgroups_by_enumeration(pipelines, backend="gloo", timeout=timeout)
     holders = None
     if layout.num_replicas > 1 and layout.tensor_parallel > 1:
         stages = [[layout.rank(stage, *pipeline) for pipeline in layout.pipelines()] for stage in range(layout.num_stages)]
         holders, _ = dist.new_subgroups_by_enumeration(stages, timeout=timeout)
     return PipelineGroups(
-        layout, rank, device, timeout, mesh.get_group("pp"), mesh.get_group("dp"), meta, watchdog, mesh, holders
+        layout, rank, device, timeout, mesh.get_group("pp"), mesh.get_group("dp"), pipeline_cpu, watchdog, mesh, holders
     )
 
 

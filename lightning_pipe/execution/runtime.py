@@ -26,6 +26,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
+from torchmetrics import Metric
 
 from lightning_pipe.execution.block_calls import BlockCalls
 from lightning_pipe.execution.call_order import ChunkCall
@@ -50,6 +51,10 @@ from lightning_pipe.reliability.root_cause import PipelineCommunicationError
 from lightning_pipe.reliability.stall_rule import Wait
 
 _OUTSIDE_STEP_TIMEOUT = timedelta(seconds=60)
+
+# LightningModule hooks whose user code consumes step results, so they run where those results are: on the loss
+# stage. Whatever they log is replayed on the other stages.
+EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
 
 
 class HandedOff(BaseException):
@@ -111,7 +116,7 @@ class StageRuntime:
     def sign_step(self, module: LightningModule, hook: str, args: tuple, kwargs: dict) -> None:
         """What the stages must agree on for the step about to run (see lightning_pipe.execution.step_agreement)."""
         if self.groups.num_stages > 1:
-            self.engine.step_signature = step_signature_of(module, hook, args, kwargs)
+            self.engine.sign_step(step_signature_of(module, hook, args, kwargs))
 
     def step_output(self, module: LightningModule, hook: str, args: tuple, kwargs: dict) -> Any:
         """The user's ``hook`` step (validation, test, predict) through the pipeline: its output on the loss stage,
@@ -167,12 +172,16 @@ class StageRuntime:
         or ``None`` where it was handed off."""
         self.calls.begin_step(in_step=True, targets=chunks, frame=sys._getframe())
         self._runs_chunk, self._batch_size, self._called = runs_chunk, batch_size, False
+        completed = False
         try:
-            return user_code()
+            output = user_code()
+            completed = True
+            return output
         except HandedOff:
+            completed = True
             return None
         finally:
-            self.calls.end_step()
+            self.calls.end_step(completed)
 
     @property
     def called_the_blocks(self) -> bool:
@@ -202,7 +211,7 @@ class StageRuntime:
 
     def _outside_step_starts(self) -> None:
         """The model's code reached the pipelined blocks outside a step: every stage must, see below."""
-        self.engine.step_signature = None
+        self.engine.sign_step(None)
         if self.groups.num_stages > 1:
             self._all_stages_call_the_model()
             self._outside_call = True
@@ -227,7 +236,7 @@ class StageRuntime:
     def _all_stages_call_the_model(self) -> None:
         """Fail within a minute, naming the stage, unless every stage makes the call, rather than wait forever."""
         try:
-            dist.monitored_barrier(group=self.groups.meta, timeout=_OUTSIDE_STEP_TIMEOUT, wait_all_ranks=True)
+            dist.monitored_barrier(group=self.groups.pipeline_cpu, timeout=_OUTSIDE_STEP_TIMEOUT, wait_all_ranks=True)
         except RuntimeError as error:
             raise RuntimeError(
                 f"the model was called outside a training/validation/test/predict step on {self.groups.describe()},"
@@ -251,7 +260,7 @@ class StageRuntime:
         if self.groups.num_stages == 1:
             return output
         output = apply_to_collection(output, Tensor, lambda t: t.to("cpu"))
-        output = broadcast_over_cpu_group(output, self.groups.loss_rank, self.groups.meta)
+        output = broadcast_over_cpu_group(output, self.groups.loss_rank, self.groups.pipeline_cpu)
         return apply_to_collection(output, Tensor, lambda t: t.to(self.groups.device))
 
     def run_on_last_stage(self, module: LightningModule, user_hook: Callable[[], None]) -> None:
@@ -265,6 +274,40 @@ class StageRuntime:
             outcome.metric_states = metric_states(module)
         self.share_outcome(module, outcome)
 
+    def run_epoch_end_hooks_on_last_stage(self, module: LightningModule) -> Callable[[], None]:
+        """Run the user's epoch-end hooks (:data:`EPOCH_END_HOOKS`) on the loss stage only, replaying what they log on
+        the other stages; what puts them back."""
+        wrapped_hooks = []
+        for hook in EPOCH_END_HOOKS:
+            if hook in module.__dict__:
+                continue  # already wrapped by an earlier call with this model
+            user_hook = getattr(module, hook)
+
+            def wrapped(user_hook: Callable[[], None] = user_hook) -> None:
+                self.groups.watchdog.uneven_phase()  # the loss stage may take long over a whole epoch's results
+                self.run_on_last_stage(module, user_hook)
+
+            setattr(module, hook, wrapped)
+            wrapped_hooks.append(hook)
+
+        def put_back() -> None:
+            for hook in wrapped_hooks:
+                module.__dict__.pop(hook, None)
+
+        return put_back
+
+    def share_outside_call_outputs(self, module: LightningModule) -> Callable[[], None]:
+        """Where the loss stage alone holds the head, a call of the model outside a step (a callback's ``pl_module(x)``)
+        gets the loss stage's output on every stage at the end of the model's ``forward``; what removes the hook."""
+        handle = module.register_forward_hook(lambda _, args, output: self.share_outside_call_output(output))
+        return handle.remove
+
+    def sync_metrics_within_replicas(self, module: LightningModule) -> None:
+        """torchmetrics syncs over the whole world by default; only a stage's replicas hold the same metric."""
+        for metric in module.modules():
+            if isinstance(metric, Metric):
+                metric.process_group = self.groups.replicas
+
     def share_outcome(self, module: LightningModule, outcome: StepOutcome) -> StepOutcome:
         """Broadcast the last stage's outcome to its pipeline; the other stages replay its logs and continue from
         its random state."""
@@ -277,7 +320,7 @@ class StageRuntime:
             outcome.requeue, self._requeues_shared = asked > self._requeues_shared, asked
         try:
             with groups.watchdog.waiting(self._outcome_wait()):
-                outcome = broadcast_over_cpu_group(outcome, groups.loss_rank, groups.meta)
+                outcome = broadcast_over_cpu_group(outcome, groups.loss_rank, groups.pipeline_cpu)
         except RuntimeError as error:
             raise self._outcome_not_shared(error) from error
         self.requeue_due |= outcome.requeue
@@ -293,7 +336,7 @@ class StageRuntime:
         """The outcome's broadcast as the stall watchdog reports it: on the last stage, or by it on the others."""
         groups = self.groups
         if self.is_loss_stage:
-            return groups.watchdog.collective("the step's results (loss, logs)", groups.meta, sending=True)
+            return groups.watchdog.collective("the step's results (loss, logs)", groups.pipeline_cpu, sending=True)
         return Wait("the step's results (loss, logs)", (groups.loss_rank,))
 
     def _outcome_not_shared(self, error: RuntimeError) -> PipelineCommunicationError:

@@ -32,7 +32,7 @@ from lightning.fabric.plugins.environments import (
 )
 from omegaconf import OmegaConf
 
-from lightning_pipe.config import PipelineParallelConfig
+from lightning_pipe.partition.counts import PipelineParallelConfig
 from lightning_pipe.settings import PipelineSettings, check_data_parallel, check_process_count
 
 START_METHOD_RESOLVER = "lightning_pipe.start_method"

@@ -1,9 +1,9 @@
-"""Which contiguous layers each stage gets: evenly, by an explicit ``balance=[...]``, or balanced by a cost per layer.
+"""Which contiguous blocks each stage gets: evenly, by an explicit ``balance=[...]``, or balanced by a cost per block.
 
-A pipeline runs at the pace of its most expensive stage. Given a cost per layer (its parameter count, its profiled
+A pipeline runs at the pace of its most expensive stage. Given a cost per block (its parameter count, its profiled
 time or memory), :func:`min_max_partition` returns the contiguous split whose most expensive stage is as cheap as
 possible: exactly, by dynamic programming, not by a greedy fill. :func:`plan_partition` turns a ``balance=`` choice
-into a split, profiling the layers (:mod:`lightning_pipe.partition.profiling`) when the choice asks for it. The rules a
+into a split, profiling the blocks (:mod:`lightning_pipe.partition.profiling`) when the choice asks for it. The rules a
 balance must follow are checked here, once: :mod:`lightning_pipe.settings` applies the ones it can before any process
 starts.
 """
@@ -21,14 +21,14 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
-from lightning_pipe.config import PipelineParallelConfig, check_stage_count, ranges_from_sizes, split_evenly
+from lightning_pipe.partition.counts import PipelineParallelConfig, check_stage_count, ranges_from_sizes, split_evenly
 from lightning_pipe.partition.memory_estimate import (
     StateLayout,
     estimate_block_memory,
     held_micro_batches,
     memory_costs,
 )
-from lightning_pipe.partition.profiling import LayerProfile, pipelined_input, profile_layers, profiling_input
+from lightning_pipe.partition.profiling import BlockProfile, pipelined_input, profile_blocks, profiling_input
 from lightning_pipe.schedules.builtin import SCHEDULES
 
 BalanceMode = Literal["uniform", "parameters", "time", "memory"]
@@ -41,28 +41,28 @@ Balance = Union[Sequence[int], BalanceMode, None]
 # ---- the split -------------------------------------------------------------------------------------------------------
 
 
-def stage_ranges(config: PipelineParallelConfig, num_layers: int, balance: Sequence[int] | None = None) -> list[range]:
-    """Layer range of every stage: from ``balance`` (layers per stage) when given, else an even split."""
+def stage_ranges(config: PipelineParallelConfig, num_blocks: int, balance: Sequence[int] | None = None) -> list[range]:
+    """Block range of every stage: from ``balance`` (blocks per stage) when given, else an even split."""
     if balance is None:
-        return split_evenly(num_layers, config.num_stages)
+        return split_evenly(num_blocks, config.num_stages)
     sizes = list(balance)
-    check_layer_counts(sizes)
+    check_block_counts(sizes)
     check_one_count_per_stage(sizes, config.num_stages)
-    if sum(sizes) != num_layers:
+    if sum(sizes) != num_blocks:
         raise ValueError(
-            f"balance={sizes} sums to {sum(sizes)} but the pipelined module has {num_layers} layers;"
-            " make the layer counts add up to the number of layers."
+            f"balance={sizes} sums to {sum(sizes)} but the pipelined module has {num_blocks} blocks;"
+            " make the block counts add up to the number of blocks."
         )
     return ranges_from_sizes(sizes)
 
 
-def check_layer_counts(sizes: Sequence[Any], key: str = "") -> None:
+def check_block_counts(sizes: Sequence[Any], key: str = "") -> None:
     """Raise unless every entry of an explicit balance is a positive integer. ``key`` prefixes the setting's name in
     the message (``"strategy."`` under Hydra)."""
     if any(isinstance(size, bool) or not isinstance(size, int) or size < 1 for size in sizes):
         raise ValueError(
-            f"{key}balance={list(sizes)} is invalid; layer counts must be positive integers: every stage needs at"
-            " least one layer."
+            f"{key}balance={list(sizes)} is invalid; block counts must be positive integers: every stage needs at"
+            " least one block."
         )
 
 
@@ -79,53 +79,53 @@ def check_one_count_per_stage(
     if virtual_stages == 1:
         stages = f"{key}num_stages={num_stages}" if num_stages_set else f"there are {num_stages} stages"
         raise ValueError(
-            f"{key}balance={list(sizes)} has {len(sizes)} entries but {stages}; give one layer count per stage."
+            f"{key}balance={list(sizes)} has {len(sizes)} entries but {stages}; give one block count per stage."
         )
     example = ", ".join(["2"] * chunks)
     raise ValueError(
         f"{key}balance={list(sizes)} has {len(sizes)} entries but {key}schedule={schedule!r} cuts the pipelined"
         f" blocks into {key}num_stages * {key}virtual_stages = {num_stages} * {virtual_stages} = {chunks} model"
-        f" chunks; give one layer count per chunk, in model order (e.g. {key}balance=[{example}])."
+        f" chunks; give one block count per chunk, in model order (e.g. {key}balance=[{example}])."
     )
 
 
-# ---- balancing by a cost per layer -----------------------------------------------------------------------------------
+# ---- balancing by a cost per block -----------------------------------------------------------------------------------
 
 
 def min_max_partition(costs: Sequence[float], num_stages: int) -> list[int]:
     """Layers per stage of the contiguous split of ``costs`` into ``num_stages`` non-empty stages whose most
     expensive stage is cheapest.
 
-    ``best[s][i]``, the cheapest most-expensive stage when the first ``i`` layers form ``s`` stages, is the minimum
-    over the last stage's start ``j`` of ``max(best[s-1][j], cost of layers j..i-1)``. The first term grows with
+    ``best[s][i]``, the cheapest most-expensive stage when the first ``i`` blocks form ``s`` stages, is the minimum
+    over the last stage's start ``j`` of ``max(best[s-1][j], cost of blocks j..i-1)``. The first term grows with
     ``j`` and the second shrinks, so the minimum sits where they cross: a binary search finds it, and the whole
-    split takes ``O(num_stages * num_layers * log(num_layers))``.
+    split takes ``O(num_stages * num_blocks * log(num_blocks))``.
 
     >>> min_max_partition([7, 7, 7, 7, 1, 1, 1, 1], 2)
     [2, 6]
     """
     costs = [float(c) for c in costs]
-    num_layers = len(costs)
-    if num_stages < 1 or num_stages > num_layers:
+    num_blocks = len(costs)
+    if num_stages < 1 or num_stages > num_blocks:
         raise ValueError(
-            f"cannot split {num_layers} layers into {num_stages} non-empty stages; use between 1 and"
-            f" {num_layers} stages."
+            f"cannot split {num_blocks} blocks into {num_stages} non-empty stages; use between 1 and"
+            f" {num_blocks} stages."
         )
     bad = [(i, c) for i, c in enumerate(costs) if not math.isfinite(c) or c < 0]
     if bad:
-        raise ValueError(f"layer costs must be finite and non-negative; layer {bad[0][0]} costs {bad[0][1]}.")
+        raise ValueError(f"block costs must be finite and non-negative; block {bad[0][0]} costs {bad[0][1]}.")
     prefix = [0.0]
     for cost in costs:
         prefix.append(prefix[-1] + cost)
     # best[i] for the current stage count; start[s][i]: where the last of s stages starts in the best split.
     best = prefix[:]
-    starts: list[list[int]] = [[0] * (num_layers + 1)]
+    starts: list[list[int]] = [[0] * (num_blocks + 1)]
     for stages in range(2, num_stages + 1):
-        current = [math.inf] * (num_layers + 1)
-        start = [0] * (num_layers + 1)
-        # The previous stages hold layers 0..j-1 (at least stages - 1 of them); this stage holds j..i-1.
+        current = [math.inf] * (num_blocks + 1)
+        start = [0] * (num_blocks + 1)
+        # The previous stages hold blocks 0..j-1 (at least stages - 1 of them); this stage holds j..i-1.
         previous = best
-        for i in range(stages, num_layers - (num_stages - stages) + 1):
+        for i in range(stages, num_blocks - (num_stages - stages) + 1):
             low, high = stages - 1, i - 1
             # First j in [low, high] where previous[j] >= prefix[i] - prefix[j]; previous[] is non-decreasing in j.
             j = _first_crossing(previous, prefix, i, low, high)
@@ -136,7 +136,7 @@ def min_max_partition(costs: Sequence[float], num_stages: int) -> list[int]:
                         current[i], start[i] = value, candidate
         best = current
         starts.append(start)
-    sizes, end = [], num_layers
+    sizes, end = [], num_blocks
     for stages in range(num_stages, 0, -1):
         begin = starts[stages - 1][end] if stages > 1 else 0
         sizes.append(end - begin)
@@ -151,7 +151,7 @@ def _first_crossing(previous: list[float], prefix: list[float], i: int, low: int
 
 
 def stage_costs(costs: Sequence[float], ranges: Sequence[range]) -> list[float]:
-    """The summed cost of every stage's layers."""
+    """The summed cost of every stage's blocks."""
     return [float(sum(costs[i] for i in layer_range)) for layer_range in ranges]
 
 
@@ -165,9 +165,9 @@ def imbalance(stage_totals: Sequence[float]) -> float:
 def charged(
     costs: Sequence[float], unit: str, charges: Sequence[tuple[int, nn.Module]], layer_parameters: Sequence[int] = ()
 ) -> list[float]:
-    """``costs`` with each module of ``charges`` added to the layer whose stage holds it (the embedding to the first
-    layer, the head and the loss to the last), in the same unit: its parameters, its parameter bytes, or for
-    seconds its parameters at the layers' seconds per parameter (``layer_parameters``: each layer's count; an
+    """``costs`` with each module of ``charges`` added to the block whose stage holds it (the embedding to the first
+    block, the head and the loss to the last), in the same unit: its parameters, its parameter bytes, or for
+    seconds its parameters at the blocks' seconds per parameter (``layer_parameters``: each block's count; an
     embedding, a lookup, costs no time).
     torchtitan's ``first_stage_less_layers`` and ``last_stage_less_layers``, chosen by the costs themselves."""
     costs = [float(c) for c in costs]
@@ -190,8 +190,8 @@ def charged(
 
 
 @dataclass(frozen=True)
-class LayerInfo:
-    """What the summary shows of one layer, known without running it."""
+class BlockInfo:
+    """What the summary shows of one block, known without running it."""
 
     type_name: str
     parameters: int
@@ -202,16 +202,16 @@ class LayerInfo:
 class PartitionPlan:
     """The split every rank applies, decided on one rank and broadcast.
 
-    ``costs`` are the per-layer costs the split minimised (``cost_unit`` says in what); ``profiles`` are the
-    measurements behind them when the layers were profiled.
+    ``costs`` are the per-block costs the split minimised (``cost_unit`` says in what); ``profiles`` are the
+    measurements behind them when the blocks were profiled.
     """
 
-    method: str  # "explicit" (a list of layer counts) or one of BALANCE_MODES
+    method: str  # "explicit" (a list of block counts) or one of BALANCE_MODES
     ranges: list[range]
-    layers: list[LayerInfo]
+    blocks: list[BlockInfo]
     costs: list[float]
     cost_unit: str
-    profiles: list[LayerProfile] | None = None
+    profiles: list[BlockProfile] | None = None
 
 
 def recompute_fraction(mode: str, num_micro_batches: int) -> float:
@@ -222,12 +222,12 @@ def recompute_fraction(mode: str, num_micro_batches: int) -> float:
 
 
 def needs_sample(balance: Balance) -> bool:
-    """Whether ``balance`` profiles the layers, which needs a sample input."""
+    """Whether ``balance`` profiles the blocks, which needs a sample input."""
     return isinstance(balance, str) and balance in PROFILED_MODES
 
 
 def profiling_sample(balance: Balance, sample: Any, module: nn.Module) -> Any:
-    """The input to profile the layers with (:func:`~lightning_pipe.partition.profiling.profiling_input`):
+    """The input to profile the blocks with (:func:`~lightning_pipe.partition.profiling.profiling_input`):
     ``sample``, else ``module``'s ``example_input_array``, else during a fit the first training batch. Raises, naming
     the fix, when ``balance`` profiles and there is none."""
     if needs_sample(balance):
@@ -258,50 +258,50 @@ def plan_partition(
     loss_per_micro_batch: bool = False,
     state_layout: StateLayout = StateLayout(),
 ) -> PartitionPlan:
-    """The split of ``sequential``'s layers for ``balance``; ``charges``: modules outside the layers that the stage
-    of a layer holds (see :func:`charged`).
+    """The split of ``sequential``'s blocks for ``balance``; ``charges``: modules outside the blocks that the stage
+    of a block holds (see :func:`charged`).
 
-    ``None`` and ``"uniform"`` split the layers evenly; a list gives layers per stage; ``"parameters"`` balances
-    parameter counts; ``"time"`` and ``"memory"`` profile every layer on ``device`` with ``sample`` (an input of
+    ``None`` and ``"uniform"`` split the blocks evenly; a list gives blocks per stage; ``"parameters"`` balances
+    parameter counts; ``"time"`` and ``"memory"`` profile every block on ``device`` with ``sample`` (an input of
     ``module``'s forward; by default its ``example_input_array``, else during a fit the first training batch: see
     :func:`profiling_sample`) and balance forward-plus-backward time (the forward
     counted ``1 + recompute_fraction`` times, as re-computation repeats it) or parameter-plus-activation bytes.
 
-    ``"memory"`` on layers built on the meta device (no weights to profile) estimates instead
+    ``"memory"`` on blocks built on the meta device (no weights to profile) estimates instead
     (:mod:`lightning_pipe.partition.memory_estimate`): state from the parameters' shapes, activations from
     ``step(module)`` (the training step on the first batch's shapes; else ``module``'s forward on ``sample``) run on
     the meta device, the loss's held for the whole batch, or one micro-batch with ``loss_per_micro_batch``; the
     blocks' state held as ``state_layout`` says (sharded over a stage's replicas with ``data_parallel="shard"``).
     """
-    layers = [
-        LayerInfo(
-            type(layer).__name__,
-            sum(p.numel() for p in layer.parameters()),
-            sum(p.numel() * p.element_size() for p in layer.parameters()),
+    blocks = [
+        BlockInfo(
+            type(block).__name__,
+            sum(p.numel() for p in block.parameters()),
+            sum(p.numel() * p.element_size() for p in block.parameters()),
         )
-        for layer in sequential
+        for block in sequential
     ]
-    num_layers = len(layers)
+    num_blocks = len(blocks)
     if balance is None or balance == "uniform":
-        ranges = split_evenly(num_layers, config.num_stages)
-        return PartitionPlan("uniform", ranges, layers, [1.0] * num_layers, "layers")
+        ranges = split_evenly(num_blocks, config.num_stages)
+        return PartitionPlan("uniform", ranges, blocks, [1.0] * num_blocks, "blocks")
     if not isinstance(balance, str):
-        ranges = stage_ranges(config, num_layers, balance)
-        return PartitionPlan("explicit", ranges, layers, [1.0] * num_layers, "layers")
-    check_stage_count(num_layers, config.num_stages)
+        ranges = stage_ranges(config, num_blocks, balance)
+        return PartitionPlan("explicit", ranges, blocks, [1.0] * num_blocks, "blocks")
+    check_stage_count(num_blocks, config.num_stages)
     profiles = None
     if balance == "memory" and any(t.is_meta for t in (*sequential.parameters(), *sequential.buffers())):
         calling = step if step is not None else None if sample is None else partial(_forward_on_meta, sample)
-        blocks = estimate_block_memory(module, list(sequential), calling, charges, state_layout)
+        estimated = estimate_block_memory(module, list(sequential), calling, charges, state_layout)
         micro_batches = config.num_micro_batches
         outside_share = 1 / micro_batches if loss_per_micro_batch else 1.0  # the loss on the whole batch, or on one
-        costs = memory_costs(blocks, held_micro_batches(micro_batches, recompute_fraction), outside_share)
+        costs = memory_costs(estimated, held_micro_batches(micro_batches, recompute_fraction), outside_share)
         unit = "bytes"
     elif balance == "parameters":
-        costs = charged([float(layer.parameters) for layer in layers], "parameters", charges)
+        costs = charged([float(block.parameters) for block in blocks], "parameters", charges)
         unit = "parameters"
     else:
-        profiles = profile_layers(
+        profiles = profile_blocks(
             sequential,
             pipelined_input(module, sequential, profiling_sample(balance, sample, module)),
             device or torch.device("cpu"),
@@ -312,12 +312,12 @@ def plan_partition(
             unit = "seconds"
         else:
             costs, unit = [float(p.memory_bytes) for p in profiles], "bytes"
-        costs = charged(costs, unit, charges, [layer.parameters for layer in layers])
+        costs = charged(costs, unit, charges, [block.parameters for block in blocks])
     if sum(costs) > 0:
         ranges = ranges_from_sizes(min_max_partition(costs, config.num_stages))
-    else:  # nothing to balance (e.g. no layer has parameters): fall back to an even split
-        ranges = split_evenly(num_layers, config.num_stages)
-    return PartitionPlan(balance, ranges, layers, costs, unit, profiles)
+    else:  # nothing to balance (e.g. no block has parameters): fall back to an even split
+        ranges = split_evenly(num_blocks, config.num_stages)
+    return PartitionPlan(balance, ranges, blocks, costs, unit, profiles)
 
 
 def _forward_on_meta(sample: Any, module: nn.Module) -> Any:

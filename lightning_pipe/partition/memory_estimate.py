@@ -15,7 +15,7 @@ A stage's peak holds two kinds of bytes:
 
 :func:`memory_costs` turns those byte counts into each block's cost at a stage's peak, a pure function whose
 costs :func:`lightning_pipe.partition.balance.min_max_partition` splits. A model built with its weights keeps the measured path
-(:func:`lightning_pipe.partition.profiling.profile_layers`).
+(:func:`lightning_pipe.partition.profiling.profile_blocks`).
 """
 
 from __future__ import annotations
@@ -203,8 +203,8 @@ def _saved_bytes_on_meta(
         raise ValueError(
             "balance='memory' on a model built on the meta device estimates each block's activations from the"
             " training step run on the meta device, but the step failed there (code that reads tensor values,"
-            " or calls that need real data); use balance='parameters' or a list of layers per stage, or build"
-            " the model in __init__ so that its layers can be profiled."
+            " or calls that need real data); use balance='parameters' or a list of blocks per stage, or build"
+            " the model in __init__ so that its blocks can be profiled."
         )
     outside[-1] += pending[0]
     return inside, outside

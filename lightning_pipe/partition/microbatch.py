@@ -19,7 +19,7 @@ def as_tensors(value: object, where: str) -> tuple[Tensor, ...]:
         if not isinstance(tensor, Tensor):
             raise TypeError(
                 f"{where} is a {type(tensor).__name__} (item {index}); only a tensor or a tuple of tensors can flow"
-                " between pipeline stages. Return tensors from the pipelined layers and keep other values outside"
+                " between pipeline stages. Return tensors from the pipelined blocks and keep other values outside"
                 " the nn.Sequential."
             )
     return tensors

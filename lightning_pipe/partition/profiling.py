@@ -24,7 +24,7 @@ from lightning_pipe.schedules.choice import BlockCosts, CostModel
 
 
 @dataclass(frozen=True)
-class LayerProfile:
+class BlockProfile:
     """What one layer costs on one micro-batch."""
 
     forward_seconds: float
@@ -123,7 +123,7 @@ def pipelined_input(module: nn.Module, sequential: nn.Sequential, sample: Any) -
     )
 
 
-def profile_layers(
+def profile_blocks(
     sequential: nn.Sequential,
     sample: Activation,
     device: torch.device,
@@ -131,7 +131,7 @@ def profile_layers(
     seconds_per_layer: float = 0.05,
     min_repeats: int = 3,
     split_backward: bool = False,
-) -> list[LayerProfile]:
+) -> list[BlockProfile]:
     """Forward and backward time and memory of every layer of ``sequential`` on ``device``.
 
     ``sample`` is the input of ``sequential`` (see :func:`pipelined_input`); each layer runs on the first of its
@@ -155,11 +155,11 @@ def profile_layers(
 def _profile_layer(
     layer: nn.Module, value: Activation, device: torch.device, budget: float, min_repeats: int, index: int,
     split_backward: bool = False,
-) -> tuple[LayerProfile, Activation]:
+) -> tuple[BlockProfile, Activation]:
     """The profile of one layer and its output (the next layer's input), detached."""
     layer = _materialized(copy.deepcopy(layer), device)
     is_tuple = isinstance(value, tuple)
-    where = f"the input of layer {index} of the pipelined module"
+    where = f"the input of block {index} of the pipelined module"
     inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in microbatch.as_tensors(value, where))
     parameter_storages = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     parameter_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
@@ -191,7 +191,7 @@ def _profile_layer(
             output = layer(copies if is_tuple else copies[0])
         sync()
         middle = time.perf_counter()
-        outputs = microbatch.as_tensors(output, f"the output of layer {index} of the pipelined module")
+        outputs = microbatch.as_tensors(output, f"the output of block {index} of the pipelined module")
         needing = [t for t in outputs if t.requires_grad]
         ones = [torch.ones_like(t) for t in needing]
         input_gradient, backward_start = 0.0, middle
@@ -216,7 +216,7 @@ def _profile_layer(
         run += 1
     detached = tuple(t.detach() for t in microbatch.as_tensors(output, "the output"))
     input_bytes = sum(t.numel() * t.element_size() for t in inputs)
-    profile = LayerProfile(
+    profile = BlockProfile(
         min(forwards), min(backwards), parameter_bytes, activation_bytes,
         min(input_gradients) if split_backward else None, input_bytes,
     )
@@ -275,7 +275,7 @@ def block_cost_model(
     value = pipelined_input(module, sequential, sample)
     measured = []
     for samples in sizes:
-        profiles = profile_layers(
+        profiles = profile_blocks(
             sequential, _resized(value, samples), device, min_repeats=min_repeats, split_backward=True
         )
         measured.append([

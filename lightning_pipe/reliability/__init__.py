@@ -4,6 +4,6 @@ Holds: the watchdog's rule (``stall_rule``) and its run-time half (``watchdog``:
 through it), SIGTERM and SIGINT heard while a rank is blocked (``stop_signals``), and the first failing stage's
 exception re-raised everywhere (``root_cause``).
 
-May import: ``config``, ``schedules``, ``partition``. Imported by ``execution`` (its waits), the launchers and the
+May import: ``schedules``, ``partition``. Imported by ``execution`` (its waits), the launchers and the
 strategy.
 """

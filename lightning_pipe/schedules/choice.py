@@ -1,7 +1,7 @@
 """Choosing a schedule: every configuration (schedule x micro-batches x virtual stages x re-computation) predicted
 from measured block costs, ranked by step time, and the fastest that fits a memory budget chosen, with why.
 
-The pure core of ``python -m lightning_pipe.plan`` and ``GPipeStrategy(schedule="auto")``::
+The pure core of ``lightning-pipe plan`` and ``GPipeStrategy(schedule="auto")``::
 
     >>> from lightning_pipe.schedules.choice import BlockCosts, CostModel, rank_configurations, choose
     >>> block = BlockCosts(samples=4, forward=0.004, input_gradient=0.004, weight_gradient=0.004,
@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import get_args
 
-from lightning_pipe.config import split_evenly
 from lightning_pipe.schedules.actions import PipelineSchedule, RecomputeMode
 from lightning_pipe.schedules.builtin import SCHEDULES, gpipe
 from lightning_pipe.schedules.planner import ComputeCosts, RuntimeCosts, predict
@@ -37,12 +36,12 @@ AUTO_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 AUTO = PipelineSchedule("auto", gpipe, per_micro_batch=False, max_virtual_stages=None)
 INTERLEAVED_VIRTUAL_STAGES = (2, 4)
 # The runtime's own cost per compute action and a message's time, by device type, beyond the blocks' profiled costs:
-# what `schedule="auto"` and `python -m lightning_pipe.plan` add to them. Measured by the benchmark section "Planner
+# what `schedule="auto"` and `lightning-pipe plan` add to them. Measured by the benchmark section "Planner
 # accuracy (emulated)" (docs/benchmarks.md; `fitted_runtime_costs` on three small configurations, whose result the
 # section states). CPU: gloo between the processes of this project's 2-core machine (measured 2026-12-03 18:07 UTC,
 # load average 0.7 before, 6.8 after): 1.98 ms per action, which holds what the shared cores add, and a message's own
 # time fitted to 0. No accelerator has been measured yet: a device type without an entry gets the CPU's (the Python
-# around each action is the same code); `python -m lightning_pipe.plan --action-time/--send-time` override them.
+# around each action is the same code); `lightning-pipe plan --action-time/--send-time` override them.
 MEASURED_RUNTIME_COSTS: dict[str, RuntimeCosts] = {"cpu": RuntimeCosts(action_time=0.00198, send_time=0.0)}
 # Splits per-block costs into contiguous parts: (costs, parts) -> the blocks of each part.
 Partition = Callable[[Sequence[float], int], list[range]]
@@ -184,7 +183,7 @@ def plan_configuration(
     model: CostModel,
     num_stages: int,
     batch_size: int,
-    partition: Partition = lambda costs, parts: split_evenly(len(costs), parts),
+    partition: Partition = lambda costs, parts: _even_split(len(costs), parts),
     runtime: RuntimeCosts = RuntimeCosts(),
 ) -> PlannedConfiguration:
     """The prediction for one configuration: the blocks split into ``S·v`` chunks by ``partition`` (of each block's
@@ -227,7 +226,7 @@ def rank_configurations(
     batch_size: int,
     memory_budget: float | None = None,
     candidates: Sequence[Configuration] | None = None,
-    partition: Partition = lambda costs, parts: split_evenly(len(costs), parts),
+    partition: Partition = lambda costs, parts: _even_split(len(costs), parts),
     runtime: RuntimeCosts = RuntimeCosts(),
 ) -> list[PlannedConfiguration]:
     """Every candidate (by default :func:`configurations` of every schedule) predicted, fastest first; ``fits``
@@ -313,3 +312,12 @@ def size_text(size: float) -> str:
         if size >= scale:
             return f"{size / scale:.2f} {unit}"
     return f"{size:.0f} B"
+
+
+def _even_split(num_blocks: int, parts: int) -> list[range]:
+    """``num_blocks`` blocks in ``parts`` contiguous ranges whose sizes differ by at most one, the larger first: the
+    default partition, as ``PipelineParallelConfig.split_into_stages`` splits (which sits above the schedules, in
+    :mod:`lightning_pipe.partition.counts`)."""
+    base, extra = divmod(num_blocks, parts)
+    sizes = [base + 1 if part < extra else base for part in range(parts)]
+    return [range(sum(sizes[:part]), sum(sizes[: part + 1])) for part in range(parts)]

@@ -4,7 +4,7 @@
 track per stage, with the forward, backward, re-computation, send and wait intervals of the chosen steps on one
 clock. Open it in https://ui.perfetto.dev or ``chrome://tracing``, or draw it::
 
-    python -m lightning_pipe.trace render traces/gpipe_trace.json timeline.png   # needs matplotlib (the plot extra)
+    lightning-pipe trace render traces/gpipe_trace.json timeline.png   # needs matplotlib (the plot extra)
 
 Holds: :mod:`~lightning_pipe.trace.timeline` records what one stage did in a step (the engine feeds it);
 :mod:`~lightning_pipe.trace.tracer` gathers the stages' timelines on one clock during training, logs the bubble and
@@ -12,7 +12,7 @@ writes the traced steps; :mod:`~lightning_pipe.trace.chrome` is the file format,
 the PNG, and :func:`main` the command line. :mod:`~lightning_pipe.trace.stage_summary` is the start-up's stage
 table: what each stage holds, where it runs, what it costs.
 
-May import: ``config``, ``schedules``, ``partition``. Imported by ``execution`` (the engine feeds a timeline) and the
+May import: ``schedules``, ``partition``. Imported by ``execution`` (the engine feeds a timeline) and the
 strategy.
 """
 
@@ -30,8 +30,9 @@ __all__ = ["TracedStep", "chrome_trace", "main", "render_png", "write_chrome_tra
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """The command line: ``python -m lightning_pipe.trace render TRACE.json OUT.png [--title TITLE]``."""
-    parser = argparse.ArgumentParser(prog="python -m lightning_pipe.trace", description=__doc__.splitlines()[0])
+    """The command line: ``lightning-pipe trace render TRACE.json OUT.png [--title TITLE]`` (or ``python -m
+    lightning_pipe.trace render ...``)."""
+    parser = argparse.ArgumentParser(prog="lightning-pipe trace", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     render = commands.add_parser("render", help="draw a trace file as a PNG Gantt chart")
     render.add_argument("trace", type=Path, help="a Chrome trace JSON written by GPipeStrategy(trace_steps=...)")

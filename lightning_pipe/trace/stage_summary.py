@@ -2,8 +2,8 @@
 
 Printed once at start-up (like Lightning's ``ModelSummary``) and returned by ``GPipeStrategy.stage_summary()``::
 
-    GPipe: pipelining 'net.model' (8 layers) over 2 stages, balance='time', 4 micro-batches per batch, checkpoint=...
-    Stage | Rank | Device | Layers | Types            | Params | Time/mb  | Memory | Busy/step
+    GPipe: pipelining 'net.model' (8 blocks) over 2 stages, balance='time', 4 micro-batches per batch, checkpoint=...
+    Stage | Rank | Device | Blocks | Types            | Params | Time/mb  | Memory | Busy/step
     ------------------------------------------------------------------------------------------
     0     | 1    | cpu    | 0-3    | 2 Linear, 2 Tanh | 480    | 0.373 ms | 2.8 KB | -
     1     | 0    | cpu    | 4-7    | 2 Linear, 2 Tanh | 544    | 0.438 ms | 3.1 KB | -
@@ -36,8 +36,8 @@ class StageRow:
     chunk: int
     rank: int
     device: str
-    layers: range
-    layer_types: str
+    blocks: range
+    block_types: str
     parameters: int
     time_seconds: float | None  # profiled forward + backward (+ re-computation) of one micro-batch
     memory_bytes: int  # parameters, plus activations when profiled
@@ -57,7 +57,7 @@ class StageSummary:
     replicated_parameters: int
     imbalance: float  # slowest stage over the mean stage
     imbalance_basis: str  # what was compared: measured busy time, profiled time, memory or parameters
-    # Parameter bytes of other stages' layers that the rank with the smallest stage holds because the model was built
+    # Parameter bytes of other stages' blocks that the rank with the smallest stage holds because the model was built
     # whole on every rank; building it in configure_model() would save them (see docs/memory.md). 0 when it was.
     deferred_saving_bytes: int = 0
     # The modules (or loose parameters) outside the pipelined region: their parameter counts, which stages hold them.
@@ -88,8 +88,8 @@ class StageSummary:
             *([("Chunk", [str(row.chunk) for row in self.rows])] if chunked else []),
             ("Rank", [str(row.rank) for row in self.rows]),
             ("Device", [row.device for row in self.rows]),
-            ("Layers", [f"{row.layers.start}-{row.layers.stop - 1}" for row in self.rows]),
-            ("Types", [row.layer_types for row in self.rows]),
+            ("Blocks", [f"{row.blocks.start}-{row.blocks.stop - 1}" for row in self.rows]),
+            ("Types", [row.block_types for row in self.rows]),
             ("Params", [get_human_readable_count(row.parameters) for row in self.rows]),
             *([("Params/rank", [get_human_readable_count(n) for n in self.held_per_rank])]
               if self.held_per_rank is not None else []),
@@ -99,11 +99,11 @@ class StageSummary:
         ]
         widths = [max(len(name), *(len(cell) for cell in cells)) for name, cells in columns]
         header = " | ".join(name.ljust(width) for (name, _), width in zip(columns, widths))
-        num_layers = sum(len(row.layers) for row in self.rows)
+        num_blocks = sum(len(row.blocks) for row in self.rows)
         chunks = f" in {len(self.rows)} chunks" if chunked else ""
         bubble = f" (ideal bubble {self.ideal_bubble:.2f})" if self.ideal_bubble is not None else ""
         lines = [
-            f"GPipe: pipelining '{self.module_name}' ({num_layers} layers) over {self.num_stages} stages{chunks},"
+            f"GPipe: pipelining '{self.module_name}' ({num_blocks} blocks) over {self.num_stages} stages{chunks},"
             f" schedule={self.schedule!r}{bubble}, balance={self.balance!r}, {self.num_micro_batches} micro-batches"
             f" per batch, checkpoint={self.recompute!r}",
             header,
@@ -178,10 +178,10 @@ def build_stage_summary(
     repeated = recompute_fraction(recompute, num_micro_batches)
     owners = list(owners) if owners is not None else list(range(len(plan.ranges)))
     rows = []
-    for chunk, layer_range in enumerate(plan.ranges):
+    for chunk, block_range in enumerate(plan.ranges):
         stage = owners[chunk]
-        layers = [plan.layers[i] for i in layer_range]
-        profiles = [plan.profiles[i] for i in layer_range] if plan.profiles is not None else None
+        blocks = [plan.blocks[i] for i in block_range]
+        profiles = [plan.profiles[i] for i in block_range] if plan.profiles is not None else None
         time_seconds = (
             sum(p.forward_seconds * (1 + repeated) + p.backward_seconds for p in profiles)
             if profiles is not None
@@ -190,16 +190,16 @@ def build_stage_summary(
         if profiles is not None:
             memory = sum(p.memory_bytes for p in profiles)
         else:
-            memory = sum(layer.parameter_bytes for layer in layers)
+            memory = sum(block.parameter_bytes for block in blocks)
         rows.append(
             StageRow(
                 stage,
                 chunk,
                 ranks[stage],
                 devices[stage],
-                layer_range,
-                _layer_types([layer.type_name for layer in layers]),
-                sum(layer.parameters for layer in layers),
+                block_range,
+                _block_types([block.type_name for block in blocks]),
+                sum(block.parameters for block in blocks),
                 time_seconds,
                 memory,
                 profiles is not None,
@@ -218,12 +218,12 @@ def build_stage_summary(
     elif plan.profiles is not None:
         totals, basis = per_stage(lambda row: row.time_seconds or 0.0), "profiled time"
     elif plan.method == "memory":  # estimated on the meta device: the bytes the split balanced, per stage
-        totals = [sum(plan.costs[i] for chunk, layer_range in enumerate(plan.ranges) if owners[chunk] == stage
-                      for i in layer_range) for stage in range(num_stages)]
+        totals = [sum(plan.costs[i] for chunk, block_range in enumerate(plan.ranges) if owners[chunk] == stage
+                      for i in block_range) for stage in range(num_stages)]
         basis = "estimated memory (parameters, gradients, optimizer state, activations)"
     else:
         totals, basis = per_stage(lambda row: float(row.parameters)), "parameters"
-    chunk_bytes = [sum(plan.layers[i].parameter_bytes for i in layer_range) for layer_range in plan.ranges]
+    chunk_bytes = [sum(plan.blocks[i].parameter_bytes for i in block_range) for block_range in plan.ranges]
     stage_bytes = [sum(b for b, owner in zip(chunk_bytes, owners) if owner == stage) for stage in range(num_stages)]
     saving = sum(stage_bytes) - min(stage_bytes) if built_whole else 0
     return StageSummary(
@@ -309,8 +309,8 @@ def stage_devices(ranks: Sequence[int], node_devices: Sequence[torch.device], nu
     ]
 
 
-def _layer_types(names: Sequence[str], limit: int = 40) -> str:
-    """``"3 Linear, 3 Tanh"``: each layer type with its count, in order of first appearance."""
+def _block_types(names: Sequence[str], limit: int = 40) -> str:
+    """``"3 Linear, 3 Tanh"``: each block type with its count, in order of first appearance."""
     text = ", ".join(f"{count} {name}" for name, count in Counter(names).items())
     return text if len(text) <= limit else text[: limit - 1] + "…"
 

@@ -151,15 +151,17 @@ class PipelineTracer:
             rank_zero_info(
                 f"GPipe: wrote the trace of step {step} to {path} (and of every further step in trace_steps);"
                 f" open it in https://ui.perfetto.dev or draw it with"
-                f" `python -m lightning_pipe.trace render {path} timeline.png`"
+                f" `lightning-pipe trace render {path} timeline.png`"
             )
 
 
 
-def observe_step(tracer: PipelineTracer, trainer: Trainer, log_bubble_fraction: bool) -> StepObservation | None:
+def observe_step(tracer: PipelineTracer | None, trainer: Trainer, log_bubble_fraction: bool) -> StepObservation | None:
     """After a training step's backward: gather the stages' timelines when this step is logged (every
     ``log_every_n_steps``, as Lightning's own monitors do) or traced; log the bubble, write the trace. The step's
-    observation, or None where it was not observed."""
+    observation, or None where it was not observed (or no ``tracer`` keeps timelines)."""
+    if tracer is None:
+        return None
     step = trainer.global_step
     logging = log_bubble_fraction and bool(trainer.loggers) and trainer._logger_connector.should_update_logs
     if not (logging or step in tracer.trace_steps):

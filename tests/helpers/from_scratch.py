@@ -108,7 +108,7 @@ def fit(model_kind: str, root: Path, **trainer_kwargs: Any) -> dict[str, Any]:
     strategy = trainer.strategy
     held = None
     if isinstance(strategy, lightning_pipe.GPipeStrategy):
-        held = next(list(row.layers) for row in strategy.stage_summary().rows if row.rank == trainer.global_rank)
+        held = next(list(row.blocks) for row in strategy.stage_summary().rows if row.rank == trainer.global_rank)
     return {
         "initial": initial.state,
         "final": {k: v.detach().clone() for k, v in model.state_dict().items()},

@@ -409,12 +409,12 @@ class SequenceClassifier(PipeClassifier):
 
 
 class EmulatedClassifier(PipeClassifier):
-    """A Linear, then seven emulated blocks (``lightning_pipe.emulate``) of 1 ms per forward, input and weight
+    """A Linear, then seven emulated blocks (``lightning_pipe.testing.emulate``) of 1 ms per forward, input and weight
     gradient, the last twice as heavy: what the schedules-at-scale benchmark trains, small enough for a test."""
 
     def __init__(self, lr: float = 0.5) -> None:
         super().__init__(lr=lr)
-        from lightning_pipe.emulate import BlockTimes, emulated_blocks
+        from lightning_pipe.testing.emulate import BlockTimes, emulated_blocks
 
         times = BlockTimes(forward=1e-3, input_gradient=1e-3, weight_gradient=1e-3)
         self.net.model = nn.Sequential(nn.Linear(12, 16), *emulated_blocks(16, [times] * 6 + [times.scaled(2)]))

@@ -125,7 +125,7 @@ class StepEnds(Callback):
 
     def on_train_batch_end(self, trainer, *args, **kwargs):
         self.counter.step_ends()
-        sharding = trainer.strategy._pipeline.sharding
+        sharding = trainer.strategy._pipeline.gradients.sharding  # the owner of the sharded stage
         self.counter.outside_sharded = len(sharding.outside) if sharding is not None else 0
 
 

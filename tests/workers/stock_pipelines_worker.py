@@ -167,7 +167,7 @@ def main(spec_path):
             if rank == 0:
                 torch.save(torch.cat(predictions), out / "predictions.pt")
         if hooks is not None:  # with where the strategy says each block ran
-            rows = [{"rank": row.rank, "layers": list(row.layers)} for row in trainer.strategy.stage_summary().rows]
+            rows = [{"rank": row.rank, "layers": list(row.blocks)} for row in trainer.strategy.stage_summary().rows]
             (out / f"hooks{rank}.json").write_text(json.dumps({"seen": hooks, "stages": rows}))
         (out / f"rank{rank}.json").write_text(json.dumps({"losses": losses.losses}))
 

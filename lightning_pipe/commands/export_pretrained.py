@@ -1,5 +1,5 @@
 """The command that writes a checkpoint's model as a Hugging Face directory: ``python -m
-lightning_pipe.export_pretrained CHECKPOINT OUT_DIR [--config PRETRAINED_DIR]``.
+lightning_pipe.commands.export_pretrained CHECKPOINT OUT_DIR [--config PRETRAINED_DIR]``.
 
 ``CHECKPOINT`` is a consolidated checkpoint file or a sharded checkpoint directory of this package (or any weights
 :mod:`lightning_pipe.checkpoints.stored_weights` reads). ``OUT_DIR`` receives safetensors shards with their index and,
@@ -20,7 +20,7 @@ from lightning_pipe.checkpoints.stored_weights import describe_names, open_store
 def main(argv: list[str] | None = None) -> None:
     """Parse the command line (``argv``, else ``sys.argv``) and write the directory."""
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_pipe.export_pretrained",
+        prog="lightning-pipe export_pretrained",
         description="Write the model of a gpipe checkpoint (consolidated file or sharded directory) as a Hugging Face"
         " directory (safetensors shards, their index, the config), one shard at a time.",
     )

@@ -1,13 +1,13 @@
-"""The command that says which schedule to use: ``python -m lightning_pipe.plan`` ranks every schedule x micro-batch
+"""The command that says which schedule to use: ``lightning-pipe plan`` ranks every schedule x micro-batch
 count x virtual stages x checkpoint mode by its predicted step, from block costs profiled on this machine or read
 from a file.
 
-    python -m lightning_pipe.plan --stages 4                                  # the Hydra config in ./conf
-    python -m lightning_pipe.plan --stages 8 model.depth=16 data.batch_size=64  # with overrides
-    python -m lightning_pipe.plan my_project.models:Classifier --batch-size 64 --stages 4
-    python -m lightning_pipe.plan --costs costs.json --stages 8               # costs saved by --save-costs
-    python -m lightning_pipe.plan --stages 4 --action-time 0.05 --send-time 0.02  # the runtime's costs (ms) on GPUs
-    python -m lightning_pipe.plan --transformers-config llama:hidden_size=8192,... --layouts 8x8 16x4 \
+    lightning-pipe plan --stages 4                                  # the Hydra config in ./conf
+    lightning-pipe plan --stages 8 model.depth=16 data.batch_size=64  # with overrides
+    lightning-pipe plan my_project.models:Classifier --batch-size 64 --stages 4
+    lightning-pipe plan --costs costs.json --stages 8               # costs saved by --save-costs
+    lightning-pipe plan --stages 4 --action-time 0.05 --send-time 0.02  # the runtime's costs (ms) on GPUs
+    lightning-pipe plan --transformers-config llama:hidden_size=8192,... --layouts 8x8 16x4 \
         --memory-budget 80GB --precision bf16-mixed  # what each rank holds, from a model's shapes alone
 
 It profiles each pipelined block's forward, input gradient, weight gradient and activation bytes at the smallest and
@@ -55,7 +55,7 @@ from lightning_pipe.settings import DATA_PARALLEL_MODES, PipelineSettings
 def main(argv: list[str] | None = None) -> None:
     """Parse the command line (``argv``, else ``sys.argv``), profile or read the costs, print the plan."""
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_pipe.plan",
+        prog="lightning-pipe plan",
         description="Rank every schedule x micro-batch count x virtual stages x checkpoint mode by its predicted step"
         " for S stages, from block costs profiled here or read from a file, and recommend one.",
     )

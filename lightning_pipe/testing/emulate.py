@@ -3,7 +3,7 @@
 Build a model of them, train it with ``Trainer(strategy="gpipe", devices=N)`` on CPU processes, and a schedule's
 step takes what it would take on ``N`` accelerators with those kernel times, whatever the host's cores::
 
-    from lightning_pipe.emulate import BlockTimes, emulated_blocks
+    from lightning_pipe.testing.emulate import BlockTimes, emulated_blocks
 
     uniform = BlockTimes(forward=0.05, input_gradient=0.05, weight_gradient=0.05)   # seconds
     heavy_head = BlockTimes(forward=0.10, input_gradient=0.10, weight_gradient=0.10)

@@ -1,4 +1,4 @@
-"""The command that turns a sharded checkpoint into one file: ``python -m lightning_pipe.consolidate_checkpoint
+"""The command that turns a sharded checkpoint into one file: ``lightning-pipe consolidate_checkpoint
 SHARDED_DIR OUT.ckpt``.
 
 The file holds the whole model and every optimizer state numbered as on one device, like the checkpoint a run with
@@ -20,7 +20,7 @@ from lightning_pipe.checkpoints.sharded import consolidate, is_sharded_checkpoin
 def main(argv: list[str] | None = None) -> None:
     """Parse the command line (``argv``, else ``sys.argv``) and write the file."""
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_pipe.consolidate_checkpoint",
+        prog="lightning-pipe consolidate_checkpoint",
         description="Write a sharded gpipe checkpoint (a torch.distributed.checkpoint directory) as one checkpoint"
         " file that loads anywhere (torch.load, LightningModule.load_from_checkpoint), one stage at a time: peak"
         " memory about one stage.",

@@ -1,4 +1,4 @@
-"""The pipeline-parallel configuration: how many stages, and how many micro-batches per batch."""
+"""The pipeline's counts: how many stages, how many micro-batches per batch, and the even split of blocks into stages."""
 
 from __future__ import annotations
 
