@@ -239,7 +239,7 @@ def check_failure_surfaced(run: FaultRun, faults: list[dict]) -> None:
         expected = f"InjectedFault: injected fault in {first['where']} on stage {first['stage']} at {first['phase']}"
         assert expected in run.stderr, run.stderr[-6000:]
         if first["where"] == "layer":  # the note the engine adds: where in the pipeline it happened
-            assert f"raised by pipeline stage {first['stage']} (layers" in run.stderr, run.stderr[-6000:]
+            assert f"raised by pipeline stage {first['stage']} (blocks" in run.stderr, run.stderr[-6000:]
         check_every_rank_ended_with_the_cause(run, expected)
     else:
         killed = f"stage {first['stage']} \\(rank \\d\\)"

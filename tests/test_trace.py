@@ -173,7 +173,7 @@ def test_every_trace_written_is_announced_once_with_its_absolute_path(traced):
         path = (traced / run["name"] / "gpipe_trace.json").resolve()
         assert output.count(f"wrote the trace of step {run['trace_steps'][0]} to {path} ") == 1, output[-3000:]
         assert output.count(f"to {path} ") == 1  # once per file, though later steps rewrite it
-        assert f"python -m lightning_pipe.trace render {path} timeline.png" in output
+        assert f"lightning-pipe trace render {path} timeline.png" in output
 
 
 def test_render_draws_the_trace_as_a_png(traced, tmp_path):
