@@ -128,13 +128,13 @@ class StageSharding:
         to_whole = {id(fsdp_param.sharded_param): whole for fsdp_param, whole in swapped}
         optimizers = list(optimizers)
         for optimizer in optimizers:
-            _replace_in_optimizer(optimizer, to_whole, _whole)
+            replace_in_optimizer(optimizer, to_whole, _whole)
         try:
             yield
         finally:
             back = {id(whole): fsdp_param.sharded_param for fsdp_param, whole in swapped}
             for optimizer in optimizers:
-                _replace_in_optimizer(optimizer, back, _shard_like)
+                replace_in_optimizer(optimizer, back, _shard_like)
             for fsdp_param, whole in swapped:
                 sharded = fsdp_param.sharded_param
                 _set_on_modules(fsdp_param, sharded)
@@ -164,7 +164,7 @@ class StageSharding:
             state._post_forward_hook_handle.remove()
             block.__class__ = type(block).__bases__[1]  # fully_shard made it a subclass of (FSDPModule, its class)
         for optimizer in optimizers:  # in the same order on every replica: their state's gathering is collective
-            _replace_in_optimizer(optimizer, to_whole, _whole)
+            replace_in_optimizer(optimizer, to_whole, _whole)
         self.blocks, self.outside, self._watched, self.sharded_ids, self._ids = [], [], [], set(), set()
 
 
@@ -363,7 +363,7 @@ def _shard_like(value: Any, parameter: Tensor) -> Any:
                              src_data_rank=None)
 
 
-def _replace_in_optimizer(
+def replace_in_optimizer(
     optimizer: Optimizer, replacement: dict[int, Tensor], convert: Callable[[Any, Tensor], Any]
 ) -> None:
     """Put ``replacement[id(p)]`` in place of each parameter ``p`` of ``optimizer`` that it names, with the state

@@ -35,6 +35,8 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.optim import Optimizer
 
+from lightning_pipe.execution.sharding import replace_in_optimizer
+
 # The plan's strings (the names Hugging Face's plans use): how each makes a torch ParallelStyle.
 STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "colwise": ColwiseParallel,
@@ -334,15 +336,4 @@ def _replace(blocks: list[nn.Module], optimizers: list[Optimizer], replacement: 
                 if parameter is not None and id(parameter) in replacement:
                     module._parameters[name] = replacement[id(parameter)]
     for optimizer in optimizers:
-        state = optimizer.state
-        for group in optimizer.param_groups:
-            params = group["params"]
-            for i, parameter in enumerate(params):
-                new = replacement.get(id(parameter))
-                if new is None:
-                    continue
-                params[i] = new
-                if parameter in state:
-                    entries = state.pop(parameter)
-                    state[new] = {key: convert(value, new) if isinstance(value, Tensor) and value.dim() > 0 else value
-                                  for key, value in entries.items()}
+        replace_in_optimizer(optimizer, replacement, convert)
