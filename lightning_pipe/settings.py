@@ -160,9 +160,10 @@ class PipelineSettings:
     count (1 for the other schedules)."""
     compile: bool | dict[str, Any] = False
     """Compile each stage's layers with ``torch.compile`` (``True``), or with these keyword arguments of
-    ``torch.compile`` (``{"mode": "max-autotune"}``): every layer separately, as torchtitan compiles each block. A
-    ``torch.compile`` wrapper around the pipelined module is honoured the same way, with its settings (see
-    :mod:`lightning_pipe.execution.compiling`)."""
+    ``torch.compile`` (``{"mode": "max-autotune"}``): every layer separately, as torchtitan compiles each block (with
+    ``data_parallel="shard"`` or ``"full_shard"``, compiled and then sharded, torchtitan's order: FSDP2's hooks run
+    outside the compiled code). A ``torch.compile`` wrapper around the pipelined module is honoured the same way, with
+    its settings (see :mod:`lightning_pipe.execution.compiling`)."""
     pretrained: PretrainedWeights | None = None
     """Start from stored weights, each rank reading only its stage's and the replicated modules' tensors: the path
     of a Hugging Face model directory (safetensors, single or sharded, or ``pytorch_model.bin``), of a weights file,
