@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.utils.data import DataLoader
 
 from helpers.compare import relative_weight_error
@@ -31,7 +32,7 @@ from helpers.stock_models import PretrainedCausalLM, bert_config, gpt2_config, l
 from lightning_pipe import PretrainedWeights, init_weights
 from lightning_pipe.checkpoints.export import library_model_prefix
 from lightning_pipe.checkpoints.pretrained import PretrainedLoad, PretrainedMismatchError, checked_pretrained
-from lightning_pipe.checkpoints.sharded import consolidate
+from lightning_pipe.checkpoints.sharded import committed_directory, consolidate
 from lightning_pipe.checkpoints.stored_weights import open_stored_weights, read_tensors
 from lightning_pipe.checkpoints.whole_model import WholeModelLayout, tied_aliases
 from lightning_pipe.execution.materialize import materialize
@@ -136,6 +137,12 @@ def pipelined(saved, tmp_path_factory) -> dict[int, Path]:
         {"name": "llama", "path": str(saved["llama_sharded"]), "strategy": {"num_micro_batches": 4}},
         {"name": "gpt2_replicas", "path": str(saved["gpt2"]), "strategy": {"num_stages": 2, "num_micro_batches": 2},
          "module_options": {"batch_size": 8, "padded": False}, "save_pretrained": True, "max_shard_size": "40KB"},
+        # The same, each stage sharded over its 2 replicas (FSDP2), exported and checkpointed (torch.distributed.checkpoint,
+        # shard by shard) as training ends, while the stages are sharded.
+        {"name": "gpt2_sharded_replicas", "path": str(saved["gpt2"]),
+         "strategy": {"num_stages": 2, "num_micro_batches": 2, "data_parallel": "shard",
+                      "save_distributed_checkpoint": True},
+         "module_options": {"batch_size": 8, "padded": False}, "export_in_run": True},
     ]
     launches = started_together({
         devices: partial(launch, "pretrained_worker.py",
@@ -366,6 +373,45 @@ def test_the_export_of_two_replicas_equals_the_export_of_one(pipelined, saved, t
     assert relative_weight_error(start, expected, exported) < TOLERANCE
     # Negative control: one device reading the samples in order (what no replica read) ends elsewhere.
     assert relative_weight_error(start, expected, stored_tensors(one / "exported")) > 100 * TOLERANCE
+
+
+def test_sharded_stages_start_from_the_pretrained_weights_as_replicated_ones(pipelined, saved):
+    """data_parallel="shard": each rank reads its stage's stored tensors once (as with replicated stages) and its
+    stage's blocks are sharded from them; gathered, the weights each rank starts from are those ``from_pretrained``
+    loads, bit for bit, and the fine-tune equals the replicated stages' on the same samples."""
+    sharded, replicated = pipelined[4] / "gpt2_sharded_replicas", pipelined[4] / "gpt2_replicas"
+    library = transformers.AutoModelForCausalLM.from_pretrained(saved["gpt2"]).state_dict()
+    started = merged(sharded, "initial")
+    assert started.keys() == {f"model.{key}" for key in library}
+    for key, value in library.items():
+        assert torch.equal(started[f"model.{key}"], value), key
+    stored = open_stored_weights(saved["gpt2"])
+    for result in rank_results(sharded):
+        held = {TIED_HEAD.get(key.removeprefix("model."), key.removeprefix("model.")) for key in result["initial"]}
+        assert sorted(result["read"]) == sorted(held & set(stored.entries))  # each once
+        assert len(result["read"]) < len(stored.entries)
+    before = merged(replicated, "initial")
+    assert relative_weight_error(before, merged(replicated), merged(sharded)) < TOLERANCE
+
+
+def test_a_sharded_runs_export_and_checkpoint_load_with_from_pretrained_equal_to_the_trained_model(
+    pipelined, saved, tmp_path
+):
+    """Written while the stages were sharded (save_pretrained as training ends, and the torch.distributed.checkpoint
+    each replica wrote its shards into, exported by the command): whole tensors, which ``from_pretrained`` loads
+    equal to the trained model, bit for bit."""
+    run = pipelined[4] / "gpt2_sharded_replicas"
+    checkpoint = FileSystemReader(str(committed_directory(run / "in_run.ckpt"))).read_metadata().state_dict_metadata
+    assert len(checkpoint["model/model.transformer.h.0.attn.c_attn.weight"].chunks) == 2  # a shard per replica
+    export_command([str(run / "in_run.ckpt"), str(tmp_path / "out"), "--config", str(saved["gpt2"])])
+    trained = merged(run)
+    for exported in (run / "exported_in_run", tmp_path / "out"):
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(exported)
+        assert loaded.lm_head.weight is loaded.transformer.wte.weight
+        state = loaded.state_dict()
+        assert {f"model.{key}" for key in state} == set(trained)
+        for key, value in state.items():
+            assert torch.equal(value, trained[f"model.{key}"]), (exported.name, key)
 
 
 def test_a_later_run_of_the_same_model_object_keeps_the_weights_it_trained(pipelined):

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import fully_shard
 
 from helpers.compare import merged_state_dict, rank_results, relative_weight_error, single_device_run
 from helpers.launch import launch, started_together
-from helpers.models import MODELS
+from helpers.models import COMPILE_BACKEND, MODELS
 from test_reliability import assert_ended_fast_everywhere, fault, run_with_faults
 from lightning_pipe import GPipeStrategy
 from lightning_pipe.checkpoints.sharded import committed_directory, consolidate
@@ -41,8 +41,9 @@ SHARDED = {"num_micro_batches": 4, "batch_size": 8, "trainer": CLIP, "record_cli
            "count_collectives": True}
 
 
-def sharded(name: str, model: str, num_stages: int, mode: str, schedule: str = "gpipe", **extra) -> dict:
-    strategy = {"num_stages": num_stages, "data_parallel": mode, "schedule": schedule}
+def sharded(name: str, model: str, num_stages: int, mode: str, schedule: str = "gpipe", strategy_extra: dict | None = None,
+            **extra) -> dict:
+    strategy = {"num_stages": num_stages, "data_parallel": mode, "schedule": schedule, **(strategy_extra or {})}
     return {**SHARDED, "name": name, "model": model, "strategy": strategy, **extra}
 
 
@@ -52,9 +53,12 @@ def sharded(name: str, model: str, num_stages: int, mode: str, schedule: str = "
 RESUMED = {"model": "tied_momentum", "num_micro_batches": 4, "batch_size": 8, "max_epochs": 2, "resume_after_epoch": True,
            "lr": 0.2}
 RESUMED_RUNS = ("shard_resumed", "shard_resumed_dcp", "replicate_then_shard", "shard_then_replicate")
+# The first two also compile each stage's blocks (GPipeStrategy(compile=...), which compiles a block before FSDP2
+# wraps it, as torchtitan does): checked equal to one device and for their collectives as the others are.
+COMPILED = {"compile": {"backend": COMPILE_BACKEND}}
 TWO_BY_TWO = [
-    sharded("shard_gpipe", "synced_tied", 2, "shard"),
-    sharded("full_shard_1f1b", "synced_tied_outside", 2, "full_shard", "1f1b"),
+    sharded("shard_gpipe", "synced_tied", 2, "shard", strategy_extra=COMPILED),
+    sharded("full_shard_1f1b", "synced_tied_outside", 2, "full_shard", "1f1b", strategy_extra=COMPILED),
     sharded("shard_zbv", "synced_tied", 2, "shard", "zbv"),
     sharded("full_shard_zero_bubble", "synced_tied", 2, "full_shard", "zero_bubble"),
     sharded("unaveraged", "synced_tied", 2, "shard", unaveraged_shards=True),
@@ -202,6 +206,16 @@ def test_a_branch_some_replicas_skip_reduces_as_with_replicated_stages(launches)
         assert relative_weight_error(initial, replicated, merged_state_dict(run_dir / name)) < 1e-5, name
 
 
+def test_compiled_blocks_of_sharded_stages_match_one_device(launches):
+    """GPipeStrategy(compile=...) with "shard" under GPipe and "full_shard" under 1F1B: every rank ran its blocks
+    compiled (graphs made by torch.compile's backend), and the run matches one device (in the test above)."""
+    run_dir = launches["two_by_two"].result()
+    for name in ("shard_gpipe", "full_shard_1f1b"):
+        assert [result["compiled_graphs"] > 0 for result in rank_results(run_dir / name)] == [True] * 4, name
+        assert name in [run["name"] for run in MATCHING["two_by_two"]]
+    assert all(result["compiled_graphs"] == 0 for result in rank_results(run_dir / "shard_zbv"))
+
+
 def test_shards_summed_instead_of_averaged_differ_from_one_device(launches):
     error, losses = weight_error_and_losses(launches["two_by_two"].result() / "unaveraged", "synced_tied")
     assert error > 1e-2
@@ -259,7 +273,6 @@ def test_sharding_one_replica_is_refused_with_the_fix():
 
 @pytest.mark.parametrize("options, message", [
     ({"data_parallel": "zero3"}, "data_parallel='zero3' is invalid; use 'replicate'"),
-    ({"data_parallel": "shard", "compile": True}, "data_parallel='shard' with compile=True is not supported yet"),
     ({"data_parallel": "full_shard", "deferred_batch_norm": True}, "with deferred_batch_norm=True is not supported"),
 ])
 def test_bad_data_parallel_settings_are_refused_where_they_enter(options, message):

@@ -92,8 +92,10 @@ def compile_stage(model: nn.Module, region: Region, stage: StageBlocks, options:
             continue  # compiled by the user already
         # What `nn.Module.compile` does (the block's hooks and forward, compiled), through a function of this file:
         # dynamo does not compile a top frame inside torch.nn (a bare Linear's `_call_impl`), but inlines torch.nn
-        # code called from elsewhere. The stage calls it when it runs the block on a micro-batch.
-        stage.compiled_calls[index] = compiler(partial(_call_for(type(block)), block))
+        # code called from elsewhere. The stage calls it when it runs the block on a micro-batch. Bound as a method,
+        # not a `partial`: dynamo wraps a callable without source in a shared frame, whose recompilation limit all
+        # the blocks would then share.
+        stage.compiled_calls[index] = compiler(types.MethodType(_call_for(type(block)), block))
 
 
 def compiles_in_first_steps(model: nn.Module, stage: StageBlocks) -> bool:

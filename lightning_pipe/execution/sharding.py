@@ -392,8 +392,10 @@ def _syncing(block: FSDPModule, last: bool, mode: DataParallelMode) -> None:
 
 def _gather_watched(block: FSDPModule, watchdog: StallWatchdog, group: dist.ProcessGroup):  # noqa: ANN202
     """A forward pre-hook, run before FSDP2's own: the block's weights gathered under the stall watchdog (FSDP2's
-    hook then finds them gathered)."""
+    hook then finds them gathered). Run as it is under ``torch.compile`` of the block, as FSDP2 runs its own hooks: the
+    watchdog's clock and the collective are no code to trace."""
 
+    @torch.compiler.disable(reason="the sharded weights' gathering, watched")
     def gather(module: nn.Module, args: tuple) -> None:
         with watchdog.waiting(watchdog.collective("the sharded weights' all-gather over the replicas", group)):
             block.unshard()

@@ -9,7 +9,8 @@ key_mapping=key_mapping), ...)``, then ``trainer.fit`` for S
 steps (or only ``trainer.validate``). Each rank writes DIR/NAME/rank{R}.pt: the tensors it holds when the run starts
 (``initial``) and ends (``final``), the stored names it read through ``safetensors.safe_open(...).get_tensor``
 (``read``), the training steps run, and with ``validate_after_fit`` what it holds after a validate that follows.
-``save_pretrained`` writes DIR/NAME/exported (and ``exported_bf16``, cast; with ``max_shard_size``, also
+``export_in_run`` writes DIR/NAME/exported_in_run and in_run.ckpt as training ends (the stages still built, and
+sharded with ``data_parallel``). ``save_pretrained`` writes DIR/NAME/exported (and ``exported_bf16``, cast; with ``max_shard_size``, also
 ``exported_shards`` cut at it); the rank's replica and the files it wrote with the tensors in each (``wrote``, counted
 at the export's own ``save_file``) go into its result. ``save_checkpoint`` writes DIR/NAME/sharded.ckpt.
 A run with ``fails`` (the last of its launch) must raise; each rank saves the message instead.
@@ -22,6 +23,7 @@ from pathlib import Path
 import safetensors
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
+from torch.distributed.tensor import DTensor
 
 import lightning_pipe
 from helpers import stock_models
@@ -76,8 +78,10 @@ class CountedSaveFile:
 
 
 def held(module) -> dict[str, torch.Tensor]:
-    """The tensors this rank holds (not the other stages' layers, left on the meta device)."""
-    return {key: value.detach().clone() for key, value in module.state_dict().items() if not value.is_meta}
+    """The tensors this rank holds (not the other stages' layers, left on the meta device); a tensor sharded over the
+    stage's replicas (a DTensor) whole, gathered from its shards (a collective over the replicas)."""
+    return {key: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+            for key, value in module.state_dict().items() if not value.is_meta}
 
 
 class Held(Callback):
@@ -97,6 +101,18 @@ class Held(Callback):
         self.steps += 1
 
 
+class ExportedInRun(Callback):
+    """At the end of training, while the stages still run (sharded, when they are): ``save_pretrained`` into
+    ``out/exported_in_run`` and ``trainer.save_checkpoint`` into ``out/in_run.ckpt``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module):
+        trainer.strategy.save_pretrained(self.out / "exported_in_run")
+        trainer.save_checkpoint(self.out / "in_run.ckpt")
+
+
 def main(spec_path):
     spec = json.loads(Path(spec_path).read_text())
     for run in spec["runs"]:
@@ -113,7 +129,8 @@ def main(spec_path):
             strategy=strategy, accelerator="cpu", devices=spec["devices"], max_steps=spec["steps"], logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             num_sanity_val_steps=0, limit_val_batches=0 if not run.get("validate_only") else 1,
-            precision=run.get("precision", "32-true"), callbacks=[recorder],
+            precision=run.get("precision", "32-true"),
+            callbacks=[recorder] + ([ExportedInRun(out)] if run.get("export_in_run") else []),
         )
         seed_everything(0, verbose=False)
         module = getattr(stock_models, run.get("module", "PretrainedCausalLM"))
