@@ -47,6 +47,7 @@ from lightning_pipe.execution.outside import (
     outside_module_stages,
 )
 from lightning_pipe.execution.process_groups import (
+    MESH_DIMENSIONS,
     PipelineGroups,
     broadcast_object,
     decide_over_world,
@@ -59,8 +60,10 @@ from lightning_pipe.execution.sharding import StageSharding
 from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.execution.tensor_parallel import (
     StageTensorParallel,
+    TakenSplit,
     refuse_split_ties,
     resolve_plan,
+    take_split_modules,
 )
 from lightning_pipe.execution.steps import TrainingStep, training_step_for
 from lightning_pipe.execution.tied import TiedParameters, parameters_shared_across_stages
@@ -246,8 +249,10 @@ class PipelineDecision:
 
 def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: PipelineGroups, precision: Any) -> BuiltPipeline:
     """Split ``module`` into stages and build this rank's: a collective, called on every rank at set-up.
-    ``precision`` is the strategy's precision plugin (its dtype and gradient scaler)."""
-    return assemble_rank(module, decide_pipeline(module, settings, groups), groups, precision)
+    ``precision`` is the strategy's precision plugin (its dtype and gradient scaler). Blocks that ``configure_model``
+    split itself are whole until this rank's are split back (see :func:`take_split_modules`)."""
+    taken = take_split_modules(module, groups.mesh[MESH_DIMENSIONS["tp"]] if groups.mesh is not None else None)
+    return assemble_rank(module, decide_pipeline(module, settings, groups), groups, precision, taken)
 
 
 def decide_pipeline(module: LightningModule, settings: PipelineSettings, groups: PipelineGroups) -> PipelineDecision:
@@ -273,10 +278,12 @@ def decide_pipeline(module: LightningModule, settings: PipelineSettings, groups:
 
 
 def assemble_rank(
-    module: LightningModule, decision: PipelineDecision, groups: PipelineGroups, precision: Any
+    module: LightningModule, decision: PipelineDecision, groups: PipelineGroups, precision: Any,
+    taken: dict[str, TakenSplit] | None = None,
 ) -> BuiltPipeline:
     """This rank's part of the pipeline ``decision`` describes: its stage put into ``module`` and made real, the
-    outside modules it does not hold stood in for, its runtime, training step and gradients."""
+    outside modules it does not hold stood in for, its runtime, training step and gradients; ``taken``: the split
+    ``configure_model`` made, by module name, put back on the blocks this rank holds."""
     settings, config, region, layers = decision.settings, decision.config, decision.region, decision.layers
     plan, held, module_stages, outside = decision.plan, decision.held, decision.module_stages, decision.outside
     blocks = list(layers)
@@ -289,7 +296,7 @@ def assemble_rank(
     tensor_plan = None
     if settings.tensor_parallel_size > 1:  # TP hook: the plan checked against the whole model, on every rank alike
         tensor_plan = resolve_plan(module, region.names, blocks, settings.tensor_parallel_plan,
-                                   settings.tensor_parallel_size)
+                                   settings.tensor_parallel_size, taken=taken)
         refuse_split_ties(tensor_plan, [(tie.places, region.names) for tie in ties])
     stage = _install_stage(module, region, plan, settings, groups)
     held_elsewhere = {name: stages for name, stages in module_stages.items() if groups.stage not in stages}

@@ -283,6 +283,8 @@ class GPipeStrategyMixin(PipelineView):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._setup_distributed()  # as Lightning's DDP strategy: the process groups before anything else
+        if self.lightning_module is not None:  # as Lightning's ModelParallelStrategy: for configure_model to split
+            self.lightning_module._device_mesh = self._groups.mesh  # type: ignore[union-attr]
 
     @override
     def set_world_ranks(self) -> None:

@@ -19,7 +19,7 @@ from helpers.recording import MetricRecorder
 from helpers.stock_models import LlamaModule, Qwen2Module
 from helpers.tensor_parallel_models import BLOCK_PLAN, TENSOR_PARALLEL_MODELS, Block, loaders_for
 from lightning_pipe import GPipeStrategy
-from lightning_pipe.execution.tensor_parallel import resolve_plan
+from lightning_pipe.execution.tensor_parallel import TakenSplit, resolve_plan
 from lightning_pipe.integration.hydra_schema import validate_config
 from lightning_pipe.commands.plan import main as plan_command
 from lightning_pipe.partition.topology import PipelineLayout
@@ -31,8 +31,8 @@ CLIP = {"gradient_clip_val": 0.1}  # clips every step (the norms are 0.5-2)
 def split(name: str, model: str, schedule: str = "gpipe", data_parallel: str = "replicate", **extra) -> dict:
     strategy = {"num_stages": 2, "tensor_parallel_size": 2, "num_micro_batches": 2, "schedule": schedule,
                 "data_parallel": data_parallel}
-    if model.startswith("block"):
-        strategy["tensor_parallel_plan"] = BLOCK_PLAN  # the Hugging Face models bring their own
+    if model.startswith("block") and model != "block_configured":
+        strategy["tensor_parallel_plan"] = BLOCK_PLAN  # the Hugging Face models and configure_model bring their own
     return {"name": name, "model": model, "strategy": strategy, "trainer": CLIP, **extra}
 
 
@@ -47,6 +47,10 @@ TWO_BY_TWO = [
     split("qwen2_gpipe", "qwen2"),
     split("qwen2_1f1b", "qwen2", "1f1b"),
     split("uncounted_slices", "block", uncounted_slices=True),
+    # Lightning's convention: configure_model splits the blocks itself over self.device_mesh["tensor_parallel"]; the
+    # split is taken as it is (no plan), with its negative control.
+    split("configured_gpipe", "block_configured"),
+    split("configured_uncounted_slices", "block_configured", uncounted_slices=True),
     # An epoch checkpointed (SGD momentum: optimizer state), resumed for a second on another T and S: one file and
     # torch.distributed.checkpoint, T=2 -> 1 and 1 -> 2.
     {**split("resumed_2_to_1", "block_momentum"), "first_strategy": split("", "block")["strategy"],
@@ -94,6 +98,7 @@ def one_device(model_name: str, replicas: int = 1, max_epochs: int = 1) -> tuple
     seed_everything(0)
     hugging_face = model_name in ("llama", "qwen2")
     model = TENSOR_PARALLEL_MODELS[model_name](**({"batch_size": 8 * replicas} if hugging_face else {}))
+    model.configure_model()  # the blocks a model builds there (whole: no mesh on one device) have initial weights
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     train, val = loaders_for(model, 8 * replicas) or (model.train_dataloader(), model.val_dataloader())
     if replicas > 1:  # a shuffling DistributedSampler's order (seed 0, epoch 0), one step of all replicas a batch
@@ -129,12 +134,27 @@ def test_split_blocks_train_as_one_device(launches, layout):
         assert len(results[0]["clipping_norms"]) == len(losses)
 
 
-def test_counting_a_slice_on_every_rank_is_caught(launches):
+@pytest.mark.parametrize("model, run", [("block", "uncounted_slices"), ("block_configured", "configured_uncounted_slices")])
+def test_counting_a_slice_on_every_rank_is_caught(launches, model, run):
     """Negative control: a norm that counts the row-wise biases (whole on each tensor-parallel rank) twice clips by
-    another coefficient, and the comparison fails."""
+    another coefficient, and the comparison fails (blocks split by a plan, or by configure_model itself)."""
     run_dir = launches["two_by_two"].result()
-    initial, expected, _ = one_device("block")
-    assert relative_weight_error(initial, expected, merged_state_dict(run_dir / "uncounted_slices")) > 1e-3
+    initial, expected, _ = one_device(model)
+    assert relative_weight_error(initial, expected, merged_state_dict(run_dir / run)) > 1e-3
+
+
+def test_blocks_configure_model_split_are_trained_as_it_split_them(launches):
+    """Lightning's convention: configure_model's own parallelize_module over self.device_mesh["tensor_parallel"] is
+    taken as it is: each rank holds half of its blocks' split layers (DTensors), the norms and row-wise biases whole,
+    as the same split by a plan holds them (its equality with one device: test_split_blocks_train_as_one_device)."""
+    run_dir = launches["two_by_two"].result()
+    planned = {result["held"]["parameters"] for result in rank_results(run_dir / "block_gpipe")}
+    stage_bytes = sum(p.numel() * p.element_size() for p in TENSOR_PARALLEL_MODELS["block"]().blocks[:2].parameters())
+    for result in rank_results(run_dir / "configured_gpipe"):
+        assert {result["held"]["parameters"]} == planned
+        assert result["held"]["parameters"] / stage_bytes == pytest.approx(0.5, rel=0.05)
+        whole = {name.split(".", 1)[1] for name in result["held"]["whole"]}
+        assert whole == {"norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias", "attn.out.bias", "mlp.down.bias"}
 
 
 def test_a_checkpoint_resumes_on_another_tensor_parallel_size_as_one_device(launches):
@@ -220,6 +240,23 @@ def test_what_a_split_cannot_divide_is_refused_with_the_fix():
         resolve_plan(llama, [f"model.model.layers.{i}" for i in range(2)], layers, None, 4)
     with pytest.raises(ValueError, match=r"no Hugging Face model with a tensor-parallel plan .* holds the blocks"):
         resolve_plan(holder, names, blocks, None, 2)
+
+
+def test_a_split_from_configure_model_is_taken_alone_and_inside_the_blocks():
+    """What configure_model split itself is each block's plan, by name inside the block; a plan set as well is
+    refused naming both, and a split module outside the blocks naming it."""
+    holder = nn.Module()
+    holder.blocks, holder.head = nn.Sequential(Block(), Block()), nn.Linear(16, 3)
+    blocks, names = list(holder.blocks), ["blocks.0", "blocks.1"]
+    taken = {"blocks.0.attn.q": TakenSplit({}, {}), "blocks.1.mlp.up": TakenSplit({}, {})}
+    plans = resolve_plan(holder, names, blocks, None, 2, taken=taken)
+    assert plans.styles == {0: {"attn.q": taken["blocks.0.attn.q"]}, 1: {"mlp.up": taken["blocks.1.mlp.up"]}}
+    with pytest.raises(ValueError, match=r"configure_model\(\) split \['blocks.0.attn.q', 'blocks.1.mlp.up'\] with"
+                                         r" parallelize_module, and tensor_parallel_plan=\{'mlp.up': 'colwise'\} is"
+                                         r" set as well: a block is split once"):
+        resolve_plan(holder, names, blocks, {"mlp.up": "colwise"}, 2, taken=taken)
+    with pytest.raises(ValueError, match=r"split 'head' with parallelize_module, but it lies outside the pipelined"):
+        resolve_plan(holder, names, blocks, None, 2, taken={"head": TakenSplit({}, {})})
 
 
 def test_plan_tabulates_layouts_with_a_tensor_parallel_dimension(capsys):
