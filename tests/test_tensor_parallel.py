@@ -11,6 +11,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 from torch.utils.data import DataLoader
 
 from helpers.compare import merged_state_dict, rank_results, relative_weight_error
@@ -19,11 +20,14 @@ from helpers.recording import MetricRecorder
 from helpers.stock_models import LlamaModule, Qwen2Module
 from helpers.tensor_parallel_models import BLOCK_PLAN, TENSOR_PARALLEL_MODELS, Block, loaders_for
 from lightning_pipe import GPipeStrategy
-from lightning_pipe.execution.tensor_parallel import TakenSplit, resolve_plan
+from lightning_pipe.execution.tensor_parallel import BlockPlans, TakenSplit, resolve_plan
 from lightning_pipe.integration.hydra_schema import validate_config
 from lightning_pipe.commands.plan import main as plan_command
+from lightning_pipe.partition.balance import plan_partition
+from lightning_pipe.partition.counts import PipelineParallelConfig
 from lightning_pipe.partition.topology import PipelineLayout
 from lightning_pipe.settings import PipelineSettings
+from lightning_pipe.trace.stage_summary import build_stage_summary, chunk_parameters_per_rank
 
 CLIP = {"gradient_clip_val": 0.1}  # clips every step (the norms are 0.5-2)
 
@@ -257,6 +261,33 @@ def test_a_split_from_configure_model_is_taken_alone_and_inside_the_blocks():
         resolve_plan(holder, names, blocks, {"mlp.up": "colwise"}, 2, taken=taken)
     with pytest.raises(ValueError, match=r"split 'head' with parallelize_module, but it lies outside the pipelined"):
         resolve_plan(holder, names, blocks, None, 2, taken={"head": TakenSplit({}, {})})
+
+
+def test_the_stage_table_says_what_a_tensor_parallel_rank_holds():
+    """The start-up table's T column, and Params/rank: a block of 2,224 parameters holds 1,160 on a rank at T=2
+    (q, k, v and mlp.up split column-wise with their biases, attn.out and mlp.down row-wise with their biases
+    whole, the norms whole); a split that configure_model made counts by its placements; with replicas sharding the
+    stage too, the slices are sharded again."""
+    holder = nn.Module()
+    holder.blocks = nn.Sequential(*(Block() for _ in range(4)))
+    blocks, names = list(holder.blocks), [f"blocks.{i}" for i in range(4)]
+    plans = resolve_plan(holder, names, blocks, BLOCK_PLAN, 2)
+    plan = plan_partition(holder, holder.blocks, PipelineParallelConfig(2, 2), None)
+    held = chunk_parameters_per_rank(blocks, plan.ranges, 1, plans.rank_shapes)
+    assert sum(p.numel() for p in blocks[0].parameters()) == 2224 and held == [2 * 1160, 2 * 1160]
+    text = str(build_stage_summary(plan, "blocks", [2, 0], ["cpu", "cpu"], 0, 2, "never", held_per_rank=held,
+                                   tensor_parallel=2))
+    header, rows = text.splitlines()[1], text.splitlines()[3:5]
+    assert [cell.strip() for cell in header.split("|")][5:8] == ["Params", "T", "Params/rank"]
+    assert [[cell.strip() for cell in row.split("|")][5:8] for row in rows] == [["4.4 K", "2", "2.3 K"]] * 2
+    assert "tensor_parallel_size=2: each stage's blocks split over its T ranks (DTensor)" in text
+    assert "data_parallel=" not in text
+    layouts = {"q": {"weight": (None, (Shard(0),)), "bias": (None, (Shard(0),))},
+               "out": {"weight": (None, (Shard(1),)), "bias": (None, (Replicate(),))}}
+    taken = BlockPlans({0: {f"attn.{n}": TakenSplit(layout, {}) for n, layout in layouts.items()}}, size=2)
+    assert taken.rank_shapes(0, blocks[0]) == {"attn.q.weight": (8, 16), "attn.q.bias": (8,), "attn.out.weight": (16, 8)}
+    sharded = chunk_parameters_per_rank(blocks, plan.ranges, 2, plans.rank_shapes)
+    assert sharded == [2 * 580, 2 * 580]  # each slice's rows halved again: norms 32, q/k/v 3 x 68, out 72, mlp 2 x 136
 
 
 def test_plan_tabulates_layouts_with_a_tensor_parallel_dimension(capsys):

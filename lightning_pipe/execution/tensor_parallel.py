@@ -29,6 +29,7 @@ linear layer (or embedding) of some block, every split width and every head coun
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.optim import Optimizer
+
+from lightning_pipe.partition.tensor_slices import rank_slice_shapes
 
 # The plan's strings (the names Hugging Face's plans use): how each makes a torch ParallelStyle.
 STYLES: dict[str, Callable[[], ParallelStyle]] = {
@@ -83,6 +86,17 @@ class BlockPlans:
     styles: dict[int, dict[str, Any]]  # block index -> {module name in the block: style name or ParallelStyle}
     function: PlanFunction | None = None
     source: str = "the tensor_parallel_plan"
+    size: int = 1  # the stage's tensor-parallel ranks
+
+    def rank_shapes(self, index: int, block: nn.Module) -> dict[str, tuple[int, ...]]:
+        """What one rank holds of each parameter of block ``index`` that the plan splits, by name in the block (a
+        function's split is not known before it runs: none)."""
+        return rank_slice_shapes(block, self.styles.get(index, {}), self.size)
+
+    def rank_elements(self, blocks: Sequence[nn.Module]) -> dict[int, int]:
+        """The elements one rank holds of each split parameter of ``blocks`` (whole, as built), by its id."""
+        return {id(block.get_parameter(name)): math.prod(shape)
+                for index, block in enumerate(blocks) for name, shape in self.rank_shapes(index, block).items()}
 
     def apply(self, index: int, block: nn.Module, mesh: DeviceMesh) -> None:
         if self.function is not None:
@@ -108,10 +122,10 @@ def resolve_plan(
     if taken:
         styles = _taken_plans(block_names, plan, taken, key)
         _check_head_counts(model, block_names, blocks, size, key)
-        return BlockPlans(styles, None, "configure_model's parallelize_module")
+        return BlockPlans(styles, None, "configure_model's parallelize_module", size)
     if callable(plan) and not isinstance(plan, Mapping):
         _check_head_counts(model, block_names, blocks, size, key)
-        return BlockPlans({}, plan, "the tensor_parallel_plan function")
+        return BlockPlans({}, plan, "the tensor_parallel_plan function", size)
     if plan is None:
         styles, source = _hugging_face_plans(model, block_names, size, key)
     else:
@@ -120,7 +134,7 @@ def resolve_plan(
         for name, style in block_styles.items():
             _check_width(f"{block_names[index]}.{name}", blocks[index].get_submodule(name), style, size, source, key)
     _check_head_counts(model, block_names, blocks, size, key)
-    return BlockPlans(styles, None, source)
+    return BlockPlans(styles, None, source, size)
 
 
 def refuse_split_ties(plans: BlockPlans, ties: Sequence[tuple[Sequence[tuple[int, str]], Sequence[str]]]) -> None:
