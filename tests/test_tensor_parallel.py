@@ -53,7 +53,7 @@ TWO_BY_TWO = [
     split("uncounted_slices", "block", uncounted_slices=True),
     # Lightning's convention: configure_model splits the blocks itself over self.device_mesh["tensor_parallel"]; the
     # split is taken as it is (no plan), with its negative control.
-    split("configured_gpipe", "block_configured"),
+    split("configured_gpipe", "block_configured", validate_after=True),
     split("configured_uncounted_slices", "block_configured", uncounted_slices=True),
     # An epoch checkpointed (SGD momentum: optimizer state), resumed for a second on another T and S: one file and
     # torch.distributed.checkpoint, T=2 -> 1 and 1 -> 2.
@@ -150,7 +150,9 @@ def test_counting_a_slice_on_every_rank_is_caught(launches, model, run):
 def test_blocks_configure_model_split_are_trained_as_it_split_them(launches):
     """Lightning's convention: configure_model's own parallelize_module over self.device_mesh["tensor_parallel"] is
     taken as it is: each rank holds half of its blocks' split layers (DTensors), the norms and row-wise biases whole,
-    as the same split by a plan holds them (its equality with one device: test_split_blocks_train_as_one_device)."""
+    as the same split by a plan holds them (its equality with one device: test_split_blocks_train_as_one_device).
+    A trainer.validate after the fit, whose configure_model builds nothing again, splits the blocks as before: the
+    fit's last val_loss again."""
     run_dir = launches["two_by_two"].result()
     planned = {result["held"]["parameters"] for result in rank_results(run_dir / "block_gpipe")}
     stage_bytes = sum(p.numel() * p.element_size() for p in TENSOR_PARALLEL_MODELS["block"]().blocks[:2].parameters())
@@ -159,6 +161,7 @@ def test_blocks_configure_model_split_are_trained_as_it_split_them(launches):
         assert result["held"]["parameters"] / stage_bytes == pytest.approx(0.5, rel=0.05)
         whole = {name.split(".", 1)[1] for name in result["held"]["whole"]}
         assert whole == {"norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias", "attn.out.bias", "mlp.down.bias"}
+        assert result["validated"] == pytest.approx(result["final_metrics"]["val_loss"], rel=1e-6)
 
 
 def test_a_checkpoint_resumes_on_another_tensor_parallel_size_as_one_device(launches):

@@ -318,11 +318,28 @@ class TakenSplit(ParallelStyle):
         return module
 
 
+# Where the split taken from configure_model stays on the LightningModule: the blocks are whole after a run, and a
+# later run on the same module (trainer.test after trainer.fit; configure_model builds nothing twice) splits them again.
+_TAKEN = "_lightning_pipe_split_taken"
+
+
 def take_split_modules(model: nn.Module, mesh: DeviceMesh | None) -> dict[str, TakenSplit]:
     """The modules of ``model`` that its ``configure_model`` split with ``parallelize_module`` (DTensor tensors, or
     torch's split hooks), by qualified name, each taken off: its split tensors whole (on the meta device where they
-    were built there), torch's hooks and mark removed. Raises naming the fix where one was split over a mesh other
-    than ``mesh``, the run's tensor-parallel dimension. A collective over the tensor-parallel ranks for real DTensors."""
+    were built there), torch's hooks and mark removed; where none is split, what an earlier run on ``model`` took.
+    Raises naming the fix where one was split over a mesh other than ``mesh``, the run's tensor-parallel dimension.
+    A collective over the tensor-parallel ranks for real DTensors."""
+    taken = _take_split_modules(model, mesh)
+    if not taken:
+        taken = model.__dict__.get(_TAKEN, {})
+        for name, split in taken.items():
+            for tensor, (used, _) in split.layouts.items():
+                _check_mesh(name, tensor, used, mesh)
+    model.__dict__[_TAKEN] = taken
+    return taken
+
+
+def _take_split_modules(model: nn.Module, mesh: DeviceMesh | None) -> dict[str, TakenSplit]:
     taken: dict[str, TakenSplit] = {}
     wholes: dict[int, Tensor] = {}  # a tensor shared by several modules stays one
     for name, module in model.named_modules():
