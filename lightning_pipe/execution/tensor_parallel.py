@@ -335,7 +335,8 @@ def take_split_modules(model: nn.Module, mesh: DeviceMesh | None) -> dict[str, T
         for name, split in taken.items():
             for tensor, (used, _) in split.layouts.items():
                 _check_mesh(name, tensor, used, mesh)
-    model.__dict__[_TAKEN] = taken
+    if taken:
+        model.__dict__[_TAKEN] = taken
     return taken
 
 
