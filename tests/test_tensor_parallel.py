@@ -1,6 +1,7 @@
-"""Tensor parallelism inside a stage (``tensor_parallel_size=T``): blocks split with DTensor by a user's plan or a
-Hugging Face model's own train as one device does, alone and with the sharded data-parallel replicas (the 3D layout);
-clipping by one norm over the slices; a rank holds about 1/T of its blocks; what does not fit is refused at set-up."""
+"""Tensor parallelism inside a stage (``tensor_parallel_size=T``): blocks split with DTensor by a user's plan, a
+Hugging Face model's own, or the module's configure_model itself (Lightning's convention) train as one device does,
+alone and with the sharded data-parallel replicas (the 3D layout); clipping by one norm over the slices; a rank holds
+about 1/T of its blocks, and the start-up table says so; what does not fit is refused at set-up."""
 
 from __future__ import annotations
 
