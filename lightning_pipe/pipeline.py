@@ -593,12 +593,13 @@ def whole_view(
 ) -> AbstractContextManager[None]:
     """FSDP and TP hook: one-file checkpoints read and write the modules sharded over the replicas as whole tensors
     (see :meth:`~lightning_pipe.execution.sharding.StageSharding.whole_view`); sharded ones (``as_shards``) their
-    DTensors as they are, each rank its shard. Blocks split with tensor parallelism are whole in both (see
-    :meth:`~lightning_pipe.execution.tensor_parallel.StageTensorParallel.whole_view`), so that a checkpoint resumes
-    on another tensor-parallel size."""
+    DTensors as they are, each rank its shard. Blocks split with tensor parallelism are whole in one-file checkpoints
+    (see :meth:`~lightning_pipe.execution.tensor_parallel.StageTensorParallel.whole_view`) and DTensors in sharded
+    ones, each rank its slice (torch.distributed.checkpoint reshards them): either resumes on another
+    tensor-parallel size."""
     sharding = pipeline.gradients.sharding if pipeline is not None else None
     split = pipeline.gradients.tensor_parallel if pipeline is not None else None
-    if split is not None and split.blocks:  # TP hook: the sharded DTensors of split blocks are whole too
+    if split is not None and split.blocks and not as_shards:  # TP hook: the sharded DTensors of split blocks too
         return _both_whole(sharding, split, optimizers)
     if as_shards or sharding is None or not sharding.modules:
         return nullcontext()

@@ -478,7 +478,7 @@ class GPipeStrategyMixin(PipelineView):
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         default_io = type(self.checkpoint_io).load_checkpoint is self.lightning_package.torch_checkpoint_io.load_checkpoint
-        with _whole_view(self._pipeline, self.optimizers, as_shards=True):  # TP hook: split blocks read whole
+        with _whole_view(self._pipeline, self.optimizers, as_shards=True):  # DTensors read as they are, each rank its part
             read = self._checkpoints().read(checkpoint_path, self.optimizers, default_io, weights_only)
         return read if read is not None else super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 

@@ -177,6 +177,26 @@ def test_a_checkpoint_resumes_on_another_tensor_parallel_size_as_one_device(laun
             assert result["train_losses"] == pytest.approx(losses[len(losses) // 2:], rel=1e-5), run["name"]
 
 
+def test_a_distributed_checkpoint_holds_each_ranks_slice_of_a_split_layer(launches):
+    """torch.distributed.checkpoint at T=2 writes split layers as DTensors, each tensor-parallel rank its slice (two
+    chunks, never gathered whole), their optimizer state alike; the norms whole (which the resume above reads back
+    at T=1, whole)."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_pipe.checkpoints.sharded import committed_directory
+
+    saved = next((launches["two_by_two"].result() / "resumed_2_to_1_dcp" / "checkpoints").iterdir())
+    metadata = dcp.FileSystemReader(str(committed_directory(saved))).read_metadata().state_dict_metadata
+
+    def chunks(key: str) -> list[tuple[list[int], list[int]]]:
+        return sorted((list(c.offsets), list(c.sizes)) for c in metadata[key].chunks)
+
+    assert chunks("model/blocks.0.attn.q.weight") == [([0, 0], [8, 16]), ([8, 0], [8, 16])]
+    assert chunks("model/blocks.0.attn.out.weight") == [([0, 0], [16, 8]), ([0, 8], [16, 8])]
+    assert chunks("optimizer0/state/blocks.0.attn.q.weight/momentum_buffer") == [([0, 0], [8, 16]), ([8, 0], [8, 16])]
+    assert chunks("model/blocks.0.norm1.weight") == [([0], [16])]
+
+
 def test_save_pretrained_from_split_blocks_loads_with_from_pretrained(launches):
     """save_pretrained at T=2 writes whole tensors (each once, by tensor-parallel index 0 of the first replica):
     LlamaForCausalLM.from_pretrained loads the trained model."""
