@@ -47,6 +47,7 @@ from lightning_pipe.execution.outside import (
     outside_module_stages,
 )
 from lightning_pipe.execution.process_groups import (
+    MESH_DIMENSIONS,
     PipelineGroups,
     broadcast_object,
     decide_over_world,
@@ -58,9 +59,12 @@ from lightning_pipe.execution.runtime import StageRuntime
 from lightning_pipe.execution.sharding import StageSharding
 from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.execution.tensor_parallel import (
+    BlockPlans,
     StageTensorParallel,
+    TakenSplit,
     refuse_split_ties,
     resolve_plan,
+    take_split_modules,
 )
 from lightning_pipe.execution.steps import TrainingStep, training_step_for
 from lightning_pipe.execution.tied import TiedParameters, parameters_shared_across_stages
@@ -91,7 +95,7 @@ from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.trace.stage_summary import (
     StageSummary,
     build_stage_summary,
-    largest_shard,
+    chunk_parameters_per_rank,
     model_checkpoint_note,
     outside_warning,
     self_checkpointing_warning,
@@ -161,7 +165,7 @@ def stage_summary(pipeline: BuiltPipeline, devices: Sequence[str], busy_seconds:
     """The stage table (see :mod:`lightning_pipe.trace.stage_summary`); ``devices[s]`` names where stage ``s`` of
     the first pipeline runs."""
     settings, config = pipeline.settings, pipeline.config
-    schedule, num_stages = settings.schedule, config.num_stages
+    schedule, num_stages, split = settings.schedule, config.num_stages, settings.tensor_parallel_size > 1
     return build_stage_summary(
         pipeline.plan,
         pipeline.region.label,
@@ -180,20 +184,18 @@ def stage_summary(pipeline: BuiltPipeline, devices: Sequence[str], busy_seconds:
         ),
         data_parallel=settings.data_parallel,  # type: ignore[arg-type]
         num_replicas=pipeline.groups.layout.num_replicas,
-        held_per_rank=_held_per_rank(pipeline) if settings.data_parallel != "replicate" else None,
+        held_per_rank=_held_per_rank(pipeline) if split or settings.data_parallel != "replicate" else None,
+        tensor_parallel=settings.tensor_parallel_size,
     )
 
 
 def _held_per_rank(pipeline: BuiltPipeline) -> list[int]:
-    """FSDP hook: each chunk's parameters held by the rank with the largest shards, a parameter that several blocks
-    share (tied: kept whole) counted whole."""
-    layers, replicas = pipeline.pipelined.sequential, pipeline.groups.layout.num_replicas  # type: ignore[union-attr]
-    users: dict[int, int] = {}
-    for layer in layers:
-        for parameter in layer.parameters():
-            users[id(parameter)] = users.get(id(parameter), 0) + 1
-    return [sum(p.numel() if users[id(p)] > 1 else largest_shard(p.shape, replicas)
-                for i in chunk for p in layers[i].parameters()) for chunk in pipeline.plan.ranges]
+    """FSDP and TP hook: each chunk's parameters held by the rank with the largest part (see
+    :func:`chunk_parameters_per_rank`)."""
+    replicas = pipeline.groups.layout.num_replicas if pipeline.settings.data_parallel != "replicate" else 1
+    plans = pipeline.gradients.tensor_plan
+    return chunk_parameters_per_rank(pipeline.pipelined.sequential, pipeline.plan.ranges, replicas,  # type: ignore[union-attr]
+                                     plans.rank_shapes if plans is not None else None)
 
 
 def announce(pipeline: BuiltPipeline, module: LightningModule, summary: StageSummary, category: type[Warning]) -> None:
@@ -242,16 +244,23 @@ class PipelineDecision:
     module_stages: dict[str, frozenset[int]]  # the stages holding each outside module
     outside: list[tuple[str, int, str]]
     choice: ScheduleChoice | None
+    tensor_plan: BlockPlans | None = None  # with tensor_parallel_size > 1: how each block is split
 
 
 def build_pipeline(module: LightningModule, settings: PipelineSettings, groups: PipelineGroups, precision: Any) -> BuiltPipeline:
     """Split ``module`` into stages and build this rank's: a collective, called on every rank at set-up.
-    ``precision`` is the strategy's precision plugin (its dtype and gradient scaler)."""
-    return assemble_rank(module, decide_pipeline(module, settings, groups), groups, precision)
+    ``precision`` is the strategy's precision plugin (its dtype and gradient scaler). Blocks that ``configure_model``
+    split itself are whole until this rank's are split back (see :func:`take_split_modules`)."""
+    taken = take_split_modules(module, groups.mesh[MESH_DIMENSIONS["tp"]] if groups.mesh is not None else None)
+    return assemble_rank(module, decide_pipeline(module, settings, groups, taken), groups, precision)
 
 
-def decide_pipeline(module: LightningModule, settings: PipelineSettings, groups: PipelineGroups) -> PipelineDecision:
-    """Decide the pipeline on every rank alike (rank 0 decides what measurements could make differ): a collective."""
+def decide_pipeline(
+    module: LightningModule, settings: PipelineSettings, groups: PipelineGroups,
+    taken: dict[str, TakenSplit] | None = None,
+) -> PipelineDecision:
+    """Decide the pipeline on every rank alike (rank 0 decides what measurements could make differ): a collective.
+    ``taken``: the split ``configure_model`` made, by module name (see :func:`take_split_modules`)."""
     config = settings.pipeline_config(groups.num_stages)
     check_every_rank_built_the_same_model(module, groups.layout)
     region = broadcast_object(  # every rank splits the same blocks
@@ -264,12 +273,16 @@ def decide_pipeline(module: LightningModule, settings: PipelineSettings, groups:
     if settings.is_auto:  # the configuration chosen now, before the chunks are cut (lightning_pipe.auto_schedule)
         settings, choice = decide_schedule(module, layers, settings, groups)
         config = settings.pipeline_config(groups.num_stages)
+    tensor_plan = None
+    if settings.tensor_parallel_size > 1:  # TP hook: the plan checked against the whole model, on every rank alike
+        tensor_plan = resolve_plan(module, region.names, list(layers), settings.tensor_parallel_plan,
+                                   settings.tensor_parallel_size, taken=taken)
     places = decide_outside_places(module, region, groups)
-    plan = decide_partition(module, layers, settings, groups, balance_charges(module, region, places))
+    plan = decide_partition(module, layers, settings, groups, balance_charges(module, region, places), tensor_plan)
     held = _blocks_held_by_stage(plan, settings, config.num_stages)
     module_stages = outside_module_stages(places, held, groups)
     outside = outside_rows(module, region, module_stages, config.num_stages)
-    return PipelineDecision(settings, config, region, layers, plan, held, module_stages, outside, choice)
+    return PipelineDecision(settings, config, region, layers, plan, held, module_stages, outside, choice, tensor_plan)
 
 
 def assemble_rank(
@@ -286,10 +299,8 @@ def assemble_rank(
     state_keys, parameter_order = list(module.state_dict().keys()), [name for name, _ in module.named_parameters()]
     aliases = tied_aliases(module)  # before materialising unties the stages' copies
     pretrained = plan_pretrained_load(module, settings.pretrained)  # checked on the whole model: every rank alike
-    tensor_plan = None
-    if settings.tensor_parallel_size > 1:  # TP hook: the plan checked against the whole model, on every rank alike
-        tensor_plan = resolve_plan(module, region.names, blocks, settings.tensor_parallel_plan,
-                                   settings.tensor_parallel_size)
+    tensor_plan = decision.tensor_plan
+    if tensor_plan is not None:  # TP hook: a split layer may not hold a parameter tied across stages
         refuse_split_ties(tensor_plan, [(tie.places, region.names) for tie in ties])
     stage = _install_stage(module, region, plan, settings, groups)
     held_elsewhere = {name: stages for name, stages in module_stages.items() if groups.stage not in stages}
@@ -431,9 +442,11 @@ def decide_partition(
     settings: PipelineSettings,
     groups: PipelineGroups,
     charges: Sequence[tuple[int, nn.Module]] = (),
+    tensor_plan: BlockPlans | None = None,
 ) -> PartitionPlan:
     """The split, decided on global rank 0 (profiling there when ``balance`` asks) and broadcast, so that every
-    rank applies the same split even where measurements differ between ranks."""
+    rank applies the same split even where measurements differ between ranks; ``"parameters"`` and ``"memory"``
+    count a rank's slice of the layers ``tensor_plan`` splits."""
     config = settings.chunk_config(groups.num_stages)
 
     def decide() -> PartitionPlan:
@@ -452,7 +465,8 @@ def decide_partition(
             return plan_partition(
                 module, sequential, config, settings.balance, settings.sample, groups.device, fraction, charges,
                 step, settings.schedule.per_micro_batch,  # type: ignore[union-attr]
-                StateLayout(settings.data_parallel, groups.layout.num_replicas),
+                StateLayout(settings.data_parallel, groups.layout.num_replicas,
+                            tensor_plan.rank_elements(list(sequential)) if tensor_plan is not None else {}),
             )
 
     return decided_on_rank_zero(decide, "partition the model", groups.rank, groups.watchdog)
@@ -579,12 +593,13 @@ def whole_view(
 ) -> AbstractContextManager[None]:
     """FSDP and TP hook: one-file checkpoints read and write the modules sharded over the replicas as whole tensors
     (see :meth:`~lightning_pipe.execution.sharding.StageSharding.whole_view`); sharded ones (``as_shards``) their
-    DTensors as they are, each rank its shard. Blocks split with tensor parallelism are whole in both (see
-    :meth:`~lightning_pipe.execution.tensor_parallel.StageTensorParallel.whole_view`), so that a checkpoint resumes
-    on another tensor-parallel size."""
+    DTensors as they are, each rank its shard. Blocks split with tensor parallelism are whole in one-file checkpoints
+    (see :meth:`~lightning_pipe.execution.tensor_parallel.StageTensorParallel.whole_view`) and DTensors in sharded
+    ones, each rank its slice (torch.distributed.checkpoint reshards them): either resumes on another
+    tensor-parallel size."""
     sharding = pipeline.gradients.sharding if pipeline is not None else None
     split = pipeline.gradients.tensor_parallel if pipeline is not None else None
-    if split is not None and split.blocks:  # TP hook: the sharded DTensors of split blocks are whole too
+    if split is not None and split.blocks and not as_shards:  # TP hook: the sharded DTensors of split blocks too
         return _both_whole(sharding, split, optimizers)
     if as_shards or sharding is None or not sharding.modules:
         return nullcontext()

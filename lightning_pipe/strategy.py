@@ -283,6 +283,8 @@ class GPipeStrategyMixin(PipelineView):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._setup_distributed()  # as Lightning's DDP strategy: the process groups before anything else
+        if self.lightning_module is not None:  # as Lightning's ModelParallelStrategy: for configure_model to split
+            self.lightning_module._device_mesh = self._groups.mesh  # type: ignore[union-attr]
 
     @override
     def set_world_ranks(self) -> None:
@@ -476,7 +478,7 @@ class GPipeStrategyMixin(PipelineView):
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         default_io = type(self.checkpoint_io).load_checkpoint is self.lightning_package.torch_checkpoint_io.load_checkpoint
-        with _whole_view(self._pipeline, self.optimizers, as_shards=True):  # TP hook: split blocks read whole
+        with _whole_view(self._pipeline, self.optimizers, as_shards=True):  # DTensors read as they are, each rank its part
             read = self._checkpoints().read(checkpoint_path, self.optimizers, default_io, weights_only)
         return read if read is not None else super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 

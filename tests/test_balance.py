@@ -265,3 +265,30 @@ def test_summary_names_the_schedule_its_ideal_bubble_and_each_chunk(balanced_run
     summary = json.loads((balanced_runs / name / "rank0.json").read_text())["summary"]
     assert title in summary.splitlines()[0]
     assert summary.splitlines()[1].startswith("Stage | Chunk | Rank" if "chunks" in title else "Stage | Rank")
+
+
+def test_parameters_and_memory_count_a_ranks_slice_of_split_layers():
+    """With tensor parallelism (T=2, Llama's own plan) a layer's split projections count half on a rank (36,864 of
+    its 36,992 parameters), its norms whole, and the modules outside the blocks (charged to the end stages) whole:
+    the embedding and the head then outweigh the blocks twice as much, and the middle stage takes more layers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_pipe.execution.tensor_parallel import resolve_plan
+    from lightning_pipe.partition.memory_estimate import StateLayout
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=1000))
+    layers = nn.Sequential(*model.model.layers)
+    charges = [(0, model.model.embed_tokens), (5, model.model.norm), (5, model.lm_head)]
+    plans = resolve_plan(model, [f"model.layers.{i}" for i in range(6)], list(layers), None, 2)
+    split = StateLayout(rank_elements=plans.rank_elements(list(layers)))
+    config = PipelineParallelConfig(3, 4)
+    whole = plan_partition(model, layers, config, "parameters", charges=charges)
+    halved = plan_partition(model, layers, config, "parameters", charges=charges, state_layout=split)
+    assert whole.costs == [64000 + 36992, *[36992] * 4, 36992 + 64064]
+    assert halved.costs == [64000 + 18560, *[18560] * 4, 18560 + 64064]
+    assert [len(r) for r in whole.ranges] == [2, 3, 1] and [len(r) for r in halved.ranges] == [1, 4, 1]
+    # "memory" on the meta device (no step to run: the state alone, fp32): the same slices, in bytes.
+    memory = plan_partition(model, layers, config, "memory", charges=charges, state_layout=split)
+    assert memory.costs == [4.0 * c for c in halved.costs] and memory.ranges == halved.ranges

@@ -159,3 +159,27 @@ def test_a_model_with_its_weights_keeps_the_measured_path():
     config = PipelineParallelConfig(num_stages=2, num_micro_batches=2)
     plan = plan_partition(real, real.layers, config, "memory", sample=torch.randint(0, 50, (8, 12)))
     assert plan.profiles is not None and len(plan.profiles) == 6  # profiled layer by layer, as before
+
+
+def test_a_ranks_state_counts_its_slice_of_the_split_layers():
+    """With tensor parallelism (T=2, Llama's own plan, on the meta device): a layer's state on a rank is its split
+    projections' half and its norms whole (18,560 of 36,992 parameters), each with its gradient and Adam's two
+    moments; an outside module charged to a block stays whole."""
+    from transformers import LlamaForCausalLM
+
+    from lightning_pipe.execution.tensor_parallel import resolve_plan
+    from lightning_pipe.partition.memory_estimate import StateLayout, state_bytes
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_config(layers=2))  # hidden 32, intermediate 64, 4 heads, 2 key-value heads
+    layers = list(model.model.layers)
+    plans = resolve_plan(model, ["model.layers.0", "model.layers.1"], layers, None, 2)
+    layout = StateLayout(rank_elements=plans.rank_elements(layers))
+    whole = sum(p.numel() for p in layers[0].parameters())
+    norms = sum(p.numel() for name, p in layers[0].named_parameters() if "norm" in name)
+    held = norms + (whole - norms) // 2
+    assert state_bytes(list(layers[0].parameters()), True, layout) == 4 * (2 + OPTIMIZER_STATES) * held
+    assert state_bytes(list(layers[0].parameters()), True) == 4 * (2 + OPTIMIZER_STATES) * whole
+    estimated = estimate_block_memory(model, layers, None, [(0, model.model.embed_tokens)], layout)
+    embedding = model.model.embed_tokens.weight.numel()
+    assert [b.state_bytes for b in estimated] == [4 * (held + embedding), 4 * held]

@@ -1,6 +1,7 @@
-"""Tensor parallelism inside a stage (``tensor_parallel_size=T``): blocks split with DTensor by a user's plan or a
-Hugging Face model's own train as one device does, alone and with the sharded data-parallel replicas (the 3D layout);
-clipping by one norm over the slices; a rank holds about 1/T of its blocks; what does not fit is refused at set-up."""
+"""Tensor parallelism inside a stage (``tensor_parallel_size=T``): blocks split with DTensor by a user's plan, a
+Hugging Face model's own, or the module's configure_model itself (Lightning's convention) train as one device does,
+alone and with the sharded data-parallel replicas (the 3D layout); clipping by one norm over the slices; a rank holds
+about 1/T of its blocks, and the start-up table says so; what does not fit is refused at set-up."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 from torch.utils.data import DataLoader
 
 from helpers.compare import merged_state_dict, rank_results, relative_weight_error
@@ -19,11 +21,14 @@ from helpers.recording import MetricRecorder
 from helpers.stock_models import LlamaModule, Qwen2Module
 from helpers.tensor_parallel_models import BLOCK_PLAN, TENSOR_PARALLEL_MODELS, Block, loaders_for
 from lightning_pipe import GPipeStrategy
-from lightning_pipe.execution.tensor_parallel import resolve_plan
+from lightning_pipe.execution.tensor_parallel import BlockPlans, TakenSplit, resolve_plan
 from lightning_pipe.integration.hydra_schema import validate_config
 from lightning_pipe.commands.plan import main as plan_command
+from lightning_pipe.partition.balance import plan_partition
+from lightning_pipe.partition.counts import PipelineParallelConfig
 from lightning_pipe.partition.topology import PipelineLayout
 from lightning_pipe.settings import PipelineSettings
+from lightning_pipe.trace.stage_summary import build_stage_summary, chunk_parameters_per_rank
 
 CLIP = {"gradient_clip_val": 0.1}  # clips every step (the norms are 0.5-2)
 
@@ -31,8 +36,8 @@ CLIP = {"gradient_clip_val": 0.1}  # clips every step (the norms are 0.5-2)
 def split(name: str, model: str, schedule: str = "gpipe", data_parallel: str = "replicate", **extra) -> dict:
     strategy = {"num_stages": 2, "tensor_parallel_size": 2, "num_micro_batches": 2, "schedule": schedule,
                 "data_parallel": data_parallel}
-    if model.startswith("block"):
-        strategy["tensor_parallel_plan"] = BLOCK_PLAN  # the Hugging Face models bring their own
+    if model.startswith("block") and model != "block_configured":
+        strategy["tensor_parallel_plan"] = BLOCK_PLAN  # the Hugging Face models and configure_model bring their own
     return {"name": name, "model": model, "strategy": strategy, "trainer": CLIP, **extra}
 
 
@@ -47,6 +52,10 @@ TWO_BY_TWO = [
     split("qwen2_gpipe", "qwen2"),
     split("qwen2_1f1b", "qwen2", "1f1b"),
     split("uncounted_slices", "block", uncounted_slices=True),
+    # Lightning's convention: configure_model splits the blocks itself over self.device_mesh["tensor_parallel"]; the
+    # split is taken as it is (no plan), with its negative control.
+    split("configured_gpipe", "block_configured", validate_after=True),
+    split("configured_uncounted_slices", "block_configured", uncounted_slices=True),
     # An epoch checkpointed (SGD momentum: optimizer state), resumed for a second on another T and S: one file and
     # torch.distributed.checkpoint, T=2 -> 1 and 1 -> 2.
     {**split("resumed_2_to_1", "block_momentum"), "first_strategy": split("", "block")["strategy"],
@@ -94,6 +103,7 @@ def one_device(model_name: str, replicas: int = 1, max_epochs: int = 1) -> tuple
     seed_everything(0)
     hugging_face = model_name in ("llama", "qwen2")
     model = TENSOR_PARALLEL_MODELS[model_name](**({"batch_size": 8 * replicas} if hugging_face else {}))
+    model.configure_model()  # the blocks a model builds there (whole: no mesh on one device) have initial weights
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     train, val = loaders_for(model, 8 * replicas) or (model.train_dataloader(), model.val_dataloader())
     if replicas > 1:  # a shuffling DistributedSampler's order (seed 0, epoch 0), one step of all replicas a batch
@@ -129,12 +139,30 @@ def test_split_blocks_train_as_one_device(launches, layout):
         assert len(results[0]["clipping_norms"]) == len(losses)
 
 
-def test_counting_a_slice_on_every_rank_is_caught(launches):
+@pytest.mark.parametrize("model, run", [("block", "uncounted_slices"), ("block_configured", "configured_uncounted_slices")])
+def test_counting_a_slice_on_every_rank_is_caught(launches, model, run):
     """Negative control: a norm that counts the row-wise biases (whole on each tensor-parallel rank) twice clips by
-    another coefficient, and the comparison fails."""
+    another coefficient, and the comparison fails (blocks split by a plan, or by configure_model itself)."""
     run_dir = launches["two_by_two"].result()
-    initial, expected, _ = one_device("block")
-    assert relative_weight_error(initial, expected, merged_state_dict(run_dir / "uncounted_slices")) > 1e-3
+    initial, expected, _ = one_device(model)
+    assert relative_weight_error(initial, expected, merged_state_dict(run_dir / run)) > 1e-3
+
+
+def test_blocks_configure_model_split_are_trained_as_it_split_them(launches):
+    """Lightning's convention: configure_model's own parallelize_module over self.device_mesh["tensor_parallel"] is
+    taken as it is: each rank holds half of its blocks' split layers (DTensors), the norms and row-wise biases whole,
+    as the same split by a plan holds them (its equality with one device: test_split_blocks_train_as_one_device).
+    A trainer.validate after the fit, whose configure_model builds nothing again, splits the blocks as before: the
+    fit's last val_loss again."""
+    run_dir = launches["two_by_two"].result()
+    planned = {result["held"]["parameters"] for result in rank_results(run_dir / "block_gpipe")}
+    stage_bytes = sum(p.numel() * p.element_size() for p in TENSOR_PARALLEL_MODELS["block"]().blocks[:2].parameters())
+    for result in rank_results(run_dir / "configured_gpipe"):
+        assert {result["held"]["parameters"]} == planned
+        assert result["held"]["parameters"] / stage_bytes == pytest.approx(0.5, rel=0.05)
+        whole = {name.split(".", 1)[1] for name in result["held"]["whole"]}
+        assert whole == {"norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias", "attn.out.bias", "mlp.down.bias"}
+        assert result["validated"] == pytest.approx(result["final_metrics"]["val_loss"], rel=1e-6)
 
 
 def test_a_checkpoint_resumes_on_another_tensor_parallel_size_as_one_device(launches):
@@ -147,6 +175,26 @@ def test_a_checkpoint_resumes_on_another_tensor_parallel_size_as_one_device(laun
         assert error < 1e-5, f"{run['name']}: weights {error:.2e} of their change from one device's"
         for result in rank_results(run_dir / run["name"]):  # the resumed epoch's steps
             assert result["train_losses"] == pytest.approx(losses[len(losses) // 2:], rel=1e-5), run["name"]
+
+
+def test_a_distributed_checkpoint_holds_each_ranks_slice_of_a_split_layer(launches):
+    """torch.distributed.checkpoint at T=2 writes split layers as DTensors, each tensor-parallel rank its slice (two
+    chunks, never gathered whole), their optimizer state alike; the norms whole (which the resume above reads back
+    at T=1, whole)."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_pipe.checkpoints.sharded import committed_directory
+
+    saved = next((launches["two_by_two"].result() / "resumed_2_to_1_dcp" / "checkpoints").iterdir())
+    metadata = dcp.FileSystemReader(str(committed_directory(saved))).read_metadata().state_dict_metadata
+
+    def chunks(key: str) -> list[tuple[list[int], list[int]]]:
+        return sorted((list(c.offsets), list(c.sizes)) for c in metadata[key].chunks)
+
+    assert chunks("model/blocks.0.attn.q.weight") == [([0, 0], [8, 16]), ([8, 0], [8, 16])]
+    assert chunks("model/blocks.0.attn.out.weight") == [([0, 0], [16, 8]), ([0, 8], [16, 8])]
+    assert chunks("optimizer0/state/blocks.0.attn.q.weight/momentum_buffer") == [([0, 0], [8, 16]), ([8, 0], [8, 16])]
+    assert chunks("model/blocks.0.norm1.weight") == [([0], [16])]
 
 
 def test_save_pretrained_from_split_blocks_loads_with_from_pretrained(launches):
@@ -220,6 +268,50 @@ def test_what_a_split_cannot_divide_is_refused_with_the_fix():
         resolve_plan(llama, [f"model.model.layers.{i}" for i in range(2)], layers, None, 4)
     with pytest.raises(ValueError, match=r"no Hugging Face model with a tensor-parallel plan .* holds the blocks"):
         resolve_plan(holder, names, blocks, None, 2)
+
+
+def test_a_split_from_configure_model_is_taken_alone_and_inside_the_blocks():
+    """What configure_model split itself is each block's plan, by name inside the block; a plan set as well is
+    refused naming both, and a split module outside the blocks naming it."""
+    holder = nn.Module()
+    holder.blocks, holder.head = nn.Sequential(Block(), Block()), nn.Linear(16, 3)
+    blocks, names = list(holder.blocks), ["blocks.0", "blocks.1"]
+    taken = {"blocks.0.attn.q": TakenSplit({}, {}), "blocks.1.mlp.up": TakenSplit({}, {})}
+    plans = resolve_plan(holder, names, blocks, None, 2, taken=taken)
+    assert plans.styles == {0: {"attn.q": taken["blocks.0.attn.q"]}, 1: {"mlp.up": taken["blocks.1.mlp.up"]}}
+    with pytest.raises(ValueError, match=r"configure_model\(\) split \['blocks.0.attn.q', 'blocks.1.mlp.up'\] with"
+                                         r" parallelize_module, and tensor_parallel_plan=\{'mlp.up': 'colwise'\} is"
+                                         r" set as well: a block is split once"):
+        resolve_plan(holder, names, blocks, {"mlp.up": "colwise"}, 2, taken=taken)
+    with pytest.raises(ValueError, match=r"split 'head' with parallelize_module, but it lies outside the pipelined"):
+        resolve_plan(holder, names, blocks, None, 2, taken={"head": TakenSplit({}, {})})
+
+
+def test_the_stage_table_says_what_a_tensor_parallel_rank_holds():
+    """The start-up table's T column, and Params/rank: a block of 2,224 parameters holds 1,160 on a rank at T=2
+    (q, k, v and mlp.up split column-wise with their biases, attn.out and mlp.down row-wise with their biases
+    whole, the norms whole); a split that configure_model made counts by its placements; with replicas sharding the
+    stage too, the slices are sharded again."""
+    holder = nn.Module()
+    holder.blocks = nn.Sequential(*(Block() for _ in range(4)))
+    blocks, names = list(holder.blocks), [f"blocks.{i}" for i in range(4)]
+    plans = resolve_plan(holder, names, blocks, BLOCK_PLAN, 2)
+    plan = plan_partition(holder, holder.blocks, PipelineParallelConfig(2, 2), None)
+    held = chunk_parameters_per_rank(blocks, plan.ranges, 1, plans.rank_shapes)
+    assert sum(p.numel() for p in blocks[0].parameters()) == 2224 and held == [2 * 1160, 2 * 1160]
+    text = str(build_stage_summary(plan, "blocks", [2, 0], ["cpu", "cpu"], 0, 2, "never", held_per_rank=held,
+                                   tensor_parallel=2))
+    header, rows = text.splitlines()[1], text.splitlines()[3:5]
+    assert [cell.strip() for cell in header.split("|")][5:8] == ["Params", "T", "Params/rank"]
+    assert [[cell.strip() for cell in row.split("|")][5:8] for row in rows] == [["4.4 K", "2", "2.3 K"]] * 2
+    assert "tensor_parallel_size=2: each stage's blocks split over its T ranks (DTensor)" in text
+    assert "data_parallel=" not in text
+    layouts = {"q": {"weight": (None, (Shard(0),)), "bias": (None, (Shard(0),))},
+               "out": {"weight": (None, (Shard(1),)), "bias": (None, (Replicate(),))}}
+    taken = BlockPlans({0: {f"attn.{n}": TakenSplit(layout, {}) for n, layout in layouts.items()}}, size=2)
+    assert taken.rank_shapes(0, blocks[0]) == {"attn.q.weight": (8, 16), "attn.q.bias": (8,), "attn.out.weight": (16, 8)}
+    sharded = chunk_parameters_per_rank(blocks, plan.ranges, 2, plans.rank_shapes)
+    assert sharded == [2 * 580, 2 * 580]  # each slice's rows halved again: norms 32, q/k/v 3 x 68, out 72, mlp 2 x 136
 
 
 def test_plan_tabulates_layouts_with_a_tensor_parallel_dimension(capsys):

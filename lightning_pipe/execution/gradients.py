@@ -241,12 +241,12 @@ class StageGradients:
                     dist.broadcast(tensor.data, src=source, group=groups.replicas)
         if self.tensor_plan is not None:  # TP hook: the stage's blocks split over its tensor-parallel ranks
             self.tensor_parallel = parallelize_stage(((i, stage.originals[i]) for i in stage.indices), self.tensor_plan,
-                                                     groups.mesh["tp"], groups.tensor_parallel)  # type: ignore[index, arg-type]
+                                                     groups.mesh["tensor_parallel"], groups.tensor_parallel)  # type: ignore[index, arg-type]
         if self.data_parallel != "replicate":  # FSDP hook: the replicas' identical blocks sharded now
             kept_whole = [*self.replicated, *self.tied.parameters, *self.ownership.parameters]
             blocks = [(stage.region.names[i], stage.originals[i]) for i in stage.indices]
             # With split blocks, FSDP2 shards over the replicas' dimension of the run's mesh, beside the split's.
-            mesh = groups.mesh["dp"] if self.tensor_plan is not None else None  # type: ignore[index]
+            mesh = groups.mesh["data_parallel"] if self.tensor_plan is not None else None  # type: ignore[index]
             self.sharding = shard_stage(blocks, self.data_parallel, groups.replicas, groups.device, kept_whole,
                                         groups.watchdog, held_outside, precision, mesh)
 

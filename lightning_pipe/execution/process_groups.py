@@ -21,6 +21,11 @@ from lightning_pipe.reliability.stall_rule import Wait
 from lightning_pipe.reliability.watchdog import UNWATCHED, StallWatchdog
 
 
+# The mesh's dimensions by the layout's short names (``mesh_order``), named as Lightning's ModelParallelStrategy names
+# its own, so that a LightningModule's configure_model splits its blocks over self.device_mesh["tensor_parallel"].
+MESH_DIMENSIONS = {"pp": "pipeline_parallel", "dp": "data_parallel", "tp": "tensor_parallel"}
+
+
 @dataclass(frozen=True)
 class PipelineGroups:
     """Everything a rank needs to talk to the rest of the run.
@@ -28,8 +33,9 @@ class PipelineGroups:
     ``pipeline`` joins the stages of this rank's replica and tensor-parallel index (activations and gradients travel
     there), ``replicas`` the ranks holding this stage's slice in every replica (they average gradients), ``pipeline_cpu``
     is a CPU (gloo) group over the same ranks as ``pipeline``: headers and step results travel there, so reading them
-    never waits on a GPU stream. ``mesh`` is the whole run's ``DeviceMesh`` (``"pp"``, ``"dp"``, ``"tp"``): the
-    tensor-parallel blocks and the sharded blocks take their dimensions of it.
+    never waits on a GPU stream. ``mesh`` is the whole run's ``DeviceMesh`` (dimensions named as Lightning's
+    ``ModelParallelStrategy`` names them: :data:`MESH_DIMENSIONS`): the tensor-parallel blocks and the sharded blocks
+    take their dimensions of it, and the LightningModule's ``configure_model`` finds it as ``self.device_mesh``.
     """
 
     layout: PipelineLayout
@@ -57,7 +63,9 @@ class PipelineGroups:
     @property
     def tensor_parallel(self) -> dist.ProcessGroup | None:
         """The ranks splitting this stage's tensor-parallel blocks with this rank; None without tensor parallelism."""
-        return self.mesh.get_group("tp") if self.mesh is not None and self.layout.tensor_parallel > 1 else None
+        if self.mesh is None or self.layout.tensor_parallel == 1:
+            return None
+        return self.mesh.get_group(MESH_DIMENSIONS["tp"])
 
     @property
     def tensor_index(self) -> int:
@@ -106,18 +114,18 @@ def init_pipeline_groups(
     timeout: timedelta | None,
     watchdog: StallWatchdog = UNWATCHED,
 ) -> PipelineGroups:
-    """The groups of ``layout`` over the initialised default group: a ``DeviceMesh`` with a ``"pp"`` (pipeline), a
-    ``"dp"`` (replica) and a ``"tp"`` (tensor-parallel) dimension, outermost first as ``layout.order`` says, and the
-    CPU group for headers."""
+    """The groups of ``layout`` over the initialised default group: a ``DeviceMesh`` with a ``"pipeline_parallel"``, a
+    ``"data_parallel"`` (replica) and a ``"tensor_parallel"`` dimension, outermost first as ``layout.order`` says, and
+    the CPU group for headers."""
     order, sizes = layout.order, layout.sizes
     mesh = init_device_mesh(
         device.type,
         tuple(sizes[name] for name in order),
-        mesh_dim_names=order,
+        mesh_dim_names=tuple(MESH_DIMENSIONS[name] for name in order),
         backend_override=_mesh_backends(backend, timeout, order, layout.world_size == layout.num_stages),
     )
     if backend == "gloo":
-        pipeline_cpu = mesh.get_group("pp")
+        pipeline_cpu = mesh.get_group(MESH_DIMENSIONS["pp"])
     else:
         pipelines = [layout.pipeline_ranks(replica, tensor) for replica, tensor in layout.pipelines()]
         pipeline_cpu, _ = dist.new_subgroups_by_enumeration(pipelines, backend="gloo", timeout=timeout)
@@ -125,9 +133,8 @@ def init_pipeline_groups(
     if layout.num_replicas > 1 and layout.tensor_parallel > 1:
         stages = [[layout.rank(stage, *pipeline) for pipeline in layout.pipelines()] for stage in range(layout.num_stages)]
         holders, _ = dist.new_subgroups_by_enumeration(stages, timeout=timeout)
-    return PipelineGroups(
-        layout, rank, device, timeout, mesh.get_group("pp"), mesh.get_group("dp"), pipeline_cpu, watchdog, mesh, holders
-    )
+    pipeline, replicas = (mesh.get_group(MESH_DIMENSIONS[name]) for name in ("pp", "dp"))
+    return PipelineGroups(layout, rank, device, timeout, pipeline, replicas, pipeline_cpu, watchdog, mesh, holders)
 
 
 def _mesh_backends(
@@ -141,7 +148,7 @@ def _mesh_backends(
         return None
     options = dist.ProcessGroupGloo._Options() if backend == "gloo" else dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
-    return {name: (backend, options) for name in order}
+    return {MESH_DIMENSIONS[name]: (backend, options) for name in order}
 
 
 # ---- collectives over every rank, each wait watched --------------------------------------------------------------

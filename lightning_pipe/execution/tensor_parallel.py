@@ -15,6 +15,13 @@ index), and only inside a block do they talk. A split layer's parameters are DTe
 the gradients of the whole ones (norms) come out identical on the T ranks, as DTensor's backward sums the input
 gradients of the column-wise layers over them.
 
+Lightning's convention is the third place a plan lives: the LightningModule's ``configure_model`` calls
+``parallelize_module`` itself with ``self.device_mesh["tensor_parallel"]`` (the run's mesh, dimensions named as
+Lightning's ``ModelParallelStrategy`` names them). Its blocks arrive split, on the meta device; set-up takes each
+split module's layout and torch's hooks off (:func:`take_split_modules`), so that the pipeline decides, places and
+initialises whole blocks as for any plan, and puts that same split back on the ranks holding each block
+(:class:`TakenSplit`): no second plan on top.
+
 Checked at set-up (:func:`resolve_plan`), on the whole model before anything is allocated: every name matches a
 linear layer (or embedding) of some block, every split width and every head count divides by T.
 """
@@ -22,6 +29,7 @@ linear layer (or embedding) of some block, every split width and every head coun
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,11 +39,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.optim import Optimizer
 
 from lightning_pipe.execution.sharding import replace_in_optimizer
+from lightning_pipe.partition.tensor_slices import rank_slice_shapes
 
 # The plan's strings (the names Hugging Face's plans use): how each makes a torch ParallelStyle.
 STYLES: dict[str, Callable[[], ParallelStyle]] = {
@@ -78,25 +87,46 @@ class BlockPlans:
     styles: dict[int, dict[str, Any]]  # block index -> {module name in the block: style name or ParallelStyle}
     function: PlanFunction | None = None
     source: str = "the tensor_parallel_plan"
+    size: int = 1  # the stage's tensor-parallel ranks
+
+    def rank_shapes(self, index: int, block: nn.Module) -> dict[str, tuple[int, ...]]:
+        """What one rank holds of each parameter of block ``index`` that the plan splits, by name in the block (a
+        function's split is not known before it runs: none)."""
+        return rank_slice_shapes(block, self.styles.get(index, {}), self.size)
+
+    def rank_elements(self, blocks: Sequence[nn.Module]) -> dict[int, int]:
+        """The elements one rank holds of each split parameter of ``blocks`` (whole, as built), by its id."""
+        return {id(block.get_parameter(name)): math.prod(shape)
+                for index, block in enumerate(blocks) for name, shape in self.rank_shapes(index, block).items()}
 
     def apply(self, index: int, block: nn.Module, mesh: DeviceMesh) -> None:
         if self.function is not None:
             self.function(block, mesh)
             return
-        styles = self.styles.get(index)
-        if styles:
-            parallelize_module(block, mesh, {name: _style(style) for name, style in styles.items()})
+        styles = self.styles.get(index, {})
+        for name, style in styles.items():
+            if isinstance(style, TakenSplit):  # the block's own split, back as configure_model made it
+                style._apply(block.get_submodule(name), mesh)
+        planned = {name: _style(style) for name, style in styles.items() if not isinstance(style, TakenSplit)}
+        if planned:
+            parallelize_module(block, mesh, planned)
 
 
 def resolve_plan(
-    model: nn.Module, block_names: Sequence[str], blocks: Sequence[nn.Module], plan: Any, size: int, key: str = ""
+    model: nn.Module, block_names: Sequence[str], blocks: Sequence[nn.Module], plan: Any, size: int, key: str = "",
+    taken: Mapping[str, TakenSplit] | None = None,
 ) -> BlockPlans:
-    """Each block's plan from the setting ``plan`` (see :func:`checked_plan`), checked against the blocks (built
+    """Each block's plan from the setting ``plan`` (see :func:`checked_plan`), or from the split ``configure_model``
+    made (``taken``, by qualified module name: see :func:`take_split_modules`), checked against the blocks (built
     whole, on any device, the meta one included) for ``size`` tensor-parallel ranks; raises naming what does not fit
     and how to fix it."""
+    if taken:
+        styles = _taken_plans(block_names, plan, taken, key)
+        _check_head_counts(model, block_names, blocks, size, key)
+        return BlockPlans(styles, None, "configure_model's parallelize_module", size)
     if callable(plan) and not isinstance(plan, Mapping):
         _check_head_counts(model, block_names, blocks, size, key)
-        return BlockPlans({}, plan, "the tensor_parallel_plan function")
+        return BlockPlans({}, plan, "the tensor_parallel_plan function", size)
     if plan is None:
         styles, source = _hugging_face_plans(model, block_names, size, key)
     else:
@@ -105,7 +135,7 @@ def resolve_plan(
         for name, style in block_styles.items():
             _check_width(f"{block_names[index]}.{name}", blocks[index].get_submodule(name), style, size, source, key)
     _check_head_counts(model, block_names, blocks, size, key)
-    return BlockPlans(styles, None, source)
+    return BlockPlans(styles, None, source, size)
 
 
 def refuse_split_ties(plans: BlockPlans, ties: Sequence[tuple[Sequence[tuple[int, str]], Sequence[str]]]) -> None:
@@ -120,6 +150,28 @@ def refuse_split_ties(plans: BlockPlans, ties: Sequence[tuple[Sequence[tuple[int
                     " is shared with a block of another stage (tied); the stages keep a tied parameter whole. Leave"
                     f" {layer!r} out of the plan, or untie the parameter."
                 )
+
+
+def _taken_plans(block_names: Sequence[str], plan: Any, taken: Mapping[str, TakenSplit], key: str) -> dict:
+    """The split ``configure_model`` made, by block: each split module's name inside its block."""
+    split = list(taken)
+    if plan is not None:
+        raise ValueError(
+            f"configure_model() split {split[:3]} with parallelize_module, and {key}tensor_parallel_plan={plan!r} is"
+            " set as well: a block is split once. Leave tensor_parallel_plan unset to train the blocks as"
+            " configure_model split them, or build them whole there and keep the plan."
+        )
+    styles: dict[int, dict[str, Any]] = {}
+    for name, style in taken.items():
+        index = next((i for i, block in enumerate(block_names) if name == block or name.startswith(f"{block}.")), None)
+        if index is None:
+            raise ValueError(
+                f"configure_model() split {name!r} with parallelize_module, but it lies outside the pipelined blocks"
+                f" ({block_names[0]!r}, ...): only the blocks are split over a stage's tensor-parallel ranks, the"
+                " modules outside them stay whole on every rank. Split only the blocks' own layers."
+            )
+        styles.setdefault(index, {})[name[len(block_names[index]) + 1:]] = style
+    return styles
 
 
 def _user_plans(block_names: Sequence[str], blocks: Sequence[nn.Module], plan: Mapping[str, Any], key: str) -> dict:
@@ -240,6 +292,95 @@ def _matches(pattern: str, name: str) -> bool:
 
 def _style(style: Any) -> ParallelStyle:
     return STYLES[style]() if isinstance(style, str) else style
+
+
+class TakenSplit(ParallelStyle):
+    """How ``configure_model`` split one module with ``parallelize_module``, taken off it at set-up: the layout of
+    each split tensor (its mesh and placements) and torch's hooks around the module's forward. Applied where the
+    module is held, it splits the module's whole tensors (identical on the stage's tensor-parallel ranks) the same way
+    and puts the hooks back: the module as configure_model made it, with the values the pipeline initialised."""
+
+    def __init__(self, layouts: dict[str, tuple[DeviceMesh, tuple[Placement, ...]]],
+                 hooks: dict[str, dict[int, Callable]]) -> None:
+        self.layouts = layouts  # tensor name in the module -> (mesh, placements)
+        self.hooks = hooks  # "_forward_pre_hooks" / "_forward_hooks" -> the module's hooks of torch's split, by key
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, (mesh, placements) in self.layouts.items():
+            whole = getattr(module, name)
+            split = distribute_tensor(whole.detach(), mesh, placements, src_data_rank=None)
+            if name in module._parameters:
+                module._parameters[name] = nn.Parameter(split, whole.requires_grad)
+            else:
+                module._buffers[name] = split
+        for kind, hooks in self.hooks.items():
+            getattr(module, kind).update(hooks)
+        module._distribute_module_applied = True  # type: ignore[assignment]  # as distribute_module marks it
+        return module
+
+
+# Where the split taken from configure_model stays on the LightningModule: the blocks are whole after a run, and a
+# later run on the same module (trainer.test after trainer.fit; configure_model builds nothing twice) splits them again.
+_TAKEN = "_lightning_pipe_split_taken"
+
+
+def take_split_modules(model: nn.Module, mesh: DeviceMesh | None) -> dict[str, TakenSplit]:
+    """The modules of ``model`` that its ``configure_model`` split with ``parallelize_module`` (DTensor tensors, or
+    torch's split hooks), by qualified name, each taken off: its split tensors whole (on the meta device where they
+    were built there), torch's hooks and mark removed; where none is split, what an earlier run on ``model`` took.
+    Raises naming the fix where one was split over a mesh other than ``mesh``, the run's tensor-parallel dimension.
+    A collective over the tensor-parallel ranks for real DTensors."""
+    taken = _take_split_modules(model, mesh)
+    if not taken:
+        taken = model.__dict__.get(_TAKEN, {})
+        for name, split in taken.items():
+            for tensor, (used, _) in split.layouts.items():
+                _check_mesh(name, tensor, used, mesh)
+    if taken:
+        model.__dict__[_TAKEN] = taken
+    return taken
+
+
+def _take_split_modules(model: nn.Module, mesh: DeviceMesh | None) -> dict[str, TakenSplit]:
+    taken: dict[str, TakenSplit] = {}
+    wholes: dict[int, Tensor] = {}  # a tensor shared by several modules stays one
+    for name, module in model.named_modules():
+        split = {key: t for store in (module._parameters, module._buffers) for key, t in store.items()
+                 if isinstance(t, DTensor)}
+        hooks = {kind: {k: h for k, h in getattr(module, kind).items() if _is_torch_split_hook(h)}
+                 for kind in ("_forward_pre_hooks", "_forward_hooks")}
+        if not split and not any(hooks.values()):
+            continue
+        for key, tensor in split.items():
+            _check_mesh(name, key, tensor.device_mesh, mesh)
+            if id(tensor) not in wholes:
+                value = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta") if tensor.is_meta else (
+                    tensor.full_tensor().detach())
+                wholes[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if key in module._parameters else value
+            (module._parameters if key in module._parameters else module._buffers)[key] = wholes[id(tensor)]
+        for kind, found in hooks.items():
+            for k in found:
+                del getattr(module, kind)[k]
+        module.__dict__.pop("_distribute_module_applied", None)
+        taken[name] = TakenSplit({key: (t.device_mesh, tuple(t.placements)) for key, t in split.items()}, hooks)
+    return taken
+
+
+def _is_torch_split_hook(hook: Any) -> bool:
+    """Whether ``hook`` is one that torch's ``distribute_module`` (under every ParallelStyle) registered."""
+    return getattr(hook, "__module__", None) == "torch.distributed.tensor._api" and getattr(
+        hook, "__qualname__", "").startswith("distribute_module.")
+
+
+def _check_mesh(module: str, tensor: str, used: DeviceMesh, run: DeviceMesh | None) -> None:
+    ranks = used.mesh.flatten().tolist()
+    expected = run.mesh.flatten().tolist() if run is not None else None
+    if used.ndim != 1 or ranks != expected:
+        raise ValueError(
+            f"configure_model() split {module}.{tensor} over the ranks {ranks} (a mesh of shape {tuple(used.shape)}),"
+            f" but a stage's tensor-parallel ranks here are {expected}: split the blocks over"
+            " self.device_mesh['tensor_parallel'], the run's tensor-parallel dimension."
+        )
 
 
 class StageTensorParallel:

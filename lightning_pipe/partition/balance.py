@@ -272,6 +272,8 @@ def plan_partition(
     ``step(module)`` (the training step on the first batch's shapes; else ``module``'s forward on ``sample``) run on
     the meta device, the loss's held for the whole batch, or one micro-batch with ``loss_per_micro_batch``; the
     blocks' state held as ``state_layout`` says (sharded over a stage's replicas with ``data_parallel="shard"``).
+    ``"parameters"`` and ``"memory"`` count what one rank holds: with tensor parallelism, ``1/T`` of the layers the
+    plan splits (``state_layout.rank_elements``), the rest of the block and the outside modules whole.
     """
     blocks = [
         BlockInfo(
@@ -297,8 +299,9 @@ def plan_partition(
         outside_share = 1 / micro_batches if loss_per_micro_batch else 1.0  # the loss on the whole batch, or on one
         costs = memory_costs(estimated, held_micro_batches(micro_batches, recompute_fraction), outside_share)
         unit = "bytes"
-    elif balance == "parameters":
-        costs = charged([float(block.parameters) for block in blocks], "parameters", charges)
+    elif balance == "parameters":  # a rank's: with tensor parallelism, its slice of the split layers
+        held = [float(sum(state_layout.elements(p) for p in block.parameters())) for block in sequential]
+        costs = charged(held, "parameters", charges)
         unit = "parameters"
     else:
         profiles = profile_blocks(

@@ -20,8 +20,8 @@ costs :func:`lightning_pipe.partition.balance.min_max_partition` splits. A model
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -76,6 +76,13 @@ class StateLayout:
 
     data_parallel: str = "replicate"
     replicas: int = 1
+    # With tensor parallelism: the elements one rank holds of each parameter a block's plan splits (by the
+    # parameter's id; see lightning_pipe.partition.tensor_slices); the others are held whole.
+    rank_elements: Mapping[int, int] = field(default_factory=dict, compare=False)
+
+    def elements(self, parameter: Tensor) -> int:
+        """The elements of ``parameter`` a rank holds before the replicas shard it: its tensor-parallel slice."""
+        return self.rank_elements.get(id(parameter), parameter.numel())
 
     def copies(self, trained: bool = True) -> float:
         """Parameter-sized tensors a rank holds at its step's peak for each parameter of its stage's blocks: the
@@ -117,10 +124,11 @@ def rank_state_bytes(
 
 def state_bytes(parameters: Sequence[nn.Parameter], training: bool = True, layout: StateLayout = StateLayout()) -> int:
     """A parameter's bytes, and when ``training``, those of its gradient and :data:`OPTIMIZER_STATES` tensors of its
-    size for each one that requires a gradient; held as ``layout`` says (by default whole)."""
+    size for each one that requires a gradient; held as ``layout`` says (by default whole; with tensor parallelism a
+    split parameter's slice)."""
     total = 0.0
     for p in parameters:
-        size = p.numel() * p.element_size()
+        size = layout.elements(p) * p.element_size()
         total += size * layout.copies(training and p.requires_grad)
     return round(total)
 
@@ -133,7 +141,7 @@ def estimate_block_memory(
     layout: StateLayout = StateLayout(),
 ) -> list[BlockMemory]:
     """Each block's :class:`BlockMemory`, without weights: the state from shapes and dtypes, held as ``layout`` says
-    (``charges``: outside modules added to the block whose stage holds them, whole on every replica), the
+    (``charges``: outside modules added to the block whose stage holds them, whole on every rank), the
     activations from ``calling(model)`` (the training step on the first batch's shapes) run on the meta device.
     ``calling`` is ``None`` outside training: no gradient, no optimizer state, nothing saved. Raises, naming the
     fix, when the step cannot run on the meta device."""

@@ -16,10 +16,11 @@ that was logged or traced (see ``GPipeStrategy(log_bubble_fraction=..., trace_st
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 
 from lightning_pipe.partition.balance import PartitionPlan, imbalance, recompute_fraction
@@ -69,6 +70,9 @@ class StageSummary:
     data_parallel: str = "replicate"
     num_replicas: int = 1
     held_per_rank: tuple[int, ...] | None = None
+    # With tensor_parallel_size=T > 1: each stage's blocks split over its T ranks; held_per_rank counts one rank's
+    # slice of the split layers.
+    tensor_parallel: int = 1
 
     @property
     def num_stages(self) -> int:
@@ -91,6 +95,7 @@ class StageSummary:
             ("Blocks", [f"{row.blocks.start}-{row.blocks.stop - 1}" for row in self.rows]),
             ("Types", [row.block_types for row in self.rows]),
             ("Params", [get_human_readable_count(row.parameters) for row in self.rows]),
+            *([("T", [str(self.tensor_parallel)] * len(self.rows))] if self.tensor_parallel > 1 else []),
             *([("Params/rank", [get_human_readable_count(n) for n in self.held_per_rank])]
               if self.held_per_rank is not None else []),
             ("Time/mb", [_milliseconds(row.time_seconds) for row in self.rows]),
@@ -117,7 +122,13 @@ class StageSummary:
             f" {get_human_readable_count(self.replicated_parameters).strip()} replicated on every stage",
             f"Imbalance (slowest stage / mean): {self.imbalance:.2f} by {self.imbalance_basis}",
         ]
-        if self.held_per_rank is not None:
+        if self.tensor_parallel > 1:
+            lines.append(
+                f"tensor_parallel_size={self.tensor_parallel}: each stage's blocks split over its T ranks (DTensor);"
+                " Params/rank holds 1/T of the layers the plan splits, the norms, a row-wise layer's bias and the"
+                " modules outside the blocks whole (a plan given as a function counts whole: unknown before it runs)"
+            )
+        if self.held_per_rank is not None and self.data_parallel != "replicate":
             lines.append(
                 f"data_parallel={self.data_parallel!r}: each stage sharded over its {self.num_replicas} replicas"
                 " (FSDP2); Params/rank is the largest rank's shard, and each rank's gradients and optimizer state"
@@ -168,13 +179,15 @@ def build_stage_summary(
     data_parallel: str = "replicate",
     num_replicas: int = 1,
     held_per_rank: Sequence[int] | None = None,
+    tensor_parallel: int = 1,
 ) -> StageSummary:
     """The summary of ``plan``, whose ranges are the model's chunks, held by the stages ``owners`` (by default chunk
     ``s`` on stage ``s``); ``ranks[s]`` and ``devices[s]`` say where stage ``s`` runs; ``recompute`` is the
     re-computation mode, whose repeated forwards count in the profiled time. ``built_whole``: every rank built the
     whole pipelined module (no deferred construction). ``outside``: the modules outside the pipelined region that hold
     parameters, with their counts and which stages hold them. ``held_per_rank``: with a stage sharded over its
-    ``num_replicas`` (``data_parallel``), each chunk's parameters the largest shard holds."""
+    ``num_replicas`` (``data_parallel``) or its blocks split over ``tensor_parallel`` ranks, each chunk's parameters
+    the rank holding the largest part holds."""
     repeated = recompute_fraction(recompute, num_micro_batches)
     owners = list(owners) if owners is not None else list(range(len(plan.ranges)))
     rows = []
@@ -229,8 +242,29 @@ def build_stage_summary(
     return StageSummary(
         module_name, plan.method, num_micro_batches, recompute, rows, replicated_parameters, imbalance(totals), basis,
         saving, tuple(outside), schedule, ideal_bubble, data_parallel, num_replicas,
-        tuple(held_per_rank) if held_per_rank is not None else None,
+        tuple(held_per_rank) if held_per_rank is not None else None, tensor_parallel,
     )
+
+
+def chunk_parameters_per_rank(
+    blocks: Sequence[nn.Module], ranges: Sequence[range], replicas: int = 1,
+    rank_shapes: Callable[[int, nn.Module], Mapping[str, Sequence[int]]] | None = None,
+) -> list[int]:
+    """The parameters of each chunk (``ranges`` of ``blocks``) that the rank holding the largest part holds: a layer
+    split with tensor parallelism by its slice (``rank_shapes(index, block)``: what one rank holds of each split
+    parameter, by name in the block), sharded over ``replicas`` along the first dimension (FSDP2); a parameter that
+    several blocks share (tied: kept whole) counted whole."""
+    users: dict[int, int] = {}
+    for block in blocks:
+        for parameter in block.parameters():
+            users[id(parameter)] = users.get(id(parameter), 0) + 1
+
+    def held(index: int) -> int:
+        shapes = rank_shapes(index, blocks[index]) if rank_shapes is not None else {}
+        return sum(p.numel() if users[id(p)] > 1 else largest_shard(shapes.get(name, p.shape), replicas)
+                   for name, p in blocks[index].named_parameters())
+
+    return [sum(held(i) for i in chunk) for chunk in ranges]
 
 
 def largest_shard(shape: Sequence[int], num_shards: int) -> int:

@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_pipe
 from helpers.stock_models import LlamaModule, Qwen2Module
 
 WIDTH, HEADS, HIDDEN, TOKENS, VOCAB, CLASSES = 16, 4, 32, 6, 24, 3
@@ -84,6 +86,27 @@ class BlockClassifier(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 
+class ConfiguredBlockClassifier(BlockClassifier):
+    """Lightning's convention (as under its ModelParallelStrategy): the blocks built in ``configure_model`` and split
+    there by the module's own ``parallelize_module`` over ``self.device_mesh["tensor_parallel"]``. Without a mesh
+    (one device) they stay whole; either way their weights are those a pipeline of any split starts from."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.depth, self.num_heads, self.blocks = len(self.blocks), HEADS, None
+
+    def configure_model(self) -> None:
+        if self.blocks is not None:  # configure_model runs again for trainer.test/validate/predict
+            return
+        self.blocks = nn.Sequential(*(Block(WIDTH, self.num_heads) for _ in range(self.depth)))
+        mesh = self.device_mesh
+        if mesh is not None and mesh["tensor_parallel"].size() > 1:
+            styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+            for block in self.blocks:
+                parallelize_module(block, mesh["tensor_parallel"], {n: styles[s]() for n, s in BLOCK_PLAN.items()})
+        lightning_pipe.init_weights(self)
+
+
 def token_classes(samples: int, seed: int = 0) -> TensorDataset:
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (samples, TOKENS), generator=generator)
@@ -99,6 +122,7 @@ TENSOR_PARALLEL_MODELS = {
     "block": BlockClassifier,
     "block_synced": lambda **kwargs: BlockClassifier(sync_dist=True, **kwargs),
     "block_momentum": lambda **kwargs: BlockClassifier(momentum=0.9, **kwargs),
+    "block_configured": ConfiguredBlockClassifier,
     # SGD (not AdamW, which amplifies round-off) so that weights compare at 1e-5; full-length sequences, so that the
     # mean over label tokens is a mean over samples too.
     "llama": lambda **kwargs: LlamaModule(sgd_lr=0.5, padded=False, **kwargs),

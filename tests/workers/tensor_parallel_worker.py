@@ -4,7 +4,8 @@ Usage: python tensor_parallel_worker.py SPEC.json
 (SPEC: {"devices": N, "out": DIR, "runs": [{"name": ..., "model": ..., "strategy": {...}, "trainer": {...}}, ...]})
 Each run writes DIR/NAME/rank{R}.pt (the model's whole state dict after fit) and DIR/NAME/rank{R}.json (per-step
 losses, the clipping norms as hex, and what the rank held during training: its parameters', gradients' and optimizer
-state's bytes in the blocks, and which parameters stayed whole). A run with ``expect_error`` writes
+state's bytes in the blocks, and which parameters stayed whole; with ``validate_after``, trainer.validate's val_loss
+after the fit). A run with ``expect_error`` writes
 DIR/NAME/error{R}.txt instead and ends the launch's runs; one with ``uncounted_slices`` is a negative control.
 """
 
@@ -101,6 +102,8 @@ def main(spec_path):
         summary = recorder.summary()
         summary["clipping_norms"] = norms
         summary["held"] = held.held
+        if run.get("validate_after"):  # a later run on the same module: configure_model builds and splits nothing
+            summary["validated"] = trainer.validate(model, loaders_for(model)[1], verbose=False)[0]["val_loss"]
         (out / f"rank{rank}.json").write_text(json.dumps(summary))
 
 
