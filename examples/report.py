@@ -117,7 +117,7 @@ def format_report(report: dict[str, Any]) -> str:
         if cuda:
             row += f"  {stage.get('peak_cuda_mb', 0.0):>14.0f}"
         lines.append(row)
-    lines.append("  (parameters: the stage's layers plus the layers every stage keeps a copy of)")
+    lines.append("  (parameters: the stage's blocks plus the modules every stage keeps a copy of)")
     return "\n".join(lines)
 
 

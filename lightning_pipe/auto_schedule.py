@@ -62,11 +62,11 @@ class ScheduleChoice:
 
 
 def decide_schedule(
-    module: LightningModule, layers: nn.Sequential, settings: PipelineSettings, groups: PipelineGroups
+    module: LightningModule, blocks: nn.Sequential, settings: PipelineSettings, groups: PipelineGroups
 ) -> tuple[PipelineSettings, ScheduleChoice | None]:
     """The settings with the configuration chosen (a collective: every rank calls it at set-up), and the choice
     (``None`` outside a fit, where GPipe runs the forwards: no training step to choose for)."""
-    check_module_takes_auto(module, layers, settings)  # the same model on every rank: the same refusal
+    check_module_takes_auto(module, blocks, settings)  # the same model on every rank: the same refusal
     trainer = module._trainer
     if trainer is None or trainer.state.fn != TrainerFn.FITTING:
         v = settings.virtual_stages or 1
@@ -85,7 +85,7 @@ def decide_schedule(
                 " not be read at set-up; choose the schedule yourself (schedule='gpipe', ...)."
             )
         rows, chosen, text = plan_schedule(
-            module, layers, settings, groups.num_stages, batch_size_of(batch), groups.device,
+            module, blocks, settings, groups.num_stages, batch_size_of(batch), groups.device,
             settings.memory_budget or device_memory(groups.device, groups.layout.world_size),
         )
         return ScheduleChoice(chosen.configuration, chosen.step, chosen.memory_bytes, text)
@@ -96,7 +96,7 @@ def decide_schedule(
 
 def plan_schedule(
     module: nn.Module,
-    layers: nn.Sequential,
+    blocks: nn.Sequential,
     settings: PipelineSettings,
     num_stages: int,
     batch_size: int,
@@ -104,9 +104,9 @@ def plan_schedule(
     memory_budget: float | None,
     schedules: Sequence[str] = AUTO_SCHEDULES,
 ) -> tuple[list[PlannedConfiguration], PlannedConfiguration, str]:
-    """Profile ``layers`` on ``device`` and rank every configuration the settings leave open: the table, the choice
+    """Profile ``blocks`` on ``device`` and rank every configuration the settings leave open: the table, the choice
     and the message that shows both."""
-    candidates = candidates_for(settings, num_stages, batch_size, len(layers), schedules)
+    candidates = candidates_for(settings, num_stages, batch_size, len(blocks), schedules)
     counts = [c.num_micro_batches for c in candidates]
     sizes = (max(1, batch_size // max(counts)), max(1, batch_size // min(counts)))
     sample = profiling_input(settings.sample, module)  # during a fit without one, the first training batch
@@ -117,7 +117,7 @@ def plan_schedule(
             " could not be read at set-up; set `self.example_input_array = <an input of forward>` in the module's"
             " __init__, pass GPipeStrategy(sample=...), or choose the schedule yourself."
         )
-    model = block_cost_model(module, layers, sample, device, sizes)
+    model = block_cost_model(module, blocks, sample, device, sizes)
     source = f"profiled on {device}" + (", on the first training batch" if isinstance(sample, TrainingBatch) else "")
     return ranked_choice(
         model, settings, num_stages, batch_size, memory_budget, candidates, source, runtime=runtime_costs(device.type)
@@ -186,12 +186,12 @@ def partition_for(settings: PipelineSettings) -> Partition:
     return lambda costs, parts: split_evenly(len(costs), parts)
 
 
-def check_module_takes_auto(module: nn.Module, layers: nn.Sequential, settings: PipelineSettings) -> None:
+def check_module_takes_auto(module: nn.Module, blocks: nn.Sequential, settings: PipelineSettings) -> None:
     """Refuse ``schedule="auto"`` for a module whose results its choice would change: BatchNorm outside the
     pipelined blocks (a per-micro-batch schedule runs it once per micro-batch, on the micro-batch's statistics,
     where GPipe runs it on the whole batch's), or BatchNorm in the blocks with the micro-batch count left to it
     (the count decides the statistics each micro-batch is normalised by)."""
-    inside = {id(m) for m in layers.modules()}
+    inside = {id(m) for m in blocks.modules()}
     norms = [(name, m) for name, m in module.named_modules() if isinstance(m, _BatchNorm) and m.training]
     outside = [name for name, m in norms if id(m) not in inside]
     if outside:

@@ -238,7 +238,7 @@ class PipelineDecision:
     settings: PipelineSettings
     config: PipelineParallelConfig  # the resolved stage and micro-batch counts
     region: Region
-    layers: nn.Sequential  # the region's blocks in order, for the partition plan and the whole model
+    blocks: nn.Sequential  # the region's blocks in order, for the partition plan and the whole model
     plan: PartitionPlan
     held: list[list[int]]  # the blocks each stage holds
     module_stages: dict[str, frozenset[int]]  # the stages holding each outside module
@@ -268,21 +268,21 @@ def decide_pipeline(
     )
     check_compiled(module, region)
     check_nothing_collected_inside_blocks(module, region, config.num_stages)
-    layers = nn.Sequential(*region.blocks(module))
+    blocks = nn.Sequential(*region.blocks(module))
     choice = None
     if settings.is_auto:  # the configuration chosen now, before the chunks are cut (lightning_pipe.auto_schedule)
-        settings, choice = decide_schedule(module, layers, settings, groups)
+        settings, choice = decide_schedule(module, blocks, settings, groups)
         config = settings.pipeline_config(groups.num_stages)
     tensor_plan = None
     if settings.tensor_parallel_size > 1:  # TP hook: the plan checked against the whole model, on every rank alike
-        tensor_plan = resolve_plan(module, region.names, list(layers), settings.tensor_parallel_plan,
+        tensor_plan = resolve_plan(module, region.names, list(blocks), settings.tensor_parallel_plan,
                                    settings.tensor_parallel_size, taken=taken)
     places = decide_outside_places(module, region, groups)
-    plan = decide_partition(module, layers, settings, groups, balance_charges(module, region, places), tensor_plan)
+    plan = decide_partition(module, blocks, settings, groups, balance_charges(module, region, places), tensor_plan)
     held = _blocks_held_by_stage(plan, settings, config.num_stages)
     module_stages = outside_module_stages(places, held, groups)
     outside = outside_rows(module, region, module_stages, config.num_stages)
-    return PipelineDecision(settings, config, region, layers, plan, held, module_stages, outside, choice, tensor_plan)
+    return PipelineDecision(settings, config, region, blocks, plan, held, module_stages, outside, choice, tensor_plan)
 
 
 def assemble_rank(
@@ -290,9 +290,9 @@ def assemble_rank(
 ) -> BuiltPipeline:
     """This rank's part of the pipeline ``decision`` describes: its stage put into ``module`` and made real, the
     outside modules it does not hold stood in for, its runtime, training step and gradients."""
-    settings, config, region, layers = decision.settings, decision.config, decision.region, decision.layers
+    settings, config, region, sequential = decision.settings, decision.config, decision.region, decision.blocks
     plan, held, module_stages, outside = decision.plan, decision.held, decision.module_stages, decision.outside
-    blocks = list(layers)
+    blocks = list(sequential)
     ties = parameters_shared_across_stages(blocks, held)  # before materialising replaces parameters
     holders, sources, names_of = parameter_holders(module, module_stages)
     built_real = built_real_everywhere(module, list(module_stages), groups)
@@ -310,14 +310,14 @@ def assemble_rank(
     outside_modules.install()  # before materialising: what other stages hold is never allocated here
     check_every_stage_holds_parameters(module, stage, groups)
     # Built on the meta device: only what this rank runs becomes real (its stage, the outside modules it holds).
-    deferred = decide_over_world(holds_meta_tensors(layers), every=False, device=groups.device,
+    deferred = decide_over_world(holds_meta_tensors(sequential), every=False, device=groups.device,
                                  watchdog=groups.watchdog)
     _make_real(module, pretrained, precision, groups, settings.init_module)
     if settings.deferred_batch_norm:
         for block in stage.blocks:
             defer_batch_norms(block)
     pipelined = WholeModelLayout(
-        region.label, layers, held, state_keys, parameter_order,
+        region.label, sequential, held, state_keys, parameter_order,
         put_back=partial(_put_back, module, stage, outside_modules, names_of),
         block_names=region.names, aliases=aliases,
         outside={  # what some stage does not hold: the module as built, its holders, built real everywhere or not
@@ -358,7 +358,7 @@ def check_partition_before_launch(
     if fitting:
         require_automatic_optimization(model)
     if overrides(model, "configure_model"):
-        return  # the layers may exist only once configure_model has run, in each process: set-up checks them
+        return  # the blocks may exist only once configure_model has run, in each process: set-up checks them
     num_stages = settings.pipeline_config(num_processes).num_stages
     try:
         region = find_pipelined_region(model, settings, num_stages, trainer, fit_loaders)

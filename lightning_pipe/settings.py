@@ -4,7 +4,7 @@ Constructing a :class:`PipelineSettings` checks every setting, so everything aft
 the setting and its value and says the fix (``num_stages=0 is invalid; ...``); under Hydra, ``key="strategy."``
 makes it name the config key (``strategy.num_stages=0 is invalid; ...``). What needs more than the settings is
 checked where it becomes known: the process count by :func:`check_process_count` (at launch, or from the Hydra
-``trainer`` group), the model's layers and the profiling sample by :mod:`lightning_pipe.partition.balance` (before launch, and
+``trainer`` group), the model's blocks and the profiling sample by :mod:`lightning_pipe.partition.balance` (before launch, and
 at set-up for models built in ``configure_model``).
 """
 
@@ -68,8 +68,8 @@ class PipelineSettings:
     those whose backward follows next: in GPipe the last micro-batch's) or ``"never"``. By default ``"except_last"``
     under GPipe, ``"never"`` under a per-micro-batch schedule, which holds few micro-batches' activations anyway."""
     balance: list[int] | BalanceMode | None = None
-    """Layers per stage, e.g. ``[3, 5]``, or how to choose them: ``"uniform"`` (the default: equal layer counts),
-    ``"parameters"`` (equal parameter counts), ``"time"`` (equal forward + backward time, profiled per layer on the
+    """Blocks per stage, e.g. ``[3, 5]``, or how to choose them: ``"uniform"`` (the default: equal block counts),
+    ``"parameters"`` (equal parameter counts), ``"time"`` (equal forward + backward time, profiled per block on the
     device) or ``"memory"`` (equal parameter + activation bytes, profiled). The profiled modes run on ``sample``,
     else ``example_input_array``, else in a fit on the first training batch (through the training step); every rank
     applies the split that global rank 0 decided."""
@@ -139,9 +139,9 @@ class PipelineSettings:
     ``init_module(empty_init=True)``), one file otherwise."""
     gather_model_after_run: bool = False
     """After ``fit``, ``validate``, ``test`` or ``predict`` of a model built on the meta device, send every stage's
-    layers to global rank 0 (the last stage, the launching process), so that the user's model object there holds the
+    blocks to global rank 0 (the last stage, the launching process), so that the user's model object there holds the
     whole trained model, as on one device. Costs rank 0 the whole model in host memory. By default each rank keeps
-    only its own stage (the other layers stay on the meta device) and the trained model lives in the checkpoints. A
+    only its own stage (the other blocks stay on the meta device) and the trained model lives in the checkpoints. A
     model built the usual way always comes back whole on every rank."""
     schedule: str | PipelineSchedule | StageActions = field(default="gpipe", compare=False)
     """The order of each stage's forwards, backwards, sends and receives in a step (see docs/schedules.md):
@@ -159,8 +159,8 @@ class PipelineSettings:
     ``"zbv"``: 2); the pipelined blocks are split into ``num_stages * virtual_stages`` chunks. Once checked, the
     count (1 for the other schedules)."""
     compile: bool | dict[str, Any] = False
-    """Compile each stage's layers with ``torch.compile`` (``True``), or with these keyword arguments of
-    ``torch.compile`` (``{"mode": "max-autotune"}``): every layer separately, as torchtitan compiles each block (with
+    """Compile each stage's blocks with ``torch.compile`` (``True``), or with these keyword arguments of
+    ``torch.compile`` (``{"mode": "max-autotune"}``): every block separately, as torchtitan compiles each block (with
     ``data_parallel="shard"`` or ``"full_shard"``, compiled and then sharded, torchtitan's order: FSDP2's hooks run
     outside the compiled code). A ``torch.compile`` wrapper around the pipelined module is honoured the same way, with
     its settings (see :mod:`lightning_pipe.execution.compiling`)."""
@@ -275,7 +275,7 @@ class PipelineSettings:
 
     @property
     def compile_options(self) -> dict[str, Any] | None:
-        """The keyword arguments of ``torch.compile`` for each layer of a stage, or ``None`` when not compiling."""
+        """The keyword arguments of ``torch.compile`` for each block of a stage, or ``None`` when not compiling."""
         if isinstance(self.compile, bool):
             return {} if self.compile else None
         return self.compile
@@ -300,7 +300,7 @@ class PipelineSettings:
 
     def check_counts(self, num_processes: int, num_nodes: int) -> None:
         """What these settings could not check alone, once the launch knows the process count (``num_processes``
-        on each of ``num_nodes`` nodes): whole pipelines, a layer count per stage, the user's schedule."""
+        on each of ``num_nodes`` nodes): whole pipelines, a block count per stage, the user's schedule."""
         total = num_processes * num_nodes
         if self.num_stages is not None or self.tensor_parallel_size > 1:
             check_process_count(self.pipeline_config(total).num_stages, num_processes, num_nodes,

@@ -129,7 +129,7 @@ class PipelineView:
         return self._groups
 
     def stage_summary(self) -> StageSummary:
-        """The stage table printed at start-up: where each stage runs, its layers, parameters, profiled cost and,
+        """The stage table printed at start-up: where each stage runs, its blocks, parameters, profiled cost and,
         once a training step has run, its measured busy time; with the imbalance (slowest stage over the mean).
 
         The same on every rank. Available once the Trainer has set the strategy up (from ``on_fit_start`` on).
@@ -151,7 +151,7 @@ class PipelineView:
 
 
 class GPipeStrategyMixin(PipelineView):
-    """GPipe pipeline parallelism: the model's layers split into stages, one per process and device::
+    """GPipe pipeline parallelism: the model's blocks split into stages, one per process and device::
 
         Trainer(strategy="gpipe", devices=4)
         Trainer(strategy=GPipeStrategy(num_micro_batches=16, balance="time", schedule="1f1b"), devices=4)
@@ -370,7 +370,7 @@ class GPipeStrategyMixin(PipelineView):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        with torch.device("meta"):  # configure_model's layers take no memory until `setup` knows this rank's
+        with torch.device("meta"):  # configure_model's modules take no memory until `setup` knows this rank's
             yield
 
     @override

@@ -12,7 +12,14 @@ from lightning.pytorch import Trainer
 
 from helpers.compare import merged_state_dict, rank_results, relative_weight_error, single_device_run
 from helpers.launch import launch
-from helpers.models import COMPILE_BACKEND, CompiledAroundThePipeline, CompiledInPlace, TiedAcrossStages, loaders
+from helpers.models import (
+    COMPILE_BACKEND,
+    WRAPPER_BACKEND,
+    CompiledAroundThePipeline,
+    CompiledInPlace,
+    TiedAcrossStages,
+    loaders,
+)
 from lightning_pipe import GPipeStrategy
 from lightning_pipe.checkpoints.sharded import is_sharded_checkpoint
 from lightning_pipe.execution.tied import TiedParameter, parameters_shared_across_stages
@@ -155,7 +162,12 @@ def test_compiled_module_trains_as_on_one_device_with_each_stage_compiled(pipeli
     reference = {**runs[name], "model": "classifier"} if name.startswith("compile_option") else runs[name]
     assert weight_error(tmp, runs[name], reference) < TOLERANCE
     for result in rank_results(tmp / name):  # each stage compiled its own layers
-        assert result["compiled_graphs"] > 0, "a stage ran its layers uncompiled"
+        graphs, held = result["compiled_graphs"], set(result["held_blocks"])
+        assert sum(graphs.values()) > 0, "a stage ran its layers uncompiled"
+        if name.startswith("compiled_layers"):  # each form compiled on the stage holding it, the loss stage too
+            # (which probes the step on the meta device, under dispatch modes that torch.compile refuses to trace)
+            assert (graphs[WRAPPER_BACKEND] > 0) == (0 in held), f"torch.compile(layer) on blocks {sorted(held)}"
+            assert (graphs[COMPILE_BACKEND] > 0) == bool(held & {2, 3, 4, 5}), f"block.compile() on {sorted(held)}"
 
 
 @pytest.mark.parametrize(

@@ -192,13 +192,15 @@ def test_no_module_takes_the_name_of_a_standard_or_installed_package():
 
 
 WALK_SCHEDULES = ("gpipe", "1f1b")
+# Recorded too: a stage holding two chunks, each run by its own calls of the user's step.
+RECORDED_SCHEDULES = (*WALK_SCHEDULES, "interleaved_1f1b", "zbv")
 
 
 @pytest.fixture(scope="module")
 def recorded_steps(tmp_path_factory) -> Path:
     """Every call into the package in one training step, on each rank of a 2-stage fit per schedule."""
     out = tmp_path_factory.mktemp("walk")
-    launch("step_walk_worker.py", {"out": str(out), "schedules": list(WALK_SCHEDULES)}, out)
+    launch("step_walk_worker.py", {"out": str(out), "schedules": list(RECORDED_SCHEDULES)}, out)
     return out
 
 
@@ -218,6 +220,20 @@ def test_the_walks_through_a_step_are_the_recorded_calls(recorded_steps):
     forward = list(itertools.takewhile(lambda line: line[0] > 0, walks["gpipe, first stage"][1:]))
     _, entries = walk_entries(walks["gpipe, first stage"][:1] + forward)
     assert max(entries.values()) <= 2, f"files entered more than twice: {entries.most_common(3)}"
+
+
+def test_a_warm_step_reads_no_call_stack(recorded_steps):
+    """Whether the model calls a block under its own ``torch.utils.checkpoint`` is read from the call stack in the
+    first steps only: a warm step (the third) searches no stack, on any stage, under any schedule, also where a
+    stage's two chunks are called by separate runs of the user's step."""
+    for schedule in RECORDED_SCHEDULES:
+        records = sorted((recorded_steps / schedule).glob("rank*.json"))
+        assert len(records) == 2, f"{schedule}: {len(records)} ranks recorded"
+        for path in records:
+            names = [name for _, name in json.loads(path.read_text())["nodes"]]
+            assert any(name.endswith(":BlockCalls.model_call") for name in names), f"{schedule}: no block call recorded"
+            searches = sum(name.endswith("block_calls.py:_model_checkpoint_phase") for name in names)
+            assert searches == 0, f"{schedule}, {path.stem}: {searches} searches of the call stack in a warm step"
 
 
 def test_the_walk_check_finds_a_call_that_is_not_where_the_walk_says():

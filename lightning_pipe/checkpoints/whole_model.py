@@ -117,7 +117,7 @@ def whole_state_dict(
 
 
 def held_state_dict(module: nn.Module) -> dict[str, Any]:
-    """``module``'s state dict without the tensors left on the meta device (layers another rank holds)."""
+    """``module``'s state dict without the tensors left on the meta device (blocks another rank holds)."""
     return {key: value for key, value in module.state_dict().items() if not _is_meta(value)}
 
 
@@ -239,12 +239,12 @@ def restore_whole_model(
     deferred: bool,
     gather_deferred: bool,
 ) -> None:
-    """Put the whole ``nn.Sequential`` back, every layer holding its stage's trained weights, on every rank.
+    """Put the whole ``nn.Sequential`` back, every block holding its stage's trained weights, on every rank.
 
     The user's model object then holds the whole trained model after ``fit``, as on one device: for
     ``trainer.test(model)``, ``torch.save(model.state_dict())`` and the spawn launcher, which copies rank 0's
     weights into the launching process. A model built on the meta device (``deferred``) was built so because it
-    need not fit on one host: each rank keeps its own stage, the other stages' layers stay on the meta device; with
+    need not fit on one host: each rank keeps its own stage, the other stages' blocks stay on the meta device; with
     ``gather_deferred`` the loss stage receives them (see :func:`_gather_whole_model_to_loss_stage`).
     """
     pieces = _pieces(pipelined)
@@ -295,12 +295,12 @@ def _gather_whole_model_to_loss_stage(
     device: torch.device,
 ) -> None:
     """After a run of a model built on the meta device: the loss stage (global rank 0 in the first pipeline)
-    receives every other stage's trained layers (and the outside modules it does not hold) into host memory, one
+    receives every other stage's trained blocks (and the outside modules it does not hold) into host memory, one
     ``pieces`` entry (a module, the stages holding it) at a time.
 
     The launching process then holds the whole trained model, as on one device (for ``torch.save``,
     ``trainer.test(model)`` and the spawn launcher), at the cost a consolidated checkpoint has anyway; the other
-    ranks never hold more than their stage. There the other stages' layers stay on the meta device, marked so
+    ranks never hold more than their stage. There the other stages' blocks stay on the meta device, marked so
     that a later setup does not re-initialise them as new.
     """
     receiver = _loss_stage_rank(stage_ranks)

@@ -256,14 +256,14 @@ def _costs(args: argparse.Namespace) -> tuple[CostModel, int, int, Any, RuntimeC
         raise ValueError("give --batch-size and --stages (a LightningModule's import path has neither)")
     settings = PipelineSettings(schedule="auto", module_name=module_name)
     region = find_pipelined_region(module, settings, num_stages)
-    layers = torch.nn.Sequential(*region.blocks(module))
-    counts = [c.num_micro_batches for c in candidates_for(settings, num_stages, batch_size, len(layers), args.schedules)]
+    blocks = torch.nn.Sequential(*region.blocks(module))
+    counts = [c.num_micro_batches for c in candidates_for(settings, num_stages, batch_size, len(blocks), args.schedules)]
     sizes = (max(1, batch_size // max(counts)), max(1, batch_size // min(counts)))
     sample = getattr(module, "example_input_array", None)
     if sample is None:
         raise ValueError(f"{type(module).__name__} has no example_input_array to profile its blocks with; set one")
     device = torch.device(args.device)
-    model = block_cost_model(module, layers, sample, device, sizes)
+    model = block_cost_model(module, blocks, sample, device, sizes)
     runtime = _overridden(runtime_costs(device.type), args)
     if args.save_costs is not None:
         args.save_costs.write_text(json.dumps({

@@ -89,7 +89,9 @@ def revert(module: nn.Module) -> None:
         if isinstance(child, DeferredBatchNorm):
             for name in _ACCUMULATORS:
                 delattr(child, name)
-            child.__class__ = next(base for base, deferred in _deferred_classes.items() if deferred is type(child))
+            # `isinstance`: a BatchNorm that is itself a pipelined block is of its deferred class's routed subclass
+            # (lightning_pipe.execution.stage.routed_class) until the run puts the blocks back, just after.
+            child.__class__ = next(base for base, deferred in _deferred_classes.items() if isinstance(child, deferred))
 
 
 @contextmanager

@@ -72,11 +72,13 @@ class BlockCalls:
         # call and that frame, so the search for one stops there (None: outside a step, the whole stack).
         self._step_frame: FrameType | None = None
         # Whether the model calls a block under its own torch.utils.checkpoint is read from the call stack, but
-        # decided once per kind of call (model in training mode or not, gradients on or not), on its first call of
-        # the user's step: the blocks it called outside any checkpoint then skip the search (see `model_call`).
+        # decided once per block and kind of call (model in training mode or not, gradients on or not), on the first
+        # completed call of the user's step that calls it: the blocks it called outside any checkpoint then skip the
+        # search (see `model_call`). Per block: a stage whose chunks separate calls run (interleaved_1f1b, zbv) sees
+        # its later chunks' blocks only in the calls that run them.
         self._plain: dict[tuple[bool, bool], frozenset[int]] = {}
         self._kind: tuple[bool, bool] | None = None  # this call's kind, in a step
-        self._seen_plain: set[int] | None = None  # while a kind is learned: the blocks called outside a checkpoint
+        self._seen_plain: set[int] | None = None  # in a step: the blocks this call learned it calls outside a checkpoint
         self._chunk_starts = {r[0]: chunk for chunk, r in stage.chunk_ranges.items() if chunk > 0}  # block -> chunk
         stage.route(self.model_call)
 
@@ -88,14 +90,14 @@ class BlockCalls:
         self.targets = frozenset(self.stage.chunk_ranges if targets is None else targets)
         self.chain.begin()
         self._kind = (self.stage.model.training, torch.is_grad_enabled()) if in_step else None
-        self._seen_plain = set() if in_step and self._kind not in self._plain else None
+        self._seen_plain = set() if in_step else None
 
     def end_step(self, completed: bool = True) -> None:
         """The user's step is over (``completed``: it ran to its end or handed off, without an error): a later call
-        of the model is made outside a step. The first completed call of its kind decides which blocks the model
-        calls outside its own checkpoints."""
-        if completed and self._seen_plain is not None and self._kind is not None:
-            self._plain[self._kind] = frozenset(self._seen_plain)
+        of the model is made outside a step. A completed call adds the blocks it called outside the model's own
+        checkpoints (for the first time in its kind) to those known to be."""
+        if completed and self._seen_plain and self._kind is not None:
+            self._plain[self._kind] = self._plain.get(self._kind, frozenset()) | self._seen_plain
         self.in_step = False
         self._step_frame = None
         self._kind = self._seen_plain = None
@@ -108,10 +110,11 @@ class BlockCalls:
         """A call of block ``index`` by the model's code, through its stand-in: answered by :meth:`block_called`,
         also when the model wraps its calls in ``torch.utils.checkpoint``.
 
-        Whether the call is made under the model's checkpoint is read from the call stack on the first completed call
-        of the user's step of its kind (training or not, gradients on or not); the blocks that call showed outside
-        any checkpoint are not searched for one again (a reentrant checkpoint, which turns gradients off, is still
-        seen). A model that starts checkpointing a block only later in a run is not supported.
+        Whether the call is made under the model's checkpoint is read from the call stack until a completed call of
+        the user's step of its kind (training or not, gradients on or not) showed the block called outside any
+        checkpoint; it is not searched for one again then (a reentrant checkpoint, which turns gradients off, is
+        still seen): a warm step reads no stack. A model that starts checkpointing a block only later in a run is
+        not supported.
 
         The pipeline's own re-computation takes the place of the model's checkpoint: under a non-reentrant one, the
         pipeline's tensors are saved past it (it keeps none, so it re-computes nothing); a reentrant one computes

@@ -39,7 +39,7 @@ from lightning_pipe.execution.process_groups import PipelineGroups
 from lightning_pipe.execution.recomputation import unchanged_running_stats
 from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.partition.hooks import hooks_set_aside
-from lightning_pipe.partition.meta_run import attributes_kept
+from lightning_pipe.partition.meta_run import attributes_kept, uncompiled
 from lightning_pipe.reliability.stall_rule import Wait
 
 _OUTPUT_TAG = 16  # apart from the activation messages' tags (lightning_pipe.execution.p2p)
@@ -159,6 +159,7 @@ class LearnedOutputs:
             with (
                 self.stage.running_blocks(), torch.no_grad(), hooks_set_aside(block.modules()), attributes_kept(block),
                 unchanged_running_stats(batch_norms), torch.random.fork_rng(devices=devices, device_type=device.type),
+                uncompiled(),  # shapes only: no graph compiled for this one run
             ):
                 output = block(*args, **kwargs)
         except Exception as error:

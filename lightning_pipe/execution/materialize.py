@@ -2,8 +2,8 @@
 
 A model built in ``LightningModule.configure_model()`` (or under ``trainer.init_module(empty_init=True)``) under the
 gpipe strategy has only shapes: its tensors live on the meta device and take no memory. Once the strategy knows
-which layers are this rank's, :func:`materialize` allocates exactly those on the stage's device and initialises
-them; the other stages' layers never take memory here.
+which blocks are this rank's, :func:`materialize` allocates exactly those on the stage's device and initialises
+them; the other stages' blocks never take memory here.
 
 Initial weights must not depend on how the model is split, so that runs on 1, 2 or 4 stages start alike. The rule:
 every module that holds parameters or buffers of its own is initialised by its initialiser (below), with the
@@ -83,7 +83,7 @@ def materialize(
     """Allocate every meta tensor of ``root`` on ``device`` and initialise it by the rule in this module's docstring.
 
     ``root`` is the LightningModule after the strategy replaced the pipelined ``nn.Sequential`` by this rank's stage,
-    so what is left on meta is exactly what this rank needs: its stage's layers and the replicated modules outside
+    so what is left on meta is exactly what this rank needs: its stage's blocks and the replicated modules outside
     the pipeline. Tensors already real are left alone. Parameters tied between modules stay tied. ``filled``: the
     names (state-dict keys, ``"blocks.3.weight"``) of tensors the caller fills next from pretrained weights; they
     are allocated and not initialised, so a module all of whose meta tensors are filled needs no initialiser, and a
@@ -372,7 +372,7 @@ def _check_metrics(root: nn.Module) -> None:
 
 @contextmanager
 def meta_tensors_left_in_place(module: nn.Module | None) -> Generator[None, None, None]:
-    """Lightning's teardown moves the model to the CPU. A tensor on the meta device (a layer another rank trained, or
+    """Lightning's teardown moves the model to the CPU. A tensor on the meta device (a block another rank trained, or
     one never materialised because the run failed before) has no data to move: it stays where it is."""
     if module is None or not holds_meta_tensors(module):
         yield

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from lightning_pipe.execution.call_order import map_tensors, tensors_of
 from lightning_pipe.execution.learned_outputs import LearnedOutputs
 from lightning_pipe.partition.hooks import hooks_set_aside
+from lightning_pipe.partition.meta_run import uncompiled
 
 SIGNATURES_KEPT = 8
 _PLAIN = (bool, int, float, str, torch.dtype, torch.device, type(None))
@@ -78,7 +79,8 @@ class Placeholders:
                 name: _meta_copy(t) for name, t in _state(block).items()
             }
         try:
-            with self._running_blocks(), torch.no_grad(), hooks_set_aside(block.modules()):  # no user hook sees meta tensors
+            # No user hook sees meta tensors; compiled code runs as plain Python, never compiled for the meta device.
+            with self._running_blocks(), torch.no_grad(), hooks_set_aside(block.modules()), uncompiled():
                 return torch.func.functional_call(
                     block, self._meta_states[index], map_tensors(args, _to_meta), map_tensors(kwargs, _to_meta),
                     strict=False,

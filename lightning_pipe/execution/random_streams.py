@@ -1,10 +1,10 @@
-"""Random streams of their own: each stage's layers draw each micro-batch's randomness (dropout) from a seeded stream.
+"""Random streams of their own: each stage's blocks draw each micro-batch's randomness (dropout) from a seeded stream.
 
 Every stage starts a step from the same random state (the last stage's, adopted after each step: see
 :mod:`lightning_pipe.execution.replayed_logs`), so that data order and the random numbers of the user's step agree across stages.
-Drawn from that shared state, layers on different stages would draw the same numbers: a ``Dropout`` on stage 0 and
+Drawn from that shared state, blocks on different stages would draw the same numbers: a ``Dropout`` on stage 0 and
 one on stage 1 would drop the same elements at every step. With more than one stage, each micro-batch's forward on
-a stage therefore runs with the generators seeded by :func:`micro_batch_seed`, and restored after, so the layers
+a stage therefore runs with the generators seeded by :func:`micro_batch_seed`, and restored after, so the blocks
 neither read nor advance the shared stream. The seed is fixed when the forward first runs: re-computing the forward
 in backward (``torch.utils.checkpoint``) re-seeds alike and draws the same mask.
 """

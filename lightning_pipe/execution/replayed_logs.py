@@ -180,7 +180,7 @@ def adopt_random_states(states: dict[str, Any], device: torch.device) -> None:
 
     Every stage runs the user's code before the pipelined call on the same batch; random numbers drawn there
     (augmentation, noise, a permutation of the batch), the sampler's next shuffle and the data workers' seeds must
-    agree across stages, even though the stages' layers (dropout) drew different amounts of randomness.
+    agree across stages, even though the stages' blocks (their dropout) drew different amounts of randomness.
     """
     states = {key: _byte_tensor(state) if isinstance(state, bytes) else state for key, state in states.items()}
     cuda_state = states.pop("cuda_device", None)

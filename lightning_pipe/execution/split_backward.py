@@ -54,7 +54,7 @@ def backward_input(
     graph = _Graph([edge.node for edge in output_edges])
     on_input_path = graph.reaching({get_gradient_edge(t).node for t in inputs})
     # A weight whose branch meets an output off the input path starts there too, with the output's gradient; the
-    # branch goes on up from it, as the output may also feed the chunk's later layers (T5's position bias: carried
+    # branch goes on up from it, as the output may also feed the chunk's later blocks (T5's position bias: carried
     # out, and added in every later block), whose share reaches it only through the nodes further up.
     outputs_off_path = {edge.node for edge in output_edges} - on_input_path
     reached = [w for w in weights if w.requires_grad and get_gradient_edge(w).node in graph.parents]

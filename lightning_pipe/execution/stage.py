@@ -4,7 +4,9 @@ The model keeps its code: its ``nn.Sequential`` still runs its children in order
 ``h = block(h, mask, ...)``. At set-up every block of the region is reached through a stand-in:
 
 * a block of another stage is replaced by a :class:`RemoteBlock` (no parameters here);
-* a block of this stage stays where it is (its state-dict keys do not change); its ``forward`` is routed.
+* a block of this stage stays where it is (its state-dict keys, name and hooks do not change); its calls are routed:
+  its class becomes a subclass of itself and :class:`RoutedBlock`, whose ``__call__`` answers the model's call unless
+  the stage runs its blocks (then ``nn.Module.__call__`` runs it, with its hooks and any ``block.compile()``).
 
 Both answer the model's calls through what :meth:`StageBlocks.route` is given (the runtime's
 :class:`~lightning_pipe.execution.block_calls.BlockCalls`): each call is checked, recorded and answered with a
@@ -16,6 +18,7 @@ arguments, split along the batch dimension where they have it; inside that run a
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -87,6 +90,65 @@ class RemoteBlock(StandIn):
         return f"{self.block_name}, on another pipeline stage"
 
 
+# NOTE: why a class. Python looks `__call__` up on the type, so only a class can take the model's call of a block
+# before nn.Module's call runs the block's hooks and its `block.compile()` code (which would trace the routing).
+# A wrapper in the block's place would change its state-dict keys, `get_submodule`, its hooks' module and
+# `isinstance`; nn.Module's compiled-call slot (`_compiled_call_impl`) is torch's private attribute. One routed class
+# per class of block: blocks of one class keep sharing their compiled code (dynamo guards on the class).
+
+
+class RoutedBlock(nn.Module):
+    """Between a block's own class and ``nn.Module`` while the block is routed (:func:`route_block`): a
+    ``__call__`` of the block's own class (Hugging Face's gradient-checkpointing layers) still runs first, and
+    reaches this one by its ``super().__call__``. The model's call is answered by the route, unless the stage runs
+    its blocks."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        route = self.__dict__.get(_ROUTE)
+        if route is None or route.stage._running:  # run by the stage (or routed no more): nn.Module's call
+            return super().__call__(*args, **kwargs)
+        return route.answer(route.index, args, kwargs)
+
+
+_ROUTE = "_lightning_pipe_route"  # in a routed block's __dict__: its _Route
+
+
+class _Route:
+    """Where the model's calls of a routed block go: ``answer(index, args, kwargs)``, unless ``stage`` runs its
+    blocks. A copy of the model (``copy.deepcopy``) shares it, as it shares the stage."""
+
+    __slots__ = ("stage", "index", "answer")
+
+    def __init__(self, stage: StageBlocks, index: int, answer: Answer) -> None:
+        self.stage, self.index, self.answer = stage, index, answer
+
+    def __deepcopy__(self, memo: dict) -> _Route:
+        return self
+
+
+@functools.cache
+def routed_class(kind: type[nn.Module]) -> type[nn.Module]:
+    """``kind`` with :class:`RoutedBlock` between it and ``nn.Module``, named as ``kind`` (the model reads as it
+    was built: Lightning's summary, a check of class names)."""
+    return type(kind.__name__, (kind, RoutedBlock), {"__module__": kind.__module__, "__qualname__": kind.__qualname__})
+
+
+def route_block(block: nn.Module, to: _Route) -> None:
+    """Send the model's calls of ``block`` to ``to``: the block's class becomes its routed class."""
+    block.__dict__[_ROUTE] = to
+    if not isinstance(block, RoutedBlock):
+        block.__class__ = routed_class(type(block))
+
+
+def unroute_block(block: nn.Module) -> None:
+    """``block`` as before :func:`route_block`: of its own class again; when a class was given on top of the
+    routed one since (FSDP2's ``fully_shard``), that one stays and the routing only stops."""
+    block.__dict__.pop(_ROUTE, None)
+    kind = type(block)
+    if kind.__bases__[-1:] == (RoutedBlock,):
+        block.__class__ = kind.__bases__[0]
+
+
 class StageBlocks:
     """The blocks of ``model`` held by this rank, as one pipeline stage: ``local`` is their range of indices into
     ``region``, or with virtual stages a mapping from each of this stage's chunks (numbered along the model, of
@@ -118,11 +180,9 @@ class StageBlocks:
         self.chunk_ends = {chunk_range[-1]: chunk for chunk, chunk_range in self.chunk_ranges.items()}
         self._running = False  # real blocks run (on a micro-batch, or on the meta device): their calls go straight through
         self._nested_tensor_setting: tuple[nn.TransformerEncoder, bool] | None = None
-        # Compiled calls of local blocks, run on micro-batches (a block compiled in place, or by `compile_stage`):
-        # the model's own call of a block must reach the routing uncompiled, for it drives the pipeline.
+        # What runs a compiled local block on micro-batches (see `compile_stage`): the strategy's compiled call of it,
+        # or the block itself where the user compiled it in place (`block.compile()`: nn.Module's call runs that).
         self.compiled_calls: dict[int, Callable[..., Any]] = {}
-        self._compiled_in_place: set[int] = set()
-        self._own_forwards: dict[int, Callable[..., Any] | None] = {}  # per routed local block: its instance forward
         self._undo: list[Callable[[], None]] = []
 
     # ---- the stand-ins -------------------------------------------------------------------------------------------
@@ -136,23 +196,16 @@ class StageBlocks:
                 replace_submodule(self.model, name, RemoteBlock(index, name, block))
 
     def route(self, answer: Answer) -> None:
-        """Answer the model's calls of every block with ``answer``: remote blocks' stand-ins, local blocks' ``forward``
-        (a block runs itself only while :meth:`running_blocks` is open)."""
+        """Answer the model's calls of every block with ``answer``: remote blocks' stand-ins, local blocks' calls (a
+        block runs itself only while :meth:`running_blocks` is open)."""
         for index, (name, block) in enumerate(zip(self.region.names, self.originals)):
             if index not in self.indices:
                 replace_submodule(self.model, name, RemoteBlock(index, name, block, answer))
-                continue
-            if index not in self._own_forwards:  # routed for the first time
-                # A forward set on the instance (e.g. by another library) stays the block's own.
-                self._own_forwards[index] = block.__dict__.get("forward")
-                if getattr(block, "_compiled_call_impl", None) is not None:  # `block.compile()`
-                    self.compiled_calls[index], block._compiled_call_impl = block._compiled_call_impl, None
-                    self._compiled_in_place.add(index)
-            block.forward = self._routed_forward(block, self._own_forwards[index], index, answer)  # type: ignore[method-assign]
-            block._compiled_call_impl = self._routed_call(index, block, answer)
+            else:
+                route_block(block, _Route(self, index, answer))
 
     def uninstall(self) -> None:
-        """Put every original block back (with their weights as they are), and their own ``forward``."""
+        """Put every original block back (with their weights as they are), each local one of its own class again."""
         if self._nested_tensor_setting is not None:
             encoder, use_nested_tensor = self._nested_tensor_setting
             encoder.use_nested_tensor = use_nested_tensor
@@ -162,10 +215,8 @@ class StageBlocks:
         for index, (name, block) in enumerate(zip(self.region.names, self.originals)):
             if index not in self.indices:
                 replace_submodule(self.model, name, block)
-            elif index in self._own_forwards:
-                block.__dict__.pop("forward", None)
-                block._compiled_call_impl = self.compiled_calls[index] if index in self._compiled_in_place else None
-        self._own_forwards = {}
+            else:
+                unroute_block(block)
 
     @contextlib.contextmanager
     def showing_whole_model(self) -> Iterator[None]:
@@ -178,39 +229,18 @@ class StageBlocks:
                 stand_ins[index] = stand_in = self.model.get_submodule(name)
                 original = self.originals[index]
                 # Answered as the stand-in's calls are; its placeholder still runs it.
-                original._compiled_call_impl = self._routed_call(index, original, stand_in.answer)
+                route_block(original, _Route(self, index, stand_in.answer))
                 replace_submodule(self.model, name, original)
         try:
             yield
         finally:
             for index, stand_in in stand_ins.items():
-                self.originals[index]._compiled_call_impl = None
+                unroute_block(self.originals[index])
                 replace_submodule(self.model, self.region.names[index], stand_in)
 
     def on_uninstall(self, undo: Callable[[], None]) -> None:
         """Run ``undo`` when the original blocks are put back (after the run)."""
         self._undo.append(undo)
-
-    def _routed_forward(
-        self, block: nn.Module, own: Callable[..., Any] | None, index: int, answer: Answer
-    ) -> Callable[..., Any]:
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if self._running:  # looked up at call time: the class may change (deferred BatchNorm)
-                return (own or type(block).forward.__get__(block))(*args, **kwargs)
-            return answer(index, args, kwargs)
-
-        return forward
-
-    def _routed_call(self, index: int, block: nn.Module, answer: Answer) -> Callable[..., Any]:
-        """What ``block(...)`` runs (nn.Module's ``_compiled_call_impl``): the model's call is answered without the
-        block's hooks and the global module hooks, which fire when the block runs on a micro-batch."""
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if self._running:
-                return block._call_impl(*args, **kwargs)
-            return answer(index, args, kwargs)
-
-        return call
 
     def modules(self) -> Iterator[nn.Module]:
         for block in self.blocks:

@@ -3,11 +3,11 @@
 A parameter can be used by more than one place of a model (tied weights: ``net[4].weight = net[0].weight``). Split
 into stages, each process holds its own copy. Two kinds:
 
-* used by layers of several stages (:class:`TiedParameter`): each stage that holds it computes part of its
+* used by blocks of several stages (:class:`TiedParameter`): each stage that holds it computes part of its
   gradient. Those stages start from the same values, sum their gradients over a group of just those stages, and
   apply the same update, as DeepSpeed's ``TiedLayerSpec`` does. Gradient clipping counts it once, and checkpoints
   name every copy's optimizer state by the parameter's name on one device.
-* used by a layer and by a module outside the pipelined one (an embedding tied to a head that runs on every
+* used by a block and by a module outside the pipelined one (an embedding tied to a head that runs on every
   stage): every stage holds it, so it is one of the replicated parameters (:func:`replicated_parameters`), whose
   gradients are summed over the whole pipeline.
 """
@@ -32,10 +32,10 @@ ONE_DEVICE_NAME = "_lightning_pipe_one_device_name"
 
 @dataclass(frozen=True)
 class TiedParameter:
-    """A parameter of the pipelined module used by layers of several stages.
+    """A parameter of the pipelined module used by blocks of several stages.
 
     ``stages`` are ordered by their first use of it along the model (with several chunks per stage, not the stage
-    order), and ``places`` holds, for each, the layer index and the parameter's name within that layer of that use
+    order), and ``places`` holds, for each, the block index and the parameter's name within that block of that use
     (``(4, "weight")``): where the stage finds its copy. The first place is the parameter's name on one device.
     ``last_user`` is the stage of its last use, which on one device initialises it last.
     """
@@ -46,18 +46,18 @@ class TiedParameter:
 
 
 def parameters_shared_across_stages(
-    layers: Sequence[nn.Module], held: Sequence[Sequence[int]]
+    blocks: Sequence[nn.Module], held: Sequence[Sequence[int]]
 ) -> list[TiedParameter]:
-    """The parameters that layers of more than one stage use (``held``: each stage's layer indices), in the order of
+    """The parameters that blocks of more than one stage use (``held``: each stage's block indices), in the order of
     their first use."""
-    uses: dict[int, list[tuple[int, str, int]]] = {}  # parameter id -> (layer index, name, stage) of every use
+    uses: dict[int, list[tuple[int, str, int]]] = {}  # parameter id -> (block index, name, stage) of every use
     for stage, indices in enumerate(held):
         for index in indices:
-            for local_name, parameter in layers[index].named_parameters(remove_duplicate=False):
+            for local_name, parameter in blocks[index].named_parameters(remove_duplicate=False):
                 uses.setdefault(id(parameter), []).append((index, local_name, stage))
     tied = []
     for found in uses.values():
-        found.sort(key=lambda use: use[0])  # along the model (stable: a layer's own order within it)
+        found.sort(key=lambda use: use[0])  # along the model (stable: a block's own order within it)
         first: dict[int, tuple[int, str]] = {}  # stage -> its first use
         for index, local_name, stage in found:
             first.setdefault(stage, (index, local_name))

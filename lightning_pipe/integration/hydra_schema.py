@@ -52,7 +52,7 @@ class GPipeStrategyConfig:
     """Activation re-computation: ``always`` (least memory), ``except_last`` or ``never`` (fastest); null:
     ``except_last`` for GPipe, ``never`` for the per-micro-batch schedules."""
     balance: Any = None
-    """Layers per stage as a list (``[3, 5]``), a balancing mode (``uniform``, ``parameters``, ``time``,
+    """Blocks per stage as a list (``[3, 5]``), a balancing mode (``uniform``, ``parameters``, ``time``,
     ``memory``), or null for ``uniform``. (``Any``: OmegaConf cannot type a list-or-string field;
     :func:`validate_config` checks it.)"""
     module_name: Any = None
@@ -102,8 +102,8 @@ class GPipeStrategyConfig:
     """Model chunks per stage, for schedules that run several (``interleaved_1f1b``: 2 or more); null: the
     schedule's default (2 for ``interleaved_1f1b`` and ``zbv``, 1 for the others)."""
     compile: Any = False
-    """Compile each stage's layers with ``torch.compile``: ``true``, or its keyword arguments (``{mode:
-    max-autotune}``); every layer separately, so no compiled code spans two stages. (``Any``: a bool or a mapping;
+    """Compile each stage's blocks with ``torch.compile``: ``true``, or its keyword arguments (``{mode:
+    max-autotune}``); every block separately, so no compiled code spans two stages. (``Any``: a bool or a mapping;
     :func:`validate_config` checks it.)"""
     pretrained: Any = None
     """Start from stored weights, each rank reading only its stage's: the path of a Hugging Face model directory

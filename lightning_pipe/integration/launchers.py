@@ -123,7 +123,7 @@ class SpawnedRanks(ModelCheck):
 
     def _keep_distributed(self, module: LightningModule) -> None:
         """A model built on the meta device stays distributed after the run: this process received rank 0's stage.
-        Its other layers stay on the meta device, marked so that no later run starts them afresh."""
+        Its other blocks stay on the meta device, marked so that no later run starts them afresh."""
         left = [name for name, t in module.state_dict().items() if t.is_meta]
         if getattr(self._strategy, "_gather_model_after_run", False):
             raise RuntimeError(
@@ -133,7 +133,7 @@ class SpawnedRanks(ModelCheck):
         mark_held_elsewhere([m for m in module.modules() if holds_meta_tensors(m, recurse=False)])
         rank_zero_info(
             f"The model was built on the meta device and stays distributed: this process holds the last stage's"
-            f" trained layers, {len(left)} tensors ({left[0]}, ...) stay on the meta device. The trained model is in"
+            f" trained blocks, {len(left)} tensors ({left[0]}, ...) stay on the meta device. The trained model is in"
             " the run's checkpoints; pass GPipeStrategy(gather_model_after_run=True) to receive it whole here."
         )
 

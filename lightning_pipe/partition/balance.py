@@ -93,7 +93,7 @@ def check_one_count_per_stage(
 
 
 def min_max_partition(costs: Sequence[float], num_stages: int) -> list[int]:
-    """Layers per stage of the contiguous split of ``costs`` into ``num_stages`` non-empty stages whose most
+    """Blocks per stage of the contiguous split of ``costs`` into ``num_stages`` non-empty stages whose most
     expensive stage is cheapest.
 
     ``best[s][i]``, the cheapest most-expensive stage when the first ``i`` blocks form ``s`` stages, is the minimum
@@ -152,7 +152,7 @@ def _first_crossing(previous: list[float], prefix: list[float], i: int, low: int
 
 def stage_costs(costs: Sequence[float], ranges: Sequence[range]) -> list[float]:
     """The summed cost of every stage's blocks."""
-    return [float(sum(costs[i] for i in layer_range)) for layer_range in ranges]
+    return [float(sum(costs[i] for i in block_range)) for block_range in ranges]
 
 
 def imbalance(stage_totals: Sequence[float]) -> float:
@@ -163,17 +163,17 @@ def imbalance(stage_totals: Sequence[float]) -> float:
 
 
 def charged(
-    costs: Sequence[float], unit: str, charges: Sequence[tuple[int, nn.Module]], layer_parameters: Sequence[int] = ()
+    costs: Sequence[float], unit: str, charges: Sequence[tuple[int, nn.Module]], block_parameters: Sequence[int] = ()
 ) -> list[float]:
     """``costs`` with each module of ``charges`` added to the block whose stage holds it (the embedding to the first
     block, the head and the loss to the last), in the same unit: its parameters, its parameter bytes, or for
-    seconds its parameters at the blocks' seconds per parameter (``layer_parameters``: each block's count; an
+    seconds its parameters at the blocks' seconds per parameter (``block_parameters``: each block's count; an
     embedding, a lookup, costs no time).
     torchtitan's ``first_stage_less_layers`` and ``last_stage_less_layers``, chosen by the costs themselves."""
     costs = [float(c) for c in costs]
     if unit not in ("parameters", "bytes", "seconds") or not charges:
         return costs
-    seconds_per_parameter = sum(costs) / max(1, sum(layer_parameters))
+    seconds_per_parameter = sum(costs) / max(1, sum(block_parameters))
     for index, module in charges:
         parameters = list(module.parameters())
         if unit == "parameters":

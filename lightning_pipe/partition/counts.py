@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -10,12 +11,12 @@ from dataclasses import dataclass
 class PipelineParallelConfig:
     """Configuration for pipeline-parallel training.
 
-    Pipeline parallelism partitions a model's sequential layers into ``num_stages`` stages, each on its own device
+    Pipeline parallelism partitions a model's sequential blocks into ``num_stages`` stages, each on its own device
     and process. During training every mini-batch is split into ``num_micro_batches`` micro-batches that flow
     through the stages concurrently (GPipe scheduling), which shrinks the idle "bubble" of a naive pipeline to a
     fraction ``(S - 1) / (M + S - 1)`` of the step.
 
-    Use :meth:`split_into_stages` to compute the layer range of each stage.
+    Use :meth:`split_into_stages` to compute the block range of each stage.
     """
 
     num_stages: int
@@ -29,14 +30,21 @@ class PipelineParallelConfig:
         require_positive_int("num_stages", self.num_stages)
         require_positive_int("num_micro_batches", self.num_micro_batches)
 
-    def split_into_stages(self, num_layers: int) -> list[range]:
-        """Contiguous layer ranges, one per stage, covering every layer once; sizes differ by at most one.
+    def split_into_stages(self, num_blocks: int | None = None, *, num_layers: int | None = None) -> list[range]:
+        """Contiguous block ranges, one per stage, covering every block once; sizes differ by at most one.
+        (``num_layers``: the former name of ``num_blocks``, still taken, with a ``DeprecationWarning``.)
 
         >>> PipelineParallelConfig(num_stages=3, num_micro_batches=4).split_into_stages(8)
         [range(0, 3), range(3, 6), range(6, 8)]
         """
-        require_positive_int("num_layers", num_layers)
-        return split_evenly(num_layers, self.num_stages)
+        if num_layers is not None:
+            if num_blocks is not None:
+                raise TypeError("split_into_stages() takes num_blocks or its former name num_layers, not both")
+            warnings.warn("split_into_stages(num_layers=...) is now split_into_stages(num_blocks=...)",
+                          DeprecationWarning, stacklevel=2)
+            num_blocks = num_layers
+        require_positive_int("num_blocks", num_blocks)
+        return split_evenly(num_blocks, self.num_stages)  # type: ignore[arg-type]
 
 
 def require_positive_int(name: str, value: object) -> None:
@@ -45,25 +53,25 @@ def require_positive_int(name: str, value: object) -> None:
         raise ValueError(f"{name}={value!r} is invalid; it must be a positive integer (1 or more).")
 
 
-def split_evenly(num_layers: int, num_stages: int) -> list[range]:
-    """Contiguous layer ranges, one per stage, covering every layer once; sizes differ by at most one, the larger
+def split_evenly(num_blocks: int, num_stages: int) -> list[range]:
+    """Contiguous block ranges, one per stage, covering every block once; sizes differ by at most one, the larger
     ones first.
 
     >>> split_evenly(8, 3)
     [range(0, 3), range(3, 6), range(6, 8)]
     """
-    check_stage_count(num_layers, num_stages)
-    base, extra = divmod(num_layers, num_stages)
+    check_stage_count(num_blocks, num_stages)
+    base, extra = divmod(num_blocks, num_stages)
     return ranges_from_sizes([base + 1 if stage < extra else base for stage in range(num_stages)])
 
 
-def check_stage_count(num_layers: int, num_stages: int) -> None:
-    """Raise, naming the limit, unless every one of ``num_stages`` stages can get a layer."""
-    if num_stages > num_layers:
+def check_stage_count(num_blocks: int, num_stages: int) -> None:
+    """Raise, naming the limit, unless every one of ``num_stages`` stages can get a block."""
+    if num_stages > num_blocks:
         raise ValueError(
-            f"num_stages={num_stages} but the pipelined module has only {num_layers} block{_s(num_layers)};"
-            f" use at most {num_layers} stage{_s(num_layers)}, or split the model into more blocks."
-            if num_layers > 0
+            f"num_stages={num_stages} but the pipelined module has only {num_blocks} block{_s(num_blocks)};"
+            f" use at most {num_blocks} stage{_s(num_blocks)}, or split the model into more blocks."
+            if num_blocks > 0
             else "the pipelined module has no blocks; pipeline a module that holds the blocks to split."
         )
 
@@ -73,7 +81,7 @@ def _s(count: int) -> str:
 
 
 def ranges_from_sizes(sizes: Sequence[int]) -> list[range]:
-    """Turn per-stage layer counts such as ``[3, 5]`` into contiguous ranges ``[range(0, 3), range(3, 8)]``."""
+    """Turn per-stage block counts such as ``[3, 5]`` into contiguous ranges ``[range(0, 3), range(3, 8)]``."""
     ranges, start = [], 0
     for size in sizes:
         ranges.append(range(start, start + size))

@@ -27,6 +27,7 @@ def run_on_meta(
     the meta device; the error appended to ``errors``): what observers saw until then still counts. The caller sets
     the user's hooks aside (:func:`~lightning_pipe.partition.hooks.hooks_set_aside`) before registering its own."""
     with contextlib.ExitStack() as stack:
+        stack.enter_context(uncompiled())
         stack.enter_context(attributes_kept(model))
         stack.enter_context(_MetaScalars())
         for mode in extra_modes:
@@ -44,6 +45,15 @@ def run_on_meta(
             if errors is not None:
                 errors.append(error)
             return None
+
+
+def uncompiled() -> contextlib.AbstractContextManager:
+    """While open, compiled code (``torch.compile(module)``, ``module.compile()``) runs as plain Python: for runs on
+    the meta device, which need shapes only.
+
+    A compiled module first called under a ``TorchDispatchMode`` (the meta runs' modes) is not compiled, and torch
+    marks its code to be skipped for good: the block would then run uncompiled in every step of the run."""
+    return torch.compiler.set_stance("force_eager")
 
 
 @contextlib.contextmanager

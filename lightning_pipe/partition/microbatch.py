@@ -8,7 +8,7 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
-# What flows between stages: one tensor, or a tuple of tensors (an nn.Sequential passes either from layer to layer).
+# What flows between stages: one tensor, or a tuple of tensors (an nn.Sequential passes either from block to block).
 Activation = Union[Tensor, tuple[Tensor, ...]]
 
 

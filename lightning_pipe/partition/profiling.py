@@ -1,8 +1,8 @@
-"""Measuring what each layer of the pipelined ``nn.Sequential`` costs: forward and backward time, and memory.
+"""Measuring what each block of the pipelined ``nn.Sequential`` costs: forward and backward time, and memory.
 
-Profiling runs on one rank before the partition exists, on a deep copy of one layer at a time (so the model's
+Profiling runs on one rank before the partition exists, on a deep copy of one block at a time (so the model's
 weights, gradients and BatchNorm statistics stay untouched and a model too big for one device can still be
-profiled), with the input each layer would see in the pipeline: the first micro-batch of a sample.
+profiled), with the input each block would see in the pipeline: the first micro-batch of a sample.
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from lightning_pipe.schedules.choice import BlockCosts, CostModel
 
 @dataclass(frozen=True)
 class BlockProfile:
-    """What one layer costs on one micro-batch."""
+    """What one block costs on one micro-batch."""
 
     forward_seconds: float
-    backward_seconds: float  # back-propagation through the layer, re-computation not included
+    backward_seconds: float  # back-propagation through the block, re-computation not included
     parameter_bytes: int
-    activation_bytes: int  # storages autograd saves for the layer's backward, each once (its parameters not counted)
-    # The gradient of the layer's input alone (what the stage before waits for), when asked for; the weight
+    activation_bytes: int  # storages autograd saves for the block's backward, each once (its parameters not counted)
+    # The gradient of the block's input alone (what the stage before waits for), when asked for; the weight
     # gradients take the rest of ``backward_seconds``.
     input_gradient_seconds: float | None = None
-    input_bytes: int = 0  # the layer's input: what a re-computed forward keeps until its backward
+    input_bytes: int = 0  # the block's input: what a re-computed forward keeps until its backward
 
     @property
     def memory_bytes(self) -> int:
@@ -79,7 +79,7 @@ def pipelined_input(module: nn.Module, sequential: nn.Sequential, sample: Any) -
     ``sample`` is an input of ``module``'s ``forward`` (a LightningModule's ``example_input_array``): a tuple is
     passed as positional arguments, a dict as keyword arguments, anything else as the one argument; or a
     :class:`TrainingBatch`, which the module's ``training_step`` is called on (``self.log`` doing nothing). The call
-    runs in eval mode without gradients and stops where ``sequential`` would start, so no layer runs, no running
+    runs in eval mode without gradients and stops where ``sequential`` would start, so no block runs, no running
     statistic changes and the random number generators end as they began.
     """
 
@@ -128,41 +128,41 @@ def profile_blocks(
     sample: Activation,
     device: torch.device,
     num_micro_batches: int = 1,
-    seconds_per_layer: float = 0.05,
+    seconds_per_block: float = 0.05,
     min_repeats: int = 3,
     split_backward: bool = False,
 ) -> list[BlockProfile]:
-    """Forward and backward time and memory of every layer of ``sequential`` on ``device``.
+    """Forward and backward time and memory of every block of ``sequential`` on ``device``.
 
-    ``sample`` is the input of ``sequential`` (see :func:`pipelined_input`); each layer runs on the first of its
-    ``num_micro_batches`` micro-batches, as a stage would. Each layer is timed ``min_repeats`` times or for about
-    ``seconds_per_layer``, whichever takes longer, after one warm-up run; the fastest run counts, since other
+    ``sample`` is the input of ``sequential`` (see :func:`pipelined_input`); each block runs on the first of its
+    ``num_micro_batches`` micro-batches, as a stage would. Each block is timed ``min_repeats`` times or for about
+    ``seconds_per_block``, whichever takes longer, after one warm-up run; the fastest run counts, since other
     processes on the machine only ever add time (as ``timeit`` reasons). With ``split_backward`` each run also times
-    the input gradient alone first (``torch.autograd.grad`` to the layer's input), which the split backward of the
+    the input gradient alone first (``torch.autograd.grad`` to the block's input), which the split backward of the
     zero-bubble schedules runs apart from the weight gradients.
     """
     value = microbatch.split(move_data_to_device(_real(sample, device), device), num_micro_batches)[0]
     profiles = []
     with torch.random.fork_rng(devices=_rng_devices(device)):
-        for index, layer in enumerate(sequential):
-            profile, value = _profile_layer(
-                layer, value, device, seconds_per_layer, min_repeats, index, split_backward
+        for index, block in enumerate(sequential):
+            profile, value = _profile_block(
+                block, value, device, seconds_per_block, min_repeats, index, split_backward
             )
             profiles.append(profile)
     return profiles
 
 
-def _profile_layer(
-    layer: nn.Module, value: Activation, device: torch.device, budget: float, min_repeats: int, index: int,
+def _profile_block(
+    block: nn.Module, value: Activation, device: torch.device, budget: float, min_repeats: int, index: int,
     split_backward: bool = False,
 ) -> tuple[BlockProfile, Activation]:
-    """The profile of one layer and its output (the next layer's input), detached."""
-    layer = _materialized(copy.deepcopy(layer), device)
+    """The profile of one block and its output (the next block's input), detached."""
+    block = _materialized(copy.deepcopy(block), device)
     is_tuple = isinstance(value, tuple)
     where = f"the input of block {index} of the pipelined module"
     inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in microbatch.as_tensors(value, where))
-    parameter_storages = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    parameter_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+    parameter_storages = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    parameter_bytes = sum(p.numel() * p.element_size() for p in block.parameters())
     sync = _synchronizer(device)
 
     forwards: list[float] = []
@@ -182,13 +182,13 @@ def _profile_layer(
                 saved[storage.data_ptr()] = storage.nbytes()
             return tensor
 
-        # A layer that works in place (``nn.ReLU(inplace=True)``) may not modify a leaf that requires grad, and must
+        # A block that works in place (``nn.ReLU(inplace=True)``) may not modify a leaf that requires grad, and must
         # not modify the input the next run reuses: it gets a copy, made outside the timed span.
         copies = tuple(t.clone() for t in inputs)
         sync()
         start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            output = layer(copies if is_tuple else copies[0])
+            output = block(copies if is_tuple else copies[0])
         sync()
         middle = time.perf_counter()
         outputs = microbatch.as_tensors(output, f"the output of block {index} of the pipelined module")
@@ -210,7 +210,7 @@ def _profile_layer(
             input_gradients.append(input_gradient)
             spent += end - start
         activation_bytes = sum(saved.values())
-        layer.zero_grad(set_to_none=True)
+        block.zero_grad(set_to_none=True)
         for tensor in inputs:
             tensor.grad = None
         run += 1
@@ -223,17 +223,17 @@ def _profile_layer(
     return profile, detached if isinstance(output, tuple) else detached[0]
 
 
-def _materialized(layer: nn.Module, device: torch.device) -> nn.Module:
-    """``layer`` on ``device``; a layer built on the meta device (deferred initialisation) gets freshly initialised
+def _materialized(block: nn.Module, device: torch.device) -> nn.Module:
+    """``block`` on ``device``; a block built on the meta device (deferred initialisation) gets freshly initialised
     weights there: timing and sizes do not depend on the values."""
-    if not any(t.is_meta for t in (*layer.parameters(), *layer.buffers())):
-        return layer.to(device)
-    layer = layer.to_empty(device=device)
-    for module in layer.modules():
+    if not any(t.is_meta for t in (*block.parameters(), *block.buffers())):
+        return block.to(device)
+    block = block.to_empty(device=device)
+    for module in block.modules():
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
             reset()
-    return layer
+    return block
 
 
 def _real(value: Activation, device: torch.device) -> Activation:

@@ -29,7 +29,7 @@ from typing import Literal
 
 # recv: wait for a micro-batch's activations from the stage holding the previous chunk; send: pass a chunk's output
 # to the stage holding the next one; recv_grad / send_grad: the same for gradients, in the other direction. forward
-# and backward run one chunk's layers; backward_input computes only the gradient of the chunk's input (what the
+# and backward run one chunk's blocks; backward_input computes only the gradient of the chunk's input (what the
 # previous chunk waits for), backward_weight later the weights' gradients (what nobody waits for).
 ActionKind = Literal[
     "recv", "forward", "send", "recv_grad", "backward", "backward_input", "backward_weight", "send_grad"

@@ -308,15 +308,20 @@ class BranchingClassifier(PipeClassifier):
 
 
 COMPILE_BACKEND = "counted_aot_eager"
-compiled_graphs = 0  # graphs compiled with COMPILE_BACKEND in this process
+WRAPPER_BACKEND = "counted_aot_eager_wrapper"  # the same, counted apart: a block wrapped by torch.compile(block)
+compiled_graphs = {COMPILE_BACKEND: 0, WRAPPER_BACKEND: 0}  # graphs compiled with each backend in this process
 
 
-@register_backend(name=COMPILE_BACKEND)
-def _counted_aot_eager(graph: torch.fx.GraphModule, example_inputs: list, **kwargs):
-    """``aot_eager`` (which traces forward and backward as inductor does, without its C++ compilation), counted."""
-    global compiled_graphs
-    compiled_graphs += 1
-    return lookup_backend("aot_eager")(graph, example_inputs, **kwargs)
+def _counted(name: str):
+    @register_backend(name=name)
+    def counted_aot_eager(graph: torch.fx.GraphModule, example_inputs: list, **kwargs):
+        """``aot_eager`` (which traces forward and backward as inductor does, without its C++ compilation), counted."""
+        compiled_graphs[name] += 1
+        return lookup_backend("aot_eager")(graph, example_inputs, **kwargs)
+
+
+_counted(COMPILE_BACKEND)
+_counted(WRAPPER_BACKEND)
 
 
 class CompiledPipelined(PipeClassifier):
@@ -339,14 +344,15 @@ class DenseTanh(nn.Module):
 
 
 class CompiledLayers(PipeClassifier):
-    """Layers compiled one by one: wrapped by ``torch.compile`` (layer 0) and compiled in place (the blocks)."""
+    """Layers compiled one by one: wrapped by ``torch.compile`` (layer 0, with ``WRAPPER_BACKEND``) and compiled in
+    place (``block.compile()``: the ``DenseTanh`` blocks 2 to 5, with ``COMPILE_BACKEND``)."""
 
     def __init__(self, lr: float = 0.5) -> None:
         super().__init__(lr=lr)
         blocks = [DenseTanh(16) for _ in range(4)]
         for block in blocks:
             block.compile(backend=COMPILE_BACKEND)
-        self.net.model = nn.Sequential(torch.compile(nn.Linear(12, 16), backend=COMPILE_BACKEND), nn.Tanh(), *blocks)
+        self.net.model = nn.Sequential(torch.compile(nn.Linear(12, 16), backend=WRAPPER_BACKEND), nn.Tanh(), *blocks)
 
 
 class CompiledInPlace(PipeClassifier):

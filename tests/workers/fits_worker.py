@@ -169,7 +169,7 @@ def main(spec_path):
         if run.get("schedule") == "gpipe_split":  # GPipe with deferred weight gradients
             run.setdefault("strategy", {})["schedule"] = gpipe_schedule(split_backward=True)
         torch._dynamo.reset()  # an earlier run's compiled code would serve this run's layers of the same types
-        graphs_before = models.compiled_graphs
+        graphs_before = dict(models.compiled_graphs)
         out = Path(spec["out"]) / run["name"]
 
         def trainer_for(max_epochs: int, checkpoints: bool, strategy: dict) -> Trainer:
@@ -240,10 +240,12 @@ def main(spec_path):
                 (out / "save_error.txt").write_text(str(error))
             trainer.save_checkpoint(out / "weights.ckpt", weights_only=True)
         summary = recorder.summary()
-        summary["compiled_graphs"] = models.compiled_graphs - graphs_before  # by torch.compile in this run
+        # Graphs torch.compile compiled in this run, per counted backend (see helpers.models.CompiledLayers).
+        summary["compiled_graphs"] = {name: n - graphs_before[name] for name, n in models.compiled_graphs.items()}
         if run.get("record_clipping_norms"):
             summary["clipping_norms"] = norms
         pipeline = trainer.strategy._pipeline  # what was built (None in the launching process of spawn/fork)
+        summary["held_blocks"] = pipeline.runtime.stage.indices if pipeline is not None else []
         plan = pipeline.plan if pipeline is not None else None
         if plan is not None:
             summary["chunk_ranges"] = [[r.start, r.stop] for r in plan.ranges]
