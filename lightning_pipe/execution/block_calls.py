@@ -187,10 +187,10 @@ class BlockCalls:
             output = self._run_chunk(chunk)
         if output is not None:
             call.output = output
-        else:
-            if placeholder is None:
-                placeholder = self.placeholders.output(index, args, kwargs)
+        elif placeholder is not None:  # computed for the stages that learn it from here
             call.output = needing_gradients_as_real(placeholder, self.stage.originals[index], args, kwargs)
+        else:
+            call.output = self.placeholders.answer(index, args, kwargs)
         if index == len(self.stage.region) - 1 and not self.in_step:
             call.output = self._share_outside_output(output)
         self.chain.record(call)

@@ -17,6 +17,7 @@ from lightning_pipe.partition.hooks import hooks_set_aside
 from lightning_pipe.partition.meta_run import uncompiled
 
 SIGNATURES_KEPT = 8
+_ANSWERS_KEPT = 1024  # tensors of answers whose signature is known by their id (see `Placeholders.answer`)
 _PLAIN = (bool, int, float, str, torch.dtype, torch.device, type(None))
 
 
@@ -38,7 +39,44 @@ class Placeholders:
         self._running_blocks = running_blocks
         self.learned = learned  # the outputs of blocks that cannot run on the meta device, from their stage
         self._meta_states: dict[int, dict[str, Tensor]] = {}
-        self._meta_outputs: dict[int, dict[Hashable, Any]] = {}  # per block: its meta output, by input signature
+        self._meta_outputs: dict[int, dict[Hashable, _Known]] = {}  # per block: its meta output, by input signature
+        # The answers' tensors, by id: (the tensor, its signature). The next block's call takes them: its signature is
+        # then known without asking each tensor its shape and strides (which costs microseconds). Held here, an
+        # answer's id cannot pass to another tensor.
+        self._answered: dict[int, tuple[Tensor, Hashable]] = {}
+
+    def answer(self, index: int, args: tuple, kwargs: dict) -> Any:
+        """What the model's call of block ``index`` gets where the block does not run now: its :meth:`output`,
+        needing gradients where the real output would (:func:`wants_gradients`).
+
+        A repeated input signature gets the same tensors as the last call: meta tensors hold no values, so nothing a
+        later call or the model's code does can change what they say, and the stages' placeholders, made once per
+        micro-batch, then cost a lookup (a meta tensor costs 10-20 us to make)."""
+        block = self.originals[index]
+        answered = self._answered
+        if not kwargs and len(args) == 1 and type(args[0]) is Tensor:  # the chain's call: `_signature_of_call`'s key
+            arg = args[0]
+            known = answered.get(id(arg))
+            key: Hashable | None = (block.training, known[1] if known is not None and known[0] is arg else
+                                    (arg.shape, arg.stride(), arg.dtype))
+        else:
+            key = _signature_of_call(block.training, args, kwargs)
+        gradients = wants_gradients(block, args, kwargs)
+        outputs = self._meta_outputs.get(index)
+        found = outputs.get(key) if outputs is not None and key is not None else None
+        if found is None:
+            output = self.output(index, args, kwargs)
+            found = self._meta_outputs[index].get(key) if key is not None else None
+            if found is None:  # not kept (its signature holds something else than tensors and plain values)
+                return _needing_gradients(output) if gradients else output
+        answer = found.answers.get(gradients)
+        if answer is None:
+            answer = found.answers[gradients] = found.answer(gradients)
+            if len(answered) >= _ANSWERS_KEPT:
+                answered.clear()
+            for tensor in tensors_of(answer):
+                answered[id(tensor)] = (tensor, signature(tensor))
+        return answer
 
     def output(self, index: int, args: tuple, kwargs: dict, reuse: bool = True) -> Any:
         """The block's output on the meta device: its structure and shapes, without its cost.
@@ -53,12 +91,12 @@ class Placeholders:
         known = self._meta_outputs.setdefault(index, {})
         key = _signature_of_call(block.training, args, kwargs) if reuse else None
         if key is not None and key in known:
-            return map_tensors(known[key], fresh_meta)
+            return map_tensors(known[key].output, fresh_meta)
         output = self._computed(index, args, kwargs, send=reuse)
         if key is not None and signature(output) is not None:
             if len(known) >= SIGNATURES_KEPT:
                 known.clear()  # signatures that change every step (a growing sequence) must not pile up
-            known[key] = map_tensors(output, fresh_meta)
+            known[key] = _Known(map_tensors(output, fresh_meta))
         return output
 
     def share(self, index: int, args: tuple, kwargs: dict) -> Any:
@@ -101,15 +139,42 @@ def needing_gradients_as_real(output: Any, module: nn.Module, args: tuple, kwarg
     gradients only if one of its inputs needs one, so an answer that needs none would cut this stage's graph there,
     and its backward would never send the gradient the stage before waits for.
     """
+    return _needing_gradients(output) if wants_gradients(module, args, kwargs) else output
+
+
+def wants_gradients(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether the real output of ``module``'s call with ``args`` and ``kwargs`` would need a gradient: gradients on,
+    and an input needing one or the module trainable."""
     if not torch.is_grad_enabled():
-        return output
+        return False
     # The inputs first: in a training step the previous block's answer needs a gradient already, and walking the
     # module's parameters is the costlier test (it walks every submodule), made only when no input needs one.
-    if not any(t.requires_grad for t in tensors_of((args, kwargs))) and not any(
-        p.requires_grad for p in module.parameters()
-    ):
-        return output
+    if not kwargs and len(args) == 1 and type(args[0]) is Tensor:  # the chain's call: the previous block's output
+        if args[0].requires_grad:
+            return True
+    elif any(t.requires_grad for t in tensors_of((args, kwargs))):
+        return True
+    return any(p.requires_grad for p in module.parameters())
+
+
+def _needing_gradients(output: Any) -> Any:
+    """``output`` with its floating-point leaves needing a gradient (in place)."""
     return map_tensors(output, lambda t: t.requires_grad_() if t.is_leaf and t.is_floating_point() else t)
+
+
+class _Known:
+    """A block's meta output for one input signature, and the answers made of it (:meth:`Placeholders.answer`): one
+    that needs no gradient and one that does, each made at its first use."""
+
+    __slots__ = ("output", "answers")
+
+    def __init__(self, output: Any) -> None:
+        self.output = output
+        self.answers: dict[bool, Any] = {}
+
+    def answer(self, gradients: bool) -> Any:
+        answer = map_tensors(self.output, fresh_meta)
+        return _needing_gradients(answer) if gradients else answer
 
 
 def fresh_meta(tensor: Tensor) -> Tensor:

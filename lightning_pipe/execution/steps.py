@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from lightning_pipe.execution.call_order import ChunkCall
+from lightning_pipe.execution.call_order import ChainValue, ChunkCall
 from lightning_pipe.execution.engine import ChunkForward
 from lightning_pipe.execution.gradients import add_gradients, swap_gradients
 from lightning_pipe.execution.loss_items import LossItems, announce, unequal_label_shares, warn_weighted_by_samples
@@ -77,6 +77,9 @@ class MicroBatchStep:
         # The calls of this stage's later chunks, (chunk, micro-batch) -> call, recorded by the user's step on the
         # micro-batch's first chunk here and run at their own forwards.
         self._calls_ahead: dict[tuple[int, int], ChunkCall] = {}
+        # This step's calls of chunks that take nothing from the user's step but the previous chunk's output, by
+        # chunk: the step on a later micro-batch would make the same call (see `_same_for_every_micro_batch`).
+        self._repeated: dict[int, ChunkCall] | None = None
         stage, last = runtime.stage, runtime.engine.last_chunk
         # The chunks of this stage after each of its chunks whose calls the user's step records while it runs that
         # chunk (every one but the model's last, whose call must return the micro-batch's output to the step).
@@ -114,11 +117,20 @@ class MicroBatchStep:
         results: dict[int, Any] = {}
         records: dict[int, list[LogRecord]] = {}
         self._calls_ahead = {}
+        # The user's step runs once per micro-batch on a stage whose chunks' calls depend on the micro-batch; a chunk
+        # between the first and the loss stage's that it calls with the previous chunk's output alone runs its
+        # first recorded call on every micro-batch of the same shapes (unless a block's output shapes come in
+        # messages from its stage, which each run of the step receives: see learned_outputs).
+        learned = runtime.calls.placeholders.learned
+        same_shapes = len(set(sizes)) == 1 and (learned is None or not learned.not_on_meta)
+        self._repeated = {} if same_shapes else None
         engine.begin_step()
         for forward in engine.execute(engine.plan(len(parts))):
             k, m = forward.chunk, forward.micro_batch
             with precision.train_step_context():
                 ahead = self._calls_ahead.pop((k, m), None)
+                if ahead is None and self._repeated is not None:
+                    ahead = self._repeated.get(k)
                 if ahead is not None:  # recorded by this micro-batch's step on an earlier chunk of this stage
                     forward.run(ahead)
                     continue
@@ -146,6 +158,9 @@ class MicroBatchStep:
         """The user's step on ``forward``'s micro-batch called ``call``'s chunk: run it if it is ``forward``'s, else
         keep the call for the chunk's own forward (so that the user's step runs once per micro-batch on this stage,
         not once per chunk)."""
+        if self._repeated is not None and 0 < call.chunk < self.runtime.engine.last_chunk:
+            if _same_for_every_micro_batch(call):
+                self._repeated[call.chunk] = call
         if call.chunk != forward.chunk:
             self._calls_ahead[(call.chunk, forward.micro_batch)] = call
             return None
@@ -162,6 +177,18 @@ class MicroBatchStep:
             if shares is not None:
                 warn_weighted_by_samples(module, shares)
         return self._loss_items.per_micro_batch(parts, sizes)
+
+
+def _same_for_every_micro_batch(call: ChunkCall) -> bool:
+    """Whether the user's step on any micro-batch of the same shapes would call ``call``'s chunk alike: each block
+    takes the previous one's output (or an earlier block's, which travels with it) and nothing else but flags
+    (``None``, ``True``, ``False``), so the chunk's forward needs nothing from that run of the user's step."""
+    return not call.leaves and all(
+        not block.restart and all(
+            value is None or isinstance(value, (bool, ChainValue)) for value in (*block.args[1:], *block.kwargs.values())
+        )
+        for block in call.calls
+    )
 
 
 TrainingStep = WholeBatchStep | MicroBatchStep

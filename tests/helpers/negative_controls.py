@@ -51,16 +51,11 @@ def answer_stand_ins_without_gradients() -> Callable[[], None]:
     """The stand-ins of what a stage does not hold (another stage's blocks and outside modules) answer tensors that need
     no gradient, as before the fix of issue #43: a reentrant checkpoint around a later block then computes that block's
     chunk without gradients. Returns what undoes it."""
-    from lightning_pipe.execution import block_calls, outside
+    from lightning_pipe.execution import placeholders
 
-    originals = block_calls.needing_gradients_as_real, outside.needing_gradients_as_real
-    unchanged = lambda output, module, args, kwargs: output  # noqa: E731
-    block_calls.needing_gradients_as_real = outside.needing_gradients_as_real = unchanged
-
-    def undo() -> None:
-        block_calls.needing_gradients_as_real, outside.needing_gradients_as_real = originals
-
-    return undo
+    original = placeholders.wants_gradients
+    placeholders.wants_gradients = lambda module, args, kwargs: False
+    return lambda: setattr(placeholders, "wants_gradients", original)
 
 
 def reduce_scatter_without_averaging() -> Callable[[], None]:
