@@ -46,13 +46,8 @@ from lightning_pipe.execution.batchnorm import epoch_last_batch_reached
 from lightning_pipe.execution.batchnorm import revert as revert_batch_norms
 from lightning_pipe.execution.gradients import StageGradients, stop_agreeing_on_gradient_overflow
 from lightning_pipe.execution.materialize import meta_tensors_left_in_place
-from lightning_pipe.execution.process_groups import (
-    PipelineGroups,
-    broadcast_object,
-    decide_over_world,
-    reduce_tensor,
-    world_barrier,
-)
+from lightning_pipe.execution.process_groups import PipelineGroups, broadcast_object, decide_over_world, forget_mesh
+from lightning_pipe.execution.process_groups import reduce_tensor, world_barrier
 from lightning_pipe.execution.runtime import StageRuntime
 from lightning_pipe.execution.steps import TrainingStep
 from lightning_pipe.integration.launchers import (
@@ -312,6 +307,7 @@ class GPipeStrategyMixin(PipelineView):
     def release_process_groups(self) -> None:
         """Drop every reference to the process groups (at the interpreter's exit, before they are destroyed)."""
         self._watchdog.stop()
+        forget_mesh(self.lightning_module, self._groups)  # `self.device_mesh` holds the mesh's groups
         self._groups = self._pipeline = None  # the pipeline's stage and links reach the groups
         self._runtime = self._training = self._gradients = self._tracer = None
         scaler = getattr(self.precision_plugin, "scaler", None)

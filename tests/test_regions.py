@@ -332,7 +332,8 @@ class Chain(nn.Module):
 def test_blocks_run_on_the_meta_device_once_per_input_signature():
     """A stage answers the model's calls of blocks it does not run now with meta tensors of their output's shape.
     Each block runs on the meta device once per signature (shapes, dtypes, plain values); a later step with the same
-    signature gets fresh tensors of the same shapes. An argument of another kind makes it run every time."""
+    signature gets the same answer again, unless the model's code changed it in place. An argument of another kind
+    makes it run every time."""
     model = Chain()
     stage = StageBlocks(model, container_region(model, "blocks"), range(0, 1), stage_index=0, num_stages=2)
     stage.install()
@@ -347,7 +348,11 @@ def test_blocks_run_on_the_meta_device_once_per_input_signature():
     first, calls = step(torch.randn(8, 4))
     assert calls == [1, 1, 1]
     again, calls = step(torch.randn(8, 4))
-    assert calls == [1, 1, 1] and again is not first  # the same signature: no block ran
+    assert calls == [1, 1, 1] and again is first  # the same signature: no block ran, the same answer
+    with torch.no_grad():
+        first.unsqueeze_(0)  # the model's code changes an answer's shape in place: it is not given out again
+    changed, calls = step(torch.randn(8, 4))
+    assert calls == [1, 1, 1] and changed is not first and changed.shape == (8, 4)
     assert step(torch.randn(5, 4))[1] == [2, 2, 2]  # another batch size
     assert step(torch.randn(5, 4), scale=2.0)[1] == [3, 3, 3]  # another plain value
     assert step(torch.randn(5, 4), scale=2.0)[1] == [3, 3, 3]

@@ -49,9 +49,10 @@ class Placeholders:
         """What the model's call of block ``index`` gets where the block does not run now: its :meth:`output`,
         needing gradients where the real output would (:func:`wants_gradients`).
 
-        A repeated input signature gets the same tensors as the last call: meta tensors hold no values, so nothing a
-        later call or the model's code does can change what they say, and the stages' placeholders, made once per
-        micro-batch, then cost a lookup (a meta tensor costs 10-20 us to make)."""
+        A repeated input signature gets the same tensors as the last call: meta tensors hold no values, so only an
+        in-place change of their shape or strides (which bumps their version) could change what they say, and such an
+        answer is made anew. The stages' placeholders, made once per micro-batch, then cost a lookup (a meta tensor
+        costs 10-20 us to make)."""
         block = self.originals[index]
         answered = self._answered
         if not kwargs and len(args) == 1 and type(args[0]) is Tensor:  # the chain's call: `_signature_of_call`'s key
@@ -69,14 +70,15 @@ class Placeholders:
             found = self._meta_outputs[index].get(key) if key is not None else None
             if found is None:  # not kept (its signature holds something else than tensors and plain values)
                 return _needing_gradients(output) if gradients else output
-        answer = found.answers.get(gradients)
-        if answer is None:
-            answer = found.answers[gradients] = found.answer(gradients)
+        made = found.answers.get(gradients)
+        if made is None or any(tensor._version for tensor in made[1]):  # new, or changed in place (`x.unsqueeze_(0)`)
+            answer = found.answer(gradients)
+            made = found.answers[gradients] = (answer, tensors_of(answer))
             if len(answered) >= _ANSWERS_KEPT:
                 answered.clear()
-            for tensor in tensors_of(answer):
+            for tensor in made[1]:
                 answered[id(tensor)] = (tensor, signature(tensor))
-        return answer
+        return made[0]
 
     def output(self, index: int, args: tuple, kwargs: dict, reuse: bool = True) -> Any:
         """The block's output on the meta device: its structure and shapes, without its cost.
@@ -170,7 +172,7 @@ class _Known:
 
     def __init__(self, output: Any) -> None:
         self.output = output
-        self.answers: dict[bool, Any] = {}
+        self.answers: dict[bool, tuple[Any, list[Tensor]]] = {}  # by whether it needs gradients: (answer, its tensors)
 
     def answer(self, gradients: bool) -> Any:
         answer = map_tensors(self.output, fresh_meta)

@@ -106,6 +106,13 @@ class PipelineGroups:
         return f"stage {stage} (rank {self.stage_ranks[stage]})"
 
 
+def forget_mesh(module: Any, groups: PipelineGroups | None) -> None:
+    """Drop the module's ``device_mesh`` where it is the run's (it keeps the mesh's groups, and their threads, alive
+    after they are destroyed)."""
+    if module is not None and groups is not None and getattr(module, "_device_mesh", None) is groups.mesh:
+        module._device_mesh = None
+
+
 def init_pipeline_groups(
     layout: PipelineLayout,
     rank: int,
