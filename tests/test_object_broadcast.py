@@ -67,3 +67,20 @@ def test_objects_of_every_size_reach_every_rank_whole_and_the_random_state_is_ad
         for name, value in expected.items():
             assert result["received"][name] == value, name
     assert results[0]["received"]["draws"] == results[1]["received"]["draws"] == results[2]["received"]["draws"]
+
+
+def test_a_logged_loss_travels_without_the_buffer_it_was_reduced_from():
+    """torch's CPU ``mse_loss`` returns a view into its batch-sized buffer; a pickled tensor carries its whole storage,
+    so the step's outcome would carry 2 MiB a step for a logged loss of a 1024 x 512 batch."""
+    import torch
+    import torch.nn.functional as F
+    from lightning.pytorch import LightningModule
+
+    from lightning_pipe.execution.replayed_logs import recording_logs
+
+    loss = F.mse_loss(torch.randn(1024, 512), torch.zeros(1024, 512))
+    assert loss.untyped_storage().nbytes() > 1024 * 1024  # the premise: the loss is a view of the whole buffer
+    module = LightningModule()
+    with recording_logs(module, log=False) as records:
+        module.log("train_loss", loss)
+    assert records[0].value == loss and len(pickle.dumps(records)) < 2048

@@ -222,7 +222,10 @@ def _portable(value: Any) -> Any:
     if value is None:
         return None
     if isinstance(value, Tensor):
-        return value.detach().to("cpu")
+        value = value.detach().to("cpu")
+        # A pickled tensor carries its whole storage: torch's CPU `mse_loss` returns a view into the batch-sized
+        # buffer it reduced (2 MiB for a 1024 x 512 batch), which every step's outcome would otherwise carry.
+        return value.clone() if value.untyped_storage().nbytes() > value.nbytes else value
     if isinstance(value, numbers.Number):
         return value
     if isinstance(value, dict):
