@@ -26,7 +26,7 @@ MIB = 2**20
 def sizes(quick: bool) -> dict[str, Any]:
     if quick:
         return {"layouts": [[2, 2]], "width": 64, "depth": 4, "batch": 4, "length": 16, "steps": 3, "micro_batches": 2}
-    return {"layouts": [[4, 2], [2, 4]], "width": 256, "depth": 32, "batch": 8, "length": 32, "steps": 6,
+    return {"layouts": [[2, 2], [4, 2], [2, 4]], "width": 256, "depth": 32, "batch": 8, "length": 32, "steps": 6,
             "micro_batches": 8}
 
 
