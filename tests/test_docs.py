@@ -186,12 +186,35 @@ def test_no_table_appears_on_two_pages():
     """A table lives on one page; the others link to it. Two pages sharing a table row of real content is a copy."""
     seen: dict[str, str] = {}
     copies = []
+    separator = set("|-: ")
     for page in PAGES:
-        rows = {line.strip() for line in page.read_text().splitlines() if line.lstrip().startswith("|")}
+        lines = [line.strip() for line in page.read_text().splitlines()] + [""]
+        headers = {line for line, below in zip(lines, lines[1:]) if below.startswith("|") and set(below) <= separator}
+        rows = {line for line in lines if line.startswith("|")} - headers
         for row in rows:
-            if len(row) < 60 or set(row) <= set("|-: "):
-                continue  # separators and short rows (a header of common words) say nothing on their own
+            if len(row) < 60 or set(row) <= separator:
+                continue  # separators, headers and short rows say nothing on their own: two tables may share them
             if row in seen and seen[row] != page.name:
                 copies.append(f"{seen[row]} and {page.name}: {row[:100]}")
             seen.setdefault(row, page.name)
     assert not copies, "\n".join(copies)
+
+
+# The Llama-3-70B tables of the docs, each printed by the `plan` command shown above it: (page, the command's start).
+PLAN_TABLES = [
+    ("docs/memory.md", "lightning-pipe plan --layouts 8x8 16x4"),
+    ("docs/guide.md", "python -m lightning_pipe.plan --transformers-config llama:hidden_size=8192"),
+]
+
+
+@pytest.mark.parametrize("page, command_start", PLAN_TABLES)
+def test_a_plan_table_is_what_its_command_prints(page, command_start, capsys):
+    from lightning_pipe.commands.plan import main as plan_command
+
+    text = (REPO / page).read_text()
+    command = text[text.index(command_start):]
+    words = command[: command.index("```")].replace("\\\n", " ").split()
+    table = text[text.index("| layout | data_parallel |", text.index(command_start)):]
+    table = table[: min(table.index(end) for end in ("\n\n", "```") if end in table)].strip()
+    plan_command(words[words.index(next(w for w in words if w.endswith("plan"))) + 1 :])
+    assert table in capsys.readouterr().out

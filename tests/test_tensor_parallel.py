@@ -329,18 +329,6 @@ def test_plan_tabulates_layouts_with_a_tensor_parallel_dimension(capsys):
     assert "tensor-parallel | full_shard" not in out  # refused with T > 1: not offered
 
 
-def test_the_guides_llama_3_70b_table_is_what_plan_prints(capsys):
-    """The guide's table for Llama-3-70B on 64 x 80 GB (S x D x T layouts) is the output of the command it shows."""
-    guide = (REPO / "docs" / "guide.md").read_text()
-    command = guide[guide.index("python -m lightning_pipe.plan --transformers-config llama:hidden_size=8192"):]
-    command = command[: command.index("```")].replace("\\\n", " ").split()
-    table = guide[guide.index("| layout | data_parallel | largest stage | held per rank"):]
-    table = table[: table.index("```")].strip()
-    plan_command(command[3:])
-    assert table in capsys.readouterr().out
-    assert "| 8 stages x 8 replicas | replicate | 9.41 B parameters | 140.3 GiB | no |" in table
-
-
 def test_the_settings_refuse_what_is_not_shown_equal_yet():
     with pytest.raises(ValueError, match=r"devices=6 on num_nodes=1 starts 6 processes, not a multiple of"
                                          r" num_stages=2 x tensor_parallel_size=2 = 4"):
