@@ -2,7 +2,7 @@
 
 The data needs no download: every Python installation ships its standard library as ``.py`` files. The model is a
 small GPT (causal transformer) whose blocks sit in one ``nn.Sequential``, the module the ``gpipe`` strategy splits
-into stages; the embedding before it and the head after it are ordinary layers that every stage keeps a copy of.
+into stages; the embedding before it and the head after it are ordinary modules that every stage keeps a copy of.
 """
 
 from __future__ import annotations
