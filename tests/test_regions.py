@@ -353,6 +353,9 @@ def test_blocks_run_on_the_meta_device_once_per_input_signature():
         first.unsqueeze_(0)  # the model's code changes an answer's shape in place: it is not given out again
     changed, calls = step(torch.randn(8, 4))
     assert calls == [1, 1, 1] and changed is not first and changed.shape == (8, 4)
+    with torch.inference_mode():  # Lightning evaluates under it with NCCL: inference tensors, made anew every call
+        evaluated = [step(torch.randn(8, 4))[0] for _ in range(2)]
+    assert evaluated[0] is not evaluated[1] and step(torch.randn(8, 4))[0] is changed
     assert step(torch.randn(5, 4))[1] == [2, 2, 2]  # another batch size
     assert step(torch.randn(5, 4), scale=2.0)[1] == [3, 3, 3]  # another plain value
     assert step(torch.randn(5, 4), scale=2.0)[1] == [3, 3, 3]

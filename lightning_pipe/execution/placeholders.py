@@ -70,6 +70,8 @@ class Placeholders:
             found = self._meta_outputs[index].get(key) if key is not None else None
             if found is None:  # not kept (its signature holds something else than tensors and plain values)
                 return _needing_gradients(output) if gradients else output
+        if torch.is_inference_mode_enabled():  # inference tensors keep no version to check: made anew (evaluation)
+            return found.answer(gradients)
         made = found.answers.get(gradients)
         if made is None or any(tensor._version for tensor in made[1]):  # new, or changed in place (`x.unsqueeze_(0)`)
             answer = found.answer(gradients)
