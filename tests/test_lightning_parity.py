@@ -107,3 +107,63 @@ def test_validate_after_fit_logs_the_same_metrics_as_one_device(pipelined, singl
         assert result["validated"][0].keys() == expected[0].keys()
         for metric, value in expected[0].items():
             assert result["validated"][0][metric] == pytest.approx(value, rel=1e-5), metric
+
+
+EVALUATED_UNDER_INFERENCE_MODE = r"""
+import sys
+import torch, torch.nn as nn, torch.nn.functional as F
+import lightning.pytorch as pl
+import lightning.pytorch.loops.utilities as loop_utilities
+from torch.utils.data import DataLoader, TensorDataset
+import lightning_pipe
+
+# With gloo Lightning evaluates under torch.no_grad; with NCCL, `validate`, `test` and `predict` run under
+# torch.inference_mode (a fit's own validation under no_grad). Seen as not distributed, the loops take the NCCL
+# branch here: the tensors `validate` makes (placeholders, messages) are inference tensors.
+loop_utilities._distributed_is_initialized = lambda: False
+
+class Module(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(4)])
+        self.modes = set()
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.model(x), y)
+    def validation_step(self, batch, batch_idx):
+        self.modes.add(torch.is_inference_mode_enabled())
+        x, y = batch
+        self.log("val", F.mse_loss(self.model(x), y))
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+data = TensorDataset(torch.randn(64, 16), torch.randn(64, 16))
+for schedule in ("gpipe", "1f1b"):
+    module = Module()
+    trainer = pl.Trainer(
+        strategy=lightning_pipe.GPipeStrategy(num_stages=2, num_micro_batches=4, schedule=schedule), devices=2,
+        accelerator="cpu", max_epochs=2, val_check_interval=2, limit_train_batches=4, limit_val_batches=2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.validate(module, DataLoader(data, batch_size=16))  # under inference_mode, the same shapes as training
+    assert module.modes == {True}, module.modes
+    trainer.fit(module, DataLoader(data, batch_size=16), DataLoader(data, batch_size=16))  # fit validates: no_grad
+    trainer.validate(module, DataLoader(data, batch_size=16))
+    assert module.modes == {True, False} and trainer.global_step == 8, (module.modes, trainer.global_step)
+    print(f"rank {trainer.global_rank}: {schedule} trained on after validating under inference_mode", flush=True)
+"""
+
+
+def test_training_goes_on_after_validation_under_inference_mode(tmp_path):
+    """``trainer.validate`` under ``torch.inference_mode`` (as Lightning runs it with NCCL), then a fit, then
+    ``validate`` again: nothing made under inference mode (a cached placeholder, a receive buffer) reaches a later
+    step as an inference tensor."""
+    from helpers.launch import run_python
+
+    script = tmp_path / "evaluated_under_inference_mode.py"  # a file: Lightning's launcher runs it again per rank
+    script.write_text(EVALUATED_UNDER_INFERENCE_MODE)
+    result = run_python(script, cwd=tmp_path, timeout=180, check=False)
+    output = (tmp_path / "stdout.txt").read_text() + (tmp_path / "stderr.txt").read_text()
+    assert result.returncode == 0, output
+    for schedule in ("gpipe", "1f1b"):
+        assert f"rank 0: {schedule} trained on after validating under inference_mode" in output, output
