@@ -225,7 +225,8 @@ def _portable(value: Any) -> Any:
         value = value.detach().to("cpu")
         # A pickled tensor carries its whole storage: torch's CPU `mse_loss` returns a view into the batch-sized
         # buffer it reduced (2 MiB for a 1024 x 512 batch), which every step's outcome would otherwise carry.
-        return value.clone() if value.untyped_storage().nbytes() > value.nbytes else value
+        dense = type(value) is Tensor and value.layout is torch.strided  # a storage of its own to compare with
+        return value.clone() if dense and value.untyped_storage().nbytes() > value.nbytes else value
     if isinstance(value, numbers.Number):
         return value
     if isinstance(value, dict):
