@@ -22,7 +22,9 @@ hands it to its caller as a value, a :class:`ChunkForward`, and goes on once the
 Every chunk output that another chunk reads is cut from the graph: the next chunk's input is a leaf (received, or
 handed over on the same stage), and the last chunk's output reaches the user's code as leaves. So each backward
 runs one chunk on one micro-batch, from the gradient of its output to the gradients of its input and weights, and
-may be split into the two (:mod:`lightning_pipe.execution.split_backward`).
+may be split into the two (:mod:`lightning_pipe.execution.split_backward`). One exception, as in torch's runtime: in
+a per-micro-batch step whose backward of the last chunk is neither split nor re-computed, the user's code gets that
+chunk's output itself, and the micro-batch's loss back-propagates through the head and the chunk in one backward.
 """
 
 from __future__ import annotations
@@ -459,7 +461,9 @@ class PipelineEngine:
     def _run_micro_batch(self, action: Action, call: ChunkCall, taken: _Input, part: int, parts: int) -> Activation | None:
         """Chunk ``action.chunk`` on micro-batch ``action.micro_batch`` (part ``part`` of ``parts`` of ``call``'s
         batch), re-computed in backward when the action says so. Its output is kept to send or to hand to the next
-        chunk; on the last chunk it is returned, cut from the graph (see :func:`cut_output`)."""
+        chunk; on the last chunk it is returned, cut from the graph (see :func:`cut_output`) unless the micro-batch's
+        loss, computed from it, will back-propagate through the chunk in one backward (a per-micro-batch step whose
+        backward of it is neither split nor re-computed)."""
         k, m = action.chunk, action.micro_batch
         inputs = taken.tensors
         run = partial(self.stage.run_micro_batch, call, part, parts, taken.is_tuple, taken.carried)
@@ -485,7 +489,9 @@ class PipelineEngine:
             raise
         self.timeline.add(FORWARD, m, start)
         result = None
-        if k == self.last_chunk:
+        if k == self.last_chunk and grad and self.schedule.per_micro_batch and not action.recompute and (k, m) not in step.split:
+            result = out  # one backward, as torch's: the micro-batch's loss back-propagates through the chunk itself
+        elif k == self.last_chunk:
             result, originals, micro_batch.user_outputs = cut_output(out, grad, every_float=later)
             micro_batch.outputs = gradient_edges(originals)
         else:
@@ -540,7 +546,7 @@ class PipelineEngine:
         start = self.timeline.now()
         if k == self.last_chunk:
             if micro_batch.loss is not None:
-                micro_batch.loss.backward()  # to the leaves of the chunk's output (and through the model's head)
+                micro_batch.loss.backward()  # through the model's head to the chunk's cut output, or through the chunk
                 micro_batch.loss = None
             micro_batch.output_grads = tuple(grad_or_zeros(t) for t in micro_batch.user_outputs)
         assert micro_batch.output_grads is not None  # received, or handed over by the next chunk on this stage
