@@ -80,6 +80,10 @@ class BlockCalls:
         self._kind: tuple[bool, bool] | None = None  # this call's kind, in a step
         self._seen_plain: set[int] | None = None  # in a step: the blocks this call learned it calls outside a checkpoint
         self._chunk_starts = {r[0]: chunk for chunk, r in stage.chunk_ranges.items() if chunk > 0}  # block -> chunk
+        # The blocks whose calls only get a placeholder (they neither start nor end a chunk of this stage, nor end the
+        # region): those made as the chain's plain link skip the checks (see `CallChain.chained`).
+        last = len(stage.region) - 1
+        self._answered_only = frozenset(range(last)) - set(self._chunk_starts) - set(stage.chunk_ends)
         stage.route(self.model_call)
 
     def begin_step(self, in_step: bool, targets: Iterable[int] | None = None, frame: FrameType | None = None) -> None:
@@ -164,6 +168,12 @@ class BlockCalls:
 
     def block_called(self, index: int, args: tuple, kwargs: dict) -> Any:
         """A call of block ``index`` by the model's code: checked, recorded, answered."""
+        if index in self._answered_only:
+            call = self.chain.chained(index, args, kwargs)
+            if call is not None:  # most calls of a step: a block of another stage given the previous block's output
+                call.output = self.placeholders.answer(index, args, kwargs)
+                self.chain.record(call)
+                return call.output
         if index == 0:
             check_nothing_collected_now(self.stage.num_stages)
         if index == 0 and not self.in_step:

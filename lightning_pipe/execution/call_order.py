@@ -122,6 +122,18 @@ class CallChain:
         first = first_item(output) if takes_first else None
         return first if first is not None else output
 
+    def chained(self, index: int, args: tuple, kwargs: dict) -> BlockCall | None:
+        """The call of block ``index``, appended, where it is the chain's plain link: the next block, given the
+        previous block's output alone (as a Sequential calls it), which leaves nothing to check; ``None`` for any
+        other call (see :meth:`check`)."""
+        calls = self.calls
+        if kwargs or len(args) != 1 or index != len(calls) or not calls or args[0] is not calls[-1].output:
+            return None
+        self._takes_first_item = False
+        call = BlockCall(index, args, kwargs)
+        calls.append(call)
+        return call
+
     def check(self, index: int, args: tuple, kwargs: dict) -> tuple[bool, dict[int, ChainKey]]:
         """Check a call against the chain so far: whether it restarts the chain, and which of its other arguments are
         earlier blocks' outputs (by id): the previous block's, or those of blocks before the chain's last restart."""
