@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from lightning_pipe.partition.counts import PipelineParallelConfig
 from lightning_pipe.execution.engine import PipelineEngine
-from lightning_pipe.execution.process_groups import init_pipeline_groups
+from lightning_pipe.execution.process_groups import PipelineGroups, init_pipeline_groups
 from lightning_pipe.execution.runtime import StageRuntime
 from lightning_pipe.execution.stage import StageBlocks
 from lightning_pipe.execution.steps import MicroBatchStep, training_step_for
@@ -30,6 +30,11 @@ from lightning_pipe.trace.timeline import StepTimeline
 
 
 _NO_PRECISION = Precision()  # full precision: no autocast, no gradient scaler
+
+# One set of groups per layout for all the steps a launch builds (dozens, taking turns): every gloo group keeps
+# threads that wake up while idle, about 1 ms of CPU per second each, which would otherwise pile up in every step's
+# CPU time (ours and torch's alike, hiding the runtimes' own difference) and take a share of the machine's cores.
+_GROUPS: dict[PipelineLayout, PipelineGroups] = {}
 
 
 class _MeanSquaredError(LightningModule):
@@ -61,7 +66,9 @@ class EngineStep:
         v = schedule.checked_virtual_stages(virtual_stages)
         device = next(sequential.parameters()).device
         layout = PipelineLayout(num_stages, loss_on_first_stage=num_stages > 1 and schedule.loss_stage(num_stages, v) == 0)
-        groups = init_pipeline_groups(layout, dist.get_rank(), device, dist.get_backend(), None)
+        groups = _GROUPS.get(layout)
+        if groups is None:
+            groups = _GROUPS[layout] = init_pipeline_groups(layout, dist.get_rank(), device, dist.get_backend(), None)
         index = groups.stage
         chunks = PipelineParallelConfig(num_stages * v, num_micro_batches).split_into_stages(len(sequential))
         self.module = _MeanSquaredError(sequential)

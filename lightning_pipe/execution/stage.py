@@ -286,10 +286,13 @@ class StageBlocks:
         output: Any = None
         with self.running_blocks():
             for call in chunk_call.calls:
-                take = partial(self._chain_value, chain, outputs, call.index)
                 head = map_tensors(call.args[0], partial(_micro_batch_of, m=m, num=num, batch=chunk_call.batch)) if call.restart else value
-                args = (head, *self._split(call, call.args[1:], m, num, chunk_call.batch, True, take))
-                kwargs = self._split(call, call.kwargs, m, num, chunk_call.batch, False, take)
+                if len(call.args) == 1 and not call.kwargs:  # the hidden state alone: nothing to split
+                    args, kwargs = (head,), {}
+                else:
+                    take = partial(self._chain_value, chain, outputs, call.index)
+                    args = (head, *self._split(call, call.args[1:], m, num, chunk_call.batch, True, take))
+                    kwargs = self._split(call, call.kwargs, m, num, chunk_call.batch, False, take)
                 output = self.compiled_calls.get(call.index, self.originals[call.index])(*args, **kwargs)
                 outputs[call.index] = output
                 value = chunk_call.travelling(output)
