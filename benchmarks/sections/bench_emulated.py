@@ -113,8 +113,9 @@ def _markdown(rows: list[dict[str, Any]], gaps: list[float], warmup: int, rounds
         " one compute's end to the next one's start when no message is waited for (the runtime's own cost per"
         " action). *CPU per step*: the CPU time of all the ranks' processes in one step (median per rank, summed):"
         " the waits take none, so it is the runtimes' own work, and where there are more processes than cores it is"
-        " what they contend for. Torch's counterpart runs the same schedule's class on the same blocks (none for"
-        " `gpipe_split`).\n\n"
+        " what they contend for; our configurations share one set of process groups (each gloo group's threads wake"
+        " up while idle, which would add their CPU to every step, ours and torch's alike). Torch's counterpart runs"
+        " the same schedule's class on the same blocks (none for `gpipe_split`).\n\n"
         f"{table}\n\n" + _targets(rows, gaps)
     )
 
