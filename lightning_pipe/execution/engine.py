@@ -489,11 +489,12 @@ class PipelineEngine:
             raise
         self.timeline.add(FORWARD, m, start)
         result = None
-        if k == self.last_chunk and grad and self.schedule.per_micro_batch and not action.recompute and (k, m) not in step.split:
-            result = out  # one backward, as torch's: the micro-batch's loss back-propagates through the chunk itself
-        elif k == self.last_chunk:
-            result, originals, micro_batch.user_outputs = cut_output(out, grad, every_float=later)
-            micro_batch.outputs = gradient_edges(originals)
+        if k == self.last_chunk:
+            if grad and self.schedule.per_micro_batch and not action.recompute and (k, m) not in step.split:
+                result = out  # one backward, as torch's: the micro-batch's loss back-propagates through the chunk
+            else:
+                result, originals, micro_batch.user_outputs = cut_output(out, grad, every_float=later)
+                micro_batch.outputs = gradient_edges(originals)
         else:
             step.outputs[(k, m)] = _output_to_pass_on(micro_batch, out, carried, later, k, m)
         if grad:
