@@ -145,3 +145,16 @@ def test_the_holding_sections_most_even_split_is_the_best_of_every_split(benchma
     assert spread == pytest.approx(min(max(p) / min(p) for p in every_split))
     assert sum(blocks) == 16 and blocks[0] < blocks[1]
     assert lowest_top == pytest.approx(min(max(p) for p in every_split))
+
+
+def test_cpu_spread_prints_a_ratio_per_launch(tmp_path):
+    """``benchmarks/cpu_spread.py`` (the launches behind the CPU figures of benchmarks/optimisations.md) at one launch,
+    no wait, two rounds: a row with both runtimes' CPU and their ratios."""
+    result = run_python(REPO / "benchmarks" / "cpu_spread.py", "--launches", "1", "--stage-times", "0", "--rounds", "2",
+                        cwd=tmp_path, check=False, timeout=300)
+    assert result.returncode == 0, f"{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+    rows = re.findall(r"^\| 1 \| 0 \| ([\d.]+) / ([\d.]+) \| ([\d.]+) \| ([\d.]+) / ([\d.]+) \| ([\d.]+) \|$", result.stdout, re.M)
+    assert len(rows) == 1, result.stdout
+    ours, peer, ratio, ours_main, peer_main, ratio_main = map(float, rows[0])
+    assert ours > 0 and peer > 0 and ours_main > 0 and peer_main > 0
+    assert ratio == pytest.approx(ours / peer, abs=0.02) and ratio_main == pytest.approx(ours_main / peer_main, abs=0.02)

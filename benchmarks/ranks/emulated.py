@@ -114,6 +114,30 @@ def _timer(step: Callable[[], None], group: dist.ProcessGroup, cpu: list[float])
     return time_one
 
 
+def cpu_per_step(spec: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
+    """This rank's CPU seconds per step of one schedule, ours and torch's taking turns step by step on the same
+    emulated blocks (uniform, ``spec["stage_time"]`` per stage): the whole process's (``time.process_time``, as the
+    section measures) and its main thread's (``time.thread_time``, without gloo's threads), after a warm-up."""
+    world = dist.group.WORLD
+    times = block_times("uniform", dist.get_world_size(), spec["stage_time"])
+    m, (schedule, v) = spec["micro_batches"], CONFIGURATIONS[spec["configuration"]]
+    x = torch.randn(m * spec["rows"], spec["width"], generator=torch.Generator().manual_seed(1))
+    target = torch.zeros_like(x)
+    ours = EngineStep(_model(times, spec["width"]), m, "never", schedule=schedule, virtual_stages=v)
+    theirs = PeerSchedule(schedule, _model(times, spec["width"]), m, world, virtual_stages=v)
+    steps = {"ours": ours.step, "peer": theirs.step}
+    cpu: dict[str, dict[str, list[float]]] = {name: {"process": [], "thread": []} for name in steps}
+    for round_index in range(spec["warmup"] + spec["rounds"]):
+        for name, step in steps.items():
+            dist.barrier()
+            process, thread = time.process_time(), time.thread_time()
+            step(x, target)
+            if round_index >= spec["warmup"]:
+                cpu[name]["process"].append(time.process_time() - process)
+                cpu[name]["thread"].append(time.thread_time() - thread)
+    return cpu
+
+
 def _model(times: list[BlockTimes], width: int) -> nn.Sequential:
     torch.manual_seed(0)
     return emulated_blocks(width, times)
@@ -128,4 +152,4 @@ def _traced(step: Callable[[Tensor, Tensor], None], timeline: StepTimeline, x: T
 
 
 if __name__ == "__main__":
-    run_rank(measure)
+    run_rank(measure, cpu_per_step)
