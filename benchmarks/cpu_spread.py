@@ -18,6 +18,7 @@ import time
 
 from harness.launch import launch
 from ranks import emulated
+from sections.bench_emulated import ROWS, WIDTH
 
 NUM_STAGES = 4
 
@@ -42,8 +43,8 @@ def main() -> None:
     for index in range(args.launches):
         for stage_time in args.stage_times:
             spec = {
-                "configuration": args.schedule, "stage_time": stage_time, "micro_batches": 8, "rows": 16,
-                "width": 1024, "warmup": 3, "rounds": args.rounds,
+                "configuration": args.schedule, "stage_time": stage_time, "micro_batches": 8, "rows": ROWS,
+                "width": WIDTH, "warmup": 3, "rounds": args.rounds,
             }
             answers = launch(emulated.cpu_per_step, NUM_STAGES, spec)
             ours, peer, ratio = ratios(answers, "process")
