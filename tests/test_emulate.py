@@ -15,6 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from lightning_pipe.testing import emulate
 from lightning_pipe.testing.emulate import BlockTimes, EmulatedBlock, emulated_blocks
 from lightning_pipe.execution.split_backward import backward_input
 
@@ -56,6 +57,21 @@ def test_forward_input_and_weight_gradients_each_take_their_set_time_on_little_c
     assert 0.9 * both <= full <= 1.1 * both
     # The waits leave the core free (as a kernel on an accelerator leaves the host): a fraction of the wall time.
     assert max(forward_cpu, input_cpu, weight_cpu) < 0.3
+
+
+def test_a_burst_of_lateness_shortens_a_wait_by_at_most_its_cap(monkeypatch):
+    """After a burst of the machine's load the average lateness is milliseconds: the waits that follow ask for at most
+    ``_Lateness.MOST`` of their time less, so none ends far before its set time (a CI run once measured 16 ms for 20)."""
+    lateness = emulate._Lateness()
+    monkeypatch.setattr(emulate, "_LATENESS", lateness)
+    times = BlockTimes(forward=0.02, input_gradient=0.0, weight_gradient=0.0)
+    block = EmulatedBlock(WIDTH, times)
+    x = torch.randn(ROWS, WIDTH)
+    for _ in range(REPEATS):
+        lateness.seconds = 0.004  # 20% of the wait
+        start = time.perf_counter()
+        block(x)
+        assert time.perf_counter() - start >= (1 - lateness.MOST) * times.forward
 
 
 def test_split_backward_runs_the_input_gradients_first_and_defers_the_weight_gradients_time():
